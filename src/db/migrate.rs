@@ -1,0 +1,142 @@
+//! Schema migrations: plain SQL files in `migrations/`, compiled into the binary, applied in
+//! order and recorded in `railguard_schema_migrations`.
+//!
+//! All pending migrations run in one transaction under an advisory lock, so two railguard
+//! processes starting together cannot both apply one, and a migration that fails leaves the
+//! database exactly as it was. A recorded migration whose SQL has since changed, or a database
+//! at a version this binary does not know, stops start-up with a clear error: guessing would
+//! be worse than not starting.
+
+use sha2::{Digest, Sha256};
+use tokio_postgres::GenericClient;
+
+/// One migration file.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    pub version: i32,
+    pub name: &'static str,
+    pub sql: &'static str,
+}
+
+/// Every migration, in order. `migrations_dir_matches_this_list` keeps it honest.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "rail_high_water",
+    sql: include_str!("../../migrations/0001_rail_high_water.sql"),
+}];
+
+/// The schema version this binary expects.
+pub fn latest_version() -> i32 {
+    MIGRATIONS.last().map(|m| m.version).unwrap_or(0)
+}
+
+/// Arbitrary, fixed: the advisory lock that serialises migrators.
+const MIGRATION_LOCK: i64 = 0x7261_696c_6775_6172; // "railguar"
+
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    #[error("migration {version:04} ({name}) failed and nothing was applied: {source}")]
+    Failed {
+        version: i32,
+        name: &'static str,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    #[error(
+        "migration {version:04} ({name}) was applied with different SQL than this binary has \
+         (checksum {recorded}, now {current}); migrations must never change once released"
+    )]
+    Changed { version: i32, name: String, recorded: String, current: String },
+    #[error("the database is at schema version {found}, newer than this binary's {known}")]
+    TooNew { found: i32, known: i32 },
+    #[error("database error while migrating: {0}")]
+    Database(#[from] tokio_postgres::Error),
+}
+
+fn checksum(sql: &str) -> String {
+    Sha256::digest(sql.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Applies every pending migration. Returns how many were applied.
+pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, MigrateError> {
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await?;
+    tx.batch_execute(
+        "CREATE TABLE IF NOT EXISTS railguard_schema_migrations (
+             version    integer     PRIMARY KEY,
+             name       text        NOT NULL,
+             checksum   text        NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         )",
+    )
+    .await?;
+    let applied = tx
+        .query("SELECT version, name, checksum FROM railguard_schema_migrations ORDER BY version", &[])
+        .await?;
+    let known = latest_version();
+    let mut count = 0;
+    for row in &applied {
+        let (version, name, recorded): (i32, String, String) = (row.get(0), row.get(1), row.get(2));
+        let Some(m) = MIGRATIONS.iter().find(|m| m.version == version) else {
+            return Err(MigrateError::TooNew { found: version, known });
+        };
+        let current = checksum(m.sql);
+        if current != recorded {
+            return Err(MigrateError::Changed { version, name, recorded, current });
+        }
+    }
+    for m in MIGRATIONS {
+        if applied.iter().any(|row| row.get::<_, i32>(0) == m.version) {
+            continue;
+        }
+        let fail = |source| MigrateError::Failed { version: m.version, name: m.name, source };
+        tx.batch_execute(m.sql).await.map_err(fail)?;
+        tx.execute(
+            "INSERT INTO railguard_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+            &[&m.version, &m.name, &checksum(m.sql)],
+        )
+        .await
+        .map_err(fail)?;
+        tracing::info!(version = m.version, name = m.name, "applied migration");
+        count += 1;
+    }
+    tx.commit().await?;
+    Ok(count)
+}
+
+/// The highest applied version, or `None` before the first migration.
+pub async fn current_version(client: &impl GenericClient) -> Result<Option<i32>, tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            "SELECT CASE WHEN to_regclass('railguard_schema_migrations') IS NULL THEN NULL
+                    ELSE (SELECT max(version) FROM railguard_schema_migrations) END",
+            &[],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrations_dir_matches_this_list() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".sql"))
+            .collect();
+        files.sort();
+        assert_eq!(files.len(), MIGRATIONS.len(), "every file in migrations/ is listed");
+        for (file, m) in files.iter().zip(MIGRATIONS) {
+            assert_eq!(file, &format!("{:04}_{}.sql", m.version, m.name));
+            let text = std::fs::read_to_string(format!("{dir}/{file}")).unwrap();
+            assert_eq!(text, m.sql);
+        }
+        for pair in MIGRATIONS.windows(2) {
+            assert_eq!(pair[1].version, pair[0].version + 1, "versions are consecutive");
+        }
+    }
+}

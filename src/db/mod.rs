@@ -1,0 +1,134 @@
+//! PostgreSQL: where the database is, the connection pool, and the schema.
+//!
+//! [`Database::open`] turns `[database]` into a ready pool: it starts the embedded server when
+//! asked to, applies migrations, and keeps the server handle so that shutdown can stop it
+//! after the last request has drained.
+
+pub mod migrate;
+pub mod server;
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+
+use crate::config::{Config, DatabaseLocation};
+use crate::net::free_loopback_port;
+pub use server::{PostgresServer, ServerError, ServerOptions};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatabaseError {
+    #[error("embedded PostgreSQL: {0}")]
+    Server(#[from] ServerError),
+    #[error("database.url is not a valid PostgreSQL URL: {0}")]
+    Url(tokio_postgres::Error),
+    #[error("cannot connect to PostgreSQL at {target}: {source}")]
+    Connect {
+        target: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    #[error("{0}")]
+    Migrate(#[from] migrate::MigrateError),
+    #[error("cannot build the connection pool: {0}")]
+    Pool(String),
+}
+
+/// The pool, and the embedded server when there is one.
+pub struct Database {
+    pub pool: Pool,
+    pub server: Option<PostgresServer>,
+}
+
+impl Database {
+    /// Starts the embedded server if configured, migrates, and builds the pool.
+    pub async fn open(config: &Config) -> Result<Self, DatabaseError> {
+        let (url, server) = match config.database_location() {
+            DatabaseLocation::Url(url) => (url, None),
+            DatabaseLocation::Embedded { data_dir } => {
+                let options = ServerOptions { data_dir, port: free_loopback_port(), durable: true };
+                let mut server = PostgresServer::init(options).await?;
+                server.start().await?;
+                tracing::info!(port = server.port(), data_dir = %server.data_dir().display(),
+                    "embedded PostgreSQL started");
+                (server.url(), Some(server))
+            }
+        };
+        let timeout = config.database_timeout();
+        migrate_url(&url, timeout).await?;
+        let pool = build_pool(&url, config.database.pool_size as usize, timeout)?;
+        Ok(Self { pool, server })
+    }
+
+    /// Stops the embedded server, if any. Call after the last request has finished.
+    pub async fn shutdown(mut self) {
+        self.pool.close();
+        if let Some(server) = self.server.as_mut() {
+            server.stop().await;
+            tracing::info!("embedded PostgreSQL stopped");
+        }
+    }
+}
+
+fn pg_config(url: &str, timeout: Duration) -> Result<tokio_postgres::Config, DatabaseError> {
+    let mut config: tokio_postgres::Config = url.parse().map_err(DatabaseError::Url)?;
+    config
+        .connect_timeout(timeout)
+        .keepalives(true)
+        .keepalives_idle(Duration::from_secs(10))
+        .application_name("railguard");
+    Ok(config)
+}
+
+/// Applies pending migrations over a connection of its own.
+pub async fn migrate_url(url: &str, timeout: Duration) -> Result<usize, DatabaseError> {
+    let config = pg_config(url, timeout)?;
+    let target = redact(url);
+    let (mut client, conn) = config
+        .connect(NoTls)
+        .await
+        .map_err(|source| DatabaseError::Connect { target, source })?;
+    let conn = tokio::spawn(conn);
+    let applied = migrate::migrate(&mut client).await?;
+    drop(client);
+    let _ = conn.await;
+    Ok(applied)
+}
+
+/// A pool whose connections are opened lazily and checked for closure when reused.
+pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
+    let manager = Manager::from_config(
+        pg_config(url, timeout)?,
+        NoTls,
+        ManagerConfig { recycling_method: RecyclingMethod::Fast },
+    );
+    Pool::builder(manager)
+        .max_size(size)
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(timeout))
+        .create_timeout(Some(timeout))
+        .recycle_timeout(Some(timeout))
+        .build()
+        .map_err(|e| DatabaseError::Pool(e.to_string()))
+}
+
+/// The URL without its password, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{user}@{}", &url[..scheme + 3], &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn redact_hides_passwords() {
+        assert_eq!(super::redact("postgres://u:secret@h:5432/d"), "postgres://u@h:5432/d");
+        assert_eq!(super::redact("postgres://h/d"), "postgres://h/d");
+    }
+}

@@ -1,0 +1,395 @@
+//! A private PostgreSQL server run from the installed server binaries.
+//!
+//! Two users: `database.url = "embedded"`, where railguard owns a cluster in its data
+//! directory for its whole life, and the test harness, which needs throwaway clusters it can
+//! stop, kill, pause and restart. Both need the same things done right: find the binaries,
+//! `initdb` once, run the server as an unprivileged user when we are root (PostgreSQL refuses
+//! root), listen on loopback only, and notice when the server dies during start-up.
+//!
+//! The server is our child process, started with `postgres -D` rather than `pg_ctl`, so that
+//! we hold its pid and can signal it directly.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::process::{Child, Command};
+
+/// What failed while preparing or running the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(
+        "no PostgreSQL server binaries found (looked in `pg_config --bindir` and \
+         /usr/lib/postgresql/*/bin); install them: apt-get install postgresql"
+    )]
+    BinariesNotFound,
+    #[error(
+        "railguard runs as root and PostgreSQL refuses to; no unprivileged `postgres` user \
+         exists to run it as. Create one (apt-get install postgresql does) or run railguard \
+         as an unprivileged user"
+    )]
+    NoUnprivilegedUser,
+    #[error("data directory {path}: {message}")]
+    DataDir { path: PathBuf, message: String },
+    #[error("{program} failed: {message}")]
+    Command { program: String, message: String },
+    #[error("PostgreSQL did not become ready within {0:?}; its log: {1}")]
+    NotReady(Duration, String),
+    #[error("PostgreSQL exited during start-up ({status}); its log: {log}")]
+    Exited { status: String, log: String },
+}
+
+/// Options for a server.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// The cluster's data directory; created and initialised if it holds no cluster.
+    pub data_dir: PathBuf,
+    /// Loopback TCP port to listen on.
+    pub port: u16,
+    /// Turn off fsync: only for throwaway test clusters. A killed server still loses nothing
+    /// (the OS keeps the writes); only a machine crash would.
+    pub durable: bool,
+}
+
+/// A PostgreSQL server child process. Dropping it kills the server.
+#[derive(Debug)]
+pub struct PostgresServer {
+    options: ServerOptions,
+    bin_dir: PathBuf,
+    run_as: Option<(u32, u32)>,
+    child: Option<Child>,
+}
+
+/// The database user and database railguard's clusters are created with.
+pub const SUPERUSER: &str = "railguard";
+
+impl PostgresServer {
+    /// Finds the binaries, decides which user runs the server and initialises the data
+    /// directory if it holds no cluster yet. Does not start the server.
+    pub async fn init(options: ServerOptions) -> Result<Self, ServerError> {
+        let bin_dir = find_bin_dir().await?;
+        let run_as = if effective_uid_is_root() { Some(unprivileged_user()?) } else { None };
+        let server = Self { options, bin_dir, run_as, child: None };
+        server.prepare_data_dir().await?;
+        Ok(server)
+    }
+
+    /// `postgres://` URL of the server (trust authentication, loopback only).
+    pub fn url(&self) -> String {
+        format!("postgres://{SUPERUSER}@127.0.0.1:{}/postgres", self.options.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.options.port
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.options.data_dir
+    }
+
+    pub fn bin_dir(&self) -> &Path {
+        &self.bin_dir
+    }
+
+    /// The server's pid while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(|c| c.id())
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.options.data_dir.join("railguard-postgres.log")
+    }
+
+    async fn prepare_data_dir(&self) -> Result<(), ServerError> {
+        let dir = &self.options.data_dir;
+        let dir_error = |message: String| ServerError::DataDir { path: dir.clone(), message };
+        if dir.join("PG_VERSION").exists() {
+            return Ok(());
+        }
+        std::fs::create_dir_all(dir).map_err(|e| dir_error(format!("cannot create it: {e}")))?;
+        let not_empty = std::fs::read_dir(dir)
+            .map_err(|e| dir_error(format!("cannot read it: {e}")))?
+            .next()
+            .is_some();
+        if not_empty {
+            return Err(dir_error(
+                "exists, is not empty and holds no PostgreSQL cluster; refusing to touch it"
+                    .into(),
+            ));
+        }
+        if let Some((uid, gid)) = self.run_as {
+            std::os::unix::fs::chown(dir, Some(uid), Some(gid))
+                .map_err(|e| dir_error(format!("cannot hand it to uid {uid}: {e}")))?;
+            check_reachable(dir, uid)?;
+        }
+        let mut initdb = self.command("initdb");
+        initdb
+            .arg("-D")
+            .arg(dir)
+            .args(["-U", SUPERUSER, "--auth=trust", "-E", "UTF8", "--locale=C"]);
+        if !self.options.durable {
+            initdb.arg("--no-sync");
+        }
+        let out = initdb
+            .output()
+            .await
+            .map_err(|e| ServerError::Command { program: "initdb".into(), message: e.to_string() })?;
+        if !out.status.success() {
+            return Err(ServerError::Command {
+                program: "initdb".into(),
+                message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(self.bin_dir.join(program));
+        if let Some((uid, gid)) = self.run_as {
+            cmd.uid(uid).gid(gid);
+        }
+        // The server must not inherit our working directory's permissions problems.
+        cmd.current_dir(&self.options.data_dir);
+        cmd.stdin(Stdio::null());
+        cmd
+    }
+
+    /// Starts the server and waits until it accepts connections.
+    pub async fn start(&mut self) -> Result<(), ServerError> {
+        if self.child.is_some() {
+            return Ok(());
+        }
+        self.stop_stale_server().await;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .map_err(|e| ServerError::DataDir {
+                path: self.log_path(),
+                message: format!("cannot open the server log: {e}"),
+            })?;
+        let log2 = log.try_clone().map_err(|e| ServerError::DataDir {
+            path: self.log_path(),
+            message: e.to_string(),
+        })?;
+        let mut cmd = self.command("postgres");
+        cmd.arg("-D")
+            .arg(&self.options.data_dir)
+            .args(["-p", &self.options.port.to_string()])
+            .args(["-c", "listen_addresses=127.0.0.1"])
+            .args(["-c", "unix_socket_directories="])
+            .args(["-c", "max_connections=200"])
+            .stdout(log)
+            .stderr(log2)
+            .kill_on_drop(true);
+        if !self.options.durable {
+            cmd.args(["-c", "fsync=off", "-c", "full_page_writes=off"]);
+        }
+        let child = cmd
+            .spawn()
+            .map_err(|e| ServerError::Command { program: "postgres".into(), message: e.to_string() })?;
+        self.child = Some(child);
+        self.wait_ready(Duration::from_secs(60)).await
+    }
+
+    async fn wait_ready(&mut self, limit: Duration) -> Result<(), ServerError> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                self.child = None;
+                return Err(ServerError::Exited { status: status.to_string(), log: self.log_tail() });
+            }
+            let url = self.url();
+            let probe = async {
+                let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+                let conn = tokio::spawn(conn);
+                let result = client.simple_query("SELECT 1").await.map(|_| ());
+                drop(client);
+                let _ = conn.await;
+                result
+            };
+            if let Ok(Ok(())) = tokio::time::timeout(Duration::from_secs(2), probe).await {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(ServerError::NotReady(limit, self.log_tail()));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// A server left behind by a railguard that died without stopping it still holds the data
+    /// directory. It is ours (the directory is private to railguard), so stop it.
+    async fn stop_stale_server(&self) {
+        let Ok(text) = std::fs::read_to_string(self.options.data_dir.join("postmaster.pid")) else {
+            return;
+        };
+        let Some(pid) = text.lines().next().and_then(|l| l.trim().parse::<u32>().ok()) else {
+            return;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            return;
+        }
+        tracing::warn!(pid, data_dir = %self.options.data_dir.display(),
+            "a PostgreSQL server from an earlier run still holds the data directory; stopping it");
+        signal(pid, "INT").await;
+        for _ in 0..600 {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        signal(pid, "KILL").await;
+    }
+
+    /// Fast shutdown: disconnects clients, checkpoints and exits. Waits for it.
+    pub async fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if let Some(pid) = child.id() {
+                signal(pid, "INT").await;
+            }
+            if tokio::time::timeout(Duration::from_secs(30), child.wait()).await.is_err() {
+                let _ = child.kill().await;
+            }
+        }
+    }
+
+    /// SIGKILL: a crash. The next start runs crash recovery.
+    pub async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let backends = child.id().map(children_of).unwrap_or_default();
+            let _ = child.kill().await;
+            // Orphaned backends notice the postmaster is gone and exit; until they have, the
+            // shared memory is attached and a new server would refuse to start.
+            for _ in 0..200 {
+                if !backends.iter().any(|pid| Path::new(&format!("/proc/{pid}")).exists()) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    /// SIGSTOP / SIGCONT: a server that stops answering without closing its sockets.
+    pub async fn pause(&self) {
+        if let Some(pid) = self.pid() {
+            signal(pid, "STOP").await;
+        }
+    }
+
+    pub async fn resume(&self) {
+        if let Some(pid) = self.pid() {
+            signal(pid, "CONT").await;
+        }
+    }
+
+    /// The last lines of the server's log, for error messages.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+}
+
+impl Drop for PostgresServer {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.start_kill();
+        }
+    }
+}
+
+async fn signal(pid: u32, name: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await;
+}
+
+/// Pids whose parent is `pid`, from /proc.
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // `pid (comm) state ppid ...`; comm may hold spaces, so split after the last ')'.
+            let after = &stat[stat.rfind(')')? + 1..];
+            let ppid: u32 = after.split_whitespace().nth(1)?.parse().ok()?;
+            (ppid == pid).then(|| e.file_name().to_string_lossy().parse().ok()).flatten()
+        })
+        .collect()
+}
+
+fn effective_uid_is_root() -> bool {
+    std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false)
+}
+
+/// uid and gid of the `postgres` system user, from /etc/passwd.
+fn unprivileged_user() -> Result<(u32, u32), ServerError> {
+    let passwd = std::fs::read_to_string("/etc/passwd").map_err(|_| ServerError::NoUnprivilegedUser)?;
+    passwd
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(':').collect();
+            (fields.len() >= 4 && fields[0] == "postgres")
+                .then(|| Some((fields[2].parse().ok()?, fields[3].parse().ok()?)))
+                .flatten()
+        })
+        .next()
+        .ok_or(ServerError::NoUnprivilegedUser)
+}
+
+/// The server runs as `uid`; every ancestor of its data directory must let it through.
+fn check_reachable(dir: &Path, uid: u32) -> Result<(), ServerError> {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    for ancestor in dir.ancestors().skip(1) {
+        let Ok(meta) = std::fs::metadata(ancestor) else { continue };
+        let mode = meta.mode();
+        let passable = mode & 0o001 != 0 || (meta.uid() == uid && mode & 0o100 != 0);
+        if !passable {
+            return Err(ServerError::DataDir {
+                path: dir.clone(),
+                message: format!(
+                    "the PostgreSQL server runs as uid {uid} and cannot enter {}; choose a \
+                     data_dir it can reach, such as one under /var/tmp",
+                    ancestor.display()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The directory holding `postgres` and `initdb`: `pg_config --bindir` if it has them, else
+/// the newest `/usr/lib/postgresql/<version>/bin` (Debian does not put them on PATH).
+pub async fn find_bin_dir() -> Result<PathBuf, ServerError> {
+    let has_server = |dir: &Path| dir.join("postgres").is_file() && dir.join("initdb").is_file();
+    if let Ok(out) = Command::new("pg_config").arg("--bindir").output().await
+        && out.status.success()
+    {
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if has_server(&dir) {
+            return Ok(dir);
+        }
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let version = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+            Some((version, e.path().join("bin")))
+        })
+        .filter(|(_, dir)| has_server(dir))
+        .collect();
+    versions.sort();
+    versions.pop().map(|(_, dir)| dir).ok_or(ServerError::BinariesNotFound)
+}

@@ -1,0 +1,29 @@
+//! railguard: makes a non-idempotent payment rail safe to drive from many workers that
+//! coordinate through leases.
+//!
+//! Map of the crate:
+//!
+//! - [`token`] — `FencingToken` and `AccountId`, the values everything else passes around.
+//! - [`proxy`] — the rail proxy: a tower stack that forwards a request only if its token
+//!   passes the account's high-water mark.
+//! - [`high_water`] — the compare-and-set on `rail_high_water` in PostgreSQL (FR-17).
+//! - [`db`] — the pool, migrations, and the embedded/throwaway PostgreSQL server.
+//! - [`admin`], [`metrics`], [`telemetry`] — what operators see.
+//! - [`railsim`] — a non-idempotent rail simulator for tests and demos.
+//! - [`config`], [`server`], [`http_server`] — how it is configured, started and stopped.
+//!
+//! The design rests on ADR-002: a token is fixed when its grant is made and travels as a
+//! value. No API here re-reads a token, and nothing stores one where a writer could pick it up.
+
+pub mod admin;
+pub mod config;
+pub mod db;
+pub mod high_water;
+pub mod http_server;
+pub mod metrics;
+pub mod net;
+pub mod proxy;
+pub mod railsim;
+pub mod server;
+pub mod telemetry;
+pub mod token;

@@ -1,0 +1,119 @@
+//! The `railguard` command. Only this file knows about flags and the process environment.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use railguard::config::{Config, LogFormat};
+use railguard::db::Database;
+use railguard::railsim::RailSim;
+use railguard::{http_server, server, telemetry};
+
+#[derive(Parser)]
+#[command(name = "railguard", version, about = "Fenced proxy and lock service for a non-idempotent payment rail")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the rail proxy and the admin listener until SIGTERM/SIGINT.
+    ///
+    /// Every config key can be overridden as RAILGUARD__SECTION__KEY, e.g.
+    /// RAILGUARD__PROXY__LISTEN=0.0.0.0:8080.
+    Serve {
+        /// TOML config file (see config/railguard.toml for every key, commented).
+        #[arg(long, short, default_value = "config/railguard.toml")]
+        config: PathBuf,
+    },
+    /// Apply pending database migrations and exit (serve applies them too).
+    Migrate {
+        #[arg(long, short, default_value = "config/railguard.toml")]
+        config: PathBuf,
+    },
+    /// Run the rail simulator: a non-idempotent rail that accepts every POST as a new payment
+    /// and lists what it received at GET /ledger.
+    RailSim {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:9090")]
+        listen: SocketAddr,
+        /// Delay before answering each payment, to make overlaps visible.
+        #[arg(long, default_value_t = 0)]
+        latency_ms: u64,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Serve { config } => {
+                let config = match load(&config) {
+                    Ok(c) => c,
+                    Err(code) => return code,
+                };
+                match server::run(config, server::shutdown_signal()).await {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => fail(&e),
+                }
+            }
+            Command::Migrate { config } => {
+                let config = match load(&config) {
+                    Ok(c) => c,
+                    Err(code) => return code,
+                };
+                match Database::open(&config).await {
+                    Ok(db) => {
+                        tracing::info!(version = railguard::db::migrate::latest_version(), "schema is current");
+                        db.shutdown().await;
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(&e),
+                }
+            }
+            Command::RailSim { listen, latency_ms } => {
+                telemetry::init(LogFormat::Pretty, "info");
+                let listener = match tokio::net::TcpListener::bind(listen).await {
+                    Ok(l) => l,
+                    Err(e) => return fail(&format!("cannot listen on {listen}: {e}")),
+                };
+                let sim = RailSim::new(Duration::from_millis(latency_ms));
+                tracing::info!(%listen, latency_ms, "rail simulator listening");
+                http_server::serve(
+                    listener,
+                    move |_peer| {
+                        let sim = sim.clone();
+                        hyper::service::service_fn(move |request| sim.clone().handle(request))
+                    },
+                    server::shutdown_signal(),
+                    Duration::from_secs(5),
+                )
+                .await;
+                ExitCode::SUCCESS
+            }
+        }
+    })
+}
+
+fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
+    match Config::load(path) {
+        Ok(config) => {
+            telemetry::init(config.log.format, &config.log.level);
+            Ok(config)
+        }
+        Err(e) => {
+            eprintln!("railguard: configuration error: {e}");
+            Err(ExitCode::from(2))
+        }
+    }
+}
+
+fn fail(error: &dyn std::fmt::Display) -> ExitCode {
+    tracing::error!("{error}");
+    eprintln!("railguard: {error}");
+    ExitCode::FAILURE
+}

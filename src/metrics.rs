@@ -1,0 +1,176 @@
+//! Prometheus metrics (C4 §4.4), owned by one [`Metrics`] value per process and passed to
+//! whatever records into them.
+//!
+//! No metric is labelled by account, key or token: those are unbounded and would turn every
+//! new account into a new time series. Outcome and path labels come from fixed enums.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
+};
+
+/// Why a proxied request ended the way it did: the `outcome` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Forwarded,
+    FencedOut,
+    BadRequest,
+    BodyTooLarge,
+    DatabaseUnavailable,
+    UpstreamUnavailable,
+    UpstreamTimeout,
+    Timeout,
+    Internal,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 9] = [
+        Outcome::Forwarded,
+        Outcome::FencedOut,
+        Outcome::BadRequest,
+        Outcome::BodyTooLarge,
+        Outcome::DatabaseUnavailable,
+        Outcome::UpstreamUnavailable,
+        Outcome::UpstreamTimeout,
+        Outcome::Timeout,
+        Outcome::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Forwarded => "forwarded",
+            Outcome::FencedOut => "fenced_out",
+            Outcome::BadRequest => "bad_request",
+            Outcome::BodyTooLarge => "body_too_large",
+            Outcome::DatabaseUnavailable => "database_unavailable",
+            Outcome::UpstreamUnavailable => "upstream_unavailable",
+            Outcome::UpstreamTimeout => "upstream_timeout",
+            Outcome::Timeout => "timeout",
+            Outcome::Internal => "internal",
+        }
+    }
+}
+
+/// Where a fence decision was made: the `path` label of the fence-check histogram.
+#[derive(Debug, Clone, Copy)]
+pub enum FencePath {
+    /// Rejected from the in-memory lower bound, without a database round trip.
+    Cache,
+    /// Decided by the compare-and-set in PostgreSQL.
+    Database,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    /// Must be zero: any increase means a lease expired under a live holder. Page on it.
+    pub fenced_out: IntCounter,
+    /// Stale requests forwarded because fencing is switched off (C5 §5.2).
+    pub would_have_fenced: IntCounter,
+    pub requests: IntCounterVec,
+    pub fence_check_seconds: HistogramVec,
+    pub upstream_seconds: Histogram,
+    pub fencing_enforced: IntGauge,
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+];
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let fenced_out = IntCounter::new(
+            "lock_fenced_out_total",
+            "Requests refused because their fencing token was below the account's high-water \
+             mark. Must stay zero: any increase means a lease expired under a live holder.",
+        )
+        .expect("valid metric");
+        let would_have_fenced = IntCounter::new(
+            "railguard_would_have_fenced_total",
+            "Stale requests forwarded anyway because fencing.enforce is false.",
+        )
+        .expect("valid metric");
+        let requests = IntCounterVec::new(
+            Opts::new("railguard_requests_total", "Proxied requests by outcome."),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let fence_check_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "railguard_fence_check_duration_seconds",
+                "Time to decide a fence check, by where it was decided (cache or database).",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["path"],
+        )
+        .expect("valid metric");
+        let upstream_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "railguard_upstream_duration_seconds",
+                "Time from sending a request to the rail to its response headers.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+        )
+        .expect("valid metric");
+        let fencing_enforced = IntGauge::new(
+            "railguard_fencing_enforced",
+            "1 when the proxy refuses stale tokens, 0 when the kill switch is off.",
+        )
+        .expect("valid metric");
+        for metric in [
+            Box::new(fenced_out.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(would_have_fenced.clone()),
+            Box::new(requests.clone()),
+            Box::new(fence_check_seconds.clone()),
+            Box::new(upstream_seconds.clone()),
+            Box::new(fencing_enforced.clone()),
+        ] {
+            registry.register(metric).expect("metric registered once");
+        }
+        // Export every outcome from the start so that rates and alerts see a zero, not a gap.
+        for outcome in Outcome::ALL {
+            requests.with_label_values(&[outcome.as_str()]);
+        }
+        for path in ["cache", "database"] {
+            fence_check_seconds.with_label_values(&[path]);
+        }
+        Self {
+            registry,
+            fenced_out,
+            would_have_fenced,
+            requests,
+            fence_check_seconds,
+            upstream_seconds,
+            fencing_enforced,
+        }
+    }
+
+    pub fn record_outcome(&self, outcome: Outcome) {
+        self.requests.with_label_values(&[outcome.as_str()]).inc();
+        if outcome == Outcome::FencedOut {
+            self.fenced_out.inc();
+        }
+    }
+
+    pub fn observe_fence(&self, path: FencePath, seconds: f64) {
+        let label = match path {
+            FencePath::Cache => "cache",
+            FencePath::Database => "database",
+        };
+        self.fence_check_seconds.with_label_values(&[label]).observe(seconds);
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut out).expect("text encoding");
+        String::from_utf8(out).expect("prometheus text is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,143 @@
+//! Reads what the fence needs from a request, and refuses requests that lack it.
+//!
+//! The token and the account come from headers (C2 §2.2). Each must appear exactly once; a
+//! missing, empty, malformed, zero, negative, overflowing or repeated token, or a missing or
+//! malformed account, is a 400 and the request goes no further. The body is read whole (up
+//! to `max_body_bytes`) *before* the fence check, so that a body we would refuse never
+//! advances a mark and the rail never receives a truncated payment.
+//!
+//! This is also where the request's deadline starts: one `request_timeout` per request,
+//! carried with it, so that each later phase can tell whose time ran out.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Request, header};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Body;
+use tokio::time::Instant;
+use tower::{Layer, Service};
+
+use super::{BoxError, FencedRequest, ProxyResponse};
+use crate::token::{AccountId, FencingToken, single_header};
+
+/// A request the proxy refuses to read.
+#[derive(Debug, thiserror::Error)]
+pub enum BadRequest {
+    #[error("header {header} {reason}")]
+    Header { header: HeaderName, reason: String },
+    #[error("the request body could not be read: {0}")]
+    Body(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the request body is larger than {limit} bytes")]
+pub struct BodyTooLarge {
+    pub limit: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the client did not send its request body within {0:?}")]
+pub struct ClientTimeout(pub Duration);
+
+/// What to read and how much of it.
+#[derive(Debug, Clone)]
+pub struct ExtractConfig {
+    pub token_header: HeaderName,
+    pub account_header: HeaderName,
+    pub max_account_len: usize,
+    pub max_body_bytes: u64,
+    pub request_timeout: Duration,
+}
+
+#[derive(Clone)]
+pub struct ExtractLayer {
+    config: std::sync::Arc<ExtractConfig>,
+}
+
+impl ExtractLayer {
+    pub fn new(config: ExtractConfig) -> Self {
+        Self { config: std::sync::Arc::new(config) }
+    }
+}
+
+impl<S> Layer<S> for ExtractLayer {
+    type Service = Extract<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        Extract { inner, config: self.config.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub struct Extract<S> {
+    inner: S,
+    config: std::sync::Arc<ExtractConfig>,
+}
+
+impl ExtractConfig {
+    /// Reads token and account, recording both on the request's span.
+    fn fencing_headers(&self, headers: &http::HeaderMap) -> Result<(FencingToken, AccountId), BadRequest> {
+        let bad = |header: &HeaderName, reason: String| BadRequest::Header { header: header.clone(), reason };
+        let token_text = single_header(headers, &self.token_header).map_err(|e| bad(&self.token_header, e.to_string()))?;
+        let token = FencingToken::parse(token_text).map_err(|e| bad(&self.token_header, e.to_string()))?;
+        let account_text =
+            single_header(headers, &self.account_header).map_err(|e| bad(&self.account_header, e.to_string()))?;
+        let account = AccountId::parse(account_text, self.max_account_len)
+            .map_err(|e| bad(&self.account_header, e.to_string()))?;
+        Ok((token, account))
+    }
+}
+
+impl<S, B> Service<Request<B>> for Extract<S>
+where
+    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = ProxyResponse;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<ProxyResponse, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        // The clone may not be ready; the one we polled is. Keep the ready one for this call.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let config = self.config.clone();
+        Box::pin(async move {
+            let deadline = Instant::now() + config.request_timeout;
+            let (token, account) = config.fencing_headers(request.headers())?;
+            let span = tracing::Span::current();
+            span.record("lock.token", token.get());
+            span.record("account", account.as_str());
+
+            let declared = request
+                .headers()
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok());
+            if declared.is_some_and(|n| n > config.max_body_bytes) {
+                return Err(BodyTooLarge { limit: config.max_body_bytes }.into());
+            }
+            let (parts, body) = request.into_parts();
+            let limited = Limited::new(body, config.max_body_bytes as usize);
+            let bytes = match tokio::time::timeout_at(deadline, limited.collect()).await {
+                Err(_) => return Err(ClientTimeout(config.request_timeout).into()),
+                Ok(Ok(collected)) => collected.to_bytes(),
+                Ok(Err(e)) if e.is::<LengthLimitError>() => {
+                    return Err(BodyTooLarge { limit: config.max_body_bytes }.into());
+                }
+                Ok(Err(e)) => return Err(BadRequest::Body(e.to_string()).into()),
+            };
+            let request = Request::from_parts(parts, bytes);
+            inner.call(FencedRequest { token, account, request, deadline }).await
+        })
+    }
+}

@@ -1,0 +1,201 @@
+//! The fence check (FR-17): a request is forwarded only if its token is at least its account's
+//! high-water mark, and forwarding it raises the mark to its token.
+//!
+//! Order of work for one request:
+//! 1. A token below a mark this process already knows is refused at once (the cache holds
+//!    lower bounds only, so this can never refuse a current token).
+//! 2. The request takes its place in the account's forwarding order (see `ordering`).
+//! 3. One compare-and-set in PostgreSQL decides. Stale: 409, nothing forwarded.
+//! 4. Accepted: the request waits for its turn and is forwarded; a higher token admitted in
+//!    the meantime makes it stale after all (409).
+//!
+//! **Why a mark advanced by a request whose forward then failed is safe.** The mark only says
+//! "a grant with this token exists": tokens come from grants, and a grant is issued only after
+//! every earlier grant of the key has ended (INV-04, INV-06). Every holder with a lower token
+//! has therefore been superseded whether or not this particular request reached the rail, so
+//! refusing them loses nothing that fencing should allow. The holder of the token itself is
+//! not harmed: equal tokens are accepted, so it can retry (with its idempotency key). The same
+//! argument covers a compare-and-set that committed but whose answer was lost to a timeout or
+//! a dropped connection: the outcome is a mark at most as high as a real grant's token.
+//!
+//! **Kill switch** (`fencing.enforce = false`, C5 §5.2): the compare-and-set still runs and
+//! counts what it would have refused in `railguard_would_have_fenced_total`, but everything is
+//! forwarded, even when the database is unreachable.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tokio::time::Instant;
+use tower::{Layer, Service};
+use tracing::Instrument;
+
+use super::mark_cache::MarkCache;
+use super::ordering::ForwardOrder;
+use super::{BoxError, FencedRequest, ProxyResponse};
+use crate::high_water::{HighWaterStore, StoreError, Verdict};
+use crate::metrics::{FencePath, Metrics};
+use crate::token::{AccountId, FencingToken};
+
+/// The token is below the account's mark. Deliberately holds no mark: the 409 body is built
+/// from this and must never reveal one.
+#[derive(Debug, thiserror::Error)]
+#[error("fencing token {token} for account {account} is stale")]
+pub struct FencedOut {
+    pub account: AccountId,
+    pub token: FencingToken,
+}
+
+/// No verdict could be had from the database; nothing was forwarded.
+#[derive(Debug, thiserror::Error)]
+#[error("the fence check could not be made: {0}")]
+pub struct FenceUnavailable(#[from] pub StoreError);
+
+/// Everything the fence check shares between requests.
+pub struct Fence {
+    store: HighWaterStore,
+    cache: MarkCache,
+    order: Arc<ForwardOrder>,
+    metrics: Arc<Metrics>,
+    enforce: bool,
+}
+
+impl Fence {
+    pub fn new(store: HighWaterStore, cache_capacity: u64, metrics: Arc<Metrics>, enforce: bool) -> Self {
+        metrics.fencing_enforced.set(i64::from(enforce));
+        Self { store, cache: MarkCache::new(cache_capacity), order: ForwardOrder::new(), metrics, enforce }
+    }
+
+    fn fenced_out(&self, account: AccountId, token: FencingToken, why: &'static str) -> BoxError {
+        tracing::warn!(lock.token = token.get(), account = %account, why,
+            "stale fencing token refused: a lease expired under a live holder");
+        FencedOut { account, token }.into()
+    }
+}
+
+#[derive(Clone)]
+pub struct FenceLayer {
+    fence: Arc<Fence>,
+}
+
+impl FenceLayer {
+    pub fn new(fence: Arc<Fence>) -> Self {
+        Self { fence }
+    }
+}
+
+impl<S> Layer<S> for FenceLayer {
+    type Service = FenceService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        FenceService { inner, fence: self.fence.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub struct FenceService<S> {
+    inner: S,
+    fence: Arc<Fence>,
+}
+
+impl<S> Service<FencedRequest> for FenceService<S>
+where
+    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
+    S::Future: Send,
+{
+    type Response = ProxyResponse;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<ProxyResponse, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: FencedRequest) -> Self::Future {
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let fence = self.fence.clone();
+        let span = tracing::info_span!("fence.check",
+            lock.token = request.token.get(), account = %request.account, verdict = tracing::field::Empty);
+        Box::pin(async move {
+            if fence.enforce {
+                enforce(fence, inner, request, span).await
+            } else {
+                observe_only(fence, inner, request, span).await
+            }
+        })
+    }
+}
+
+async fn enforce<S>(fence: Arc<Fence>, mut inner: S, request: FencedRequest, span: tracing::Span) -> Result<ProxyResponse, BoxError>
+where
+    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
+{
+    let (token, account) = (request.token, request.account.clone());
+    let started = Instant::now();
+    if fence.cache.is_definitely_stale(&account, token) {
+        fence.metrics.observe_fence(FencePath::Cache, started.elapsed().as_secs_f64());
+        span.record("verdict", "stale_cached");
+        return Err(fence.fenced_out(account, token, "below a mark already seen"));
+    }
+
+    // Take our place before the compare-and-set, so that a higher token committed after ours
+    // cannot lose track of us (see `ordering`).
+    let mut ticket = fence.order.enter(&account);
+    let verdict = fence.store.advance(&account, token).instrument(span.clone()).await;
+    fence.metrics.observe_fence(FencePath::Database, started.elapsed().as_secs_f64());
+    match verdict.map_err(FenceUnavailable)? {
+        Verdict::Stale => {
+            span.record("verdict", "stale");
+            fence.cache.raise_past(&account, token);
+            Err(fence.fenced_out(account, token, "below the mark"))
+        }
+        Verdict::Accepted => {
+            span.record("verdict", "accepted");
+            fence.cache.raise(&account, token.get());
+            let deadline = request.deadline;
+            match tokio::time::timeout_at(deadline, ticket.admit(token)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_superseded)) => {
+                    fence.cache.raise_past(&account, token);
+                    return Err(fence.fenced_out(account, token, "a higher token was admitted meanwhile"));
+                }
+                Err(_) => {
+                    return Err(super::forward::UpstreamTimeout::waiting_for_turn().into());
+                }
+            }
+            // The ticket is held until the rail has answered: only then may a higher token
+            // for this account start its forward.
+            let response = inner.call(request).await;
+            drop(ticket);
+            response
+        }
+    }
+}
+
+async fn observe_only<S>(fence: Arc<Fence>, mut inner: S, request: FencedRequest, span: tracing::Span) -> Result<ProxyResponse, BoxError>
+where
+    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
+{
+    let (token, account) = (request.token, request.account.clone());
+    let started = Instant::now();
+    let verdict = fence.store.advance(&account, token).instrument(span.clone()).await;
+    fence.metrics.observe_fence(FencePath::Database, started.elapsed().as_secs_f64());
+    match verdict {
+        Ok(Verdict::Accepted) => {
+            span.record("verdict", "accepted");
+        }
+        Ok(Verdict::Stale) => {
+            span.record("verdict", "stale_forwarded");
+            fence.metrics.would_have_fenced.inc();
+            tracing::warn!(lock.token = token.get(), account = %account,
+                "FENCING IS OFF: forwarding a stale token that would have been fenced out");
+        }
+        Err(e) => {
+            span.record("verdict", "unknown");
+            tracing::warn!(lock.token = token.get(), account = %account, error = %e,
+                "FENCING IS OFF: forwarding without a fence check");
+        }
+    }
+    inner.call(request).await
+}

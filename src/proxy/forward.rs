@@ -1,0 +1,229 @@
+//! Sends an admitted request to the rail and streams the rail's answer back.
+//!
+//! A reverse proxy's duties: hop-by-hop headers (RFC 9110 §7.6.1 — the fixed list plus any
+//! named in `Connection`) are dropped both ways; the client's address is appended to
+//! `X-Forwarded-For`; the client's `Host` moves to `X-Forwarded-Host` and the rail's authority
+//! becomes the new `Host`. Requests from HTTP/2 clients go to the rail as HTTP/1.1 over a
+//! pooled keep-alive connection.
+//!
+//! A failure here happens *after* the mark advanced; `fence` explains why that is safe. The
+//! client cannot tell whether the rail acted on a request that timed out, which is what
+//! idempotency keys are for.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Uri, Version, header};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::time::Instant;
+use tower::Service;
+use tracing::Instrument;
+
+use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
+use crate::metrics::Metrics;
+
+/// The rail could not be reached, or broke off its answer.
+#[derive(Debug, thiserror::Error)]
+#[error("the rail could not be reached: {0}")]
+pub struct UpstreamUnavailable(#[source] pub BoxError);
+
+/// The rail did not answer in time.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UpstreamTimeout(&'static str);
+
+impl UpstreamTimeout {
+    pub fn no_answer() -> Self {
+        Self("the rail did not answer before the request deadline; it may or may not have acted")
+    }
+    pub fn waiting_for_turn() -> Self {
+        Self("the request deadline passed while an earlier token's forward was still at the rail")
+    }
+}
+
+/// Where the rail is.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    scheme: Scheme,
+    authority: Authority,
+}
+
+impl Upstream {
+    /// From a validated `http://host:port` URL.
+    pub fn parse(url: &str) -> Result<Self, BoxError> {
+        let uri: Uri = url.parse()?;
+        Ok(Self {
+            scheme: uri.scheme().cloned().ok_or("upstream URL has no scheme")?,
+            authority: uri.authority().cloned().ok_or("upstream URL has no host")?,
+        })
+    }
+}
+
+#[derive(Clone)]
+pub struct Forward {
+    client: Client<HttpConnector, Full<Bytes>>,
+    upstream: Arc<Upstream>,
+    metrics: Arc<Metrics>,
+}
+
+impl Forward {
+    pub fn new(upstream: Upstream, connect_timeout: Duration, metrics: Arc<Metrics>) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_nodelay(true);
+        connector.set_keepalive(Some(Duration::from_secs(30)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(4096)
+            .build(connector);
+        Self { client, upstream: Arc::new(upstream), metrics }
+    }
+}
+
+impl Service<FencedRequest> for Forward {
+    type Response = ProxyResponse;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<ProxyResponse, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, fenced: FencedRequest) -> Self::Future {
+        let this = self.clone();
+        let span = tracing::info_span!("rail.forward",
+            lock.token = fenced.token.get(), account = %fenced.account, status = tracing::field::Empty);
+        Box::pin(
+            async move {
+                let deadline = fenced.deadline;
+                let request = this.upstream_request(fenced.request)?;
+                let started = Instant::now();
+                let sent = tokio::time::timeout_at(deadline, this.client.request(request)).await;
+                this.metrics.upstream_seconds.observe(started.elapsed().as_secs_f64());
+                let response = match sent {
+                    Err(_) => return Err(UpstreamTimeout::no_answer().into()),
+                    Ok(Err(e)) => return Err(UpstreamUnavailable(e.into()).into()),
+                    Ok(Ok(response)) => response,
+                };
+                tracing::Span::current().record("status", response.status().as_u16());
+                let (mut parts, body) = response.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                let body = body.map_err(|e| -> BoxError { UpstreamUnavailable(e.into()).into() }).boxed_unsync();
+                Ok(ProxyResponse::from_parts(parts, body))
+            }
+            .instrument(span),
+        )
+    }
+}
+
+impl Forward {
+    fn upstream_request(&self, request: Request<Bytes>) -> Result<Request<Full<Bytes>>, BoxError> {
+        let (mut parts, body) = request.into_parts();
+        let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+        let client_host = parts.headers.remove(header::HOST).or_else(|| {
+            parts.uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        parts.uri = Uri::builder()
+            .scheme(self.upstream.scheme.clone())
+            .authority(self.upstream.authority.clone())
+            .path_and_query(path)
+            .build()?;
+        parts.version = Version::HTTP_11;
+        strip_hop_by_hop(&mut parts.headers);
+        // The body was read whole; its length is set from it.
+        parts.headers.remove(header::CONTENT_LENGTH);
+        let headers = &mut parts.headers;
+        headers.insert(header::HOST, HeaderValue::from_str(self.upstream.authority.as_str())?);
+        if let Some(host) = client_host {
+            headers.insert(HeaderName::from_static("x-forwarded-host"), host);
+        }
+        headers.insert(HeaderName::from_static("x-forwarded-proto"), HeaderValue::from_static("http"));
+        if let Some(ClientAddr(addr)) = parts.extensions.get::<ClientAddr>().copied() {
+            append_forwarded_for(headers, addr.ip());
+        }
+        Ok(Request::from_parts(parts, Full::new(body)))
+    }
+}
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// Appends `ip` to the `X-Forwarded-For` chain, folding repeated headers into one.
+fn append_forwarded_for(headers: &mut HeaderMap, ip: std::net::IpAddr) {
+    let mut chain: Vec<String> = headers
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .map(str::to_string)
+        .collect();
+    chain.push(ip.to_string());
+    if let Ok(value) = HeaderValue::from_str(&chain.join(", ")) {
+        headers.insert(X_FORWARDED_FOR, value);
+    }
+}
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Removes hop-by-hop headers, including every header named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_named_headers() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", "keep-alive, x-secret".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert("x-secret", "1".parse().unwrap());
+        h.insert("transfer-encoding", "chunked".parse().unwrap());
+        h.insert("te", "trailers".parse().unwrap());
+        h.insert("upgrade", "h2c".parse().unwrap());
+        h.insert("fencing-token", "42".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("fencing-token"));
+    }
+
+    #[test]
+    fn forwarded_for_appends_to_the_chain() {
+        let mut h = HeaderMap::new();
+        h.append("x-forwarded-for", "10.0.0.1".parse().unwrap());
+        h.append("x-forwarded-for", "10.0.0.2".parse().unwrap());
+        append_forwarded_for(&mut h, "127.0.0.1".parse().unwrap());
+        assert_eq!(h.get("x-forwarded-for").unwrap(), "10.0.0.1, 10.0.0.2, 127.0.0.1");
+    }
+}

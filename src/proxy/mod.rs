@@ -1,0 +1,114 @@
+//! The rail proxy: a tower stack on hyper that forwards a request to the rail only when its
+//! fencing token passes the account's high-water mark.
+//!
+//! Request lifecycle, outermost first:
+//!
+//! | layer | job | refuses with |
+//! |---|---|---|
+//! | request id | sets `x-request-id` if absent, echoes it on the response | |
+//! | trace | the request span; `lock.token` and `account` are recorded on it | |
+//! | [`respond`] | error → the one response for it; outcome metrics | |
+//! | [`extract`] | deadline starts; token + account headers; body read whole | 400, 413, 408 |
+//! | [`fence`] | cache fast path; compare-and-set; per-account order | 409, 503 |
+//! | [`forward`] | to the rail over pooled HTTP/1.1 | 502, 504 |
+
+pub mod error;
+pub mod extract;
+pub mod fence;
+pub mod forward;
+pub mod mark_cache;
+pub mod ordering;
+pub mod respond;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
+use tokio::time::Instant;
+use tower::ServiceBuilder;
+use tower_http::request_id::{MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+
+use crate::token::{AccountId, FencingToken};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+pub type ProxyResponse = Response<ProxyBody>;
+
+/// A request whose token and account were read and whose body was read whole.
+pub struct FencedRequest {
+    pub token: FencingToken,
+    pub account: AccountId,
+    pub request: Request<Bytes>,
+    /// When the request's time is up, whatever phase it is in.
+    pub deadline: Instant,
+}
+
+/// The peer address of the client connection, for `X-Forwarded-For`.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientAddr(pub SocketAddr);
+
+pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
+    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// Request ids: a per-process random prefix and a counter — unique, cheap, and sortable
+/// within a process.
+#[derive(Clone)]
+pub struct RequestIds {
+    prefix: Arc<str>,
+    next: Arc<AtomicU64>,
+}
+
+impl Default for RequestIds {
+    fn default() -> Self {
+        use std::hash::{BuildHasher, RandomState};
+        let prefix = format!("{:08x}", RandomState::new().hash_one(std::process::id()) as u32);
+        Self { prefix: prefix.into(), next: Arc::new(AtomicU64::new(1)) }
+    }
+}
+
+impl MakeRequestId for RequestIds {
+    fn make_request_id<B>(&mut self, _request: &Request<B>) -> Option<RequestId> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        HeaderValue::from_str(&format!("{}-{n}", self.prefix)).ok().map(RequestId::new)
+    }
+}
+
+/// Builds the whole proxy stack around `fence` and `forward`.
+pub fn stack(
+    extract: extract::ExtractConfig,
+    fence: Arc<fence::Fence>,
+    forward: forward::Forward,
+    metrics: Arc<crate::metrics::Metrics>,
+) -> impl tower::Service<
+    Request<hyper::body::Incoming>,
+    Response = Response<impl hyper::body::Body<Data = Bytes, Error = BoxError> + Send + 'static>,
+    Error = std::convert::Infallible,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    ServiceBuilder::new()
+        .layer(SetRequestIdLayer::x_request_id(RequestIds::default()))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(
+            TraceLayer::new_for_http().make_span_with(|request: &Request<hyper::body::Incoming>| {
+                let request_id = request.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("");
+                tracing::info_span!("proxy.request",
+                    method = %request.method(),
+                    path = request.uri().path(),
+                    request_id,
+                    lock.token = tracing::field::Empty,
+                    account = tracing::field::Empty)
+            }),
+        )
+        .layer(respond::RespondLayer::new(metrics))
+        .layer(extract::ExtractLayer::new(extract))
+        .layer(fence::FenceLayer::new(fence))
+        .service(forward)
+}

@@ -1,0 +1,100 @@
+//! The rail simulator (`railguard rail-sim`): a deliberately non-idempotent payment rail.
+//!
+//! Every POST is a new payment, accepted and recorded as one ledger entry in arrival order —
+//! two identical requests are two payments, which is exactly what makes duplicates visible to
+//! the tests and the harness. `GET /ledger` returns the entries as JSON. The fencing headers
+//! are recorded as the rail saw them, so a test can read which token each payment came with.
+
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::proxy::{ProxyBody, full};
+
+/// One payment as the rail received it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LedgerEntry {
+    /// Arrival order, from 1.
+    pub seq: u64,
+    pub method: String,
+    pub path: String,
+    pub account: Option<String>,
+    pub token: Option<String>,
+    pub idempotency_key: Option<String>,
+    pub body_sha256: String,
+    pub forwarded_for: Option<String>,
+    pub received_unix_ms: u64,
+}
+
+/// The simulator's state: its ledger and how slow it is.
+#[derive(Clone, Default)]
+pub struct RailSim {
+    ledger: Arc<Mutex<Vec<LedgerEntry>>>,
+    latency: Duration,
+}
+
+impl RailSim {
+    pub fn new(latency: Duration) -> Self {
+        Self { ledger: Arc::default(), latency }
+    }
+
+    pub fn ledger(&self) -> Vec<LedgerEntry> {
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub async fn handle(self, request: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+        let json = |status: StatusCode, value: serde_json::Value| {
+            Response::builder()
+                .status(status)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(full(value.to_string()))
+                .expect("static response parts")
+        };
+        match (request.method(), request.uri().path()) {
+            (&Method::GET, "/ledger") => {
+                let entries = self.ledger();
+                Ok(json(StatusCode::OK, serde_json::json!({ "entries": entries })))
+            }
+            (&Method::POST, _) => {
+                let (parts, body) = request.into_parts();
+                let body = match body.collect().await {
+                    Ok(b) => b.to_bytes(),
+                    Err(e) => {
+                        return Ok(json(StatusCode::BAD_REQUEST, serde_json::json!({"error": e.to_string()})));
+                    }
+                };
+                let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+                let seq = {
+                    let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
+                    let seq = ledger.len() as u64 + 1;
+                    ledger.push(LedgerEntry {
+                        seq,
+                        method: parts.method.to_string(),
+                        path: parts.uri.path().to_string(),
+                        account: header("fencing-account"),
+                        token: header("fencing-token"),
+                        idempotency_key: header("idempotency-key"),
+                        body_sha256: Sha256::digest(&body).iter().map(|b| format!("{b:02x}")).collect(),
+                        forwarded_for: header("x-forwarded-for"),
+                        received_unix_ms: SystemTime::now()
+                            .duration_since(UNIX_EPOCH)
+                            .map(|d| d.as_millis() as u64)
+                            .unwrap_or(0),
+                    });
+                    seq
+                };
+                if !self.latency.is_zero() {
+                    tokio::time::sleep(self.latency).await;
+                }
+                Ok(json(StatusCode::CREATED, serde_json::json!({ "payment": seq, "status": "accepted" })))
+            }
+            _ => Ok(json(StatusCode::NOT_FOUND, serde_json::json!({"error": "POST a payment, or GET /ledger"}))),
+        }
+    }
+}

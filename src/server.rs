@@ -1,0 +1,128 @@
+//! `railguard serve`: wires configuration into running listeners and takes them down again.
+//!
+//! Start-up order: bind both listeners (an address in use fails before anything else is
+//! touched), open the database (start the embedded server, migrate, pool), then serve. On
+//! shutdown: stop accepting, drain in-flight requests within `shutdown.grace_ms`, and only then
+//! stop the embedded PostgreSQL, so no request loses its database mid-flight.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderName;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tower::ServiceExt;
+
+use crate::admin::Admin;
+use crate::config::Config;
+use crate::db::{Database, DatabaseError};
+use crate::high_water::HighWaterStore;
+use crate::http_server::serve;
+use crate::metrics::Metrics;
+use crate::proxy::extract::ExtractConfig;
+use crate::proxy::fence::Fence;
+use crate::proxy::forward::{Forward, Upstream};
+use crate::proxy::{self, ClientAddr};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr} (key `{key}`): {source}")]
+    Bind {
+        key: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Database(#[from] DatabaseError),
+    #[error("proxy.upstream: {0}")]
+    Upstream(String),
+}
+
+async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { key, addr, source })
+}
+
+/// Runs railguard until `shutdown` resolves, then drains and stops.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+    let metrics = Arc::new(Metrics::new());
+    if !config.fencing.enforce {
+        tracing::error!(
+            "!!! FENCING IS DISABLED (fencing.enforce = false) !!! Stale tokens WILL reach the \
+             rail and payments can be duplicated. This switch exists only to demonstrate that \
+             corruption. railguard_fencing_enforced is 0."
+        );
+    }
+    let proxy_listener = bind("proxy.listen", config.proxy.listen).await?;
+    let admin_listener = bind("admin.listen", config.admin.listen).await?;
+    let upstream = Upstream::parse(&config.proxy.upstream).map_err(|e| ServeError::Upstream(e.to_string()))?;
+
+    let database = Database::open(&config).await?;
+    let store = HighWaterStore::new(database.pool.clone(), config.database_timeout());
+    let fence = Arc::new(Fence::new(store.clone(), config.fencing.cache_capacity, metrics.clone(), config.fencing.enforce));
+    let forward = Forward::new(
+        upstream,
+        Duration::from_millis(config.proxy.upstream_connect_timeout_ms),
+        metrics.clone(),
+    );
+    let extract = ExtractConfig {
+        token_header: HeaderName::from_bytes(config.proxy.token_header.as_bytes()).expect("validated"),
+        account_header: HeaderName::from_bytes(config.proxy.account_header.as_bytes()).expect("validated"),
+        max_account_len: config.proxy.max_account_len as usize,
+        max_body_bytes: config.proxy.max_body_bytes,
+        request_timeout: config.request_timeout(),
+    };
+    let stack = proxy::stack(extract, fence, forward, metrics.clone());
+    let admin = Admin { metrics, store };
+
+    let grace = Duration::from_millis(config.shutdown.grace_ms);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let proxy_task = tokio::spawn(serve(
+        proxy_listener,
+        move |peer| {
+            let stack = stack.clone();
+            hyper::service::service_fn(move |mut request: http::Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(ClientAddr(peer));
+                stack.clone().oneshot(request)
+            })
+        },
+        stopped(stop_rx.clone()),
+        grace,
+    ));
+    let admin_task = tokio::spawn(serve(
+        admin_listener,
+        move |_peer| {
+            let admin = admin.clone();
+            hyper::service::service_fn(move |request| admin.clone().handle(request))
+        },
+        stopped(stop_rx),
+        grace,
+    ));
+    tracing::info!(proxy = %config.proxy.listen, admin = %config.admin.listen,
+        upstream = %config.proxy.upstream, enforce = config.fencing.enforce, "railguard serving");
+
+    shutdown.await;
+    tracing::info!(?grace, "shutting down");
+    let _ = stop_tx.send(true);
+    let _ = proxy_task.await;
+    let _ = admin_task.await;
+    database.shutdown().await;
+    tracing::info!("railguard stopped");
+    Ok(())
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}
