@@ -20,7 +20,10 @@ pub struct Admin {
 }
 
 impl Admin {
-    pub async fn handle(self, request: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+    pub async fn handle(
+        self,
+        request: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, Infallible> {
         let reply = |status: StatusCode, content_type: &'static str, body: String| {
             Response::builder()
                 .status(status)
@@ -29,16 +32,32 @@ impl Admin {
                 .expect("static response parts")
         };
         if request.method() != Method::GET {
-            return Ok(reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n".into()));
+            return Ok(reply(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "text/plain",
+                "GET only\n".into(),
+            ));
         }
         Ok(match request.uri().path() {
-            "/metrics" => reply(StatusCode::OK, "text/plain; version=0.0.4", self.metrics.render()),
+            "/metrics" => reply(
+                StatusCode::OK,
+                "text/plain; version=0.0.4",
+                self.metrics.render(),
+            ),
             "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n".into()),
             "/readyz" => match self.store.ready().await {
                 Ok(()) => reply(StatusCode::OK, "text/plain", "ready\n".into()),
-                Err(why) => reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("not ready: {why}\n")),
+                Err(why) => reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    format!("not ready: {why}\n"),
+                ),
             },
-            _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found; try /metrics, /healthz, /readyz\n".into()),
+            _ => reply(
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "not found; try /metrics, /healthz, /readyz\n".into(),
+            ),
         })
     }
 }

@@ -81,7 +81,9 @@ pub struct AdminConfig {
 
 impl Default for AdminConfig {
     fn default() -> Self {
-        Self { listen: SocketAddr::from(([127, 0, 0, 1], 9100)) }
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9100)),
+        }
     }
 }
 
@@ -124,7 +126,10 @@ pub struct FencingConfig {
 
 impl Default for FencingConfig {
     fn default() -> Self {
-        Self { enforce: true, cache_capacity: 100_000 }
+        Self {
+            enforce: true,
+            cache_capacity: 100_000,
+        }
     }
 }
 
@@ -140,7 +145,10 @@ pub struct LogConfig {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        Self { format: LogFormat::Pretty, level: "info".into() }
+        Self {
+            format: LogFormat::Pretty,
+            level: "info".into(),
+        }
     }
 }
 
@@ -175,7 +183,9 @@ pub enum DatabaseLocation {
 impl Config {
     pub fn database_location(&self) -> DatabaseLocation {
         if self.database.url == "embedded" {
-            DatabaseLocation::Embedded { data_dir: self.database.data_dir.clone() }
+            DatabaseLocation::Embedded {
+                data_dir: self.database.data_dir.clone(),
+            }
         } else {
             DatabaseLocation::Url(self.database.url.clone())
         }
@@ -217,20 +227,30 @@ impl Config {
 
         let overridden = apply_env(&mut table, env)?;
 
-        let config: Config = serde_path_to_error::deserialize(toml::Value::Table(table))
-            .map_err(|e| {
+        let config: Config =
+            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
                 let key = e.path().to_string();
                 let message = e.inner().to_string();
                 match overridden.get(&key) {
-                    Some(var) => ConfigError { origin: var.clone(), key: Some(key), message },
+                    Some(var) => ConfigError {
+                        origin: var.clone(),
+                        key: Some(key),
+                        message,
+                    },
                     None => file_error((key != ".").then_some(key), message),
                 }
             })?;
 
-        config.validate().map_err(|(key, message)| match overridden.get(key) {
-            Some(var) => ConfigError { origin: var.clone(), key: Some(key.into()), message },
-            None => file_error(Some(key.into()), message),
-        })?;
+        config
+            .validate()
+            .map_err(|(key, message)| match overridden.get(key) {
+                Some(var) => ConfigError {
+                    origin: var.clone(),
+                    key: Some(key.into()),
+                    message,
+                },
+                None => file_error(Some(key.into()), message),
+            })?;
         Ok(config)
     }
 
@@ -252,7 +272,10 @@ impl Config {
         }
         for (key, value) in [
             ("proxy.request_timeout_ms", self.proxy.request_timeout_ms),
-            ("proxy.upstream_connect_timeout_ms", self.proxy.upstream_connect_timeout_ms),
+            (
+                "proxy.upstream_connect_timeout_ms",
+                self.proxy.upstream_connect_timeout_ms,
+            ),
             ("proxy.max_body_bytes", self.proxy.max_body_bytes),
             ("proxy.max_account_len", self.proxy.max_account_len),
             ("database.pool_size", self.database.pool_size),
@@ -271,8 +294,15 @@ impl Config {
             http::HeaderName::from_bytes(value.as_bytes())
                 .map_err(|_| (key, format!("{value:?} is not a valid HTTP header name")))?;
         }
-        if self.proxy.token_header.eq_ignore_ascii_case(&self.proxy.account_header) {
-            return Err(("proxy.account_header", "must differ from proxy.token_header".into()));
+        if self
+            .proxy
+            .token_header
+            .eq_ignore_ascii_case(&self.proxy.account_header)
+        {
+            return Err((
+                "proxy.account_header",
+                "must differ from proxy.token_header".into(),
+            ));
         }
         if self.database.pool_size > 1024 {
             return Err(("database.pool_size", "must be at most 1024".into()));
@@ -287,7 +317,10 @@ impl Config {
             ));
         }
         if self.database.url == "embedded" && self.database.data_dir.as_os_str().is_empty() {
-            return Err(("database.data_dir", "must be set when database.url is \"embedded\"".into()));
+            return Err((
+                "database.data_dir",
+                "must be set when database.url is \"embedded\"".into(),
+            ));
         }
         if self.proxy.listen == self.admin.listen && self.proxy.listen.port() != 0 {
             return Err(("admin.listen", "must differ from proxy.listen".into()));
@@ -305,7 +338,9 @@ fn apply_env(
     let defaults = toml::Table::try_from(Config::default()).expect("defaults serialize");
     let mut overridden = BTreeMap::new();
     for (var, raw) in env {
-        let Some(rest) = var.strip_prefix(ENV_PREFIX) else { continue };
+        let Some(rest) = var.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
         let env_error = |key: Option<String>, message: String| ConfigError {
             origin: format!("environment variable {var}"),
             key,
@@ -321,9 +356,13 @@ fn apply_env(
             return Err(env_error(Some(dotted), "unknown key".into()));
         };
         let value = match default {
-            toml::Value::Integer(_) => raw.trim().parse::<i64>().map(toml::Value::Integer).map_err(
-                |_| env_error(Some(dotted.clone()), format!("{raw:?} is not an integer")),
-            )?,
+            toml::Value::Integer(_) => raw
+                .trim()
+                .parse::<i64>()
+                .map(toml::Value::Integer)
+                .map_err(|_| {
+                    env_error(Some(dotted.clone()), format!("{raw:?} is not an integer"))
+                })?,
             toml::Value::Boolean(_) => match raw.trim() {
                 "true" => toml::Value::Boolean(true),
                 "false" => toml::Value::Boolean(false),
@@ -335,7 +374,9 @@ fn apply_env(
                 }
             },
             toml::Value::Array(_) => toml::Value::Array(
-                raw.split(',').map(|s| toml::Value::String(s.trim().to_string())).collect(),
+                raw.split(',')
+                    .map(|s| toml::Value::String(s.trim().to_string()))
+                    .collect(),
             ),
             _ => toml::Value::String(raw.clone()),
         };
@@ -343,7 +384,10 @@ fn apply_env(
             .entry(section.clone())
             .or_insert_with(|| toml::Value::Table(toml::Table::new()));
         let toml::Value::Table(section_table) = section_table else {
-            return Err(env_error(Some(section), "the file's value here is not a table".into()));
+            return Err(env_error(
+                Some(section),
+                "the file's value here is not a table".into(),
+            ));
         };
         section_table.insert(key, value);
         overridden.insert(dotted, format!("environment variable {var}"));
@@ -367,7 +411,10 @@ mod tests {
     use super::*;
 
     fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         Config::parse(text, "test.toml", &env)
     }
 
@@ -375,9 +422,12 @@ mod tests {
     fn the_shipped_example_parses_to_the_defaults_it_documents() {
         let text = include_str!("../config/railguard.toml");
         let config = parse(text, &[]).expect("config/railguard.toml parses");
-        assert_eq!(config.database_location(), DatabaseLocation::Embedded {
-            data_dir: "/var/tmp/railguard/pg".into()
-        });
+        assert_eq!(
+            config.database_location(),
+            DatabaseLocation::Embedded {
+                data_dir: "/var/tmp/railguard/pg".into()
+            }
+        );
         assert!(config.fencing.enforce);
     }
 
@@ -404,7 +454,10 @@ mod tests {
     fn bad_value_names_the_key() {
         let err = parse("[proxy]\nlisten = \"nowhere\"\n", &[]).unwrap_err();
         assert_eq!(err.key.as_deref(), Some("proxy.listen"));
-        assert!(err.to_string().starts_with("test.toml: key `proxy.listen`"), "{err}");
+        assert!(
+            err.to_string().starts_with("test.toml: key `proxy.listen`"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -427,7 +480,10 @@ mod tests {
     #[test]
     fn env_errors_name_the_variable_and_key() {
         let err = parse("", &[("RAILGUARD__DATABASE__POOL_SIZE", "many")]).unwrap_err();
-        assert_eq!(err.origin, "environment variable RAILGUARD__DATABASE__POOL_SIZE");
+        assert_eq!(
+            err.origin,
+            "environment variable RAILGUARD__DATABASE__POOL_SIZE"
+        );
         assert_eq!(err.key.as_deref(), Some("database.pool_size"));
 
         let err = parse("", &[("RAILGUARD__PROXY__LISTEN", "nowhere")]).unwrap_err();

@@ -59,7 +59,11 @@ impl HighWaterStore {
     /// sets `highest_token := token`. A connection that turns out to have been closed (the
     /// server restarted) is retried once on a fresh one; retrying is safe because advancing to
     /// the same token twice is the same as once.
-    pub async fn advance(&self, account: &AccountId, token: FencingToken) -> Result<Verdict, StoreError> {
+    pub async fn advance(
+        &self,
+        account: &AccountId,
+        token: FencingToken,
+    ) -> Result<Verdict, StoreError> {
         match tokio::time::timeout(self.timeout, self.advance_once(account, token)).await {
             Ok(Err(StoreError::Query(e))) if e.is_closed() => {
                 tokio::time::timeout(self.timeout, self.advance_once(account, token))
@@ -71,18 +75,34 @@ impl HighWaterStore {
         }
     }
 
-    async fn advance_once(&self, account: &AccountId, token: FencingToken) -> Result<Verdict, StoreError> {
-        let client = self.pool.get().await.map_err(|e| StoreError::Pool(e.to_string()))?;
+    async fn advance_once(
+        &self,
+        account: &AccountId,
+        token: FencingToken,
+    ) -> Result<Verdict, StoreError> {
+        let client = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| StoreError::Pool(e.to_string()))?;
         let statement = client.prepare_cached(ADVANCE_SQL).await?;
-        let rows = client.execute(&statement, &[&account.as_str(), &token.get()]).await?;
-        Ok(if rows == 1 { Verdict::Accepted } else { Verdict::Stale })
+        let rows = client
+            .execute(&statement, &[&account.as_str(), &token.get()])
+            .await?;
+        Ok(if rows == 1 {
+            Verdict::Accepted
+        } else {
+            Verdict::Stale
+        })
     }
 
     /// Whether PostgreSQL answers and the schema is the one this binary expects.
     pub async fn ready(&self) -> Result<(), String> {
         let check = async {
             let client = self.pool.get().await.map_err(|e| e.to_string())?;
-            let version = crate::db::migrate::current_version(&**client).await.map_err(|e| e.to_string())?;
+            let version = crate::db::migrate::current_version(&**client)
+                .await
+                .map_err(|e| e.to_string())?;
             let want = crate::db::migrate::latest_version();
             match version {
                 Some(v) if v == want => Ok(()),

@@ -20,10 +20,16 @@ use tokio::net::TcpListener;
 use crate::proxy::BoxError;
 
 /// Serves HTTP/1.1 and cleartext HTTP/2 on `listener` until `shutdown` resolves, then drains.
-pub async fn serve<F, S, B>(listener: TcpListener, make_service: F, shutdown: impl Future<Output = ()>, grace: Duration)
-where
+pub async fn serve<F, S, B>(
+    listener: TcpListener,
+    make_service: F,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+) where
     F: Fn(SocketAddr) -> S,
-    S: hyper::service::Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Send + 'static,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Send
+        + 'static,
     S::Future: Send + 'static,
     B: hyper::body::Body<Data = Bytes, Error = BoxError> + Send + 'static,
 {
@@ -57,7 +63,10 @@ where
     }
     drop(listener);
     tracing::info!(listener = ?local, "stopped accepting; draining open connections");
-    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
         tracing::warn!(listener = ?local, ?grace, "grace period over; closing remaining connections");
     }
 }

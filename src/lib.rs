@@ -16,6 +16,7 @@
 //! value. No API here re-reads a token, and nothing stores one where a writer could pick it up.
 
 pub mod admin;
+pub mod bench;
 pub mod config;
 pub mod db;
 pub mod high_water;

@@ -43,6 +43,38 @@ enum Command {
         /// Delay before answering each payment, to make overlaps visible.
         #[arg(long, default_value_t = 0)]
         latency_ms: u64,
+        /// Random delay up to this long before a payment is recorded, so that requests can
+        /// arrive in a different order than they were sent.
+        #[arg(long, default_value_t = 0)]
+        jitter_ms: u64,
+    },
+    /// Measure the proxy against baselines taken in the same run, on loopback only: load
+    /// straight at an in-process rail simulator, through the proxy with fencing off and on, a
+    /// stale-token phase, and pgbench running the same compare-and-set on the same throwaway
+    /// durable PostgreSQL. Prints a markdown table (progress goes to stderr).
+    Bench {
+        /// Measured seconds of each repetition of each phase.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
+        duration_secs: u64,
+        /// Repetitions of each phase, interleaved round-robin; the table quotes medians.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+        repeats: u32,
+        /// Concurrent keep-alive connections, and pgbench clients (at most 150: the throwaway
+        /// PostgreSQL allows 200 connections, shared with both proxies' pools).
+        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=150))]
+        connections: u64,
+        /// Accounts requests are spread over, uniformly.
+        #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+        accounts: u64,
+        /// Unmeasured seconds of load before each repetition.
+        #[arg(long, default_value_t = 1)]
+        warmup_secs: u64,
+        /// Each proxy's PostgreSQL pool size (database.pool_size).
+        #[arg(long, default_value_t = Config::default().database.pool_size)]
+        pool_size: u64,
+        /// Upper bound on requests per repetition, across all connections.
+        #[arg(long, default_value_t = 5_000_000)]
+        max_requests: u64,
     },
 }
 
@@ -75,14 +107,14 @@ fn main() -> ExitCode {
                     Err(e) => fail(&e),
                 }
             }
-            Command::RailSim { listen, latency_ms } => {
+            Command::RailSim { listen, latency_ms, jitter_ms } => {
                 telemetry::init(LogFormat::Pretty, "info");
                 let listener = match tokio::net::TcpListener::bind(listen).await {
                     Ok(l) => l,
                     Err(e) => return fail(&format!("cannot listen on {listen}: {e}")),
                 };
-                let sim = RailSim::new(Duration::from_millis(latency_ms));
-                tracing::info!(%listen, latency_ms, "rail simulator listening");
+                let sim = RailSim::new(Duration::from_millis(latency_ms)).with_jitter(Duration::from_millis(jitter_ms));
+                tracing::info!(%listen, latency_ms, jitter_ms, "rail simulator listening");
                 http_server::serve(
                     listener,
                     move |_peer| {
@@ -94,6 +126,26 @@ fn main() -> ExitCode {
                 )
                 .await;
                 ExitCode::SUCCESS
+            }
+            Command::Bench { duration_secs, repeats, connections, accounts, warmup_secs, pool_size, max_requests } => {
+                // Errors only: the stale phase would otherwise log a warning per request.
+                telemetry::init(LogFormat::Pretty, "error");
+                let options = railguard::bench::BenchOptions {
+                    duration: Duration::from_secs(duration_secs),
+                    warmup: Duration::from_secs(warmup_secs),
+                    repeats,
+                    connections: connections as usize,
+                    accounts,
+                    pool_size,
+                    max_requests,
+                };
+                match railguard::bench::run(options).await {
+                    Ok(report) => {
+                        print!("{}", report.to_markdown());
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(&e),
+                }
             }
         }
     })

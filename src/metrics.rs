@@ -73,8 +73,8 @@ pub struct Metrics {
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
-    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-    2.5, 5.0, 10.0,
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
 ];
 
 impl Metrics {
@@ -158,13 +158,17 @@ impl Metrics {
             FencePath::Cache => "cache",
             FencePath::Database => "database",
         };
-        self.fence_check_seconds.with_label_values(&[label]).observe(seconds);
+        self.fence_check_seconds
+            .with_label_values(&[label])
+            .observe(seconds);
     }
 
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         let mut out = Vec::new();
-        TextEncoder::new().encode(&self.registry.gather(), &mut out).expect("text encoding");
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding");
         String::from_utf8(out).expect("prometheus text is UTF-8")
     }
 }

@@ -37,18 +37,46 @@ pub struct LedgerEntry {
 pub struct RailSim {
     ledger: Arc<Mutex<Vec<LedgerEntry>>>,
     latency: Duration,
+    jitter: Duration,
 }
 
 impl RailSim {
+    /// A rail that answers each payment `latency` after recording it.
     pub fn new(latency: Duration) -> Self {
-        Self { ledger: Arc::default(), latency }
+        Self {
+            ledger: Arc::default(),
+            latency,
+            jitter: Duration::ZERO,
+        }
+    }
+
+    /// Also waits a random time up to `jitter` *before* recording a payment, as a network
+    /// path with variable delay would: requests sent in one order may arrive in another.
+    pub fn with_jitter(mut self, jitter: Duration) -> Self {
+        self.jitter = jitter;
+        self
+    }
+
+    fn arrival_delay(&self) -> Duration {
+        use std::hash::{BuildHasher, RandomState};
+        let max = self.jitter.as_micros() as u64;
+        if max == 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_micros(RandomState::new().hash_one(std::time::Instant::now()) % max)
     }
 
     pub fn ledger(&self) -> Vec<LedgerEntry> {
-        self.ledger.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.ledger
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
-    pub async fn handle(self, request: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+    pub async fn handle(
+        self,
+        request: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, Infallible> {
         let json = |status: StatusCode, value: serde_json::Value| {
             Response::builder()
                 .status(status)
@@ -59,17 +87,33 @@ impl RailSim {
         match (request.method(), request.uri().path()) {
             (&Method::GET, "/ledger") => {
                 let entries = self.ledger();
-                Ok(json(StatusCode::OK, serde_json::json!({ "entries": entries })))
+                Ok(json(
+                    StatusCode::OK,
+                    serde_json::json!({ "entries": entries }),
+                ))
             }
             (&Method::POST, _) => {
                 let (parts, body) = request.into_parts();
                 let body = match body.collect().await {
                     Ok(b) => b.to_bytes(),
                     Err(e) => {
-                        return Ok(json(StatusCode::BAD_REQUEST, serde_json::json!({"error": e.to_string()})));
+                        return Ok(json(
+                            StatusCode::BAD_REQUEST,
+                            serde_json::json!({"error": e.to_string()}),
+                        ));
                     }
                 };
-                let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+                let delay = self.arrival_delay();
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                let header = |name: &str| {
+                    parts
+                        .headers
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string)
+                };
                 let seq = {
                     let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
                     let seq = ledger.len() as u64 + 1;
@@ -80,7 +124,10 @@ impl RailSim {
                         account: header("fencing-account"),
                         token: header("fencing-token"),
                         idempotency_key: header("idempotency-key"),
-                        body_sha256: Sha256::digest(&body).iter().map(|b| format!("{b:02x}")).collect(),
+                        body_sha256: Sha256::digest(&body)
+                            .iter()
+                            .map(|b| format!("{b:02x}"))
+                            .collect(),
                         forwarded_for: header("x-forwarded-for"),
                         received_unix_ms: SystemTime::now()
                             .duration_since(UNIX_EPOCH)
@@ -92,9 +139,15 @@ impl RailSim {
                 if !self.latency.is_zero() {
                     tokio::time::sleep(self.latency).await;
                 }
-                Ok(json(StatusCode::CREATED, serde_json::json!({ "payment": seq, "status": "accepted" })))
+                Ok(json(
+                    StatusCode::CREATED,
+                    serde_json::json!({ "payment": seq, "status": "accepted" }),
+                ))
             }
-            _ => Ok(json(StatusCode::NOT_FOUND, serde_json::json!({"error": "POST a payment, or GET /ledger"}))),
+            _ => Ok(json(
+                StatusCode::NOT_FOUND,
+                serde_json::json!({"error": "POST a payment, or GET /ledger"}),
+            )),
         }
     }
 }

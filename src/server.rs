@@ -42,7 +42,9 @@ pub enum ServeError {
 }
 
 async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
-    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { key, addr, source })
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind { key, addr, source })
 }
 
 /// Runs railguard until `shutdown` resolves, then drains and stops.
@@ -57,19 +59,27 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     }
     let proxy_listener = bind("proxy.listen", config.proxy.listen).await?;
     let admin_listener = bind("admin.listen", config.admin.listen).await?;
-    let upstream = Upstream::parse(&config.proxy.upstream).map_err(|e| ServeError::Upstream(e.to_string()))?;
+    let upstream =
+        Upstream::parse(&config.proxy.upstream).map_err(|e| ServeError::Upstream(e.to_string()))?;
 
     let database = Database::open(&config).await?;
     let store = HighWaterStore::new(database.pool.clone(), config.database_timeout());
-    let fence = Arc::new(Fence::new(store.clone(), config.fencing.cache_capacity, metrics.clone(), config.fencing.enforce));
+    let fence = Arc::new(Fence::new(
+        store.clone(),
+        config.fencing.cache_capacity,
+        metrics.clone(),
+        config.fencing.enforce,
+    ));
     let forward = Forward::new(
         upstream,
         Duration::from_millis(config.proxy.upstream_connect_timeout_ms),
         metrics.clone(),
     );
     let extract = ExtractConfig {
-        token_header: HeaderName::from_bytes(config.proxy.token_header.as_bytes()).expect("validated"),
-        account_header: HeaderName::from_bytes(config.proxy.account_header.as_bytes()).expect("validated"),
+        token_header: HeaderName::from_bytes(config.proxy.token_header.as_bytes())
+            .expect("validated"),
+        account_header: HeaderName::from_bytes(config.proxy.account_header.as_bytes())
+            .expect("validated"),
         max_account_len: config.proxy.max_account_len as usize,
         max_body_bytes: config.proxy.max_body_bytes,
         request_timeout: config.request_timeout(),

@@ -10,9 +10,15 @@ use crate::config::LogFormat;
 /// Installs the global subscriber. `RUST_LOG`, when set, wins over `level`.
 pub fn init(format: LogFormat, level: &str) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Pretty => builder.with_target(false).try_init(),
-        LogFormat::Json => builder.json().with_current_span(true).with_span_list(true).try_init(),
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .try_init(),
     };
 }

@@ -107,7 +107,10 @@ pub enum HeaderError {
 
 /// Returns the single value of `name`, refusing a missing or repeated header: two tokens on one
 /// request would leave the proxy choosing which grant the request belongs to.
-pub fn single_header<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Result<&'a str, HeaderError> {
+pub fn single_header<'a>(
+    headers: &'a HeaderMap,
+    name: &HeaderName,
+) -> Result<&'a str, HeaderError> {
     let mut values = headers.get_all(name).iter();
     let first = values.next().ok_or(HeaderError::Missing)?;
     if values.next().is_some() {
@@ -124,7 +127,10 @@ mod tests {
     fn accepts_the_whole_positive_range() {
         assert_eq!(FencingToken::parse("1").unwrap().get(), 1);
         assert_eq!(FencingToken::parse("42").unwrap().get(), 42);
-        assert_eq!(FencingToken::parse("9223372036854775807").unwrap().get(), i64::MAX);
+        assert_eq!(
+            FencingToken::parse("9223372036854775807").unwrap().get(),
+            i64::MAX
+        );
         assert_eq!(FencingToken::parse("007").unwrap().get(), 7);
     }
 
@@ -163,11 +169,18 @@ mod tests {
     fn account_grammar() {
         assert!(AccountId::parse("acct-1:eu/42", 128).is_ok());
         assert_eq!(AccountId::parse("", 128), Err(AccountError::Empty));
-        assert_eq!(AccountId::parse("a b", 128), Err(AccountError::NotVisibleAscii));
-        assert_eq!(AccountId::parse("é", 128), Err(AccountError::NotVisibleAscii));
-        assert_eq!(AccountId::parse(&"a".repeat(129), 128), Err(AccountError::TooLong {
-            max_len: 128
-        }));
+        assert_eq!(
+            AccountId::parse("a b", 128),
+            Err(AccountError::NotVisibleAscii)
+        );
+        assert_eq!(
+            AccountId::parse("é", 128),
+            Err(AccountError::NotVisibleAscii)
+        );
+        assert_eq!(
+            AccountId::parse(&"a".repeat(129), 128),
+            Err(AccountError::TooLong { max_len: 128 })
+        );
     }
 
     #[test]

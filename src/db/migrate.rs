@@ -46,7 +46,12 @@ pub enum MigrateError {
         "migration {version:04} ({name}) was applied with different SQL than this binary has \
          (checksum {recorded}, now {current}); migrations must never change once released"
     )]
-    Changed { version: i32, name: String, recorded: String, current: String },
+    Changed {
+        version: i32,
+        name: String,
+        recorded: String,
+        current: String,
+    },
     #[error("the database is at schema version {found}, newer than this binary's {known}")]
     TooNew { found: i32, known: i32 },
     #[error("database error while migrating: {0}")]
@@ -54,13 +59,17 @@ pub enum MigrateError {
 }
 
 fn checksum(sql: &str) -> String {
-    Sha256::digest(sql.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(sql.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Applies every pending migration. Returns how many were applied.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, MigrateError> {
     let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await?;
     tx.batch_execute(
         "CREATE TABLE IF NOT EXISTS railguard_schema_migrations (
              version    integer     PRIMARY KEY,
@@ -71,25 +80,40 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, Migra
     )
     .await?;
     let applied = tx
-        .query("SELECT version, name, checksum FROM railguard_schema_migrations ORDER BY version", &[])
+        .query(
+            "SELECT version, name, checksum FROM railguard_schema_migrations ORDER BY version",
+            &[],
+        )
         .await?;
     let known = latest_version();
     let mut count = 0;
     for row in &applied {
         let (version, name, recorded): (i32, String, String) = (row.get(0), row.get(1), row.get(2));
         let Some(m) = MIGRATIONS.iter().find(|m| m.version == version) else {
-            return Err(MigrateError::TooNew { found: version, known });
+            return Err(MigrateError::TooNew {
+                found: version,
+                known,
+            });
         };
         let current = checksum(m.sql);
         if current != recorded {
-            return Err(MigrateError::Changed { version, name, recorded, current });
+            return Err(MigrateError::Changed {
+                version,
+                name,
+                recorded,
+                current,
+            });
         }
     }
     for m in MIGRATIONS {
         if applied.iter().any(|row| row.get::<_, i32>(0) == m.version) {
             continue;
         }
-        let fail = |source| MigrateError::Failed { version: m.version, name: m.name, source };
+        let fail = |source| MigrateError::Failed {
+            version: m.version,
+            name: m.name,
+            source,
+        };
         tx.batch_execute(m.sql).await.map_err(fail)?;
         tx.execute(
             "INSERT INTO railguard_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
@@ -105,7 +129,9 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, Migra
 }
 
 /// The highest applied version, or `None` before the first migration.
-pub async fn current_version(client: &impl GenericClient) -> Result<Option<i32>, tokio_postgres::Error> {
+pub async fn current_version(
+    client: &impl GenericClient,
+) -> Result<Option<i32>, tokio_postgres::Error> {
     let row = client
         .query_one(
             "SELECT CASE WHEN to_regclass('railguard_schema_migrations') IS NULL THEN NULL
@@ -129,14 +155,22 @@ mod tests {
             .filter(|n| n.ends_with(".sql"))
             .collect();
         files.sort();
-        assert_eq!(files.len(), MIGRATIONS.len(), "every file in migrations/ is listed");
+        assert_eq!(
+            files.len(),
+            MIGRATIONS.len(),
+            "every file in migrations/ is listed"
+        );
         for (file, m) in files.iter().zip(MIGRATIONS) {
             assert_eq!(file, &format!("{:04}_{}.sql", m.version, m.name));
             let text = std::fs::read_to_string(format!("{dir}/{file}")).unwrap();
             assert_eq!(text, m.sql);
         }
         for pair in MIGRATIONS.windows(2) {
-            assert_eq!(pair[1].version, pair[0].version + 1, "versions are consecutive");
+            assert_eq!(
+                pair[1].version,
+                pair[0].version + 1,
+                "versions are consecutive"
+            );
         }
     }
 }

@@ -46,7 +46,11 @@ impl Database {
         let (url, server) = match config.database_location() {
             DatabaseLocation::Url(url) => (url, None),
             DatabaseLocation::Embedded { data_dir } => {
-                let options = ServerOptions { data_dir, port: free_loopback_port(), durable: true };
+                let options = ServerOptions {
+                    data_dir,
+                    port: free_loopback_port(),
+                    durable: true,
+                };
                 let mut server = PostgresServer::init(options).await?;
                 server.start().await?;
                 tracing::info!(port = server.port(), data_dir = %server.data_dir().display(),
@@ -100,7 +104,9 @@ pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, Dat
     let manager = Manager::from_config(
         pg_config(url, timeout)?,
         NoTls,
-        ManagerConfig { recycling_method: RecyclingMethod::Fast },
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
     );
     Pool::builder(manager)
         .max_size(size)
@@ -128,7 +134,10 @@ pub fn redact(url: &str) -> String {
 mod tests {
     #[test]
     fn redact_hides_passwords() {
-        assert_eq!(super::redact("postgres://u:secret@h:5432/d"), "postgres://u@h:5432/d");
+        assert_eq!(
+            super::redact("postgres://u:secret@h:5432/d"),
+            "postgres://u@h:5432/d"
+        );
         assert_eq!(super::redact("postgres://h/d"), "postgres://h/d");
     }
 }

@@ -69,15 +69,27 @@ impl PostgresServer {
     /// directory if it holds no cluster yet. Does not start the server.
     pub async fn init(options: ServerOptions) -> Result<Self, ServerError> {
         let bin_dir = find_bin_dir().await?;
-        let run_as = if effective_uid_is_root() { Some(unprivileged_user()?) } else { None };
-        let server = Self { options, bin_dir, run_as, child: None };
+        let run_as = if effective_uid_is_root() {
+            Some(unprivileged_user()?)
+        } else {
+            None
+        };
+        let server = Self {
+            options,
+            bin_dir,
+            run_as,
+            child: None,
+        };
         server.prepare_data_dir().await?;
         Ok(server)
     }
 
     /// `postgres://` URL of the server (trust authentication, loopback only).
     pub fn url(&self) -> String {
-        format!("postgres://{SUPERUSER}@127.0.0.1:{}/postgres", self.options.port)
+        format!(
+            "postgres://{SUPERUSER}@127.0.0.1:{}/postgres",
+            self.options.port
+        )
     }
 
     pub fn port(&self) -> u16 {
@@ -103,7 +115,10 @@ impl PostgresServer {
 
     async fn prepare_data_dir(&self) -> Result<(), ServerError> {
         let dir = &self.options.data_dir;
-        let dir_error = |message: String| ServerError::DataDir { path: dir.clone(), message };
+        let dir_error = |message: String| ServerError::DataDir {
+            path: dir.clone(),
+            message,
+        };
         if dir.join("PG_VERSION").exists() {
             return Ok(());
         }
@@ -114,8 +129,7 @@ impl PostgresServer {
             .is_some();
         if not_empty {
             return Err(dir_error(
-                "exists, is not empty and holds no PostgreSQL cluster; refusing to touch it"
-                    .into(),
+                "exists, is not empty and holds no PostgreSQL cluster; refusing to touch it".into(),
             ));
         }
         if let Some((uid, gid)) = self.run_as {
@@ -124,17 +138,21 @@ impl PostgresServer {
             check_reachable(dir, uid)?;
         }
         let mut initdb = self.command("initdb");
-        initdb
-            .arg("-D")
-            .arg(dir)
-            .args(["-U", SUPERUSER, "--auth=trust", "-E", "UTF8", "--locale=C"]);
+        initdb.arg("-D").arg(dir).args([
+            "-U",
+            SUPERUSER,
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--locale=C",
+        ]);
         if !self.options.durable {
             initdb.arg("--no-sync");
         }
-        let out = initdb
-            .output()
-            .await
-            .map_err(|e| ServerError::Command { program: "initdb".into(), message: e.to_string() })?;
+        let out = initdb.output().await.map_err(|e| ServerError::Command {
+            program: "initdb".into(),
+            message: e.to_string(),
+        })?;
         if !out.status.success() {
             return Err(ServerError::Command {
                 program: "initdb".into(),
@@ -186,9 +204,10 @@ impl PostgresServer {
         if !self.options.durable {
             cmd.args(["-c", "fsync=off", "-c", "full_page_writes=off"]);
         }
-        let child = cmd
-            .spawn()
-            .map_err(|e| ServerError::Command { program: "postgres".into(), message: e.to_string() })?;
+        let child = cmd.spawn().map_err(|e| ServerError::Command {
+            program: "postgres".into(),
+            message: e.to_string(),
+        })?;
         self.child = Some(child);
         self.wait_ready(Duration::from_secs(60)).await
     }
@@ -200,7 +219,10 @@ impl PostgresServer {
                 && let Ok(Some(status)) = child.try_wait()
             {
                 self.child = None;
-                return Err(ServerError::Exited { status: status.to_string(), log: self.log_tail() });
+                return Err(ServerError::Exited {
+                    status: status.to_string(),
+                    log: self.log_tail(),
+                });
             }
             let url = self.url();
             let probe = async {
@@ -227,7 +249,11 @@ impl PostgresServer {
         let Ok(text) = std::fs::read_to_string(self.options.data_dir.join("postmaster.pid")) else {
             return;
         };
-        let Some(pid) = text.lines().next().and_then(|l| l.trim().parse::<u32>().ok()) else {
+        let Some(pid) = text
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse::<u32>().ok())
+        else {
             return;
         };
         if !Path::new(&format!("/proc/{pid}")).exists() {
@@ -251,7 +277,10 @@ impl PostgresServer {
             if let Some(pid) = child.id() {
                 signal(pid, "INT").await;
             }
-            if tokio::time::timeout(Duration::from_secs(30), child.wait()).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(30), child.wait())
+                .await
+                .is_err()
+            {
                 let _ = child.kill().await;
             }
         }
@@ -265,7 +294,10 @@ impl PostgresServer {
             // Orphaned backends notice the postmaster is gone and exit; until they have, the
             // shared memory is attached and a new server would refuse to start.
             for _ in 0..200 {
-                if !backends.iter().any(|pid| Path::new(&format!("/proc/{pid}")).exists()) {
+                if !backends
+                    .iter()
+                    .any(|pid| Path::new(&format!("/proc/{pid}")).exists())
+                {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -273,9 +305,13 @@ impl PostgresServer {
         }
     }
 
-    /// SIGSTOP / SIGCONT: a server that stops answering without closing its sockets.
+    /// SIGSTOP / SIGCONT to the postmaster and every backend: a server that stops answering
+    /// without closing its sockets (a VM pause, a partition that drops packets).
     pub async fn pause(&self) {
         if let Some(pid) = self.pid() {
+            for backend in children_of(pid) {
+                signal(backend, "STOP").await;
+            }
             signal(pid, "STOP").await;
         }
     }
@@ -283,6 +319,9 @@ impl PostgresServer {
     pub async fn resume(&self) {
         if let Some(pid) = self.pid() {
             signal(pid, "CONT").await;
+            for backend in children_of(pid) {
+                signal(backend, "CONT").await;
+            }
         }
     }
 
@@ -323,18 +362,23 @@ fn children_of(pid: u32) -> Vec<u32> {
             // `pid (comm) state ppid ...`; comm may hold spaces, so split after the last ')'.
             let after = &stat[stat.rfind(')')? + 1..];
             let ppid: u32 = after.split_whitespace().nth(1)?.parse().ok()?;
-            (ppid == pid).then(|| e.file_name().to_string_lossy().parse().ok()).flatten()
+            (ppid == pid)
+                .then(|| e.file_name().to_string_lossy().parse().ok())
+                .flatten()
         })
         .collect()
 }
 
 fn effective_uid_is_root() -> bool {
-    std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false)
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid() == 0)
+        .unwrap_or(false)
 }
 
 /// uid and gid of the `postgres` system user, from /etc/passwd.
 fn unprivileged_user() -> Result<(u32, u32), ServerError> {
-    let passwd = std::fs::read_to_string("/etc/passwd").map_err(|_| ServerError::NoUnprivilegedUser)?;
+    let passwd =
+        std::fs::read_to_string("/etc/passwd").map_err(|_| ServerError::NoUnprivilegedUser)?;
     passwd
         .lines()
         .filter_map(|line| {
@@ -351,7 +395,9 @@ fn unprivileged_user() -> Result<(u32, u32), ServerError> {
 fn check_reachable(dir: &Path, uid: u32) -> Result<(), ServerError> {
     let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
     for ancestor in dir.ancestors().skip(1) {
-        let Ok(meta) = std::fs::metadata(ancestor) else { continue };
+        let Ok(meta) = std::fs::metadata(ancestor) else {
+            continue;
+        };
         let mode = meta.mode();
         let passable = mode & 0o001 != 0 || (meta.uid() == uid && mode & 0o100 != 0);
         if !passable {
@@ -391,5 +437,8 @@ pub async fn find_bin_dir() -> Result<PathBuf, ServerError> {
         .filter(|(_, dir)| has_server(dir))
         .collect();
     versions.sort();
-    versions.pop().map(|(_, dir)| dir).ok_or(ServerError::BinariesNotFound)
+    versions
+        .pop()
+        .map(|(_, dir)| dir)
+        .ok_or(ServerError::BinariesNotFound)
 }

@@ -50,8 +50,23 @@ pub struct Rejection {
 }
 
 impl Rejection {
-    fn new(status: StatusCode, outcome: Outcome, error: &'static str, origin: Origin, message: String) -> Self {
-        Self { status, outcome, error, message, origin, account: None, token: None, request_id: None }
+    fn new(
+        status: StatusCode,
+        outcome: Outcome,
+        error: &'static str,
+        origin: Origin,
+        message: String,
+    ) -> Self {
+        Self {
+            status,
+            outcome,
+            error,
+            message,
+            origin,
+            account: None,
+            token: None,
+            request_id: None,
+        }
     }
 
     pub fn into_response(self) -> Response<ProxyBody> {
@@ -59,7 +74,10 @@ impl Rejection {
         let mut response = Response::new(full(Bytes::from(body)));
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if self.status == StatusCode::SERVICE_UNAVAILABLE {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -87,7 +105,13 @@ pub fn rejection(error: &BoxError) -> Rejection {
             return r;
         }
         if let Some(e) = e.downcast_ref::<BadRequest>() {
-            return Rejection::new(StatusCode::BAD_REQUEST, Outcome::BadRequest, "bad_request", Origin::Client, e.to_string());
+            return Rejection::new(
+                StatusCode::BAD_REQUEST,
+                Outcome::BadRequest,
+                "bad_request",
+                Origin::Client,
+                e.to_string(),
+            );
         }
         if let Some(e) = e.downcast_ref::<BodyTooLarge>() {
             return Rejection::new(
@@ -99,7 +123,13 @@ pub fn rejection(error: &BoxError) -> Rejection {
             );
         }
         if let Some(e) = e.downcast_ref::<ClientTimeout>() {
-            return Rejection::new(StatusCode::REQUEST_TIMEOUT, Outcome::Timeout, "request_timeout", Origin::Client, e.to_string());
+            return Rejection::new(
+                StatusCode::REQUEST_TIMEOUT,
+                Outcome::Timeout,
+                "request_timeout",
+                Origin::Client,
+                e.to_string(),
+            );
         }
         if let Some(e) = e.downcast_ref::<FenceUnavailable>() {
             return Rejection::new(

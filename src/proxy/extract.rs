@@ -60,14 +60,19 @@ pub struct ExtractLayer {
 
 impl ExtractLayer {
     pub fn new(config: ExtractConfig) -> Self {
-        Self { config: std::sync::Arc::new(config) }
+        Self {
+            config: std::sync::Arc::new(config),
+        }
     }
 }
 
 impl<S> Layer<S> for ExtractLayer {
     type Service = Extract<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        Extract { inner, config: self.config.clone() }
+        Extract {
+            inner,
+            config: self.config.clone(),
+        }
     }
 }
 
@@ -79,12 +84,20 @@ pub struct Extract<S> {
 
 impl ExtractConfig {
     /// Reads token and account, recording both on the request's span.
-    fn fencing_headers(&self, headers: &http::HeaderMap) -> Result<(FencingToken, AccountId), BadRequest> {
-        let bad = |header: &HeaderName, reason: String| BadRequest::Header { header: header.clone(), reason };
-        let token_text = single_header(headers, &self.token_header).map_err(|e| bad(&self.token_header, e.to_string()))?;
-        let token = FencingToken::parse(token_text).map_err(|e| bad(&self.token_header, e.to_string()))?;
-        let account_text =
-            single_header(headers, &self.account_header).map_err(|e| bad(&self.account_header, e.to_string()))?;
+    fn fencing_headers(
+        &self,
+        headers: &http::HeaderMap,
+    ) -> Result<(FencingToken, AccountId), BadRequest> {
+        let bad = |header: &HeaderName, reason: String| BadRequest::Header {
+            header: header.clone(),
+            reason,
+        };
+        let token_text = single_header(headers, &self.token_header)
+            .map_err(|e| bad(&self.token_header, e.to_string()))?;
+        let token =
+            FencingToken::parse(token_text).map_err(|e| bad(&self.token_header, e.to_string()))?;
+        let account_text = single_header(headers, &self.account_header)
+            .map_err(|e| bad(&self.account_header, e.to_string()))?;
         let account = AccountId::parse(account_text, self.max_account_len)
             .map_err(|e| bad(&self.account_header, e.to_string()))?;
         Ok((token, account))
@@ -124,7 +137,10 @@ where
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse::<u64>().ok());
             if declared.is_some_and(|n| n > config.max_body_bytes) {
-                return Err(BodyTooLarge { limit: config.max_body_bytes }.into());
+                return Err(BodyTooLarge {
+                    limit: config.max_body_bytes,
+                }
+                .into());
             }
             let (parts, body) = request.into_parts();
             let limited = Limited::new(body, config.max_body_bytes as usize);
@@ -132,12 +148,22 @@ where
                 Err(_) => return Err(ClientTimeout(config.request_timeout).into()),
                 Ok(Ok(collected)) => collected.to_bytes(),
                 Ok(Err(e)) if e.is::<LengthLimitError>() => {
-                    return Err(BodyTooLarge { limit: config.max_body_bytes }.into());
+                    return Err(BodyTooLarge {
+                        limit: config.max_body_bytes,
+                    }
+                    .into());
                 }
                 Ok(Err(e)) => return Err(BadRequest::Body(e.to_string()).into()),
             };
             let request = Request::from_parts(parts, bytes);
-            inner.call(FencedRequest { token, account, request, deadline }).await
+            inner
+                .call(FencedRequest {
+                    token,
+                    account,
+                    request,
+                    deadline,
+                })
+                .await
         })
     }
 }

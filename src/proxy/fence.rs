@@ -62,9 +62,20 @@ pub struct Fence {
 }
 
 impl Fence {
-    pub fn new(store: HighWaterStore, cache_capacity: u64, metrics: Arc<Metrics>, enforce: bool) -> Self {
+    pub fn new(
+        store: HighWaterStore,
+        cache_capacity: u64,
+        metrics: Arc<Metrics>,
+        enforce: bool,
+    ) -> Self {
         metrics.fencing_enforced.set(i64::from(enforce));
-        Self { store, cache: MarkCache::new(cache_capacity), order: ForwardOrder::new(), metrics, enforce }
+        Self {
+            store,
+            cache: MarkCache::new(cache_capacity),
+            order: ForwardOrder::new(),
+            metrics,
+            enforce,
+        }
     }
 
     fn fenced_out(&self, account: AccountId, token: FencingToken, why: &'static str) -> BoxError {
@@ -88,7 +99,10 @@ impl FenceLayer {
 impl<S> Layer<S> for FenceLayer {
     type Service = FenceService<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        FenceService { inner, fence: self.fence.clone() }
+        FenceService {
+            inner,
+            fence: self.fence.clone(),
+        }
     }
 }
 
@@ -127,14 +141,21 @@ where
     }
 }
 
-async fn enforce<S>(fence: Arc<Fence>, mut inner: S, request: FencedRequest, span: tracing::Span) -> Result<ProxyResponse, BoxError>
+async fn enforce<S>(
+    fence: Arc<Fence>,
+    mut inner: S,
+    request: FencedRequest,
+    span: tracing::Span,
+) -> Result<ProxyResponse, BoxError>
 where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
 {
     let (token, account) = (request.token, request.account.clone());
     let started = Instant::now();
     if fence.cache.is_definitely_stale(&account, token) {
-        fence.metrics.observe_fence(FencePath::Cache, started.elapsed().as_secs_f64());
+        fence
+            .metrics
+            .observe_fence(FencePath::Cache, started.elapsed().as_secs_f64());
         span.record("verdict", "stale_cached");
         return Err(fence.fenced_out(account, token, "below a mark already seen"));
     }
@@ -142,8 +163,14 @@ where
     // Take our place before the compare-and-set, so that a higher token committed after ours
     // cannot lose track of us (see `ordering`).
     let mut ticket = fence.order.enter(&account);
-    let verdict = fence.store.advance(&account, token).instrument(span.clone()).await;
-    fence.metrics.observe_fence(FencePath::Database, started.elapsed().as_secs_f64());
+    let verdict = fence
+        .store
+        .advance(&account, token)
+        .instrument(span.clone())
+        .await;
+    fence
+        .metrics
+        .observe_fence(FencePath::Database, started.elapsed().as_secs_f64());
     match verdict.map_err(FenceUnavailable)? {
         Verdict::Stale => {
             span.record("verdict", "stale");
@@ -158,7 +185,11 @@ where
                 Ok(Ok(())) => {}
                 Ok(Err(_superseded)) => {
                     fence.cache.raise_past(&account, token);
-                    return Err(fence.fenced_out(account, token, "a higher token was admitted meanwhile"));
+                    return Err(fence.fenced_out(
+                        account,
+                        token,
+                        "a higher token was admitted meanwhile",
+                    ));
                 }
                 Err(_) => {
                     return Err(super::forward::UpstreamTimeout::waiting_for_turn().into());
@@ -173,14 +204,25 @@ where
     }
 }
 
-async fn observe_only<S>(fence: Arc<Fence>, mut inner: S, request: FencedRequest, span: tracing::Span) -> Result<ProxyResponse, BoxError>
+async fn observe_only<S>(
+    fence: Arc<Fence>,
+    mut inner: S,
+    request: FencedRequest,
+    span: tracing::Span,
+) -> Result<ProxyResponse, BoxError>
 where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
 {
     let (token, account) = (request.token, request.account.clone());
     let started = Instant::now();
-    let verdict = fence.store.advance(&account, token).instrument(span.clone()).await;
-    fence.metrics.observe_fence(FencePath::Database, started.elapsed().as_secs_f64());
+    let verdict = fence
+        .store
+        .advance(&account, token)
+        .instrument(span.clone())
+        .await;
+    fence
+        .metrics
+        .observe_fence(FencePath::Database, started.elapsed().as_secs_f64());
     match verdict {
         Ok(Verdict::Accepted) => {
             span.record("verdict", "accepted");

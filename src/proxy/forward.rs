@@ -84,7 +84,11 @@ impl Forward {
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(4096)
             .build(connector);
-        Self { client, upstream: Arc::new(upstream), metrics }
+        Self {
+            client,
+            upstream: Arc::new(upstream),
+            metrics,
+        }
     }
 }
 
@@ -107,7 +111,9 @@ impl Service<FencedRequest> for Forward {
                 let request = this.upstream_request(fenced.request)?;
                 let started = Instant::now();
                 let sent = tokio::time::timeout_at(deadline, this.client.request(request)).await;
-                this.metrics.upstream_seconds.observe(started.elapsed().as_secs_f64());
+                this.metrics
+                    .upstream_seconds
+                    .observe(started.elapsed().as_secs_f64());
                 let response = match sent {
                     Err(_) => return Err(UpstreamTimeout::no_answer().into()),
                     Ok(Err(e)) => return Err(UpstreamUnavailable(e.into()).into()),
@@ -116,7 +122,9 @@ impl Service<FencedRequest> for Forward {
                 tracing::Span::current().record("status", response.status().as_u16());
                 let (mut parts, body) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
-                let body = body.map_err(|e| -> BoxError { UpstreamUnavailable(e.into()).into() }).boxed_unsync();
+                let body = body
+                    .map_err(|e| -> BoxError { UpstreamUnavailable(e.into()).into() })
+                    .boxed_unsync();
                 Ok(ProxyResponse::from_parts(parts, body))
             }
             .instrument(span),
@@ -127,9 +135,16 @@ impl Service<FencedRequest> for Forward {
 impl Forward {
     fn upstream_request(&self, request: Request<Bytes>) -> Result<Request<Full<Bytes>>, BoxError> {
         let (mut parts, body) = request.into_parts();
-        let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+        let path = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
         let client_host = parts.headers.remove(header::HOST).or_else(|| {
-            parts.uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+            parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
         parts.uri = Uri::builder()
             .scheme(self.upstream.scheme.clone())
@@ -141,11 +156,17 @@ impl Forward {
         // The body was read whole; its length is set from it.
         parts.headers.remove(header::CONTENT_LENGTH);
         let headers = &mut parts.headers;
-        headers.insert(header::HOST, HeaderValue::from_str(self.upstream.authority.as_str())?);
+        headers.insert(
+            header::HOST,
+            HeaderValue::from_str(self.upstream.authority.as_str())?,
+        );
         if let Some(host) = client_host {
             headers.insert(HeaderName::from_static("x-forwarded-host"), host);
         }
-        headers.insert(HeaderName::from_static("x-forwarded-proto"), HeaderValue::from_static("http"));
+        headers.insert(
+            HeaderName::from_static("x-forwarded-proto"),
+            HeaderValue::from_static("http"),
+        );
         if let Some(ClientAddr(addr)) = parts.extensions.get::<ClientAddr>().copied() {
             append_forwarded_for(headers, addr.ip());
         }
@@ -224,6 +245,9 @@ mod tests {
         h.append("x-forwarded-for", "10.0.0.1".parse().unwrap());
         h.append("x-forwarded-for", "10.0.0.2".parse().unwrap());
         append_forwarded_for(&mut h, "127.0.0.1".parse().unwrap());
-        assert_eq!(h.get("x-forwarded-for").unwrap(), "10.0.0.1, 10.0.0.2, 127.0.0.1");
+        assert_eq!(
+            h.get("x-forwarded-for").unwrap(),
+            "10.0.0.1, 10.0.0.2, 127.0.0.1"
+        );
     }
 }

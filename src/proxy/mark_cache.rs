@@ -18,19 +18,23 @@ pub struct MarkCache {
 
 impl MarkCache {
     pub fn new(capacity: u64) -> Self {
-        Self { marks: Cache::new(capacity) }
+        Self {
+            marks: Cache::new(capacity),
+        }
     }
 
     /// True when `token` is below a mark already known for `account`.
     pub fn is_definitely_stale(&self, account: &AccountId, token: FencingToken) -> bool {
-        self.marks.get(account).is_some_and(|mark| token.get() < mark)
+        self.marks
+            .get(account)
+            .is_some_and(|mark| token.get() < mark)
     }
 
     /// Records that the mark for `account` is at least `lower_bound`. Never lowers an entry.
     pub fn raise(&self, account: &AccountId, lower_bound: i64) {
-        self.marks
-            .entry_by_ref(account)
-            .and_upsert_with(|current| current.map_or(lower_bound, |e| (*e.value()).max(lower_bound)));
+        self.marks.entry_by_ref(account).and_upsert_with(|current| {
+            current.map_or(lower_bound, |e| (*e.value()).max(lower_bound))
+        });
     }
 
     /// Records that the compare-and-set refused `token`: the mark is above it.
@@ -52,7 +56,10 @@ mod tests {
         cache.raise(&a, 57);
         cache.raise(&a, 42);
         assert!(cache.is_definitely_stale(&a, t(56)));
-        assert!(!cache.is_definitely_stale(&a, t(57)), "equal is the same grant");
+        assert!(
+            !cache.is_definitely_stale(&a, t(57)),
+            "equal is the same grant"
+        );
         cache.raise_past(&a, t(60));
         assert!(cache.is_definitely_stale(&a, t(60)));
         assert!(!cache.is_definitely_stale(&a, t(61)));

@@ -30,7 +30,9 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
-use tower_http::request_id::{MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer};
+use tower_http::request_id::{
+    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
+};
 use tower_http::trace::TraceLayer;
 
 use crate::token::{AccountId, FencingToken};
@@ -53,7 +55,9 @@ pub struct FencedRequest {
 pub struct ClientAddr(pub SocketAddr);
 
 pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
-    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 /// Request ids: a per-process random prefix and a counter — unique, cheap, and sortable
@@ -67,15 +71,23 @@ pub struct RequestIds {
 impl Default for RequestIds {
     fn default() -> Self {
         use std::hash::{BuildHasher, RandomState};
-        let prefix = format!("{:08x}", RandomState::new().hash_one(std::process::id()) as u32);
-        Self { prefix: prefix.into(), next: Arc::new(AtomicU64::new(1)) }
+        let prefix = format!(
+            "{:08x}",
+            RandomState::new().hash_one(std::process::id()) as u32
+        );
+        Self {
+            prefix: prefix.into(),
+            next: Arc::new(AtomicU64::new(1)),
+        }
     }
 }
 
 impl MakeRequestId for RequestIds {
     fn make_request_id<B>(&mut self, _request: &Request<B>) -> Option<RequestId> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        HeaderValue::from_str(&format!("{}-{n}", self.prefix)).ok().map(RequestId::new)
+        HeaderValue::from_str(&format!("{}-{n}", self.prefix))
+            .ok()
+            .map(RequestId::new)
     }
 }
 
@@ -96,17 +108,21 @@ pub fn stack(
     ServiceBuilder::new()
         .layer(SetRequestIdLayer::x_request_id(RequestIds::default()))
         .layer(PropagateRequestIdLayer::x_request_id())
-        .layer(
-            TraceLayer::new_for_http().make_span_with(|request: &Request<hyper::body::Incoming>| {
-                let request_id = request.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("");
+        .layer(TraceLayer::new_for_http().make_span_with(
+            |request: &Request<hyper::body::Incoming>| {
+                let request_id = request
+                    .headers()
+                    .get("x-request-id")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("");
                 tracing::info_span!("proxy.request",
                     method = %request.method(),
                     path = request.uri().path(),
                     request_id,
                     lock.token = tracing::field::Empty,
                     account = tracing::field::Empty)
-            }),
-        )
+            },
+        ))
         .layer(respond::RespondLayer::new(metrics))
         .layer(extract::ExtractLayer::new(extract))
         .layer(fence::FenceLayer::new(fence))

@@ -93,12 +93,20 @@ impl ForwardOrder {
         });
         slot.tickets += 1;
         let notify = slot.notify.clone();
-        Ticket { order: self.clone(), account: account.clone(), notify, admitted: false }
+        Ticket {
+            order: self.clone(),
+            account: account.clone(),
+            notify,
+            admitted: false,
+        }
     }
 
     /// Accounts with a live ticket (for tests: slots must not leak).
     pub fn live_accounts(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len()).sum()
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
+            .sum()
     }
 }
 
@@ -113,7 +121,9 @@ impl Ticket {
             let mut woken = pin!(notify.notified());
             {
                 let mut shard = self.order.shard(&self.account);
-                let slot = shard.get_mut(&self.account).expect("a live ticket keeps its slot");
+                let slot = shard
+                    .get_mut(&self.account)
+                    .expect("a live ticket keeps its slot");
                 if token > slot.highest {
                     slot.highest = token;
                     // Lower tokens waiting for their turn are stale now; let them find out.
@@ -140,7 +150,9 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut shard = self.order.shard(&self.account);
-        let Some(slot) = shard.get_mut(&self.account) else { return };
+        let Some(slot) = shard.get_mut(&self.account) else {
+            return;
+        };
         slot.tickets -= 1;
         if self.admitted {
             slot.in_flight -= 1;
@@ -202,7 +214,10 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!waiter.is_finished(), "57 must wait while 42 is in flight");
         drop(low);
-        let high = tokio::time::timeout(Duration::from_secs(5), waiter).await.unwrap().unwrap();
+        let high = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .unwrap()
+            .unwrap();
         drop(high);
         assert_eq!(order.live_accounts(), 0);
     }
@@ -220,10 +235,20 @@ mod tests {
             top.admit(tok(30)).await.unwrap();
             top
         });
-        let mid_result = tokio::time::timeout(Duration::from_secs(5), mid_wait).await.unwrap().unwrap();
-        assert_eq!(mid_result, Err(Superseded), "20 is stale once 30 has committed");
+        let mid_result = tokio::time::timeout(Duration::from_secs(5), mid_wait)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            mid_result,
+            Err(Superseded),
+            "20 is stale once 30 has committed"
+        );
         drop(first);
-        let top = tokio::time::timeout(Duration::from_secs(5), top_wait).await.unwrap().unwrap();
+        let top = tokio::time::timeout(Duration::from_secs(5), top_wait)
+            .await
+            .unwrap()
+            .unwrap();
         drop(top);
         assert_eq!(order.live_accounts(), 0);
     }

@@ -30,7 +30,10 @@ impl RespondLayer {
 impl<S> Layer<S> for RespondLayer {
     type Service = Respond<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        Respond { inner, metrics: self.metrics.clone() }
+        Respond {
+            inner,
+            metrics: self.metrics.clone(),
+        }
     }
 }
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds railguard in release mode and runs `railguard bench`, which prints a markdown table
+# (the one in BENCHMARKS.md) on stdout; progress goes to stderr. Arguments are passed through:
+#
+#   scripts/bench.sh                                   # defaults: 5 s x 3 repetitions, 64 connections
+#   scripts/bench.sh --duration-secs 3 --repeats 3     # quicker
+#   scripts/bench.sh --help                            # every option
+#
+# Needs the PostgreSQL server binaries (apt-get install postgresql); when run as root the
+# throwaway cluster runs as the `postgres` user. Everything listens on 127.0.0.1 only.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/railguard-target}"
+
+cargo build --release --quiet --bin railguard
+
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+if ! git diff --quiet HEAD -- 2>/dev/null; then
+    commit="$commit (with uncommitted changes)"
+fi
+
+"$CARGO_TARGET_DIR/release/railguard" bench "$@"
+echo
+echo "Commit: $commit. Regenerate with: \`scripts/bench.sh${*:+ $*}\`"

@@ -1,0 +1,604 @@
+//! `railguard bench`: what the fence costs, as ratios against baselines measured in the same
+//! run on the same machine.
+//!
+//! One process starts everything on loopback: a throwaway *durable* PostgreSQL (fsync and
+//! synchronous_commit on, as in production), the rail simulator, and two proxies through
+//! [`server::run`] — one enforcing, one with `fencing.enforce = false` — both on that
+//! PostgreSQL. Two instances rather than a restart, so that switching phases never waits for
+//! a restart and each proxy's caches and pools stay warm across repetitions.
+//!
+//! Phases (see [`Phase`]) run `repeats` times, interleaved round-robin (A1 B1 C1 … A2 B2 C2 …)
+//! so that a noisy stretch of time lands on every phase rather than on one, each after a short
+//! warm-up. Every load is bounded both in time and in number of requests.
+//!
+//! The rail simulator records every payment in memory. It is swapped for an empty one around
+//! each measured run, which keeps memory bounded and lets the run check what the rail saw: a
+//! forwarded phase must deliver exactly its successful answers, the stale phase nothing.
+//!
+//! The load generator shares the process, the tokio runtime and the CPUs with the proxies and
+//! the simulator, and PostgreSQL and pgbench share the machine: on a small machine every row
+//! is partly a measurement of the load generator. That is why only ratios are claimed.
+
+mod load;
+mod pgbench;
+mod report;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use http::StatusCode;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::config::Config;
+use crate::db::server::{PostgresServer, ServerError, ServerOptions};
+use crate::http_server;
+use crate::net::free_loopback_port;
+use crate::railsim::RailSim;
+use crate::server::{self, ServeError};
+use load::{Accounts, Connection, Load, LoadResult};
+use pgbench::Pgbench;
+pub use report::{Environment, Report, Sample};
+
+/// The token every accepted request carries. Equal tokens are accepted, so a fixed token per
+/// account keeps every request accepted while each still commits a real compare-and-set.
+pub const TOKEN: i64 = 1_000_000;
+/// The mark the stale phase's accounts are raised to before it hammers them with token 1.
+pub const STALE_MARK: i64 = 2_000_000;
+const STALE_TOKEN: i64 = 1;
+const ACCOUNT_PREFIX: &str = "acct-";
+const STALE_PREFIX: &str = "stale-";
+/// How many accounts the stale phase uses (fewer if `accounts` is smaller). All of them stay
+/// in the proxy's mark cache, so the phase measures the cache path.
+const STALE_ACCOUNTS: u64 = 1_000;
+
+/// What `railguard bench` was asked to do.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Measured time of each repetition of each phase.
+    pub duration: Duration,
+    /// Unmeasured load before each repetition.
+    pub warmup: Duration,
+    pub repeats: u32,
+    /// Concurrent keep-alive connections (pgbench: clients).
+    pub connections: usize,
+    /// Accounts drawn from, uniformly.
+    pub accounts: u64,
+    /// Each proxy's PostgreSQL pool size.
+    pub pool_size: u64,
+    /// Upper bound on requests per repetition, across all connections.
+    pub max_requests: u64,
+}
+
+/// One thing measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Load straight at the rail simulator: the ceiling of the load generator + simulator.
+    Direct,
+    /// Through a proxy with `fencing.enforce = false`. It still runs the compare-and-set (to
+    /// count what it would have refused), so this is *not* a proxy without a database.
+    ProxyUnfenced,
+    /// Through the enforcing proxy: one durable compare-and-set per request, then the forward.
+    ProxyFenced,
+    /// Token 1 against accounts whose mark is 2,000,000: every answer a 409 from the mark cache.
+    StaleRejected,
+    /// pgbench running the same compare-and-set directly against PostgreSQL.
+    Pgbench,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 5] = [
+        Phase::Direct,
+        Phase::ProxyUnfenced,
+        Phase::ProxyFenced,
+        Phase::StaleRejected,
+        Phase::Pgbench,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Phase::Direct => "direct to rail simulator",
+            Phase::ProxyUnfenced => "proxy, fencing off",
+            Phase::ProxyFenced => "proxy, fencing on",
+            Phase::StaleRejected => "proxy, stale token → 409",
+            Phase::Pgbench => "pgbench, compare-and-set only",
+        }
+    }
+}
+
+/// The benchmark could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("PostgreSQL: {0}")]
+    Postgres(#[from] ServerError),
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// Runs the whole benchmark and returns its report. Progress goes to stderr.
+pub async fn run(options: BenchOptions) -> Result<Report, BenchError> {
+    // Under /var/tmp, not /tmp: /tmp may be a tmpfs, where fsync costs nothing.
+    let temp_dir = |prefix: &str| {
+        tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir_in("/var/tmp")
+            .map_err(|source| BenchError::Io {
+                what: "cannot create a directory under /var/tmp",
+                source,
+            })
+    };
+    let pg_dir = temp_dir("railguard-bench-pg-")?;
+    let work_dir = temp_dir("railguard-bench-")?;
+    let server_options = ServerOptions {
+        data_dir: pg_dir.path().to_path_buf(),
+        port: free_loopback_port(),
+        durable: true,
+    };
+    let mut postgres = PostgresServer::init(server_options).await?;
+    eprintln!(
+        "bench: starting PostgreSQL (durable) in {}",
+        pg_dir.path().display()
+    );
+    postgres.start().await?;
+    let result = with_postgres(&options, &postgres, work_dir.path()).await;
+    postgres.stop().await;
+    result
+}
+
+async fn with_postgres(
+    options: &BenchOptions,
+    postgres: &PostgresServer,
+    work_dir: &Path,
+) -> Result<Report, BenchError> {
+    let rail = Rail::start().await?;
+    let mut proxies = Vec::new();
+    let setup = async {
+        // One after the other: both migrate the same database on start.
+        proxies.push(Proxy::start(rail.addr, &postgres.url(), true, options.pool_size).await?);
+        proxies.push(Proxy::start(rail.addr, &postgres.url(), false, options.pool_size).await?);
+        Ok::<_, BenchError>(())
+    };
+    let result = match setup.await {
+        Ok(()) => {
+            let bench = Bench {
+                options,
+                rail: &rail,
+                fenced: &proxies[0],
+                unfenced: &proxies[1],
+                postgres,
+                work_dir,
+            };
+            bench.run().await
+        }
+        Err(e) => Err(e),
+    };
+    for proxy in proxies {
+        proxy.stop().await;
+    }
+    rail.stop().await;
+    let mut report = result?;
+    report.environment.postgres = postgres_version(postgres.bin_dir()).await;
+    Ok(report)
+}
+
+struct Bench<'a> {
+    options: &'a BenchOptions,
+    rail: &'a Rail,
+    fenced: &'a Proxy,
+    unfenced: &'a Proxy,
+    postgres: &'a PostgresServer,
+    work_dir: &'a Path,
+}
+
+impl Bench<'_> {
+    async fn run(&self) -> Result<Report, BenchError> {
+        let o = self.options;
+        let stale_accounts = o.accounts.min(STALE_ACCOUNTS);
+        eprintln!(
+            "bench: raising {stale_accounts} accounts to {STALE_MARK} through the enforcing proxy"
+        );
+        advance_all(
+            self.fenced.addr,
+            STALE_PREFIX,
+            stale_accounts,
+            STALE_MARK,
+            o.connections,
+        )
+        .await?;
+        self.rail.reset();
+
+        let mut samples: Vec<(Phase, Vec<Sample>)> =
+            Phase::ALL.iter().map(|&p| (p, Vec::new())).collect();
+        for rep in 1..=o.repeats {
+            for (phase, done) in &mut samples {
+                let sample = self.measure(*phase).await;
+                eprintln!(
+                    "bench: [{rep}/{}] {:<32} {:>9.0}/s  p50 {:>7.2} ms  p99 {:>7.2} ms  n={}{}",
+                    o.repeats,
+                    phase.label(),
+                    sample.rate,
+                    f64::from(sample.p50_us) / 1000.0,
+                    f64::from(sample.p99_us) / 1000.0,
+                    sample.count,
+                    if sample.problems.is_empty() {
+                        String::new()
+                    } else {
+                        format!("  FLAGGED: {}", sample.problems.join("; "))
+                    },
+                );
+                done.push(sample);
+            }
+        }
+        Ok(Report {
+            environment: Environment::probe(),
+            options: o.clone(),
+            pool_size: o.pool_size,
+            stale_accounts,
+            samples,
+            peak_rss_kib: peak_rss_kib(),
+        })
+    }
+
+    /// One warm-up and one measured repetition of `phase`.
+    async fn measure(&self, phase: Phase) -> Sample {
+        let o = self.options;
+        let load = |target: SocketAddr, accounts: Accounts, token: i64, duration: Duration| Load {
+            target,
+            connections: o.connections,
+            duration,
+            max_requests: o.max_requests,
+            accounts,
+            token,
+        };
+        let accounts = Accounts {
+            prefix: ACCOUNT_PREFIX,
+            count: o.accounts,
+        };
+        let (target, accounts, token, expect) = match phase {
+            Phase::Direct => (self.rail.addr, accounts, TOKEN, StatusCode::CREATED),
+            Phase::ProxyUnfenced => (self.unfenced.addr, accounts, TOKEN, StatusCode::CREATED),
+            Phase::ProxyFenced => (self.fenced.addr, accounts, TOKEN, StatusCode::CREATED),
+            Phase::StaleRejected => (
+                self.fenced.addr,
+                Accounts {
+                    prefix: STALE_PREFIX,
+                    count: o.accounts.min(STALE_ACCOUNTS),
+                },
+                STALE_TOKEN,
+                StatusCode::CONFLICT,
+            ),
+            Phase::Pgbench => return self.measure_pgbench().await,
+        };
+        if !o.warmup.is_zero() {
+            load::run(&load(target, accounts.clone(), token, o.warmup)).await;
+        }
+        self.rail.reset();
+        let result = load::run(&load(target, accounts, token, o.duration)).await;
+        let delivered = self.rail.reset();
+        let should_deliver = if expect == StatusCode::CONFLICT {
+            0
+        } else {
+            result.count(expect)
+        };
+        sample_of(&result, expect, delivered, should_deliver)
+    }
+
+    async fn measure_pgbench(&self) -> Sample {
+        let o = self.options;
+        let pgbench = |duration| Pgbench {
+            bin_dir: self.postgres.bin_dir().to_path_buf(),
+            port: self.postgres.port(),
+            clients: o.connections,
+            duration,
+            accounts: o.accounts,
+            account_prefix: ACCOUNT_PREFIX,
+            token: TOKEN,
+        };
+        if !o.warmup.is_zero() {
+            let _ = pgbench(o.warmup).run(self.work_dir).await;
+        }
+        match pgbench(o.duration).run(self.work_dir).await {
+            Ok(r) => {
+                let mut problems = Vec::new();
+                if r.failed > 0 {
+                    problems.push(format!(
+                        "{} of {} transactions failed",
+                        r.failed, r.transactions
+                    ));
+                }
+                Sample {
+                    rate: r.tps,
+                    p50_us: r.percentile_us(0.50),
+                    p99_us: r.percentile_us(0.99),
+                    count: r.transactions,
+                    unexpected: r.failed,
+                    problems,
+                }
+            }
+            Err(why) => Sample::failed(why),
+        }
+    }
+}
+
+/// A repetition's figures, with everything other than `expect` counted and described.
+fn sample_of(
+    result: &LoadResult,
+    expect: StatusCode,
+    delivered: usize,
+    should_deliver: u64,
+) -> Sample {
+    let expected = result.count(expect);
+    let mut problems: Vec<String> = result
+        .statuses
+        .iter()
+        .filter(|(status, _)| **status != expect.as_u16())
+        .map(|(status, n)| {
+            format!(
+                "{n} answers with status {status} (expected {})",
+                expect.as_u16()
+            )
+        })
+        .collect();
+    if result.transport_errors > 0 {
+        problems.push(format!(
+            "{} requests got no answer (first: {})",
+            result.transport_errors,
+            result.first_transport_error.as_deref().unwrap_or("?")
+        ));
+    }
+    if delivered as u64 != should_deliver {
+        problems.push(format!(
+            "the rail received {delivered} payments, expected {should_deliver}"
+        ));
+    }
+    let unexpected = result.answered() - expected + result.transport_errors;
+    let secs = result.elapsed.as_secs_f64().max(1e-9);
+    Sample {
+        rate: expected as f64 / secs,
+        p50_us: result.percentile_us(0.50),
+        p99_us: result.percentile_us(0.99),
+        count: result.answered(),
+        unexpected: unexpected.max(u64::from(!problems.is_empty())),
+        problems,
+    }
+}
+
+/// Sends one accepted payment for each of `{prefix}1..={count}` at `token`, from `connections`
+/// connections at once.
+async fn advance_all(
+    target: SocketAddr,
+    prefix: &str,
+    count: u64,
+    token: i64,
+    connections: usize,
+) -> Result<(), BenchError> {
+    let connections = connections.clamp(1, count.max(1) as usize) as u64;
+    let workers: Vec<JoinHandle<Result<(), String>>> = (0..connections)
+        .map(|w| {
+            let prefix = prefix.to_string();
+            tokio::spawn(async move {
+                let mut connection = Connection::new(target);
+                for n in (1 + w..=count).step_by(connections as usize) {
+                    let account = format!("{prefix}{n}");
+                    match connection.send(&account, token).await {
+                        Ok(status) if status.is_success() => {}
+                        Ok(status) => {
+                            return Err(format!("raising {account} to {token}: status {status}"));
+                        }
+                        Err(e) => return Err(format!("raising {account} to {token}: {e}")),
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker
+            .await
+            .map_err(|e| BenchError::Setup(e.to_string()))?
+            .map_err(BenchError::Setup)?;
+    }
+    Ok(())
+}
+
+/// The rail simulator on a port-0 listener, behind a switch that swaps in an empty simulator.
+struct Rail {
+    addr: SocketAddr,
+    current: Arc<Mutex<RailSim>>,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+impl Rail {
+    async fn start() -> Result<Self, BenchError> {
+        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .await
+            .map_err(|source| BenchError::Io {
+                what: "cannot bind the rail simulator",
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| BenchError::Io {
+            what: "rail simulator address",
+            source,
+        })?;
+        let current = Arc::new(Mutex::new(RailSim::new(Duration::ZERO)));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let switch = current.clone();
+        let task = tokio::spawn(http_server::serve(
+            listener,
+            move |_peer| {
+                let switch = switch.clone();
+                hyper::service::service_fn(move |request| {
+                    let sim = switch.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                    sim.handle(request)
+                })
+            },
+            async move {
+                let _ = stopped.await;
+            },
+            Duration::from_secs(2),
+        ));
+        Ok(Self {
+            addr,
+            current,
+            stop,
+            task,
+        })
+    }
+
+    /// Swaps in an empty simulator and returns how many payments the old one received.
+    fn reset(&self) -> usize {
+        let old = std::mem::take(&mut *self.current.lock().unwrap_or_else(|p| p.into_inner()));
+        old.ledger().len()
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
+/// A proxy running in this process through [`server::run`].
+struct Proxy {
+    addr: SocketAddr,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<(), ServeError>>,
+}
+
+impl Proxy {
+    /// Starts a proxy and waits until a payment through it is accepted.
+    async fn start(
+        rail: SocketAddr,
+        database_url: &str,
+        enforce: bool,
+        pool_size: u64,
+    ) -> Result<Self, BenchError> {
+        let mut config = Config::default();
+        config.proxy.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, free_loopback_port()));
+        config.admin.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, free_loopback_port()));
+        config.proxy.upstream = format!("http://{rail}");
+        config.database.url = database_url.to_string();
+        config.database.pool_size = pool_size;
+        config.fencing.enforce = enforce;
+        config.shutdown.grace_ms = 2_000;
+        let addr = config.proxy.listen;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let mut task = tokio::spawn(server::run(config, async move {
+            let _ = stopped.await;
+        }));
+
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let mut connection = Connection::new(addr);
+        loop {
+            if task.is_finished() {
+                let why = match (&mut task).await {
+                    Ok(Ok(())) => "it stopped".to_string(),
+                    Ok(Err(e)) => e.to_string(),
+                    Err(e) => e.to_string(),
+                };
+                return Err(BenchError::Setup(format!(
+                    "the proxy (enforce = {enforce}) did not start: {why}"
+                )));
+            }
+            let last = match connection.send("bench-probe", 1).await {
+                Ok(status) if status.is_success() => return Ok(Self { addr, stop, task }),
+                Ok(status) => format!("status {status}"),
+                Err(e) => e.to_string(),
+            };
+            if tokio::time::Instant::now() > deadline {
+                let _ = stop.send(());
+                return Err(BenchError::Setup(format!(
+                    "the proxy (enforce = {enforce}) at {addr} did not accept a payment within 60 s: {last}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(30), self.task).await;
+    }
+}
+
+impl Environment {
+    fn probe() -> Self {
+        let read = |path: &str| std::fs::read_to_string(path).unwrap_or_default();
+        let cpuinfo = read("/proc/cpuinfo");
+        let meminfo = read("/proc/meminfo");
+        let field = |text: &str, name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+                .unwrap_or_else(|| "unknown".into())
+        };
+        let memory = field(&meminfo, "MemTotal")
+            .trim_end_matches(" kB")
+            .parse::<f64>()
+            .map(|kib| format!("{:.0} GiB", kib / (1024.0 * 1024.0)))
+            .unwrap_or_else(|_| "unknown".into());
+        Self {
+            date: utc_now(),
+            cpus: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(0),
+            cpu_model: field(&cpuinfo, "model name"),
+            kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
+            memory,
+            postgres: String::new(),
+        }
+    }
+}
+
+async fn postgres_version(bin_dir: &Path) -> String {
+    match tokio::process::Command::new(bin_dir.join("postgres"))
+        .arg("--version")
+        .output()
+        .await
+    {
+        Ok(out) => String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .trim_start_matches("postgres (PostgreSQL) ")
+            .to_string(),
+        Err(_) => "unknown".into(),
+    }
+}
+
+/// VmHWM: the most resident memory this process has had.
+fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// `2026-12-03 14:05 UTC`, without a date crate (days-to-civil, proleptic Gregorian).
+fn utc_now() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02} UTC",
+        rem / 3_600,
+        rem % 3_600 / 60
+    )
+}

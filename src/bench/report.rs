@@ -1,0 +1,276 @@
+//! Turns the repetitions of each phase into the markdown that goes into BENCHMARKS.md.
+//!
+//! Every figure is a median over repetitions, and every ratio divides two medians taken in the
+//! same run, so that the numbers compare this build with its own baseline on the same machine
+//! at the same time. Repetitions that saw anything unexpected are flagged in the table and
+//! explained under it.
+
+use std::fmt::Write as _;
+
+use super::{BenchOptions, Phase};
+
+/// One repetition of one phase.
+#[derive(Debug, Clone, Default)]
+pub struct Sample {
+    /// Expected answers (or committed transactions) per second.
+    pub rate: f64,
+    pub p50_us: u32,
+    pub p99_us: u32,
+    /// Requests or transactions measured.
+    pub count: u64,
+    /// Unexpected answers, transport errors, failed transactions.
+    pub unexpected: u64,
+    /// What was unexpected, in words.
+    pub problems: Vec<String>,
+}
+
+impl Sample {
+    /// A repetition that could not be measured at all.
+    pub fn failed(why: String) -> Self {
+        Self {
+            unexpected: 1,
+            problems: vec![why],
+            ..Self::default()
+        }
+    }
+}
+
+/// Where and when the run happened.
+#[derive(Debug, Clone, Default)]
+pub struct Environment {
+    pub date: String,
+    pub cpus: usize,
+    pub cpu_model: String,
+    pub kernel: String,
+    pub memory: String,
+    pub postgres: String,
+}
+
+/// Everything one `railguard bench` measured.
+#[derive(Debug)]
+pub struct Report {
+    pub environment: Environment,
+    pub options: BenchOptions,
+    pub pool_size: u64,
+    pub stale_accounts: u64,
+    pub samples: Vec<(Phase, Vec<Sample>)>,
+    /// VmHWM of this process at the end of the run.
+    pub peak_rss_kib: Option<u64>,
+}
+
+/// The median of the values; the mean of the middle two for an even count.
+pub fn median(values: impl IntoIterator<Item = f64>) -> f64 {
+    let mut values: Vec<f64> = values.into_iter().collect();
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
+    }
+}
+
+/// Medians of one phase.
+struct Summary {
+    rate: f64,
+    min: f64,
+    max: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    unexpected: u64,
+}
+
+fn summarize(samples: &[Sample]) -> Summary {
+    let rates = || samples.iter().map(|s| s.rate);
+    Summary {
+        rate: median(rates()),
+        min: rates().fold(f64::INFINITY, f64::min),
+        max: rates().fold(0.0, f64::max),
+        p50_ms: median(samples.iter().map(|s| f64::from(s.p50_us) / 1000.0)),
+        p99_ms: median(samples.iter().map(|s| f64::from(s.p99_us) / 1000.0)),
+        unexpected: samples.iter().map(|s| s.unexpected).sum(),
+    }
+}
+
+/// `12345.6` → `12,346`.
+fn thousands(value: f64) -> String {
+    let digits = format!("{:.0}", value.max(0.0));
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn ms(value: f64) -> String {
+    if value >= 100.0 {
+        format!("{value:.0}")
+    } else if value >= 10.0 {
+        format!("{value:.1}")
+    } else {
+        format!("{value:.2}")
+    }
+}
+
+fn ratio(numerator: f64, denominator: Option<f64>) -> String {
+    match denominator {
+        Some(d) if d > 0.0 => format!("{:.2}×", numerator / d),
+        _ => "—".into(),
+    }
+}
+
+impl Report {
+    fn summary(&self, phase: Phase) -> Option<Summary> {
+        self.samples
+            .iter()
+            .find(|(p, _)| *p == phase)
+            .map(|(_, s)| summarize(s))
+    }
+
+    pub fn to_markdown(&self) -> String {
+        let env = &self.environment;
+        let o = &self.options;
+        let mut md = String::new();
+        let _ = writeln!(md, "### railguard bench, {}\n", env.date);
+        let _ = writeln!(
+            md,
+            "- Machine: {} CPUs ({}), {} RAM, Linux {}",
+            env.cpus, env.cpu_model, env.memory, env.kernel
+        );
+        let _ = writeln!(
+            md,
+            "- PostgreSQL: {}, durable (fsync on, synchronous_commit on), throwaway cluster under /var/tmp",
+            env.postgres
+        );
+        let _ = writeln!(
+            md,
+            "- Settings: {} s × {} repetitions per phase, interleaved round-robin, {} s warm-up before each; \
+             {} connections; {} accounts (uniform); proxy pool {} connections; pgbench -c {} -j {} -M prepared",
+            o.duration.as_secs(),
+            o.repeats,
+            o.warmup.as_secs(),
+            o.connections,
+            o.accounts,
+            self.pool_size,
+            o.connections,
+            o.connections.clamp(1, 2),
+        );
+        let _ = writeln!(
+            md,
+            "- Accepted phases send token {} on accounts `acct-1..{}` (equal tokens are accepted: every request \
+             commits a real compare-and-set); the stale phase sends token 1 on {} accounts raised to {} beforehand",
+            super::TOKEN,
+            o.accounts,
+            self.stale_accounts,
+            super::STALE_MARK,
+        );
+        if let Some(kib) = self.peak_rss_kib {
+            let _ = writeln!(
+                md,
+                "- Peak RSS of the bench process (both proxies, rail simulator and load generator together): {:.0} MiB",
+                kib as f64 / 1024.0
+            );
+        }
+        md.push('\n');
+
+        let direct = self.summary(Phase::Direct).map(|s| s.rate);
+        let pgbench = self.summary(Phase::Pgbench).map(|s| s.rate);
+        md.push_str("| phase | req/s (median) | min–max | p50 ms | p99 ms | × direct | × pgbench | unexpected |\n");
+        md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+        for (phase, samples) in &self.samples {
+            let s = summarize(samples);
+            let vs_direct = match phase {
+                Phase::Direct | Phase::Pgbench => "—".into(),
+                _ => ratio(s.rate, direct),
+            };
+            let vs_pgbench = match phase {
+                Phase::ProxyUnfenced | Phase::ProxyFenced => ratio(s.rate, pgbench),
+                _ => "—".into(),
+            };
+            let unexpected = if s.unexpected == 0 {
+                "0".to_string()
+            } else {
+                format!("**⚠ {}**", s.unexpected)
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {} | {}–{} | {} | {} | {} | {} | {} |",
+                phase.label(),
+                thousands(s.rate),
+                thousands(s.min),
+                thousands(s.max),
+                ms(s.p50_ms),
+                ms(s.p99_ms),
+                vs_direct,
+                vs_pgbench,
+                unexpected,
+            );
+        }
+
+        let flagged: Vec<String> = self
+            .samples
+            .iter()
+            .flat_map(|(phase, samples)| {
+                samples.iter().enumerate().flat_map(move |(rep, s)| {
+                    s.problems
+                        .iter()
+                        .map(move |p| format!("- {}, repetition {}: {p}", phase.label(), rep + 1))
+                })
+            })
+            .collect();
+        if !flagged.is_empty() {
+            md.push_str("\n**Flagged** (these repetitions saw something other than the expected answer):\n\n");
+            for line in flagged {
+                md.push_str(&line);
+                md.push('\n');
+            }
+        }
+
+        md.push_str("\nEach repetition, req/s (tx/s for pgbench), in the order they ran:\n\n");
+        let reps = self.samples.iter().map(|(_, s)| s.len()).max().unwrap_or(0);
+        md.push_str("| phase |");
+        for rep in 1..=reps {
+            let _ = write!(md, " {rep} |");
+        }
+        md.push_str("\n|---|");
+        md.push_str(&"---:|".repeat(reps));
+        md.push('\n');
+        for (phase, samples) in &self.samples {
+            let _ = write!(md, "| {} |", phase.label());
+            for s in samples {
+                let _ = write!(md, " {} |", thousands(s.rate));
+            }
+            md.push('\n');
+        }
+        md
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians() {
+        assert_eq!(median([3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median([4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median([]), 0.0);
+    }
+
+    #[test]
+    fn formats() {
+        assert_eq!(thousands(1234567.4), "1,234,567");
+        assert_eq!(thousands(999.6), "1,000");
+        assert_eq!(thousands(12.0), "12");
+        assert_eq!(ms(0.8123), "0.81");
+        assert_eq!(ms(19.04), "19.0");
+        assert_eq!(ratio(1.0, Some(4.0)), "0.25×");
+        assert_eq!(ratio(1.0, Some(0.0)), "—");
+    }
+}

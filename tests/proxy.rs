@@ -1,0 +1,697 @@
+//! The rail proxy end to end: real PostgreSQL, the rail simulator, and the `railguard`
+//! binary, all over real sockets.
+
+mod support;
+
+use std::time::Duration;
+
+use http::StatusCode;
+use support::{Http, Pg, Rail, Railguard, init_tracing};
+
+const FENCED: &str = "lock_fenced_out_total";
+const FORWARDED: &str = "railguard_requests_total{outcome=\"forwarded\"}";
+
+async fn world() -> (Pg, Rail, Railguard) {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    (pg, rail, rg)
+}
+
+#[tokio::test]
+async fn tokens_at_or_above_the_mark_pass_and_stale_tokens_are_fenced_out() {
+    let (pg, rail, rg) = world().await;
+    let http = Http::new();
+
+    // The first token for a new account is accepted and becomes its mark.
+    let reply = http.pay_with(&rg, 42, "acct-1").await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    assert_eq!(pg.mark("acct-1").await, Some(42));
+
+    // An equal token is the same grant: accepted.
+    assert_eq!(
+        http.pay_with(&rg, 42, "acct-1").await.status,
+        StatusCode::CREATED
+    );
+    // A larger token is a newer grant: accepted, mark advanced.
+    assert_eq!(
+        http.pay_with(&rg, 57, "acct-1").await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(pg.mark("acct-1").await, Some(57));
+    assert_eq!(rail.ledger().len(), 3);
+    let before = rg.metrics().await;
+
+    // T-042's last step: the stalled survivor comes back with 42.
+    let reply = http.pay_with(&rg, 42, "acct-1").await;
+    assert_eq!(reply.status, StatusCode::CONFLICT);
+    let body = reply.json();
+    assert_eq!(body["error"], "fenced_out");
+    assert_eq!(body["account"], "acct-1");
+    assert_eq!(body["token"], 42);
+    assert!(
+        !reply.body.contains("57"),
+        "the 409 must never reveal the mark: {}",
+        reply.body
+    );
+    assert_eq!(
+        rail.ledger().len(),
+        3,
+        "the rail never saw the stale request"
+    );
+    assert_eq!(pg.mark("acct-1").await, Some(57));
+
+    let after = rg.metrics().await;
+    assert_eq!(after.get(FENCED) - before.get(FENCED), 1.0);
+    assert_eq!(
+        after.get("railguard_requests_total{outcome=\"fenced_out\"}"),
+        1.0
+    );
+    assert_eq!(after.get(FORWARDED), 3.0);
+    assert_eq!(after.get("railguard_fencing_enforced"), 1.0);
+    assert!(after.get("railguard_fence_check_duration_seconds_count{path=\"database\"}") >= 3.0);
+    assert!(after.get("railguard_upstream_duration_seconds_count") >= 3.0);
+
+    // Other accounts are independent, and the ledger recorded the headers the rail saw.
+    assert_eq!(
+        http.pay_with(&rg, 1, "acct-2").await.status,
+        StatusCode::CREATED
+    );
+    let ledger = rail.ledger();
+    let tokens: Vec<_> = ledger.iter().map(|e| e.token.clone().unwrap()).collect();
+    assert_eq!(tokens, ["42", "42", "57", "1"]);
+    assert_eq!(ledger[3].account.as_deref(), Some("acct-2"));
+    assert_eq!(ledger[0].forwarded_for.as_deref(), Some("127.0.0.1"));
+}
+
+#[tokio::test]
+async fn a_stale_token_is_fenced_even_when_the_mark_was_never_cached() {
+    // Two railguards share one database: the second has never seen the account.
+    let (pg, rail, rg1) = world().await;
+    let rg2 = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = Http::new();
+    assert_eq!(
+        http.pay_with(&rg1, 57, "shared").await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        http.pay_with(&rg2, 42, "shared").await.status,
+        StatusCode::CONFLICT
+    );
+    assert_eq!(rail.ledger().len(), 1);
+    let m = rg2.metrics().await;
+    assert_eq!(m.get(FENCED), 1.0);
+    assert_eq!(
+        m.get("railguard_fence_check_duration_seconds_count{path=\"cache\"}"),
+        0.0
+    );
+}
+
+#[tokio::test]
+async fn malformed_fencing_headers_are_refused_and_never_forwarded() {
+    let (_pg, rail, rg) = world().await;
+    let http = Http::new();
+    let url = rg.proxy_url("/payments");
+    let cases: &[(&str, &[(&str, &str)])] = &[
+        ("missing token", &[("Fencing-Account", "a")]),
+        (
+            "empty token",
+            &[("Fencing-Token", ""), ("Fencing-Account", "a")],
+        ),
+        (
+            "non-numeric token",
+            &[("Fencing-Token", "abc"), ("Fencing-Account", "a")],
+        ),
+        (
+            "zero token",
+            &[("Fencing-Token", "0"), ("Fencing-Account", "a")],
+        ),
+        (
+            "negative token",
+            &[("Fencing-Token", "-5"), ("Fencing-Account", "a")],
+        ),
+        (
+            "plus sign",
+            &[("Fencing-Token", "+5"), ("Fencing-Account", "a")],
+        ),
+        (
+            "fraction",
+            &[("Fencing-Token", "4.2"), ("Fencing-Account", "a")],
+        ),
+        (
+            "overflowing token",
+            &[
+                ("Fencing-Token", "9223372036854775808"),
+                ("Fencing-Account", "a"),
+            ],
+        ),
+        (
+            "huge token",
+            &[
+                ("Fencing-Token", "123456789012345678901234567890"),
+                ("Fencing-Account", "a"),
+            ],
+        ),
+        (
+            "repeated token",
+            &[
+                ("Fencing-Token", "5"),
+                ("Fencing-Token", "6"),
+                ("Fencing-Account", "a"),
+            ],
+        ),
+        (
+            "repeated equal token",
+            &[
+                ("Fencing-Token", "5"),
+                ("Fencing-Token", "5"),
+                ("Fencing-Account", "a"),
+            ],
+        ),
+        (
+            "comma-joined tokens",
+            &[("Fencing-Token", "5, 6"), ("Fencing-Account", "a")],
+        ),
+        ("missing account", &[("Fencing-Token", "5")]),
+        (
+            "empty account",
+            &[("Fencing-Token", "5"), ("Fencing-Account", "")],
+        ),
+        (
+            "repeated account",
+            &[
+                ("Fencing-Token", "5"),
+                ("Fencing-Account", "a"),
+                ("Fencing-Account", "b"),
+            ],
+        ),
+        (
+            "account with a space",
+            &[("Fencing-Token", "5"), ("Fencing-Account", "a b")],
+        ),
+    ];
+    for (what, headers) in cases {
+        let reply = http.pay(&url, headers, "{}").await;
+        assert_eq!(
+            reply.status,
+            StatusCode::BAD_REQUEST,
+            "{what}: {}",
+            reply.body
+        );
+        let body = reply.json();
+        assert_eq!(body["error"], "bad_request", "{what}");
+        assert!(
+            body["message"].as_str().unwrap().contains("fencing-"),
+            "{what}: {}",
+            reply.body
+        );
+    }
+    let long_account = "x".repeat(129);
+    let reply = http
+        .pay(
+            &url,
+            &[("Fencing-Token", "5"), ("Fencing-Account", &long_account)],
+            "{}",
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+
+    assert!(
+        rail.ledger().is_empty(),
+        "nothing malformed reached the rail"
+    );
+    let m = rg.metrics().await;
+    assert_eq!(
+        m.get("railguard_requests_total{outcome=\"bad_request\"}"),
+        (cases.len() + 1) as f64
+    );
+    assert_eq!(m.get(FENCED), 0.0);
+}
+
+#[tokio::test]
+async fn oversized_bodies_get_413_and_advance_nothing() {
+    let (pg, rail, rg) = world().await;
+    let mut rg = rg;
+    rg.stop().await;
+    let mut rg = Railguard::start(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__PROXY__MAX_BODY_BYTES", "1024")],
+    )
+    .await;
+    let http = Http::new();
+    let url = rg.proxy_url("/payments");
+    let big = "x".repeat(4096);
+    let reply = http
+        .pay(
+            &url,
+            &[("Fencing-Token", "9"), ("Fencing-Account", "a")],
+            &big,
+        )
+        .await;
+    assert_eq!(
+        reply.status,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "{}",
+        reply.body
+    );
+    assert_eq!(
+        pg.mark("a").await,
+        None,
+        "a refused body never advances the mark"
+    );
+    assert!(rail.ledger().is_empty());
+    let ok = http
+        .pay(
+            &url,
+            &[("Fencing-Token", "9"), ("Fencing-Account", "a")],
+            "small",
+        )
+        .await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+    rg.stop().await;
+}
+
+/// One burst: 50 concurrent requests for `account` with random tokens. Checks the rail's
+/// ledger for that account and returns how many were fenced out.
+async fn fifty_concurrent_random_tokens(
+    pg: &Pg,
+    rail: &Rail,
+    rg: &Railguard,
+    account: &str,
+) -> usize {
+    use std::hash::{BuildHasher, RandomState};
+    let seed = RandomState::new();
+    let tokens: Vec<i64> = (0..50u64)
+        .map(|i| 1 + (seed.hash_one(i) % 200) as i64)
+        .collect();
+    let http = Http::new();
+    let mut tasks = Vec::new();
+    for token in tokens.clone() {
+        let http = http.clone();
+        let url = rg.proxy_url("/payments");
+        let account = account.to_string();
+        tasks.push(tokio::spawn(async move {
+            let t = token.to_string();
+            let reply = http
+                .pay(
+                    &url,
+                    &[("Fencing-Token", &t), ("Fencing-Account", &account)],
+                    "{}",
+                )
+                .await;
+            (token, reply.status)
+        }));
+    }
+    let mut accepted = 0;
+    let mut fenced = 0;
+    for task in tasks {
+        let (token, status) = task.await.unwrap();
+        match status {
+            StatusCode::CREATED => accepted += 1,
+            StatusCode::CONFLICT => fenced += 1,
+            other => panic!("token {token}: unexpected {other}"),
+        }
+    }
+    let forwarded: Vec<i64> = rail
+        .ledger()
+        .iter()
+        .filter(|e| e.account.as_deref() == Some(account))
+        .map(|e| e.token.as_ref().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(
+        forwarded.len(),
+        accepted,
+        "every 201 is one ledger entry, every 409 none"
+    );
+    assert_eq!(accepted + fenced, 50);
+    for (i, t) in forwarded.iter().enumerate() {
+        assert!(
+            forwarded[..i].iter().all(|earlier| earlier <= t),
+            "{account}: token {t} reached the rail after a larger one: {forwarded:?}"
+        );
+    }
+    let max_forwarded = *forwarded.iter().max().unwrap();
+    assert_eq!(
+        pg.mark(account).await,
+        Some(max_forwarded),
+        "the final mark is the largest forwarded token"
+    );
+    assert_eq!(
+        max_forwarded,
+        *tokens.iter().max().unwrap(),
+        "the largest token always passes"
+    );
+    fenced
+}
+
+#[tokio::test]
+async fn fifty_concurrent_requests_reach_the_rail_in_token_order() {
+    init_tracing();
+    let pg = Pg::start().await;
+    // A slow rail behind a jittery path: requests overlap, and without the proxy's ordering
+    // they would arrive out of order. Four accounts' bursts run at once to widen the net.
+    let rail = Rail::with_jitter(Duration::from_millis(5), Duration::from_millis(15)).await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let bursts = ["hot-0", "hot-1", "hot-2", "hot-3"]
+        .map(|a| fifty_concurrent_random_tokens(&pg, &rail, &rg, a));
+    let fenced: usize = futures_join_all(bursts).await.into_iter().sum();
+    assert_eq!(rg.metrics().await.get(FENCED), fenced as f64);
+}
+
+/// Polls every future to completion concurrently (no `futures` crate in the tree).
+async fn futures_join_all<F: std::future::Future>(futures: [F; 4]) -> Vec<F::Output> {
+    let [a, b, c, d] = futures;
+    let (a, b, c, d) = tokio::join!(a, b, c, d);
+    vec![a, b, c, d]
+}
+
+#[tokio::test]
+async fn marks_survive_a_railguard_restart_and_a_postgres_restart() {
+    let (mut pg, rail, mut rg) = world().await;
+    let http = Http::new();
+    assert_eq!(
+        http.pay_with(&rg, 57, "k").await.status,
+        StatusCode::CREATED
+    );
+
+    rg.restart().await;
+    // A fresh process has an empty cache: the database alone fences.
+    assert_eq!(
+        http.pay_with(&rg, 42, "k").await.status,
+        StatusCode::CONFLICT
+    );
+    assert_eq!(
+        http.pay_with(&rg, 57, "k").await.status,
+        StatusCode::CREATED
+    );
+
+    pg.server.stop().await;
+    pg.server.start().await.unwrap();
+    rg.restart().await;
+    assert_eq!(
+        http.pay_with(&rg, 56, "k").await.status,
+        StatusCode::CONFLICT
+    );
+    assert_eq!(
+        http.pay_with(&rg, 58, "k").await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(pg.mark("k").await, Some(58));
+    let tokens: Vec<_> = rail
+        .ledger()
+        .iter()
+        .map(|e| e.token.clone().unwrap())
+        .collect();
+    assert_eq!(tokens, ["57", "57", "58"]);
+}
+
+#[tokio::test]
+async fn postgres_down_means_503_and_nothing_forwarded_then_recovery() {
+    let (mut pg, rail, rg) = world().await;
+    let http = Http::new();
+    assert_eq!(
+        http.pay_with(&rg, 10, "k").await.status,
+        StatusCode::CREATED
+    );
+
+    // A crash: connections die, nothing answers.
+    pg.server.kill().await;
+    for token in [11, 12] {
+        let reply = http.pay_with(&rg, token, "k").await;
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            reply.body
+        );
+        assert_eq!(reply.json()["error"], "database_unavailable");
+        assert_eq!(reply.headers.get("retry-after").unwrap(), "1");
+    }
+    let (status, _) = http
+        .get(&format!("http://{}/readyz", rg.admin))
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        rail.ledger().len(),
+        1,
+        "nothing was forwarded without a fence check"
+    );
+
+    // Crash recovery keeps the committed mark; the same railguard recovers on its own.
+    pg.server.start().await.unwrap();
+    let mut recovered = false;
+    for _ in 0..50 {
+        if http.pay_with(&rg, 13, "k").await.status == StatusCode::CREATED {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        recovered,
+        "railguard recovers when PostgreSQL returns:\n{}",
+        rg.log()
+    );
+    assert_eq!(
+        http.pay_with(&rg, 9, "k").await.status,
+        StatusCode::CONFLICT
+    );
+    assert_eq!(rail.ledger().len(), 2);
+    assert!(
+        rg.metrics()
+            .await
+            .get("railguard_requests_total{outcome=\"database_unavailable\"}")
+            >= 2.0
+    );
+}
+
+#[tokio::test]
+async fn postgres_that_stops_answering_gets_503_within_the_database_timeout() {
+    let (pg, rail, rg) = world().await;
+    let http = Http::new();
+    assert_eq!(
+        http.pay_with(&rg, 10, "k").await.status,
+        StatusCode::CREATED
+    );
+    pg.server.pause().await;
+    let reply = http.pay_with(&rg, 11, "k").await;
+    pg.server.resume().await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.body
+    );
+    assert_eq!(rail.ledger().len(), 1);
+    // The compare-and-set that timed out may have committed once PostgreSQL resumed: the
+    // mark is 10 or 11, never anything else, and 11 is accepted either way.
+    let mark = pg.mark("k").await;
+    assert!(mark == Some(10) || mark == Some(11), "{mark:?}");
+    assert_eq!(
+        http.pay_with(&rg, 11, "k").await.status,
+        StatusCode::CREATED
+    );
+}
+
+#[tokio::test]
+async fn kill_switch_forwards_stale_tokens_and_counts_them() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__FENCING__ENFORCE", "false")],
+    )
+    .await;
+    let http = Http::new();
+    assert_eq!(rg.metrics().await.get("railguard_fencing_enforced"), 0.0);
+    assert!(
+        rg.log().contains("FENCING IS DISABLED"),
+        "a loud warning at start:\n{}",
+        rg.log()
+    );
+
+    assert_eq!(
+        http.pay_with(&rg, 57, "k").await.status,
+        StatusCode::CREATED
+    );
+    let reply = http.pay_with(&rg, 42, "k").await;
+    assert_eq!(
+        reply.status,
+        StatusCode::CREATED,
+        "the stale request is forwarded: {}",
+        reply.body
+    );
+    let tokens: Vec<_> = rail
+        .ledger()
+        .iter()
+        .map(|e| e.token.clone().unwrap())
+        .collect();
+    assert_eq!(
+        tokens,
+        ["57", "42"],
+        "the duplicate the switch exists to demonstrate"
+    );
+    let m = rg.metrics().await;
+    assert_eq!(m.get("railguard_would_have_fenced_total"), 1.0);
+    assert_eq!(m.get(FENCED), 0.0, "nothing was fenced out");
+    assert_eq!(pg.mark("k").await, Some(57), "the mark never goes down");
+}
+
+#[tokio::test]
+async fn upstream_failures_are_502_and_504() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let dead = format!("http://127.0.0.1:{}", railguard::net::free_loopback_port());
+    let rg = Railguard::start(&pg.url(), &dead, &[]).await;
+    let reply = Http::new().pay_with(&rg, 5, "k").await;
+    assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.body);
+    assert_eq!(reply.json()["error"], "upstream_unavailable");
+    assert_eq!(reply.json()["origin"], "upstream");
+
+    let slow = Rail::with_latency(Duration::from_secs(5)).await;
+    let rg = Railguard::start(
+        &pg.url(),
+        &slow.url(),
+        &[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "300")],
+    )
+    .await;
+    let reply = Http::new().pay_with(&rg, 6, "k").await;
+    assert_eq!(reply.status, StatusCode::GATEWAY_TIMEOUT, "{}", reply.body);
+    assert_eq!(reply.json()["error"], "upstream_timeout");
+    let m = rg.metrics().await;
+    assert_eq!(
+        m.get("railguard_requests_total{outcome=\"upstream_timeout\"}"),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn http2_clients_are_proxied_and_hop_by_hop_headers_dropped() {
+    let (_pg, rail, rg) = world().await;
+    let reply = Http::http2().pay_with(&rg, 3, "h2").await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    assert!(reply.headers.contains_key("x-request-id"));
+
+    let reply = Http::new()
+        .pay(
+            &rg.proxy_url("/payments?x=1"),
+            &[
+                ("Fencing-Token", "3"),
+                ("Fencing-Account", "h2"),
+                ("Connection", "x-private"),
+                ("X-Private", "secret"),
+                ("X-Forwarded-For", "10.1.2.3"),
+            ],
+            "{}",
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    let ledger = rail.ledger();
+    assert_eq!(ledger.len(), 2);
+    assert_eq!(ledger[1].path, "/payments");
+    assert_eq!(
+        ledger[1].forwarded_for.as_deref(),
+        Some("10.1.2.3, 127.0.0.1")
+    );
+}
+
+#[tokio::test]
+async fn sigterm_drains_in_flight_requests() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_millis(500)).await;
+    let mut rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = Http::new();
+    let in_flight = {
+        let http = http.clone();
+        let url = rg.proxy_url("/payments");
+        tokio::spawn(async move {
+            http.pay(
+                &url,
+                &[("Fencing-Token", "1"), ("Fencing-Account", "d")],
+                "{}",
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let status = rg.stop().await;
+    assert!(status.success(), "clean exit: {status}");
+    assert_eq!(
+        in_flight.await.unwrap().status,
+        StatusCode::CREATED,
+        "the in-flight request finished"
+    );
+    assert_eq!(rail.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn bad_config_stops_start_up_naming_the_key_and_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "[proxy]\nlisten = \"127.0.0.1:1\"\nupstrem = \"http://x\"\n",
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_railguard"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("bad.toml") && stderr.contains("upstrem"),
+        "{stderr}"
+    );
+
+    std::fs::write(&path, "").unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_railguard"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .env("RAILGUARD__DATABASE__POOL_SIZE", "lots")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("RAILGUARD__DATABASE__POOL_SIZE") && stderr.contains("database.pool_size"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn unreachable_database_url_fails_start_up_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rg.toml");
+    let port = railguard::net::free_loopback_port();
+    std::fs::write(
+        &path,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:{}\"\n[admin]\nlisten = \"127.0.0.1:{}\"\n[database]\nurl = \"postgres://rg:pw@127.0.0.1:{port}/x\"\ntimeout_ms = 500\n",
+            railguard::net::free_loopback_port(),
+            railguard::net::free_loopback_port()
+        ),
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_railguard"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot connect to PostgreSQL") && !stderr.contains(":pw@"),
+        "{stderr}"
+    );
+}
