@@ -30,6 +30,7 @@ pub struct Config {
     pub fencing: FencingConfig,
     pub log: LogConfig,
     pub shutdown: ShutdownConfig,
+    pub lock: LockConfig,
 }
 
 /// `[proxy]`: the listener payment workers talk to and the rail behind it.
@@ -68,6 +69,37 @@ impl Default for ProxyConfig {
             account_header: "Fencing-Account".into(),
             idempotency_header: "Idempotency-Key".into(),
             max_account_len: 128,
+        }
+    }
+}
+
+/// `[lock]`: the lock service's HTTP API.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LockConfig {
+    /// Address of the lock API.
+    pub listen: SocketAddr,
+    /// Where grants and tokens live: `postgres` (the `[database]` above).
+    pub backend: String,
+    /// Largest lease a caller may ask for.
+    pub max_ttl_ms: u64,
+    /// Longest a blocking acquire may wait.
+    pub max_wait_ms: u64,
+    /// Acquirers that may wait at once in this process; more are refused with 429.
+    pub max_waiters: u64,
+    /// Longest sleep between attempts of a waiter, should a release notification be lost.
+    pub poll_interval_ms: u64,
+}
+
+impl Default for LockConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            backend: "postgres".into(),
+            max_ttl_ms: 3_600_000,
+            max_wait_ms: 300_000,
+            max_waiters: 10_000,
+            poll_interval_ms: 500,
         }
     }
 }
@@ -281,6 +313,9 @@ impl Config {
             ("database.pool_size", self.database.pool_size),
             ("database.timeout_ms", self.database.timeout_ms),
             ("fencing.cache_capacity", self.fencing.cache_capacity),
+            ("lock.max_ttl_ms", self.lock.max_ttl_ms),
+            ("lock.max_waiters", self.lock.max_waiters),
+            ("lock.poll_interval_ms", self.lock.poll_interval_ms),
         ] {
             if value == 0 {
                 return Err((key, "must be greater than zero".into()));
@@ -322,8 +357,14 @@ impl Config {
                 "must be set when database.url is \"embedded\"".into(),
             ));
         }
-        if self.proxy.listen == self.admin.listen && self.proxy.listen.port() != 0 {
-            return Err(("admin.listen", "must differ from proxy.listen".into()));
+        if self.lock.backend != "postgres" {
+            return Err(("lock.backend", format!("{:?} is not a backend; use \"postgres\"", self.lock.backend)));
+        }
+        let listeners = [("proxy.listen", self.proxy.listen), ("admin.listen", self.admin.listen), ("lock.listen", self.lock.listen)];
+        for (i, (key, addr)) in listeners.iter().enumerate() {
+            if addr.port() != 0 && listeners[..i].iter().any(|(_, other)| other == addr) {
+                return Err((key, format!("{addr} is already used by another listener")));
+            }
         }
         Ok(())
     }

@@ -6,6 +6,9 @@
 //! - [`token`] — `FencingToken` and `AccountId`, the values everything else passes around.
 //! - [`proxy`] — the rail proxy: a tower stack that forwards a request only if its token
 //!   passes the account's high-water mark.
+//! - [`lock`] — the lock service: grants with fencing tokens, the PostgreSQL backend, the
+//!   HTTP API; [`sdk`] is what a worker uses (`LockClient`, `LockHandle`, `RailClient`, the
+//!   paydb fenced UPDATE).
 //! - [`high_water`] — the compare-and-set on `rail_high_water` in PostgreSQL (FR-17).
 //! - [`db`] — the pool, migrations, and the embedded/throwaway PostgreSQL server.
 //! - [`admin`], [`metrics`], [`telemetry`] — what operators see.
@@ -21,6 +24,7 @@ pub mod config;
 pub mod db;
 pub mod high_water;
 pub mod http_server;
+pub mod lock;
 pub mod metrics;
 pub mod net;
 pub mod proxy;

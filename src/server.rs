@@ -20,6 +20,9 @@ use crate::config::Config;
 use crate::db::{Database, DatabaseError};
 use crate::high_water::HighWaterStore;
 use crate::http_server::serve;
+use crate::lock::api::LockApi;
+use crate::lock::postgres::{PgLocks, listen_for_releases};
+use crate::lock::service::{LockLimits, LockService};
 use crate::metrics::Metrics;
 use crate::proxy::extract::ExtractConfig;
 use crate::proxy::fence::Fence;
@@ -59,6 +62,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     }
     let proxy_listener = bind("proxy.listen", config.proxy.listen).await?;
     let admin_listener = bind("admin.listen", config.admin.listen).await?;
+    let lock_listener = bind("lock.listen", config.lock.listen).await?;
     let upstream =
         Upstream::parse(&config.proxy.upstream).map_err(|e| ServeError::Upstream(e.to_string()))?;
 
@@ -85,6 +89,28 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         request_timeout: config.request_timeout(),
     };
     let stack = proxy::stack(extract, fence, forward, metrics.clone());
+    let lock_metrics = metrics.lock_metrics("postgres");
+    let lock_service = Arc::new(LockService::new(
+        PgLocks::new(database.pool.clone(), config.database_timeout(), lock_metrics.clone()),
+        lock_metrics,
+        LockLimits {
+            max_ttl: Duration::from_millis(config.lock.max_ttl_ms),
+            max_wait: Duration::from_millis(config.lock.max_wait_ms),
+            max_waiters: config.lock.max_waiters as usize,
+            poll_interval: Duration::from_millis(config.lock.poll_interval_ms),
+            ..LockLimits::default()
+        },
+    ));
+    let queues = lock_service.queues();
+    let listener_task = tokio::spawn(listen_for_releases(
+        database.url.clone(),
+        {
+            let queues = queues.clone();
+            move |key| queues.wake(key)
+        },
+        move || queues.wake_all(),
+    ));
+    let lock_api = LockApi::new(lock_service);
     let admin = Admin { metrics, store };
 
     let grace = Duration::from_millis(config.shutdown.grace_ms);
@@ -104,6 +130,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         stopped(stop_rx.clone()),
         grace,
     ));
+    let lock_task = tokio::spawn(serve(
+        lock_listener,
+        move |_peer| {
+            let api = lock_api.clone();
+            hyper::service::service_fn(move |request| api.clone().handle(request))
+        },
+        stopped(stop_rx.clone()),
+        grace,
+    ));
     let admin_task = tokio::spawn(serve(
         admin_listener,
         move |_peer| {
@@ -113,14 +148,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         stopped(stop_rx),
         grace,
     ));
-    tracing::info!(proxy = %config.proxy.listen, admin = %config.admin.listen,
+    tracing::info!(proxy = %config.proxy.listen, admin = %config.admin.listen, lock = %config.lock.listen,
         upstream = %config.proxy.upstream, enforce = config.fencing.enforce, "railguard serving");
 
     shutdown.await;
     tracing::info!(?grace, "shutting down");
     let _ = stop_tx.send(true);
     let _ = proxy_task.await;
+    let _ = lock_task.await;
     let _ = admin_task.await;
+    listener_task.abort();
     database.shutdown().await;
     tracing::info!("railguard stopped");
     Ok(())

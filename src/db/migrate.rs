@@ -19,11 +19,18 @@ pub struct Migration {
 }
 
 /// Every migration, in order. `migrations_dir_matches_this_list` keeps it honest.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "rail_high_water",
-    sql: include_str!("../../migrations/0001_rail_high_water.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "rail_high_water",
+        sql: include_str!("../../migrations/0001_rail_high_water.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "lock_entry",
+        sql: include_str!("../../migrations/0002_lock_entry.sql"),
+    },
+];
 
 /// The schema version this binary expects.
 pub fn latest_version() -> i32 {

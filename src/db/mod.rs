@@ -37,6 +37,8 @@ pub enum DatabaseError {
 /// The pool, and the embedded server when there is one.
 pub struct Database {
     pub pool: Pool,
+    /// Where the database is, for connections outside the pool (LISTEN).
+    pub url: String,
     pub server: Option<PostgresServer>,
 }
 
@@ -59,9 +61,14 @@ impl Database {
             }
         };
         let timeout = config.database_timeout();
-        migrate_url(&url, timeout).await?;
+        if let Err(e) = migrate_url(&url, timeout).await {
+            if let Some(mut server) = server {
+                server.stop().await;
+            }
+            return Err(e);
+        }
         let pool = build_pool(&url, config.database.pool_size as usize, timeout)?;
-        Ok(Self { pool, server })
+        Ok(Self { pool, url, server })
     }
 
     /// Stops the embedded server, if any. Call after the last request has finished.

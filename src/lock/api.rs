@@ -1,0 +1,212 @@
+//! The lock service's HTTP/JSON API (FR-08), on its own listener.
+//!
+//! | request | body | success |
+//! |---|---|---|
+//! | `POST /v1/locks/{key}/acquire` | `{"holder", "ttl_ms", "wait_ms"?}` | 200 the grant, with its token |
+//! | `POST /v1/locks/{key}/renew` | `{"token"}` | 200 the new expiry; the token is unchanged |
+//! | `POST /v1/locks/{key}/release` | `{"token"}` | 200 |
+//! | `GET /v1/locks/{key}` | | 200 holder, lease remaining, grant age — **never a token** |
+//!
+//! Refusals: 400 bad key or body (unknown fields included), 409 `held` (revealing neither the
+//! holder's token nor anything usable as one), 410 `lost` (the grant no longer holds the key),
+//! 429 `too_many_waiters`, 503 `unavailable` (nothing was granted, no token was invented).
+//! Tokens travel as JSON integers. `inspect` exists for people diagnosing a stuck key; its
+//! answer is stale the moment it is read and must never feed a correctness decision (FR-07).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde::{Deserialize, Serialize};
+
+use super::service::LockService;
+use super::{LockBackend, LockError, LockKey, parse_holder};
+use crate::proxy::{ProxyBody, full};
+use crate::token::FencingToken;
+
+/// Largest request body the API reads.
+const MAX_BODY: usize = 16 * 1024;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireRequest {
+    pub holder: String,
+    pub ttl_ms: u64,
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenRequest {
+    pub token: i64,
+}
+
+/// A grant on the wire. The only place a token leaves the lock service.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GrantResponse {
+    pub key: String,
+    pub token: i64,
+    pub holder: String,
+    pub ttl_ms: u64,
+    /// The backend's clock, µs since the Unix epoch; for diagnosis only.
+    pub granted_at_us: i64,
+    pub expires_at_us: i64,
+    pub backend: String,
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RenewResponse {
+    pub key: String,
+    pub token: i64,
+    pub ttl_ms: u64,
+    pub expires_at_us: i64,
+}
+
+/// Why a request failed, before it is rendered (the one place that picks a status).
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("no such route; see /v1/locks/{{key}}")]
+    NotFound,
+    #[error("method not allowed here")]
+    MethodNotAllowed,
+    #[error(transparent)]
+    Lock(#[from] LockError),
+}
+
+impl ApiError {
+    fn into_response(self) -> Response<ProxyBody> {
+        let (status, code) = match &self {
+            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+            ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
+            ApiError::Lock(LockError::Held) => (StatusCode::CONFLICT, "held"),
+            ApiError::Lock(LockError::Lost) => (StatusCode::GONE, "lost"),
+            ApiError::Lock(LockError::TooManyWaiters(_)) => (StatusCode::TOO_MANY_REQUESTS, "too_many_waiters"),
+            ApiError::Lock(LockError::Unavailable(_)) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+        };
+        let mut response = json(status, &serde_json::json!({ "error": code, "message": self.to_string() }));
+        if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+fn json(status: StatusCode, value: &impl Serialize) -> Response<ProxyBody> {
+    let body = serde_json::to_vec(value).expect("serializable");
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::CACHE_CONTROL, "no-store")
+        .body(full(Bytes::from(body)))
+        .expect("static response parts")
+}
+
+pub struct LockApi<B> {
+    service: Arc<LockService<B>>,
+}
+
+impl<B> Clone for LockApi<B> {
+    fn clone(&self) -> Self {
+        Self { service: self.service.clone() }
+    }
+}
+
+impl<B: LockBackend> LockApi<B> {
+    pub fn new(service: Arc<LockService<B>>) -> Self {
+        Self { service }
+    }
+
+    pub async fn handle(self, request: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+        Ok(match self.route(request).await {
+            Ok(response) => response,
+            Err(error) => error.into_response(),
+        })
+    }
+
+    async fn route(&self, request: Request<Incoming>) -> Result<Response<ProxyBody>, ApiError> {
+        let path = request.uri().path().to_string();
+        let rest = path.strip_prefix("/v1/locks/").ok_or(ApiError::NotFound)?;
+        let (key, action) = match rest.split_once('/') {
+            Some((key, action)) => (key, Some(action)),
+            None => (rest, None),
+        };
+        let key = LockKey::parse(key).map_err(ApiError::BadRequest)?;
+        let method = request.method().clone();
+        match (action, method) {
+            (None, Method::GET) => {
+                let inspection = self.service.inspect(&key).await?;
+                Ok(json(StatusCode::OK, &inspection))
+            }
+            (Some("acquire"), Method::POST) => {
+                let body: AcquireRequest = read_json(request).await?;
+                self.acquire(key, body).await
+            }
+            (Some("renew"), Method::POST) => {
+                let token = read_token(request).await?;
+                let renewed = self.service.renew(&key, token).await?;
+                Ok(json(StatusCode::OK, &RenewResponse {
+                    key: key.to_string(),
+                    token: token.get(),
+                    ttl_ms: renewed.ttl.as_millis() as u64,
+                    expires_at_us: renewed.expires_at_us,
+                }))
+            }
+            (Some("release"), Method::POST) => {
+                let token = read_token(request).await?;
+                self.service.release(&key, token).await?;
+                Ok(json(StatusCode::OK, &serde_json::json!({ "key": key.as_str(), "released": true })))
+            }
+            (None | Some("acquire" | "renew" | "release"), _) => Err(ApiError::MethodNotAllowed),
+            _ => Err(ApiError::NotFound),
+        }
+    }
+
+    async fn acquire(&self, key: LockKey, body: AcquireRequest) -> Result<Response<ProxyBody>, ApiError> {
+        let limits = self.service.limits();
+        let holder = parse_holder(&body.holder).map_err(ApiError::BadRequest)?;
+        let ttl = Duration::from_millis(body.ttl_ms);
+        if ttl < limits.min_ttl || ttl > limits.max_ttl {
+            return Err(ApiError::BadRequest(format!(
+                "ttl_ms must be between {} and {}",
+                limits.min_ttl.as_millis(),
+                limits.max_ttl.as_millis()
+            )));
+        }
+        let wait = Duration::from_millis(body.wait_ms);
+        if wait > limits.max_wait {
+            return Err(ApiError::BadRequest(format!("wait_ms must be at most {}", limits.max_wait.as_millis())));
+        }
+        let grant = self.service.acquire(&key, &holder, ttl, wait).await?;
+        Ok(json(StatusCode::OK, &GrantResponse {
+            key: grant.key.to_string(),
+            token: grant.token.get(),
+            holder: grant.holder,
+            ttl_ms: body.ttl_ms,
+            granted_at_us: grant.granted_at_us,
+            expires_at_us: grant.expires_at_us,
+            backend: self.service.backend_name().to_string(),
+        }))
+    }
+}
+
+async fn read_json<T: serde::de::DeserializeOwned>(request: Request<Incoming>) -> Result<T, ApiError> {
+    let body = Limited::new(request.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| ApiError::BadRequest(format!("cannot read the body (at most {MAX_BODY} bytes): {e}")))?
+        .to_bytes();
+    serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
+}
+
+async fn read_token(request: Request<Incoming>) -> Result<FencingToken, ApiError> {
+    let body: TokenRequest = read_json(request).await?;
+    FencingToken::new(body.token).ok_or_else(|| ApiError::BadRequest("token must be a positive integer".into()))
+}

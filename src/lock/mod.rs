@@ -1,0 +1,179 @@
+//! The lock service: leases on keys, each grant carrying a fencing token fixed at grant time.
+//!
+//! - [`LockBackend`] is the one interface every backend implements (try-acquire, renew,
+//!   release, inspect); [`postgres`] is the PostgreSQL backend.
+//! - [`service`] adds what is the same for every backend: blocking acquire with first-come,
+//!   first-served waiters, metrics and spans.
+//! - [`api`] is the HTTP/JSON API on its own listener.
+//!
+//! FR-02: a token is obtained once, in the acquire, and is an immutable property of the grant.
+//! No operation here re-reads, refreshes or recomputes the token of an existing grant; renew
+//! and release take the caller's token and only ever compare it. [`Inspection`] has no token
+//! field at all (FR-07).
+
+pub mod api;
+pub mod postgres;
+pub mod service;
+pub mod wait;
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::token::FencingToken;
+
+/// Longest key, in bytes.
+pub const MAX_KEY_LEN: usize = 256;
+/// Longest holder name, in bytes.
+pub const MAX_HOLDER_LEN: usize = 256;
+
+/// A lock key: 1 to 256 bytes of `A-Z a-z 0-9 . _ : -` — safe in a URL path segment, an etcd
+/// key and a log line without escaping.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LockKey(String);
+
+impl LockKey {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text.is_empty() {
+            return Err("the key is empty".into());
+        }
+        if text.len() > MAX_KEY_LEN {
+            return Err(format!("the key is longer than {MAX_KEY_LEN} bytes"));
+        }
+        if !text.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-')) {
+            return Err("the key may only hold A-Z a-z 0-9 . _ : -".into());
+        }
+        Ok(Self(text.to_string()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Who holds a grant, for diagnosis: 1 to 256 bytes of visible ASCII.
+pub fn parse_holder(text: &str) -> Result<String, String> {
+    if text.is_empty() {
+        return Err("holder is empty".into());
+    }
+    if text.len() > MAX_HOLDER_LEN {
+        return Err(format!("holder is longer than {MAX_HOLDER_LEN} bytes"));
+    }
+    if !text.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
+        return Err("holder must be printable ASCII".into());
+    }
+    Ok(text.to_string())
+}
+
+/// A grant as the backend made it. The token is fixed here, once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub key: LockKey,
+    pub holder: String,
+    pub token: FencingToken,
+    pub ttl: Duration,
+    /// The backend's clock, microseconds since the Unix epoch: for diagnosis and for checking
+    /// grant history in one clock; never for a correctness decision.
+    pub granted_at_us: i64,
+    pub expires_at_us: i64,
+    /// The key was taken over from a grant that expired without being released.
+    pub took_over: bool,
+}
+
+/// The outcome of one acquire attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attempt {
+    Granted(Grant),
+    /// Someone else's grant holds the key; it expires in about `retry_in` if not renewed.
+    Held { retry_in: Option<Duration> },
+}
+
+/// A renewed lease. The token is the caller's, unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Renewed {
+    pub expires_at_us: i64,
+    pub ttl: Duration,
+}
+
+/// What `inspect` shows. Deliberately has no token: nothing read from here may be used to
+/// make a correctness decision (FR-07, ADR-002 §A2.3).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Inspection {
+    pub key: String,
+    pub held: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_remaining_ms: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grant_age_ms: Option<i64>,
+}
+
+/// Why a lock operation did not succeed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LockError {
+    #[error("the key is held by another grant")]
+    Held,
+    #[error("the grant no longer holds the key (expired, released or taken over)")]
+    Lost,
+    #[error("too many waiters: {0} are already waiting in this railguard")]
+    TooManyWaiters(usize),
+    #[error("the lock backend is unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// One backend's mechanics. Implementations decide nothing about waiting or fairness; they
+/// make single attempts, atomically, in the backend's own clock.
+pub trait LockBackend: Send + Sync + 'static {
+    /// `"postgres"` or `"etcd"`: the `backend` label of metrics.
+    fn name(&self) -> &'static str;
+
+    /// One atomic attempt: create the key, or take it over if its grant has expired, with a
+    /// new token; otherwise report it held.
+    fn try_acquire(
+        &self,
+        key: &LockKey,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Attempt, LockError>> + Send;
+
+    /// Extends the lease of the grant `(key, token)` by its ttl. `Lost` if that grant no longer
+    /// holds the key.
+    fn renew(&self, key: &LockKey, token: FencingToken) -> impl Future<Output = Result<Renewed, LockError>> + Send;
+
+    /// Ends the grant `(key, token)` if it still holds the key; `Lost` otherwise.
+    fn release(&self, key: &LockKey, token: FencingToken) -> impl Future<Output = Result<(), LockError>> + Send;
+
+    /// Diagnosis only: never returns a token.
+    fn inspect(&self, key: &LockKey) -> impl Future<Output = Result<Inspection, LockError>> + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_grammar() {
+        assert!(LockKey::parse("acct:eu-1.payments_x").is_ok());
+        assert!(LockKey::parse(&"k".repeat(256)).is_ok());
+        for bad in ["", "a/b", "a b", "é", "a%2F", &"k".repeat(257)] {
+            assert!(LockKey::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn holder_grammar() {
+        assert!(parse_holder("worker 7 @ host-1").is_ok());
+        assert!(parse_holder("").is_err());
+        assert!(parse_holder("a\nb").is_err());
+        assert!(parse_holder(&"h".repeat(257)).is_err());
+    }
+}
