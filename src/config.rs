@@ -358,9 +358,16 @@ impl Config {
             ));
         }
         if self.lock.backend != "postgres" {
-            return Err(("lock.backend", format!("{:?} is not a backend; use \"postgres\"", self.lock.backend)));
+            return Err((
+                "lock.backend",
+                format!("{:?} is not a backend; use \"postgres\"", self.lock.backend),
+            ));
         }
-        let listeners = [("proxy.listen", self.proxy.listen), ("admin.listen", self.admin.listen), ("lock.listen", self.lock.listen)];
+        let listeners = [
+            ("proxy.listen", self.proxy.listen),
+            ("admin.listen", self.admin.listen),
+            ("lock.listen", self.lock.listen),
+        ];
         for (i, (key, addr)) in listeners.iter().enumerate() {
             if addr.port() != 0 && listeners[..i].iter().any(|(_, other)| other == addr) {
                 return Err((key, format!("{addr} is already used by another listener")));

@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod net;
 pub mod proxy;
 pub mod railsim;
+pub mod sdk;
 pub mod server;
 pub mod telemetry;
 pub mod token;

@@ -12,7 +12,11 @@ use railguard::railsim::RailSim;
 use railguard::{http_server, server, telemetry};
 
 #[derive(Parser)]
-#[command(name = "railguard", version, about = "Fenced proxy and lock service for a non-idempotent payment rail")]
+#[command(
+    name = "railguard",
+    version,
+    about = "Fenced proxy and lock service for a non-idempotent payment rail"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -80,7 +84,10 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     runtime.block_on(async move {
         match cli.command {
             Command::Serve { config } => {
@@ -100,20 +107,28 @@ fn main() -> ExitCode {
                 };
                 match Database::open(&config).await {
                     Ok(db) => {
-                        tracing::info!(version = railguard::db::migrate::latest_version(), "schema is current");
+                        tracing::info!(
+                            version = railguard::db::migrate::latest_version(),
+                            "schema is current"
+                        );
                         db.shutdown().await;
                         ExitCode::SUCCESS
                     }
                     Err(e) => fail(&e),
                 }
             }
-            Command::RailSim { listen, latency_ms, jitter_ms } => {
+            Command::RailSim {
+                listen,
+                latency_ms,
+                jitter_ms,
+            } => {
                 telemetry::init(LogFormat::Pretty, "info");
                 let listener = match tokio::net::TcpListener::bind(listen).await {
                     Ok(l) => l,
                     Err(e) => return fail(&format!("cannot listen on {listen}: {e}")),
                 };
-                let sim = RailSim::new(Duration::from_millis(latency_ms)).with_jitter(Duration::from_millis(jitter_ms));
+                let sim = RailSim::new(Duration::from_millis(latency_ms))
+                    .with_jitter(Duration::from_millis(jitter_ms));
                 tracing::info!(%listen, latency_ms, jitter_ms, "rail simulator listening");
                 http_server::serve(
                     listener,
@@ -127,7 +142,15 @@ fn main() -> ExitCode {
                 .await;
                 ExitCode::SUCCESS
             }
-            Command::Bench { duration_secs, repeats, connections, accounts, warmup_secs, pool_size, max_requests } => {
+            Command::Bench {
+                duration_secs,
+                repeats,
+                connections,
+                accounts,
+                warmup_secs,
+                pool_size,
+                max_requests,
+            } => {
                 // Errors only: the stale phase would otherwise log a warning per request.
                 telemetry::init(LogFormat::Pretty, "error");
                 let options = railguard::bench::BenchOptions {

@@ -164,10 +164,16 @@ impl Metrics {
     }
 
     /// The lock service's metrics for `backend`, registered in this registry.
-    pub fn lock_metrics(&self, backend: &'static str) -> std::sync::Arc<crate::lock::service::LockMetrics> {
+    pub fn lock_metrics(
+        &self,
+        backend: &'static str,
+    ) -> std::sync::Arc<crate::lock::service::LockMetrics> {
         let counter = |name: &str, help: &str| {
-            let vec = IntCounterVec::new(Opts::new(name, help), &["backend"]).expect("valid metric");
-            self.registry.register(Box::new(vec.clone())).expect("metric registered once");
+            let vec =
+                IntCounterVec::new(Opts::new(name, help), &["backend"]).expect("valid metric");
+            self.registry
+                .register(Box::new(vec.clone()))
+                .expect("metric registered once");
             vec.with_label_values(&[backend])
         };
         let grants = counter("lock_grants_total", "Grants made (including takeovers).");
@@ -178,21 +184,37 @@ impl Metrics {
             "Grants whose lease ran out, counted when noticed: at a takeover, or when the \
              holder's late renew or release arrives.",
         );
-        let takeovers = counter("lock_takeovers_total", "Grants that took a key from an expired, unreleased grant.");
-        let lost = counter("lock_lost_total", "Renewals and releases refused because the grant no longer held the key.");
+        let takeovers = counter(
+            "lock_takeovers_total",
+            "Grants that took a key from an expired, unreleased grant.",
+        );
+        let lost = counter(
+            "lock_lost_total",
+            "Renewals and releases refused because the grant no longer held the key.",
+        );
         let wait = HistogramVec::new(
-            HistogramOpts::new("lock_acquire_wait_duration_seconds", "Time from acquire request to grant or give-up.")
-                .buckets(LATENCY_BUCKETS.to_vec()),
+            HistogramOpts::new(
+                "lock_acquire_wait_duration_seconds",
+                "Time from acquire request to grant or give-up.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
             &["backend"],
         )
         .expect("valid metric");
-        self.registry.register(Box::new(wait.clone())).expect("metric registered once");
+        self.registry
+            .register(Box::new(wait.clone()))
+            .expect("metric registered once");
         let waiters = prometheus::IntGaugeVec::new(
-            Opts::new("lock_waiters", "Acquirers waiting for a key in this process."),
+            Opts::new(
+                "lock_waiters",
+                "Acquirers waiting for a key in this process.",
+            ),
             &["backend"],
         )
         .expect("valid metric");
-        self.registry.register(Box::new(waiters.clone())).expect("metric registered once");
+        self.registry
+            .register(Box::new(waiters.clone()))
+            .expect("metric registered once");
         std::sync::Arc::new(crate::lock::service::LockMetrics {
             grants,
             renewals,

@@ -91,7 +91,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let stack = proxy::stack(extract, fence, forward, metrics.clone());
     let lock_metrics = metrics.lock_metrics("postgres");
     let lock_service = Arc::new(LockService::new(
-        PgLocks::new(database.pool.clone(), config.database_timeout(), lock_metrics.clone()),
+        PgLocks::new(
+            database.pool.clone(),
+            config.database_timeout(),
+            lock_metrics.clone(),
+        ),
         lock_metrics,
         LockLimits {
             max_ttl: Duration::from_millis(config.lock.max_ttl_ms),

@@ -56,6 +56,9 @@ pub struct GrantResponse {
     /// The backend's clock, µs since the Unix epoch; for diagnosis only.
     pub granted_at_us: i64,
     pub expires_at_us: i64,
+    /// How long the service waited for the key after receiving the request (a client adds it
+    /// to the time it sent the request to bound when its lease began).
+    pub waited_ms: u64,
     pub backend: String,
 }
 
@@ -88,12 +91,21 @@ impl ApiError {
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::Lock(LockError::Held) => (StatusCode::CONFLICT, "held"),
             ApiError::Lock(LockError::Lost) => (StatusCode::GONE, "lost"),
-            ApiError::Lock(LockError::TooManyWaiters(_)) => (StatusCode::TOO_MANY_REQUESTS, "too_many_waiters"),
-            ApiError::Lock(LockError::Unavailable(_)) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ApiError::Lock(LockError::TooManyWaiters(_)) => {
+                (StatusCode::TOO_MANY_REQUESTS, "too_many_waiters")
+            }
+            ApiError::Lock(LockError::Unavailable(_)) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+            }
         };
-        let mut response = json(status, &serde_json::json!({ "error": code, "message": self.to_string() }));
+        let mut response = json(
+            status,
+            &serde_json::json!({ "error": code, "message": self.to_string() }),
+        );
         if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
     }
@@ -115,7 +127,9 @@ pub struct LockApi<B> {
 
 impl<B> Clone for LockApi<B> {
     fn clone(&self) -> Self {
-        Self { service: self.service.clone() }
+        Self {
+            service: self.service.clone(),
+        }
     }
 }
 
@@ -124,7 +138,10 @@ impl<B: LockBackend> LockApi<B> {
         Self { service }
     }
 
-    pub async fn handle(self, request: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+    pub async fn handle(
+        self,
+        request: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, Infallible> {
         Ok(match self.route(request).await {
             Ok(response) => response,
             Err(error) => error.into_response(),
@@ -152,24 +169,38 @@ impl<B: LockBackend> LockApi<B> {
             (Some("renew"), Method::POST) => {
                 let token = read_token(request).await?;
                 let renewed = self.service.renew(&key, token).await?;
-                Ok(json(StatusCode::OK, &RenewResponse {
-                    key: key.to_string(),
-                    token: token.get(),
-                    ttl_ms: renewed.ttl.as_millis() as u64,
-                    expires_at_us: renewed.expires_at_us,
-                }))
+                Ok(json(
+                    StatusCode::OK,
+                    &RenewResponse {
+                        key: key.to_string(),
+                        token: token.get(),
+                        ttl_ms: renewed.ttl.as_millis() as u64,
+                        expires_at_us: renewed.expires_at_us,
+                    },
+                ))
             }
             (Some("release"), Method::POST) => {
                 let token = read_token(request).await?;
-                self.service.release(&key, token).await?;
-                Ok(json(StatusCode::OK, &serde_json::json!({ "key": key.as_str(), "released": true })))
+                let released_at_us = self.service.release(&key, token).await?;
+                Ok(json(
+                    StatusCode::OK,
+                    &serde_json::json!({
+                        "key": key.as_str(),
+                        "released": true,
+                        "released_at_us": released_at_us,
+                    }),
+                ))
             }
             (None | Some("acquire" | "renew" | "release"), _) => Err(ApiError::MethodNotAllowed),
             _ => Err(ApiError::NotFound),
         }
     }
 
-    async fn acquire(&self, key: LockKey, body: AcquireRequest) -> Result<Response<ProxyBody>, ApiError> {
+    async fn acquire(
+        &self,
+        key: LockKey,
+        body: AcquireRequest,
+    ) -> Result<Response<ProxyBody>, ApiError> {
         let limits = self.service.limits();
         let holder = parse_holder(&body.holder).map_err(ApiError::BadRequest)?;
         let ttl = Duration::from_millis(body.ttl_ms);
@@ -182,31 +213,56 @@ impl<B: LockBackend> LockApi<B> {
         }
         let wait = Duration::from_millis(body.wait_ms);
         if wait > limits.max_wait {
-            return Err(ApiError::BadRequest(format!("wait_ms must be at most {}", limits.max_wait.as_millis())));
+            return Err(ApiError::BadRequest(format!(
+                "wait_ms must be at most {}",
+                limits.max_wait.as_millis()
+            )));
         }
-        let grant = self.service.acquire(&key, &holder, ttl, wait).await?;
-        Ok(json(StatusCode::OK, &GrantResponse {
-            key: grant.key.to_string(),
-            token: grant.token.get(),
-            holder: grant.holder,
-            ttl_ms: body.ttl_ms,
-            granted_at_us: grant.granted_at_us,
-            expires_at_us: grant.expires_at_us,
-            backend: self.service.backend_name().to_string(),
-        }))
+        let (grant, waited) = self.service.acquire(&key, &holder, ttl, wait).await?;
+        // Rounded down: the client's bound on when the lease began must not be late.
+        let waited_ms = waited.as_millis() as u64;
+        Ok(json(
+            StatusCode::OK,
+            &GrantResponse {
+                key: grant.key.to_string(),
+                token: grant.token.get(),
+                holder: grant.holder,
+                ttl_ms: body.ttl_ms,
+                granted_at_us: grant.granted_at_us,
+                expires_at_us: grant.expires_at_us,
+                waited_ms,
+                backend: self.service.backend_name().to_string(),
+            },
+        ))
     }
 }
 
-async fn read_json<T: serde::de::DeserializeOwned>(request: Request<Incoming>) -> Result<T, ApiError> {
+async fn read_json<T: serde::de::DeserializeOwned>(
+    request: Request<Incoming>,
+) -> Result<T, ApiError> {
     let body = Limited::new(request.into_body(), MAX_BODY)
         .collect()
         .await
-        .map_err(|e| ApiError::BadRequest(format!("cannot read the body (at most {MAX_BODY} bytes): {e}")))?
+        .map_err(|e| {
+            ApiError::BadRequest(format!(
+                "cannot read the body (at most {MAX_BODY} bytes): {e}"
+            ))
+        })?
         .to_bytes();
-    serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
+    let mut deserializer = serde_json::Deserializer::from_slice(&body);
+    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let field = if path == "." {
+            String::new()
+        } else {
+            format!(" at `{path}`")
+        };
+        ApiError::BadRequest(format!("invalid JSON body{field}: {}", e.inner()))
+    })
 }
 
 async fn read_token(request: Request<Incoming>) -> Result<FencingToken, ApiError> {
     let body: TokenRequest = read_json(request).await?;
-    FencingToken::new(body.token).ok_or_else(|| ApiError::BadRequest("token must be a positive integer".into()))
+    FencingToken::new(body.token)
+        .ok_or_else(|| ApiError::BadRequest("token must be a positive integer".into()))
 }

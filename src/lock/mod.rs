@@ -42,7 +42,10 @@ impl LockKey {
         if text.len() > MAX_KEY_LEN {
             return Err(format!("the key is longer than {MAX_KEY_LEN} bytes"));
         }
-        if !text.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-')) {
+        if !text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+        {
             return Err("the key may only hold A-Z a-z 0-9 . _ : -".into());
         }
         Ok(Self(text.to_string()))
@@ -93,7 +96,9 @@ pub struct Grant {
 pub enum Attempt {
     Granted(Grant),
     /// Someone else's grant holds the key; it expires in about `retry_in` if not renewed.
-    Held { retry_in: Option<Duration> },
+    Held {
+        retry_in: Option<Duration>,
+    },
 }
 
 /// A renewed lease. The token is the caller's, unchanged.
@@ -147,10 +152,19 @@ pub trait LockBackend: Send + Sync + 'static {
 
     /// Extends the lease of the grant `(key, token)` by its ttl. `Lost` if that grant no longer
     /// holds the key.
-    fn renew(&self, key: &LockKey, token: FencingToken) -> impl Future<Output = Result<Renewed, LockError>> + Send;
+    fn renew(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<Renewed, LockError>> + Send;
 
-    /// Ends the grant `(key, token)` if it still holds the key; `Lost` otherwise.
-    fn release(&self, key: &LockKey, token: FencingToken) -> impl Future<Output = Result<(), LockError>> + Send;
+    /// Ends the grant `(key, token)` if it still holds the key, returning when it ended in the
+    /// backend's clock (µs since the Unix epoch); `Lost` otherwise.
+    fn release(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<i64, LockError>> + Send;
 
     /// Diagnosis only: never returns a token.
     fn inspect(&self, key: &LockKey) -> impl Future<Output = Result<Inspection, LockError>> + Send;

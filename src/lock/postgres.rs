@@ -62,8 +62,10 @@ WITH ended AS (
     UPDATE lock_entry
     SET ended_at = clock_timestamp(), expires_at = clock_timestamp(), released = true
     WHERE key = $1 AND token = $2 AND ended_at IS NULL AND expires_at > clock_timestamp()
-    RETURNING key)
-SELECT pg_notify('railguard_lock_released', key)::text FROM ended";
+    RETURNING key, ended_at)
+SELECT pg_notify('railguard_lock_released', key)::text,
+       (extract(epoch FROM ended_at) * 1000000)::bigint
+FROM ended";
 
 /// A late renew or release found its own grant expired and not yet taken over: note the
 /// expiry now (once), so that the takeover that follows does not count it again.
@@ -89,23 +91,46 @@ pub struct PgLocks {
 
 impl PgLocks {
     pub fn new(pool: Pool, timeout: Duration, metrics: Arc<LockMetrics>) -> Self {
-        Self { pool, timeout, metrics }
+        Self {
+            pool,
+            timeout,
+            metrics,
+        }
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, LockError> {
-        self.pool.get().await.map_err(|e| LockError::Unavailable(e.to_string()))
+        self.pool
+            .get()
+            .await
+            .map_err(|e| LockError::Unavailable(e.to_string()))
     }
 
     /// Runs `work` within the backend timeout, mapping every database failure to
     /// `Unavailable`: the caller learns nothing was decided.
-    async fn bounded<T>(&self, work: impl Future<Output = Result<T, LockError>>) -> Result<T, LockError> {
+    async fn bounded<T>(
+        &self,
+        work: impl Future<Output = Result<T, LockError>>,
+    ) -> Result<T, LockError> {
         tokio::time::timeout(self.timeout, work)
             .await
-            .unwrap_or_else(|_| Err(LockError::Unavailable(format!("no answer within {:?}", self.timeout))))
+            .unwrap_or_else(|_| {
+                Err(LockError::Unavailable(format!(
+                    "no answer within {:?}",
+                    self.timeout
+                )))
+            })
     }
 
-    async fn notice_expiry(&self, client: &deadpool_postgres::Object, key: &LockKey, token: FencingToken) {
-        if let Ok(1) = client.execute(NOTICE_EXPIRY_SQL, &[&key.as_str(), &token.get()]).await {
+    async fn notice_expiry(
+        &self,
+        client: &deadpool_postgres::Object,
+        key: &LockKey,
+        token: FencingToken,
+    ) {
+        if let Ok(1) = client
+            .execute(NOTICE_EXPIRY_SQL, &[&key.as_str(), &token.get()])
+            .await
+        {
             self.metrics.expiries.inc();
         }
     }
@@ -114,8 +139,16 @@ impl PgLocks {
 fn db(e: tokio_postgres::Error) -> LockError {
     match e.as_db_error() {
         Some(db) => {
-            tracing::error!(code = db.code().code(), message = db.message(), "lock statement failed");
-            LockError::Unavailable(format!("database error {}: {}", db.code().code(), db.message()))
+            tracing::error!(
+                code = db.code().code(),
+                message = db.message(),
+                "lock statement failed"
+            );
+            LockError::Unavailable(format!(
+                "database error {}: {}",
+                db.code().code(),
+                db.message()
+            ))
         }
         None => LockError::Unavailable(e.to_string()),
     }
@@ -128,15 +161,24 @@ impl LockBackend for PgLocks {
         "postgres"
     }
 
-    async fn try_acquire(&self, key: &LockKey, holder: &str, ttl: Duration) -> Result<Attempt, LockError> {
+    async fn try_acquire(
+        &self,
+        key: &LockKey,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Attempt, LockError> {
         let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
         self.bounded(async {
             let client = self.client().await?;
             let acquire = client.prepare_cached(ACQUIRE_SQL).await.map_err(db)?;
             for _ in 0..STALE_DRAW_RETRIES {
-                let rows = client.query(&acquire, &[&key.as_str(), &holder, &ttl_ms]).await.map_err(db)?;
+                let rows = client
+                    .query(&acquire, &[&key.as_str(), &holder, &ttl_ms])
+                    .await
+                    .map_err(db)?;
                 if let Some(row) = rows.first() {
-                    let token = FencingToken::new(row.get(0)).expect("fencing_token_seq yields positive values");
+                    let token = FencingToken::new(row.get(0))
+                        .expect("fencing_token_seq yields positive values");
                     let noticed: bool = row.get(4);
                     if noticed {
                         self.metrics.expiries.inc();
@@ -151,7 +193,10 @@ impl LockBackend for PgLocks {
                         took_over: row.get(3),
                     }));
                 }
-                let held = client.query_opt(HELD_SQL, &[&key.as_str()]).await.map_err(db)?;
+                let held = client
+                    .query_opt(HELD_SQL, &[&key.as_str()])
+                    .await
+                    .map_err(db)?;
                 match held {
                     Some(row) if row.get::<_, bool>(0) => {
                         let remaining: i64 = row.get(1);
@@ -173,10 +218,17 @@ impl LockBackend for PgLocks {
         self.bounded(async {
             let client = self.client().await?;
             let renew = client.prepare_cached(RENEW_SQL).await.map_err(db)?;
-            match client.query_opt(&renew, &[&key.as_str(), &token.get()]).await.map_err(db)? {
+            match client
+                .query_opt(&renew, &[&key.as_str(), &token.get()])
+                .await
+                .map_err(db)?
+            {
                 Some(row) => {
                     let ttl_ms: i64 = row.get(1);
-                    Ok(Renewed { expires_at_us: row.get(0), ttl: Duration::from_millis(ttl_ms as u64) })
+                    Ok(Renewed {
+                        expires_at_us: row.get(0),
+                        ttl: Duration::from_millis(ttl_ms as u64),
+                    })
                 }
                 None => {
                     self.notice_expiry(&client, key, token).await;
@@ -187,16 +239,21 @@ impl LockBackend for PgLocks {
         .await
     }
 
-    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<(), LockError> {
+    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<i64, LockError> {
         self.bounded(async {
             let client = self.client().await?;
             let release = client.prepare_cached(RELEASE_SQL).await.map_err(db)?;
-            let rows = client.query(&release, &[&key.as_str(), &token.get()]).await.map_err(db)?;
-            if rows.is_empty() {
-                self.notice_expiry(&client, key, token).await;
-                return Err(LockError::Lost);
+            let rows = client
+                .query(&release, &[&key.as_str(), &token.get()])
+                .await
+                .map_err(db)?;
+            match rows.first() {
+                Some(row) => Ok(row.get(1)),
+                None => {
+                    self.notice_expiry(&client, key, token).await;
+                    Err(LockError::Lost)
+                }
             }
-            Ok(())
         })
         .await
     }
@@ -204,7 +261,10 @@ impl LockBackend for PgLocks {
     async fn inspect(&self, key: &LockKey) -> Result<Inspection, LockError> {
         self.bounded(async {
             let client = self.client().await?;
-            let row = client.query_opt(INSPECT_SQL, &[&key.as_str()]).await.map_err(db)?;
+            let row = client
+                .query_opt(INSPECT_SQL, &[&key.as_str()])
+                .await
+                .map_err(db)?;
             Ok(match row {
                 Some(row) if row.get::<_, bool>(1) => Inspection {
                     key: key.to_string(),
@@ -213,7 +273,13 @@ impl LockBackend for PgLocks {
                     lease_remaining_ms: Some(row.get(2)),
                     grant_age_ms: Some(row.get(3)),
                 },
-                _ => Inspection { key: key.to_string(), held: false, holder: None, lease_remaining_ms: None, grant_age_ms: None },
+                _ => Inspection {
+                    key: key.to_string(),
+                    held: false,
+                    holder: None,
+                    lease_remaining_ms: None,
+                    grant_age_ms: None,
+                },
             })
         })
         .await
@@ -235,7 +301,8 @@ pub async fn listen_for_releases(
             Ok((client, mut connection)) => {
                 let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
                 let driver = tokio::spawn(async move {
-                    let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+                    let mut messages =
+                        futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
                     while let Some(message) = messages.next().await {
                         match message {
                             Ok(tokio_postgres::AsyncMessage::Notification(n)) => {
@@ -249,7 +316,11 @@ pub async fn listen_for_releases(
                         }
                     }
                 });
-                if client.batch_execute(&format!("LISTEN {RELEASE_CHANNEL}")).await.is_ok() {
+                if client
+                    .batch_execute(&format!("LISTEN {RELEASE_CHANNEL}"))
+                    .await
+                    .is_ok()
+                {
                     backoff = Duration::from_millis(100);
                     on_reconnect();
                     while let Some(key) = rx.recv().await {

@@ -62,7 +62,12 @@ pub struct LockService<B> {
 
 impl<B: LockBackend> LockService<B> {
     pub fn new(backend: B, metrics: Arc<LockMetrics>, limits: LockLimits) -> Self {
-        Self { backend, queues: WaitQueues::new(limits.max_waiters), metrics, limits }
+        Self {
+            backend,
+            queues: WaitQueues::new(limits.max_waiters),
+            metrics,
+            limits,
+        }
     }
 
     pub fn limits(&self) -> &LockLimits {
@@ -78,20 +83,33 @@ impl<B: LockBackend> LockService<B> {
         self.queues.clone()
     }
 
-    /// FR-01: a grant, or `Held` when the key stayed held for all of `wait`.
-    pub async fn acquire(&self, key: &LockKey, holder: &str, ttl: Duration, wait: Duration) -> Result<Grant, LockError> {
+    /// FR-01: a grant, or `Held` when the key stayed held for all of `wait`. With the grant
+    /// comes how long after the call the winning attempt started — a lower bound on when the
+    /// lease began, for clients that track it on their own clock.
+    pub async fn acquire(
+        &self,
+        key: &LockKey,
+        holder: &str,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<(Grant, Duration), LockError> {
         let span = tracing::info_span!("lock.acquire", lock.key = %key, lock.token = tracing::field::Empty,
             lock.backend = self.backend.name(), holder);
         async {
             let started = Instant::now();
             let result = self.acquire_in_turn(key, holder, ttl, started + wait).await;
-            self.metrics.wait_seconds.observe(started.elapsed().as_secs_f64());
-            if let Ok(grant) = &result {
+            self.metrics
+                .wait_seconds
+                .observe(started.elapsed().as_secs_f64());
+            if let Ok((grant, _)) = &result {
                 tracing::Span::current().record("lock.token", grant.token.get());
                 self.metrics.grants.inc();
                 if grant.took_over {
                     self.metrics.takeovers.inc();
-                    tracing::info!(lock.token = grant.token.get(), "took the key over from an expired grant");
+                    tracing::info!(
+                        lock.token = grant.token.get(),
+                        "took the key over from an expired grant"
+                    );
                 }
             }
             result
@@ -100,7 +118,14 @@ impl<B: LockBackend> LockService<B> {
         .await
     }
 
-    async fn acquire_in_turn(&self, key: &LockKey, holder: &str, ttl: Duration, deadline: Instant) -> Result<Grant, LockError> {
+    async fn acquire_in_turn(
+        &self,
+        key: &LockKey,
+        holder: &str,
+        ttl: Duration,
+        deadline: Instant,
+    ) -> Result<(Grant, Duration), LockError> {
+        let called = Instant::now();
         let place = self.queues.join(key)?;
         self.metrics.waiters.set(self.queues.waiting() as i64);
         let result = async {
@@ -110,8 +135,9 @@ impl<B: LockBackend> LockService<B> {
             loop {
                 let mut woken = pin!(place.notify().notified());
                 woken.as_mut().enable();
+                let attempt_started = Instant::now();
                 let retry_in = match self.backend.try_acquire(key, holder, ttl).await? {
-                    Attempt::Granted(grant) => return Ok(grant),
+                    Attempt::Granted(grant) => return Ok((grant, attempt_started - called)),
                     Attempt::Held { retry_in } => retry_in,
                 };
                 let now = Instant::now();
@@ -146,11 +172,11 @@ impl<B: LockBackend> LockService<B> {
     }
 
     /// FR-04: ends the grant if it still holds the key, and wakes the key's waiters here.
-    pub async fn release(&self, key: &LockKey, token: FencingToken) -> Result<(), LockError> {
+    pub async fn release(&self, key: &LockKey, token: FencingToken) -> Result<i64, LockError> {
         let span = tracing::info_span!("lock.release", lock.key = %key, lock.token = token.get(), lock.backend = self.backend.name());
         let result = self.backend.release(key, token).instrument(span).await;
         match &result {
-            Ok(()) => {
+            Ok(_) => {
                 self.metrics.releases.inc();
                 self.queues.wake(key.as_str());
             }

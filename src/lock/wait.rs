@@ -45,7 +45,10 @@ pub struct Place {
 
 impl WaitQueues {
     pub fn new(max_waiters: usize) -> Arc<Self> {
-        Arc::new(Self { state: Mutex::new(State::default()), max_waiters })
+        Arc::new(Self {
+            state: Mutex::new(State::default()),
+            max_waiters,
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -61,13 +64,18 @@ impl WaitQueues {
         state.next_id += 1;
         state.waiting += 1;
         let id = state.next_id;
-        let queue = state
-            .keys
-            .entry(key.clone())
-            .or_insert_with(|| KeyQueue { order: VecDeque::new(), notify: Arc::new(Notify::new()) });
+        let queue = state.keys.entry(key.clone()).or_insert_with(|| KeyQueue {
+            order: VecDeque::new(),
+            notify: Arc::new(Notify::new()),
+        });
         queue.order.push_back(id);
         let notify = queue.notify.clone();
-        Ok(Place { queues: self.clone(), key: key.clone(), id, notify })
+        Ok(Place {
+            queues: self.clone(),
+            key: key.clone(),
+            id,
+            notify,
+        })
     }
 
     /// Wakes every waiter of `key` (it was released).
@@ -144,11 +152,18 @@ mod tests {
         let key = LockKey::parse("k").unwrap();
         let first = queues.join(&key).unwrap();
         let second = queues.join(&key).unwrap();
-        assert!(matches!(queues.join(&key), Err(LockError::TooManyWaiters(2))));
+        assert!(matches!(
+            queues.join(&key),
+            Err(LockError::TooManyWaiters(2))
+        ));
         let soon = Instant::now() + Duration::from_millis(30);
         assert!(first.reach_head(soon).await);
         assert!(!second.reach_head(soon).await);
-        let waiter = tokio::spawn(async move { second.reach_head(Instant::now() + Duration::from_secs(5)).await });
+        let waiter = tokio::spawn(async move {
+            second
+                .reach_head(Instant::now() + Duration::from_secs(5))
+                .await
+        });
         drop(first);
         assert!(waiter.await.unwrap());
         assert_eq!(queues.waiting(), 0);

@@ -150,6 +150,7 @@ impl Drop for Rail {
 pub struct Railguard {
     pub proxy: SocketAddr,
     pub admin: SocketAddr,
+    pub lock: SocketAddr,
     child: Option<Child>,
     dir: TempDir,
     env: BTreeMap<String, String>,
@@ -169,9 +170,13 @@ impl Railguard {
         let admin: SocketAddr = format!("127.0.0.1:{}", free_loopback_port())
             .parse()
             .unwrap();
+        let lock: SocketAddr = format!("127.0.0.1:{}", free_loopback_port())
+            .parse()
+            .unwrap();
         let config = format!(
             "[proxy]\nlisten = \"{proxy}\"\nupstream = \"{upstream}\"\nrequest_timeout_ms = 3000\n\
              [admin]\nlisten = \"{admin}\"\n\
+             [lock]\nlisten = \"{lock}\"\n\
              [database]\nurl = \"{database_url}\"\ntimeout_ms = 1000\npool_size = 8\n\
              [log]\nformat = \"json\"\nlevel = \"info\"\n\
              [shutdown]\ngrace_ms = 3000\n"
@@ -184,6 +189,7 @@ impl Railguard {
         let mut rg = Railguard {
             proxy,
             admin,
+            lock,
             child: None,
             dir,
             env,
@@ -265,6 +271,27 @@ impl Railguard {
             self.log()
         );
         self.spawn().await;
+    }
+
+    /// SIGKILL: a crash, no draining.
+    pub async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill().await;
+        }
+    }
+
+    /// Starts again after `stop` or `kill`, on the same ports and config.
+    pub async fn start_again(&mut self) {
+        assert!(self.child.is_none(), "railguard is still running");
+        self.spawn().await;
+    }
+
+    pub fn lock_url(&self) -> String {
+        format!("http://{}", self.lock)
+    }
+
+    pub fn lock_client(&self) -> railguard::sdk::LockClient {
+        railguard::sdk::LockClient::new(self.lock_url()).with_timeout(Duration::from_secs(3))
     }
 
     pub fn proxy_url(&self, path: &str) -> String {

@@ -1,0 +1,129 @@
+//! Background renewal of a lease, and a prompt "lost" when it can no longer be trusted.
+//!
+//! Renewals go out every ttl/3. The lease is reported lost as soon as either
+//! - the lock service answers that the grant no longer holds the key (410), or
+//! - no renewal has succeeded for a whole ttl, counted from the *start* of the last renewal
+//!   that succeeded. The service extended the lease at some moment after that start, so the
+//!   lease cannot have run out earlier than this: it is the earliest moment it might have,
+//!   measured on the worker's own monotonic clock.
+//!
+//! Losing the lease means: stop writing. A write already on its way is still fenced by its
+//! token; this signal exists so a worker stops *starting* work it no longer owns.
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::{LockClient, LockHandle, SdkError};
+
+/// Why a lease was given up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseLost {
+    /// The lock service said the grant no longer holds the key.
+    Revoked,
+    /// No renewal succeeded for a whole ttl; the last error is kept.
+    Unconfirmed(String),
+}
+
+/// Renews a lease until dropped. Dropping it stops renewing (it does not release).
+pub struct KeepAlive {
+    state: watch::Receiver<Option<LeaseLost>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl KeepAlive {
+    pub(super) fn start(client: LockClient, handle: LockHandle) -> Self {
+        let (tx, rx) = watch::channel(None);
+        let task = tokio::spawn(renew_loop(client, handle, tx));
+        Self { state: rx, task }
+    }
+
+    /// `Some` once the lease is lost.
+    pub fn lost_reason(&self) -> Option<LeaseLost> {
+        self.state.borrow().clone()
+    }
+
+    /// Resolves when the lease is lost.
+    pub async fn lost(&mut self) -> LeaseLost {
+        loop {
+            if let Some(reason) = self.state.borrow_and_update().clone() {
+                return reason;
+            }
+            if self.state.changed().await.is_err() {
+                return self
+                    .state
+                    .borrow()
+                    .clone()
+                    .unwrap_or(LeaseLost::Unconfirmed("keep-alive stopped".into()));
+            }
+        }
+    }
+}
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn renew_loop(client: LockClient, handle: LockHandle, tx: watch::Sender<Option<LeaseLost>>) {
+    let ttl = handle.ttl();
+    let period = (ttl / 3).max(Duration::from_millis(1));
+    let mut confirmed_until = handle.lease_floor();
+    let mut next = Instant::now() + period;
+    loop {
+        tokio::time::sleep_until(next).await;
+        let started = Instant::now();
+        let attempt = tokio::time::timeout_at(confirmed_until, client.renew(&handle)).await;
+        match attempt {
+            Ok(Ok(())) => {
+                confirmed_until = started + ttl;
+                next = started + period;
+            }
+            Ok(Err(SdkError::Lost)) => {
+                tracing::warn!(
+                    lock.key = handle.key(),
+                    lock.token = handle.token().get(),
+                    "lease lost: revoked"
+                );
+                let _ = tx.send(Some(LeaseLost::Revoked));
+                return;
+            }
+            Ok(Err(e)) if Instant::now() < confirmed_until => {
+                tracing::debug!(lock.key = handle.key(), lock.token = handle.token().get(), error = %e, "renewal failed; retrying");
+                next = (Instant::now() + period / 4).min(confirmed_until);
+            }
+            Ok(Err(e)) => {
+                lost(&tx, &handle, e.to_string());
+                return;
+            }
+            Err(_) => {
+                lost(
+                    &tx,
+                    &handle,
+                    format!("no renewal confirmed within the ttl ({ttl:?})"),
+                );
+                return;
+            }
+        }
+        if Instant::now() >= confirmed_until {
+            lost(
+                &tx,
+                &handle,
+                format!("no renewal confirmed within the ttl ({ttl:?})"),
+            );
+            return;
+        }
+    }
+}
+
+fn lost(tx: &watch::Sender<Option<LeaseLost>>, handle: &LockHandle, why: String) {
+    tracing::warn!(
+        lock.key = handle.key(),
+        lock.token = handle.token().get(),
+        why,
+        "lease lost: unconfirmed"
+    );
+    let _ = tx.send(Some(LeaseLost::Unconfirmed(why)));
+}

@@ -1,0 +1,284 @@
+//! The worker SDK (FR-08, FR-15, FR-16): what a payment worker links to take a lock and use
+//! its token — and nothing that would let it use any other token.
+//!
+//! - [`LockClient`] talks to the lock service's HTTP API and hands out [`LockHandle`]s.
+//! - [`LockHandle`] holds one grant. Its token is a private field with a getter and no setter:
+//!   the token a worker presents is the token its grant was made with (ADR-002 §A2.2).
+//! - [`KeepAlive`] renews a handle in the background and says promptly when the lease is lost.
+//! - [`RailClient`] sends a request to the rail through the proxy with the fencing headers
+//!   taken from a `&LockHandle` — there is no way to pass it a bare number.
+//! - [`paydb`] is the fenced UPDATE for the worker's own database (C1 §1.6).
+//!
+//! There is deliberately no call that fetches "the current token" of a key: a worker that
+//! re-read the token at write time would present its successor's token and defeat fencing
+//! (ADR-002 §A2.3).
+
+pub mod keep_alive;
+pub mod paydb;
+pub mod rail;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Deserialize;
+
+pub use keep_alive::{KeepAlive, LeaseLost};
+pub use rail::{RailClient, RailResponse};
+
+use crate::lock::api::{GrantResponse, RenewResponse};
+use crate::token::FencingToken;
+
+/// Why an SDK call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SdkError {
+    #[error("the key is held by another grant")]
+    Held,
+    #[error("the grant no longer holds the key")]
+    Lost,
+    #[error("the lock service has too many waiters")]
+    TooManyWaiters,
+    #[error("the service is unavailable: {0}")]
+    Unavailable(String),
+    #[error("the service refused the request: {0}")]
+    BadRequest(String),
+    #[error("fenced out: account {account}, token {token}: this grant has been superseded")]
+    FencedOut { account: String, token: i64 },
+    #[error("transport error: {0}")]
+    Transport(String),
+}
+
+/// One grant: a key, the holder it was granted to, and the token fixed when it was granted.
+///
+/// The token cannot be changed — not assigned, not mutated, not replaced:
+///
+/// ```compile_fail,E0616
+/// fn steal(handle: &mut railguard::sdk::LockHandle) {
+///     handle.token = railguard::token::FencingToken::new(57).unwrap(); // private field
+/// }
+/// ```
+///
+/// ```compile_fail,E0599
+/// fn bump(handle: &mut railguard::sdk::LockHandle) {
+///     *handle.token_mut() = railguard::token::FencingToken::new(57).unwrap(); // no such method
+/// }
+/// ```
+///
+/// It can only be read, as a value:
+///
+/// ```
+/// fn present(handle: &railguard::sdk::LockHandle) -> i64 {
+///     handle.token().get()
+/// }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockHandle {
+    key: String,
+    holder: String,
+    token: FencingToken,
+    ttl: Duration,
+    lease_floor: tokio::time::Instant,
+}
+
+impl LockHandle {
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    /// The grant's fencing token, as fixed at grant time.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The earliest moment the lease might run out if never renewed, on this process's
+    /// monotonic clock: the acquire request was sent at `t0`, the service waited `waited_ms`
+    /// after receiving it, so the grant was made no earlier than `t0 + waited`.
+    pub fn lease_floor(&self) -> tokio::time::Instant {
+        self.lease_floor
+    }
+}
+
+/// A client of the lock service's HTTP API.
+#[derive(Clone)]
+pub struct LockClient {
+    http: Client<HttpConnector, Full<Bytes>>,
+    base: String,
+    timeout: Duration,
+}
+
+#[derive(Deserialize)]
+struct ErrorBody {
+    error: String,
+    #[serde(default)]
+    message: String,
+}
+
+/// What `inspect` shows: diagnosis only. There is no token here, on purpose.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct KeyStatus {
+    pub key: String,
+    pub held: bool,
+    pub holder: Option<String>,
+    pub lease_remaining_ms: Option<i64>,
+    pub grant_age_ms: Option<i64>,
+}
+
+impl LockClient {
+    /// `base` is the lock API's URL, e.g. `http://127.0.0.1:7070`.
+    pub fn new(base: impl Into<String>) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(Duration::from_secs(2)));
+        connector.set_nodelay(true);
+        Self {
+            http: Client::builder(TokioExecutor::new()).build(connector),
+            base: base.into().trim_end_matches('/').to_string(),
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Deadline for calls other than a blocking acquire (which gets its `wait` on top).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<Bytes, SdkError> {
+        let body = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
+        let request = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|e| SdkError::BadRequest(e.to_string()))?;
+        let exchange = async {
+            let response = self
+                .http
+                .request(request)
+                .await
+                .map_err(|e| SdkError::Unavailable(e.to_string()))?;
+            let status = response.status();
+            let bytes = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| SdkError::Transport(e.to_string()))?
+                .to_bytes();
+            Ok::<_, SdkError>((status, bytes))
+        };
+        let (status, bytes) = tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| SdkError::Unavailable(format!("no answer within {timeout:?}")))??;
+        if status.is_success() {
+            return Ok(bytes);
+        }
+        let error: ErrorBody = serde_json::from_slice(&bytes).unwrap_or(ErrorBody {
+            error: status.to_string(),
+            message: String::from_utf8_lossy(&bytes).into(),
+        });
+        Err(match (status, error.error.as_str()) {
+            (StatusCode::CONFLICT, "held") => SdkError::Held,
+            (StatusCode::GONE, _) => SdkError::Lost,
+            (StatusCode::TOO_MANY_REQUESTS, _) => SdkError::TooManyWaiters,
+            (StatusCode::BAD_REQUEST, _) => SdkError::BadRequest(error.message),
+            _ => SdkError::Unavailable(format!("{status}: {}", error.message)),
+        })
+    }
+
+    /// FR-01: a handle on `key`, waiting up to `wait` for it to be free.
+    pub async fn acquire(
+        &self,
+        key: &str,
+        holder: &str,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<LockHandle, SdkError> {
+        let body = serde_json::json!({ "holder": holder, "ttl_ms": ttl.as_millis() as u64, "wait_ms": wait.as_millis() as u64 });
+        let sent = tokio::time::Instant::now();
+        let bytes = self
+            .call(
+                Method::POST,
+                &format!("/v1/locks/{key}/acquire"),
+                Some(body),
+                self.timeout + wait,
+            )
+            .await?;
+        let grant: GrantResponse =
+            serde_json::from_slice(&bytes).map_err(|e| SdkError::Transport(e.to_string()))?;
+        let token = FencingToken::new(grant.token)
+            .ok_or_else(|| SdkError::Transport("non-positive token".into()))?;
+        let ttl = Duration::from_millis(grant.ttl_ms);
+        let lease_floor = sent + Duration::from_millis(grant.waited_ms) + ttl;
+        Ok(LockHandle {
+            key: grant.key,
+            holder: grant.holder,
+            token,
+            ttl,
+            lease_floor,
+        })
+    }
+
+    /// FR-03: extends the lease. The handle's token does not change; `Lost` means stop.
+    pub async fn renew(&self, handle: &LockHandle) -> Result<(), SdkError> {
+        let body = serde_json::json!({ "token": handle.token.get() });
+        let bytes = self
+            .call(
+                Method::POST,
+                &format!("/v1/locks/{}/renew", handle.key),
+                Some(body),
+                self.timeout,
+            )
+            .await?;
+        let renewed: RenewResponse =
+            serde_json::from_slice(&bytes).map_err(|e| SdkError::Transport(e.to_string()))?;
+        debug_assert_eq!(
+            renewed.token,
+            handle.token.get(),
+            "a renewal never changes the token"
+        );
+        Ok(())
+    }
+
+    /// FR-04: ends the grant, if it still holds the key.
+    pub async fn release(&self, handle: LockHandle) -> Result<(), SdkError> {
+        let body = serde_json::json!({ "token": handle.token.get() });
+        self.call(
+            Method::POST,
+            &format!("/v1/locks/{}/release", handle.key),
+            Some(body),
+            self.timeout,
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// FR-07: who holds `key`, for people diagnosing it. Never use this to decide anything.
+    pub async fn inspect(&self, key: &str) -> Result<KeyStatus, SdkError> {
+        let bytes = self
+            .call(Method::GET, &format!("/v1/locks/{key}"), None, self.timeout)
+            .await?;
+        serde_json::from_slice(&bytes).map_err(|e| SdkError::Transport(e.to_string()))
+    }
+
+    /// Renews `handle` in the background until dropped; see [`KeepAlive`].
+    pub fn keep_alive(&self, handle: &LockHandle) -> KeepAlive {
+        KeepAlive::start(self.clone(), handle.clone())
+    }
+}

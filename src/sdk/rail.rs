@@ -1,0 +1,120 @@
+//! Sending a payment to the rail through the proxy, fenced by a grant.
+//!
+//! [`RailClient::post`] takes `&LockHandle` and nothing else for the token: the fencing header
+//! is written from the handle, so the token presented is always the one the grant was made
+//! with (FR-16). A 409 from the proxy comes back as [`SdkError::FencedOut`]: the grant has been
+//! superseded and the worker must stop, not retry with another token.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::{LockHandle, SdkError};
+
+/// Header names of the proxy's wire contract (C2 §2.2); configurable like the proxy's.
+#[derive(Debug, Clone)]
+pub struct FencingHeaders {
+    pub token: String,
+    pub account: String,
+    pub idempotency_key: String,
+}
+
+impl Default for FencingHeaders {
+    fn default() -> Self {
+        Self {
+            token: "Fencing-Token".into(),
+            account: "Fencing-Account".into(),
+            idempotency_key: "Idempotency-Key".into(),
+        }
+    }
+}
+
+/// The rail's answer.
+#[derive(Debug, Clone)]
+pub struct RailResponse {
+    pub status: StatusCode,
+    pub body: Bytes,
+}
+
+#[derive(Clone)]
+pub struct RailClient {
+    http: Client<HttpConnector, Full<Bytes>>,
+    base: String,
+    headers: FencingHeaders,
+    timeout: Duration,
+}
+
+impl RailClient {
+    /// `base` is the proxy's URL, e.g. `http://127.0.0.1:8080`.
+    pub fn new(base: impl Into<String>) -> Self {
+        Self {
+            http: Client::builder(TokioExecutor::new()).build_http(),
+            base: base.into().trim_end_matches('/').to_string(),
+            headers: FencingHeaders::default(),
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    pub fn with_headers(mut self, headers: FencingHeaders) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// POSTs `body` to `path` on behalf of `account`, fenced by `grant`'s token.
+    pub async fn post(
+        &self,
+        grant: &LockHandle,
+        account: &str,
+        path: &str,
+        body: Bytes,
+        idempotency_key: Option<&str>,
+    ) -> Result<RailResponse, SdkError> {
+        let token = grant.token().get();
+        let mut request = Request::builder()
+            .method(Method::POST)
+            .uri(format!("{}{path}", self.base))
+            .header(self.headers.token.as_str(), token.to_string())
+            .header(self.headers.account.as_str(), account)
+            .header(http::header::CONTENT_TYPE, "application/json");
+        if let Some(key) = idempotency_key {
+            request = request.header(self.headers.idempotency_key.as_str(), key);
+        }
+        let request = request
+            .body(Full::new(body))
+            .map_err(|e| SdkError::BadRequest(e.to_string()))?;
+        let exchange = async {
+            let response = self
+                .http
+                .request(request)
+                .await
+                .map_err(|e| SdkError::Unavailable(e.to_string()))?;
+            let status = response.status();
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| SdkError::Transport(e.to_string()))?
+                .to_bytes();
+            Ok::<_, SdkError>(RailResponse { status, body })
+        };
+        let response = tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| SdkError::Unavailable(format!("no answer within {:?}", self.timeout)))??;
+        if response.status == StatusCode::CONFLICT {
+            let fenced = serde_json::from_slice::<serde_json::Value>(&response.body)
+                .is_ok_and(|v| v["error"] == "fenced_out");
+            if fenced {
+                return Err(SdkError::FencedOut {
+                    account: account.to_string(),
+                    token,
+                });
+            }
+        }
+        Ok(response)
+    }
+}

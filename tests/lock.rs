@@ -1,0 +1,836 @@
+//! The lock service's behavioural suite, over its HTTP API and the worker SDK, against real
+//! backends. Every case is a function of a [`LockWorld`]; the `suite!` macro instantiates all
+//! of them once per backend, so each backend must pass the same suite unchanged.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use http::StatusCode;
+use railguard::sdk::{LeaseLost, LockClient, SdkError};
+use support::{Http, Pg, Rail, Railguard, init_tracing};
+use tokio::time::Instant;
+
+/// Which backend a world runs.
+#[derive(Debug, Clone, Copy)]
+enum Backend {
+    Postgres,
+}
+
+/// PostgreSQL (always: it holds the rail's marks) and one railguard serving the lock API.
+struct LockWorld {
+    backend: Backend,
+    pg: Pg,
+    rail: Rail,
+    rg: Railguard,
+}
+
+impl LockWorld {
+    async fn start(backend: Backend, env: &[(&str, &str)]) -> LockWorld {
+        init_tracing();
+        let pg = Pg::start().await;
+        let rail = Rail::start().await;
+        let rg = Railguard::start(&pg.url(), &rail.url(), env).await;
+        LockWorld {
+            backend,
+            pg,
+            rail,
+            rg,
+        }
+    }
+
+    fn client(&self) -> LockClient {
+        self.rg.lock_client()
+    }
+
+    /// Restarts whatever holds the grants.
+    async fn restart_backend(&mut self) {
+        match self.backend {
+            Backend::Postgres => {
+                self.pg.server.stop().await;
+                self.pg.server.start().await.expect("postgres restarts");
+            }
+        }
+    }
+
+    async fn stop_backend(&mut self) {
+        match self.backend {
+            Backend::Postgres => self.pg.server.kill().await,
+        }
+    }
+}
+
+const TTL: Duration = Duration::from_secs(10);
+const NOW: Duration = Duration::ZERO;
+
+async fn inv04_tokens_strictly_increase_across_cycles_restarts_and_recreation(mut w: LockWorld) {
+    let lock = w.client();
+    let mut last = 0;
+    let mut check = |token: i64, when: &str| {
+        assert!(token > last, "{when}: token {token} after {last}");
+        last = token;
+    };
+    for i in 0..1000 {
+        let handle = lock.acquire("inv04", "w", TTL, NOW).await.unwrap();
+        check(handle.token().get(), &format!("cycle {i}"));
+        lock.release(handle).await.unwrap();
+    }
+    // Other keys draw from the same source; this key's tokens still only grow.
+    let other = lock.acquire("inv04-other", "w", TTL, NOW).await.unwrap();
+    lock.release(other).await.unwrap();
+    let handle = lock.acquire("inv04", "w", TTL, NOW).await.unwrap();
+    check(handle.token().get(), "after another key");
+    lock.release(handle).await.unwrap();
+
+    if matches!(w.backend, Backend::Postgres) {
+        // The key's row deleted outright (an operator cleaning up): the next grant still gets
+        // a larger token, because tokens come from one global sequence, not from the row.
+        w.pg.client()
+            .await
+            .execute("DELETE FROM lock_entry WHERE key = 'inv04'", &[])
+            .await
+            .unwrap();
+        let handle = lock.acquire("inv04", "w", TTL, NOW).await.unwrap();
+        check(handle.token().get(), "after the row was deleted");
+        lock.release(handle).await.unwrap();
+    }
+
+    w.rg.restart().await;
+    let lock = w.client();
+    let handle = lock.acquire("inv04", "w", TTL, NOW).await.unwrap();
+    check(handle.token().get(), "after a railguard restart");
+    lock.release(handle).await.unwrap();
+
+    w.restart_backend().await;
+    let handle = retry_acquire(&lock, "inv04", TTL).await;
+    check(handle.token().get(), "after a backend restart");
+    lock.release(handle).await.unwrap();
+}
+
+/// Acquires, retrying while the backend is coming back.
+async fn retry_acquire(lock: &LockClient, key: &str, ttl: Duration) -> railguard::sdk::LockHandle {
+    for _ in 0..100 {
+        match lock.acquire(key, "w", ttl, NOW).await {
+            Ok(handle) => return handle,
+            Err(SdkError::Unavailable(_)) => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => panic!("acquire failed: {e}"),
+        }
+    }
+    panic!("the backend did not come back");
+}
+
+/// One grant's life, in the backend's clock: from `granted` to when it ended.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    token: i64,
+    granted_us: i64,
+    ended_us: i64,
+}
+
+async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
+    let http = Http::new();
+    let url = w.rg.lock_url();
+    let mut tasks = Vec::new();
+    for worker in 0..32 {
+        let http = http.clone();
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut history = Vec::new();
+            for round in 0..6 {
+                // Half the grants are released, half are left to expire: both must end before
+                // the next grant begins.
+                let expire = (worker + round) % 2 == 0;
+                let ttl_ms = if expire { 40 } else { 5_000 };
+                let body =
+                    format!("{{\"holder\":\"w{worker}\",\"ttl_ms\":{ttl_ms},\"wait_ms\":20000}}");
+                let reply = post(&http, &format!("{url}/v1/locks/inv06/acquire"), &body).await;
+                assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+                let grant = reply.json();
+                let token = grant["token"].as_i64().unwrap();
+                let granted_us = grant["granted_at_us"].as_i64().unwrap();
+                let expires_us = grant["expires_at_us"].as_i64().unwrap();
+                if expire {
+                    history.push(Held {
+                        token,
+                        granted_us,
+                        ended_us: expires_us,
+                    });
+                    continue;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                let reply = post(
+                    &http,
+                    &format!("{url}/v1/locks/inv06/release"),
+                    &format!("{{\"token\":{token}}}"),
+                )
+                .await;
+                assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+                let ended_us = reply.json()["released_at_us"].as_i64().unwrap();
+                history.push(Held {
+                    token,
+                    granted_us,
+                    ended_us,
+                });
+            }
+            history
+        }));
+    }
+    let mut history = Vec::new();
+    for task in tasks {
+        history.extend(task.await.unwrap());
+    }
+    assert_eq!(history.len(), 32 * 6);
+    history.sort_by_key(|h| h.granted_us);
+    for pair in history.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        assert!(
+            b.granted_us >= a.ended_us,
+            "grants overlap in the backend's time: {a:?} then {b:?}"
+        );
+        assert!(
+            b.token > a.token,
+            "tokens follow grant order: {a:?} then {b:?}"
+        );
+    }
+    let tokens: BTreeSet<i64> = history.iter().map(|h| h.token).collect();
+    assert_eq!(tokens.len(), history.len(), "every grant has its own token");
+}
+
+async fn post(http: &Http, url: &str, body: &str) -> support::Reply {
+    http.send(
+        http::Request::post(url)
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(
+                body.to_string(),
+            )))
+            .unwrap(),
+    )
+    .await
+    .expect("lock API answers")
+}
+
+async fn expired_grant_is_taken_over_and_the_old_holder_is_lost(w: LockWorld) {
+    let lock = w.client();
+    let old = lock
+        .acquire("takeover", "w1", Duration::from_millis(100), NOW)
+        .await
+        .unwrap();
+    assert_eq!(
+        lock.acquire("takeover", "w2", TTL, NOW).await,
+        Err(SdkError::Held)
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let new = lock.acquire("takeover", "w2", TTL, NOW).await.unwrap();
+    assert!(new.token() > old.token(), "the takeover has a larger token");
+
+    assert_eq!(lock.renew(&old).await, Err(SdkError::Lost));
+    assert_eq!(lock.release(old.clone()).await, Err(SdkError::Lost));
+    let status = lock.inspect("takeover").await.unwrap();
+    assert!(status.held);
+    assert_eq!(
+        status.holder.as_deref(),
+        Some("w2"),
+        "the old holder changed nothing"
+    );
+    lock.renew(&new).await.unwrap();
+    lock.release(new).await.unwrap();
+    let m = w.rg.metrics().await;
+    let backend = backend_label(w.backend);
+    assert_eq!(
+        m.get(&format!("lock_takeovers_total{{backend=\"{backend}\"}}")),
+        1.0
+    );
+    assert_eq!(
+        m.get(&format!("lock_lost_total{{backend=\"{backend}\"}}")),
+        2.0
+    );
+    assert!(m.get(&format!("lock_grants_total{{backend=\"{backend}\"}}")) >= 2.0);
+}
+
+fn backend_label(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Postgres => "postgres",
+    }
+}
+
+async fn a_hundred_renewals_keep_the_token(w: LockWorld) {
+    let http = Http::new();
+    let url = w.rg.lock_url();
+    let reply = post(
+        &http,
+        &format!("{url}/v1/locks/renewed/acquire"),
+        "{\"holder\":\"w\",\"ttl_ms\":5000}",
+    )
+    .await;
+    let token = reply.json()["token"].as_i64().unwrap();
+    let mut last_expiry = reply.json()["expires_at_us"].as_i64().unwrap();
+    for _ in 0..100 {
+        let reply = post(
+            &http,
+            &format!("{url}/v1/locks/renewed/renew"),
+            &format!("{{\"token\":{token}}}"),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+        let renewed = reply.json();
+        assert_eq!(renewed["token"], token);
+        let expiry = renewed["expires_at_us"].as_i64().unwrap();
+        assert!(expiry >= last_expiry, "renewal extends the lease");
+        last_expiry = expiry;
+    }
+    if matches!(w.backend, Backend::Postgres) {
+        let row =
+            w.pg.client()
+                .await
+                .query_one("SELECT token FROM lock_entry WHERE key = 'renewed'", &[])
+                .await
+                .unwrap();
+        assert_eq!(
+            row.get::<_, i64>(0),
+            token,
+            "the stored token never changed"
+        );
+    }
+    let reply = post(
+        &http,
+        &format!("{url}/v1/locks/renewed/release"),
+        &format!("{{\"token\":{token}}}"),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
+}
+
+async fn waiters_are_served_in_arrival_order(w: LockWorld) {
+    let lock = w.client();
+    let holder = lock.acquire("fifo", "holder", TTL, NOW).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..5 {
+        let lock = lock.clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let handle = lock
+                .acquire("fifo", &format!("waiter-{i}"), TTL, Duration::from_secs(20))
+                .await
+                .unwrap();
+            tx.send(i).unwrap();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            lock.release(handle).await.unwrap();
+        });
+        // Arrival order is the order the requests reach the service.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    lock.release(holder).await.unwrap();
+    let mut order = Vec::new();
+    for _ in 0..5 {
+        order.push(
+            tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    assert_eq!(order, [0, 1, 2, 3, 4]);
+}
+
+/// The world for these cases polls rarely, so only a notification or the expiry timer can
+/// wake a waiter in time.
+const SLOW_POLL: &[(&str, &str)] = &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "30000")];
+
+async fn a_waiter_is_woken_by_release(w: LockWorld) {
+    let lock = w.client();
+    let holder = lock
+        .acquire("wake", "holder", Duration::from_secs(60), NOW)
+        .await
+        .unwrap();
+    let waiter = {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            lock.acquire("wake", "waiter", TTL, Duration::from_secs(20))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiter.is_finished());
+    lock.release(holder).await.unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(10), waiter).await;
+    assert!(
+        granted.is_ok_and(|r| r.unwrap().is_ok()),
+        "the release woke the waiter (the lease had 60 s left)"
+    );
+}
+
+async fn a_waiter_is_woken_by_a_release_made_through_another_railguard(w: LockWorld) {
+    let other = Railguard::start(&w.pg.url(), &w.rail.url(), SLOW_POLL).await;
+    let lock = w.client();
+    let holder = other
+        .lock_client()
+        .acquire("wake2", "holder", Duration::from_secs(60), NOW)
+        .await
+        .unwrap();
+    let waiter = {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            lock.acquire("wake2", "waiter", TTL, Duration::from_secs(20))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    other.lock_client().release(holder).await.unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(10), waiter).await;
+    assert!(
+        granted.is_ok_and(|r| r.unwrap().is_ok()),
+        "the other process's release reached this waiter"
+    );
+}
+
+async fn a_waiter_is_woken_by_expiry(w: LockWorld) {
+    let lock = w.client();
+    let _abandoned = lock
+        .acquire("expire", "holder", Duration::from_millis(300), NOW)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let handle = lock
+        .acquire("expire", "waiter", TTL, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "woken at expiry, not by the 30 s poll"
+    );
+    lock.release(handle).await.unwrap();
+}
+
+async fn a_waiter_gives_up_when_its_wait_runs_out(w: LockWorld) {
+    let lock = w.client();
+    let _holder = lock.acquire("busy", "holder", TTL, NOW).await.unwrap();
+    let started = Instant::now();
+    assert_eq!(
+        lock.acquire("busy", "waiter", TTL, Duration::from_millis(300))
+            .await,
+        Err(SdkError::Held)
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "it waited its full wait"
+    );
+    assert!(
+        lock.inspect("busy").await.unwrap().holder.as_deref() == Some("holder"),
+        "the holder still holds"
+    );
+}
+
+async fn too_many_waiters_get_429(w: LockWorld) {
+    let lock = w.client();
+    let _holder = lock.acquire("crowd", "holder", TTL, NOW).await.unwrap();
+    let mut waiters = Vec::new();
+    for i in 0..2 {
+        let lock = lock.clone();
+        waiters.push(tokio::spawn(async move {
+            lock.acquire("crowd", &format!("w{i}"), TTL, Duration::from_secs(3))
+                .await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        lock.acquire("crowd", "w3", TTL, Duration::from_secs(3))
+            .await,
+        Err(SdkError::TooManyWaiters)
+    );
+    for w in waiters {
+        assert_eq!(w.await.unwrap(), Err(SdkError::Held));
+    }
+}
+
+async fn a_held_key_reveals_no_token_and_inspect_never_shows_one(w: LockWorld) {
+    let http = Http::new();
+    let url = w.rg.lock_url();
+    let reply = post(
+        &http,
+        &format!("{url}/v1/locks/secret/acquire"),
+        "{\"holder\":\"w1\",\"ttl_ms\":5000}",
+    )
+    .await;
+    let token = reply.json()["token"].as_i64().unwrap().to_string();
+    let held = post(
+        &http,
+        &format!("{url}/v1/locks/secret/acquire"),
+        "{\"holder\":\"w2\",\"ttl_ms\":5000}",
+    )
+    .await;
+    assert_eq!(held.status, StatusCode::CONFLICT);
+    assert_eq!(held.json()["error"], "held");
+    assert!(
+        held.json().get("token").is_none() && !held.body.contains(&token),
+        "{}",
+        held.body
+    );
+    let (status, body) = http.get(&format!("{url}/v1/locks/secret")).await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    let inspection: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(inspection["held"], true);
+    assert_eq!(inspection["holder"], "w1");
+    assert!(inspection.get("token").is_none(), "{body}");
+}
+
+async fn bad_input_gets_400_with_a_clear_message(w: LockWorld) {
+    let http = Http::new();
+    let url = w.rg.lock_url();
+    let long_key = "k".repeat(300);
+    let cases: Vec<(String, &str, &str)> = vec![
+        (
+            format!("{url}/v1/locks/k/acquire"),
+            "{not json",
+            "invalid JSON",
+        ),
+        (
+            format!("{url}/v1/locks/k/acquire"),
+            "{\"holder\":\"w\",\"ttl_ms\":-5}",
+            "ttl_ms",
+        ),
+        (
+            format!("{url}/v1/locks/k/acquire"),
+            "{\"holder\":\"w\",\"ttl_ms\":99999999999}",
+            "ttl_ms",
+        ),
+        (
+            format!("{url}/v1/locks/k/acquire"),
+            "{\"holder\":\"w\",\"ttl_ms\":0}",
+            "ttl_ms",
+        ),
+        (
+            format!("{url}/v1/locks/k/acquire"),
+            "{\"holder\":\"w\",\"ttl_ms\":1000,\"wait_ms\":999999999}",
+            "wait_ms",
+        ),
+        (
+            format!("{url}/v1/locks/k/acquire"),
+            "{\"holder\":\"w\",\"ttl_ms\":1000,\"colour\":\"red\"}",
+            "unknown field",
+        ),
+        (
+            format!("{url}/v1/locks/k/acquire"),
+            "{\"holder\":\"\",\"ttl_ms\":1000}",
+            "holder",
+        ),
+        (
+            format!("{url}/v1/locks/k/acquire"),
+            "{\"ttl_ms\":1000}",
+            "holder",
+        ),
+        (
+            format!("{url}/v1/locks/{long_key}/acquire"),
+            "{\"holder\":\"w\",\"ttl_ms\":1000}",
+            "longer than 256",
+        ),
+        (
+            format!("{url}/v1/locks/a%2Fb/acquire"),
+            "{\"holder\":\"w\",\"ttl_ms\":1000}",
+            "may only hold",
+        ),
+        (
+            format!("{url}/v1/locks/k/renew"),
+            "{\"token\":0}",
+            "positive",
+        ),
+        (
+            format!("{url}/v1/locks/k/renew"),
+            "{\"token\":\"5\"}",
+            "invalid JSON",
+        ),
+        (
+            format!("{url}/v1/locks/k/release"),
+            "{\"token\":5,\"holder\":\"w\"}",
+            "unknown field",
+        ),
+    ];
+    for (url, body, expect) in cases {
+        let reply = post(&http, &url, body).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::BAD_REQUEST,
+            "{url} {body}: {}",
+            reply.body
+        );
+        assert_eq!(reply.json()["error"], "bad_request");
+        let message = reply.json()["message"].as_str().unwrap().to_string();
+        assert!(
+            message.contains(expect),
+            "{body}: {message:?} should mention {expect:?}"
+        );
+    }
+    let huge = format!(
+        "{{\"holder\":\"{}\",\"ttl_ms\":1000}}",
+        "h".repeat(64 * 1024)
+    );
+    assert_eq!(
+        post(&http, &format!("{url}/v1/locks/k/acquire"), &huge)
+            .await
+            .status,
+        StatusCode::BAD_REQUEST
+    );
+    assert!(
+        !w.client().inspect("k").await.unwrap().held,
+        "nothing was granted"
+    );
+}
+
+async fn auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(mut w: LockWorld) {
+    let lock = w.client();
+    let handle = lock
+        .acquire("kept", "w", Duration::from_millis(600), NOW)
+        .await
+        .unwrap();
+    let mut keep = lock.keep_alive(&handle);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(keep.lost_reason(), None, "renewed past two ttls");
+    assert!(lock.inspect("kept").await.unwrap().held);
+
+    w.rg.kill().await;
+    let started = Instant::now();
+    let reason = tokio::time::timeout(Duration::from_secs(5), keep.lost())
+        .await
+        .expect("loss is reported");
+    assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
+    assert!(
+        started.elapsed() <= Duration::from_millis(600) + Duration::from_millis(500),
+        "promptly: within about a ttl"
+    );
+    w.rg.start_again().await;
+}
+
+async fn auto_renew_reports_loss_when_the_backend_stops(mut w: LockWorld) {
+    let lock = w.client();
+    let handle = lock
+        .acquire("kept2", "w", Duration::from_millis(600), NOW)
+        .await
+        .unwrap();
+    let mut keep = lock.keep_alive(&handle);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    w.stop_backend().await;
+    let reason = tokio::time::timeout(Duration::from_secs(5), keep.lost())
+        .await
+        .expect("loss is reported");
+    assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
+}
+
+async fn auto_renew_reports_revocation(w: LockWorld) {
+    let lock = w.client();
+    let handle = lock
+        .acquire("revoked", "w", Duration::from_millis(900), NOW)
+        .await
+        .unwrap();
+    let mut keep = lock.keep_alive(&handle);
+    // Someone releases the grant behind the keep-alive's back (an operator, say).
+    lock.release(handle.clone()).await.unwrap();
+    let reason = tokio::time::timeout(Duration::from_secs(5), keep.lost())
+        .await
+        .expect("loss is reported");
+    assert_eq!(reason, LeaseLost::Revoked);
+}
+
+async fn grants_fence_the_rail_through_the_sdk(w: LockWorld) {
+    // T-042 with the real lock service: the stalled survivor's token is fenced at the proxy.
+    let lock = w.client();
+    let rail = railguard::sdk::RailClient::new(w.rg.proxy_url(""));
+    let w1 = lock
+        .acquire("acct-42", "w1", Duration::from_millis(200), NOW)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // W1 stalls past its lease
+    let w2 = lock.acquire("acct-42", "w2", TTL, NOW).await.unwrap();
+    assert!(w2.token() > w1.token());
+    let paid = rail
+        .post(
+            &w2,
+            "acct-42",
+            "/payments",
+            "{\"amount\":1}".into(),
+            Some("p-1"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(paid.status, StatusCode::CREATED);
+    let stale = rail
+        .post(
+            &w1,
+            "acct-42",
+            "/payments",
+            "{\"amount\":1}".into(),
+            Some("p-1"),
+        )
+        .await;
+    assert_eq!(
+        stale.unwrap_err(),
+        SdkError::FencedOut {
+            account: "acct-42".into(),
+            token: w1.token().get()
+        }
+    );
+    let ledger = w.rail.ledger();
+    assert_eq!(ledger.len(), 1, "the rail saw one payment");
+    assert_eq!(
+        ledger[0].token.as_deref(),
+        Some(w2.token().get().to_string().as_str())
+    );
+    assert_eq!(w.rg.metrics().await.get("lock_fenced_out_total"), 1.0);
+}
+
+macro_rules! suite {
+    ($module:ident, $backend:expr) => {
+        mod $module {
+            use super::*;
+
+            async fn world() -> LockWorld {
+                LockWorld::start($backend, &[]).await
+            }
+
+            #[tokio::test]
+            async fn inv04_tokens_strictly_increase() {
+                inv04_tokens_strictly_increase_across_cycles_restarts_and_recreation(world().await)
+                    .await
+            }
+            #[tokio::test]
+            async fn inv06_no_overlapping_grants() {
+                inv06_concurrent_acquirers_never_overlap(world().await).await
+            }
+            #[tokio::test]
+            async fn takeover_of_an_expired_grant() {
+                expired_grant_is_taken_over_and_the_old_holder_is_lost(world().await).await
+            }
+            #[tokio::test]
+            async fn renewals_keep_the_token() {
+                a_hundred_renewals_keep_the_token(world().await).await
+            }
+            #[tokio::test]
+            async fn fifo_waiters() {
+                waiters_are_served_in_arrival_order(world().await).await
+            }
+            #[tokio::test]
+            async fn woken_by_release() {
+                a_waiter_is_woken_by_release(LockWorld::start($backend, SLOW_POLL).await).await
+            }
+            #[tokio::test]
+            async fn woken_by_release_elsewhere() {
+                a_waiter_is_woken_by_a_release_made_through_another_railguard(
+                    LockWorld::start($backend, SLOW_POLL).await,
+                )
+                .await
+            }
+            #[tokio::test]
+            async fn woken_by_expiry() {
+                a_waiter_is_woken_by_expiry(LockWorld::start($backend, SLOW_POLL).await).await
+            }
+            #[tokio::test]
+            async fn wait_runs_out() {
+                a_waiter_gives_up_when_its_wait_runs_out(world().await).await
+            }
+            #[tokio::test]
+            async fn waiters_are_bounded() {
+                too_many_waiters_get_429(
+                    LockWorld::start($backend, &[("RAILGUARD__LOCK__MAX_WAITERS", "2")]).await,
+                )
+                .await
+            }
+            #[tokio::test]
+            async fn no_token_leaks() {
+                a_held_key_reveals_no_token_and_inspect_never_shows_one(world().await).await
+            }
+            #[tokio::test]
+            async fn bad_input() {
+                bad_input_gets_400_with_a_clear_message(world().await).await
+            }
+            #[tokio::test]
+            async fn auto_renew_and_service_loss() {
+                auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(world().await)
+                    .await
+            }
+            #[tokio::test]
+            async fn auto_renew_and_backend_loss() {
+                auto_renew_reports_loss_when_the_backend_stops(world().await).await
+            }
+            #[tokio::test]
+            async fn auto_renew_and_revocation() {
+                auto_renew_reports_revocation(world().await).await
+            }
+            #[tokio::test]
+            async fn t042_through_the_sdk() {
+                grants_fence_the_rail_through_the_sdk(world().await).await
+            }
+        }
+    };
+}
+
+suite!(postgres, Backend::Postgres);
+
+/// C1 §1.6 through the SDK: the paydb row remembers the newest grant that wrote it.
+#[tokio::test]
+async fn paydb_fenced_update_refuses_a_superseded_grant() {
+    use railguard::sdk::paydb::{FencedUpdate, Fencing, PayDbError};
+    let w = LockWorld::start(Backend::Postgres, &[]).await;
+    let db = w.pg.client().await;
+    db.batch_execute(
+        "CREATE TABLE account (id text PRIMARY KEY, balance bigint NOT NULL, fence bigint NOT NULL DEFAULT 0);
+         INSERT INTO account (id, balance) VALUES ('a', 100);",
+    )
+    .await
+    .unwrap();
+    let lock = w.client();
+    let w1 = lock
+        .acquire("paydb-a", "w1", Duration::from_millis(100), NOW)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let w2 = lock.acquire("paydb-a", "w2", TTL, NOW).await.unwrap();
+
+    let update = FencedUpdate::new("account").unwrap();
+    let debit = "balance = balance - $3";
+    update
+        .execute(&db, &w2, &"a", debit, &[&10i64])
+        .await
+        .unwrap();
+    update
+        .execute(&db, &w2, &"a", debit, &[&10i64])
+        .await
+        .unwrap(); // same grant: accepted
+    let stale = update.execute(&db, &w1, &"a", debit, &[&10i64]).await;
+    assert!(
+        matches!(stale, Err(PayDbError::FencedOut { .. })),
+        "{stale:?}"
+    );
+    let missing = update.execute(&db, &w2, &"nope", debit, &[&10i64]).await;
+    assert!(
+        matches!(missing, Err(PayDbError::NotFound { .. })),
+        "{missing:?}"
+    );
+    let row = db
+        .query_one("SELECT balance, fence FROM account WHERE id = 'a'", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, i64>(0), row.get::<_, i64>(1)),
+        (80, w2.token().get())
+    );
+
+    // Negative control: with the kill switch the stale writer's debit lands.
+    let unfenced = FencedUpdate::new("account").unwrap().fencing(Fencing::Off);
+    unfenced
+        .execute(&db, &w1, &"a", debit, &[&10i64])
+        .await
+        .unwrap();
+    let row = db
+        .query_one("SELECT balance, fence FROM account WHERE id = 'a'", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<_, i64>(0),
+        70,
+        "the corruption the switch exists to show"
+    );
+    assert_eq!(
+        row.get::<_, i64>(1),
+        w2.token().get(),
+        "the fence itself never goes down"
+    );
+}
