@@ -10,7 +10,7 @@ RUN cargo build --release --locked --bin railguard
 
 FROM debian:bookworm-slim
 RUN apt-get update \
- && apt-get install -y --no-install-recommends postgresql ca-certificates \
+ && apt-get install -y --no-install-recommends postgresql procps ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --create-home --home-dir /var/lib/railguard railguard
 COPY --from=build /src/target/release/railguard /usr/local/bin/railguard
@@ -18,8 +18,13 @@ COPY config/railguard.toml /etc/railguard/railguard.toml
 USER railguard
 ENV RAILGUARD__PROXY__LISTEN=0.0.0.0:8080 \
     RAILGUARD__ADMIN__LISTEN=0.0.0.0:9100 \
+    RAILGUARD__LOCK__LISTEN=0.0.0.0:7070 \
     RAILGUARD__DATABASE__DATA_DIR=/var/lib/railguard/pg
-EXPOSE 8080 9100
+# Marks and grants live here in embedded mode: keep it across container restarts.
+VOLUME /var/lib/railguard
+EXPOSE 8080 7070 9100
+# railguard drains for up to shutdown.grace_ms (10 s) and then stops PostgreSQL cleanly:
+# give it longer than that, e.g. `docker stop -t 30`.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["railguard"]
 CMD ["serve", "--config", "/etc/railguard/railguard.toml"]

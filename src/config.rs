@@ -238,7 +238,21 @@ impl Config {
             key: None,
             message: format!("cannot read the file: {e}"),
         })?;
-        let env: BTreeMap<String, String> = std::env::vars().collect();
+        // Variables that are not UTF-8 cannot be ours unless their name says so; those that
+        // claim to be ours must be readable.
+        let mut env = BTreeMap::new();
+        for (name, value) in std::env::vars_os() {
+            let Some(name) = name.to_str() else { continue };
+            if !name.starts_with(ENV_PREFIX) {
+                continue;
+            }
+            let value = value.into_string().map_err(|_| ConfigError {
+                origin: format!("environment variable {name}"),
+                key: None,
+                message: "value is not valid UTF-8".into(),
+            })?;
+            env.insert(name.to_string(), value);
+        }
         Config::parse(&text, &path.display().to_string(), &env)
     }
 
@@ -357,6 +371,12 @@ impl Config {
                 "must be set when database.url is \"embedded\"".into(),
             ));
         }
+        tracing_subscriber::EnvFilter::try_new(&self.log.level).map_err(|e| {
+            (
+                "log.level",
+                format!("{:?} is not a tracing filter: {e}", self.log.level),
+            )
+        })?;
         if self.lock.backend != "postgres" {
             return Err((
                 "lock.backend",
@@ -471,12 +491,16 @@ mod tests {
         let text = include_str!("../config/railguard.toml");
         let config = parse(text, &[]).expect("config/railguard.toml parses");
         assert_eq!(
+            config,
+            Config::default(),
+            "the example documents exactly the defaults"
+        );
+        assert_eq!(
             config.database_location(),
             DatabaseLocation::Embedded {
                 data_dir: "/var/tmp/railguard/pg".into()
             }
         );
-        assert!(config.fencing.enforce);
     }
 
     #[test]

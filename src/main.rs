@@ -35,6 +35,7 @@ enum Command {
     },
     /// Apply pending database migrations and exit (serve applies them too).
     Migrate {
+        /// TOML config file; only `[database]` and `[log]` are used.
         #[arg(long, short, default_value = "config/railguard.toml")]
         config: PathBuf,
     },

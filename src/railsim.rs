@@ -29,7 +29,19 @@ pub struct LedgerEntry {
     pub idempotency_key: Option<String>,
     pub body_sha256: String,
     pub forwarded_for: Option<String>,
+    /// Every header as received, lower-case names, in order.
+    pub headers: Vec<(String, String)>,
     pub received_unix_ms: u64,
+}
+
+impl LedgerEntry {
+    /// The value of header `name` (lower-case), if the rail received it.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// The simulator's state: its ledger and how slow it is.
@@ -93,61 +105,95 @@ impl RailSim {
                 ))
             }
             (&Method::POST, _) => {
-                let (parts, body) = request.into_parts();
-                let body = match body.collect().await {
-                    Ok(b) => b.to_bytes(),
-                    Err(e) => {
-                        return Ok(json(
-                            StatusCode::BAD_REQUEST,
-                            serde_json::json!({"error": e.to_string()}),
-                        ));
-                    }
-                };
-                let delay = self.arrival_delay();
-                if !delay.is_zero() {
-                    tokio::time::sleep(delay).await;
-                }
-                let header = |name: &str| {
-                    parts
-                        .headers
-                        .get(name)
-                        .and_then(|v| v.to_str().ok())
-                        .map(str::to_string)
-                };
-                let seq = {
-                    let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
-                    let seq = ledger.len() as u64 + 1;
-                    ledger.push(LedgerEntry {
-                        seq,
-                        method: parts.method.to_string(),
-                        path: parts.uri.path().to_string(),
-                        account: header("fencing-account"),
-                        token: header("fencing-token"),
-                        idempotency_key: header("idempotency-key"),
-                        body_sha256: Sha256::digest(&body)
-                            .iter()
-                            .map(|b| format!("{b:02x}"))
-                            .collect(),
-                        forwarded_for: header("x-forwarded-for"),
-                        received_unix_ms: SystemTime::now()
-                            .duration_since(UNIX_EPOCH)
-                            .map(|d| d.as_millis() as u64)
-                            .unwrap_or(0),
-                    });
-                    seq
-                };
-                if !self.latency.is_zero() {
-                    tokio::time::sleep(self.latency).await;
-                }
-                Ok(json(
-                    StatusCode::CREATED,
-                    serde_json::json!({ "payment": seq, "status": "accepted" }),
-                ))
+                // A payment that left the sender is on its way whether or not the sender is
+                // still waiting: record it even if the client disconnects meanwhile.
+                let sim = self.clone();
+                let payment = tokio::spawn(async move { sim.pay(request).await });
+                Ok(payment.await.unwrap_or_else(|e| {
+                    json(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        serde_json::json!({"error": e.to_string()}),
+                    )
+                }))
             }
             _ => Ok(json(
                 StatusCode::NOT_FOUND,
                 serde_json::json!({"error": "POST a payment, or GET /ledger"}),
             )),
         }
+    }
+
+    async fn pay(self, request: Request<Incoming>) -> Response<ProxyBody> {
+        let json = |status: StatusCode, value: serde_json::Value| {
+            Response::builder()
+                .status(status)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(full(value.to_string()))
+                .expect("static response parts")
+        };
+        let (parts, body) = request.into_parts();
+        let body = match body.collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => {
+                return json(
+                    StatusCode::BAD_REQUEST,
+                    serde_json::json!({"error": e.to_string()}),
+                );
+            }
+        };
+        let delay = self.arrival_delay();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        let header = |name: &str| {
+            parts
+                .headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let seq = {
+            let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
+            let seq = ledger.len() as u64 + 1;
+            ledger.push(LedgerEntry {
+                seq,
+                method: parts.method.to_string(),
+                path: parts
+                    .uri
+                    .path_and_query()
+                    .map(|p| p.as_str().to_string())
+                    .unwrap_or_else(|| "/".into()),
+                account: header("fencing-account"),
+                token: header("fencing-token"),
+                idempotency_key: header("idempotency-key"),
+                body_sha256: Sha256::digest(&body)
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect(),
+                forwarded_for: header("x-forwarded-for"),
+                headers: parts
+                    .headers
+                    .iter()
+                    .map(|(n, v)| {
+                        (
+                            n.as_str().to_string(),
+                            String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                        )
+                    })
+                    .collect(),
+                received_unix_ms: SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0),
+            });
+            seq
+        };
+        if !self.latency.is_zero() {
+            tokio::time::sleep(self.latency).await;
+        }
+        json(
+            StatusCode::CREATED,
+            serde_json::json!({ "payment": seq, "status": "accepted" }),
+        )
     }
 }

@@ -42,6 +42,8 @@ pub enum ServeError {
     Database(#[from] DatabaseError),
     #[error("proxy.upstream: {0}")]
     Upstream(String),
+    #[error("the embedded PostgreSQL exited unexpectedly ({0}); see its log in the data directory")]
+    EmbeddedDied(String),
 }
 
 async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
@@ -66,7 +68,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let upstream =
         Upstream::parse(&config.proxy.upstream).map_err(|e| ServeError::Upstream(e.to_string()))?;
 
-    let database = Database::open(&config).await?;
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut database = tokio::select! {
+        database = Database::open(&config) => database?,
+        () = &mut shutdown => {
+            tracing::info!("shutdown requested during start-up");
+            return Ok(());
+        }
+    };
     let store = HighWaterStore::new(database.pool.clone(), config.database_timeout());
     let fence = Arc::new(Fence::new(
         store.clone(),
@@ -155,7 +164,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     tracing::info!(proxy = %config.proxy.listen, admin = %config.admin.listen, lock = %config.lock.listen,
         upstream = %config.proxy.upstream, enforce = config.fencing.enforce, "railguard serving");
 
-    shutdown.await;
+    let died = tokio::select! {
+        () = &mut shutdown => None,
+        status = database.embedded_exited() => Some(status),
+    };
+    if let Some(status) = &died {
+        tracing::error!(%status, "the embedded PostgreSQL exited on its own; shutting down");
+    }
     tracing::info!(?grace, "shutting down");
     let _ = stop_tx.send(true);
     let _ = proxy_task.await;
@@ -164,16 +179,31 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     listener_task.abort();
     database.shutdown().await;
     tracing::info!("railguard stopped");
-    Ok(())
+    match died {
+        Some(status) => Err(ServeError::EmbeddedDied(status)),
+        None => Ok(()),
+    }
 }
 
-/// Resolves on SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not when
+/// the future is first polled, so a signal during start-up is not lost. A second signal while
+/// draining exits at once.
+pub fn shutdown_signal() -> impl Future<Output = ()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
+    async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = int.recv() => tracing::info!("SIGINT received"),
+        }
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            tracing::warn!("second signal: exiting without draining");
+            std::process::exit(130);
+        });
     }
 }

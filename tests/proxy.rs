@@ -50,11 +50,31 @@ async fn tokens_at_or_above_the_mark_pass_and_stale_tokens_are_fenced_out() {
     assert_eq!(body["error"], "fenced_out");
     assert_eq!(body["account"], "acct-1");
     assert_eq!(body["token"], 42);
-    assert!(
-        !reply.body.contains("57"),
-        "the 409 must never reveal the mark: {}",
-        reply.body
+    let keys: Vec<&str> = body
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "account",
+            "error",
+            "message",
+            "origin",
+            "request_id",
+            "token"
+        ],
+        "the 409 carries these fields and nothing else"
     );
+    for value in body.as_object().unwrap().values() {
+        assert!(
+            value != 57 && value != "57" && !value.as_str().is_some_and(|v| v.contains(" 57")),
+            "the 409 must never reveal the mark: {}",
+            reply.body
+        );
+    }
     assert_eq!(
         rail.ledger().len(),
         3,
@@ -583,7 +603,10 @@ async fn http2_clients_are_proxied_and_hop_by_hop_headers_dropped() {
             &[
                 ("Fencing-Token", "3"),
                 ("Fencing-Account", "h2"),
-                ("Connection", "x-private"),
+                ("Connection", "x-private, keep-alive"),
+                ("Keep-Alive", "timeout=5"),
+                ("TE", "trailers"),
+                ("Proxy-Authorization", "Basic eDp5"),
                 ("X-Private", "secret"),
                 ("X-Forwarded-For", "10.1.2.3"),
             ],
@@ -593,10 +616,37 @@ async fn http2_clients_are_proxied_and_hop_by_hop_headers_dropped() {
     assert_eq!(reply.status, StatusCode::CREATED);
     let ledger = rail.ledger();
     assert_eq!(ledger.len(), 2);
-    assert_eq!(ledger[1].path, "/payments");
+    let seen = &ledger[1];
+    assert_eq!(seen.path, "/payments?x=1", "path and query reach the rail");
+    assert_eq!(seen.header("x-forwarded-for"), Some("10.1.2.3, 127.0.0.1"));
+    for hop in [
+        "connection",
+        "keep-alive",
+        "te",
+        "proxy-authorization",
+        "transfer-encoding",
+        "x-private",
+    ] {
+        assert_eq!(
+            seen.header(hop),
+            None,
+            "{hop} is hop-by-hop and must not be forwarded"
+        );
+    }
     assert_eq!(
-        ledger[1].forwarded_for.as_deref(),
-        Some("10.1.2.3, 127.0.0.1")
+        seen.header("host"),
+        Some(rail.addr.to_string().as_str()),
+        "Host is the rail's"
+    );
+    assert_eq!(
+        seen.header("x-forwarded-host"),
+        Some(rg.proxy.to_string().as_str())
+    );
+    assert_eq!(seen.header("via"), Some("1.1 railguard"));
+    assert_eq!(
+        seen.header("fencing-token"),
+        Some("3"),
+        "end-to-end headers pass"
     );
 }
 

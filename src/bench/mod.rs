@@ -19,6 +19,7 @@
 //! the simulator, and PostgreSQL and pgbench share the machine: on a small machine every row
 //! is partly a measurement of the load generator. That is why only ratios are claimed.
 
+mod cpu;
 mod load;
 mod pgbench;
 mod report;
@@ -84,26 +85,38 @@ pub enum Phase {
     ProxyFenced,
     /// Token 1 against accounts whose mark is 2,000,000: every answer a 409 from the mark cache.
     StaleRejected,
-    /// pgbench running the same compare-and-set directly against PostgreSQL.
+    /// pgbench running the same compare-and-set directly against PostgreSQL, one client per
+    /// connection of the HTTP phases.
     Pgbench,
+    /// The same with as many clients as a proxy has pooled connections: the most
+    /// compare-and-sets a proxy can have in flight. Skipped when that equals `connections`.
+    PgbenchPool,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 5] = [
-        Phase::Direct,
-        Phase::ProxyUnfenced,
-        Phase::ProxyFenced,
-        Phase::StaleRejected,
-        Phase::Pgbench,
-    ];
+    /// The phases a run with `options` measures, in the order each round runs them.
+    pub fn all(options: &BenchOptions) -> Vec<Phase> {
+        let mut phases = vec![
+            Phase::Direct,
+            Phase::ProxyUnfenced,
+            Phase::ProxyFenced,
+            Phase::StaleRejected,
+            Phase::Pgbench,
+        ];
+        if options.pool_size != options.connections as u64 {
+            phases.push(Phase::PgbenchPool);
+        }
+        phases
+    }
 
-    pub fn label(self) -> &'static str {
+    pub fn label(self, options: &BenchOptions) -> String {
         match self {
-            Phase::Direct => "direct to rail simulator",
-            Phase::ProxyUnfenced => "proxy, fencing off",
-            Phase::ProxyFenced => "proxy, fencing on",
-            Phase::StaleRejected => "proxy, stale token → 409",
-            Phase::Pgbench => "pgbench, compare-and-set only",
+            Phase::Direct => "direct to rail simulator".into(),
+            Phase::ProxyUnfenced => "proxy, fencing off".into(),
+            Phase::ProxyFenced => "proxy, fencing on".into(),
+            Phase::StaleRejected => "proxy, stale token → 409".into(),
+            Phase::Pgbench => format!("pgbench CAS, {} clients", options.connections),
+            Phase::PgbenchPool => format!("pgbench CAS, {} clients (= pool)", options.pool_size),
         }
     }
 }
@@ -138,9 +151,10 @@ pub async fn run(options: BenchOptions) -> Result<Report, BenchError> {
     let pg_dir = temp_dir("railguard-bench-pg-")?;
     let work_dir = temp_dir("railguard-bench-")?;
     let server_options = ServerOptions {
-        data_dir: pg_dir.path().to_path_buf(),
+        data_dir: pg_dir.path().join("data"),
         port: free_loopback_port(),
         durable: true,
+        access: crate::db::Access::Loopback,
     };
     let mut postgres = PostgresServer::init(server_options).await?;
     eprintln!(
@@ -163,6 +177,10 @@ async fn with_postgres(
     let setup = async {
         // One after the other: both migrate the same database on start.
         proxies.push(Proxy::start(rail.addr, &postgres.url(), true, options.pool_size).await?);
+        eprintln!(
+            "bench: starting the second proxy with fencing.enforce = false; \
+             the error it logs about that is expected"
+        );
         proxies.push(Proxy::start(rail.addr, &postgres.url(), false, options.pool_size).await?);
         Ok::<_, BenchError>(())
     };
@@ -201,6 +219,7 @@ struct Bench<'a> {
 impl Bench<'_> {
     async fn run(&self) -> Result<Report, BenchError> {
         let o = self.options;
+        let environment = Environment::probe();
         let stale_accounts = o.accounts.min(STALE_ACCOUNTS);
         eprintln!(
             "bench: raising {stale_accounts} accounts to {STALE_MARK} through the enforcing proxy"
@@ -216,14 +235,14 @@ impl Bench<'_> {
         self.rail.reset();
 
         let mut samples: Vec<(Phase, Vec<Sample>)> =
-            Phase::ALL.iter().map(|&p| (p, Vec::new())).collect();
+            Phase::all(o).into_iter().map(|p| (p, Vec::new())).collect();
         for rep in 1..=o.repeats {
             for (phase, done) in &mut samples {
                 let sample = self.measure(*phase).await;
                 eprintln!(
                     "bench: [{rep}/{}] {:<32} {:>9.0}/s  p50 {:>7.2} ms  p99 {:>7.2} ms  n={}{}",
                     o.repeats,
-                    phase.label(),
+                    phase.label(o),
                     sample.rate,
                     f64::from(sample.p50_us) / 1000.0,
                     f64::from(sample.p99_us) / 1000.0,
@@ -238,7 +257,7 @@ impl Bench<'_> {
             }
         }
         Ok(Report {
-            environment: Environment::probe(),
+            environment,
             options: o.clone(),
             pool_size: o.pool_size,
             stale_accounts,
@@ -275,28 +294,34 @@ impl Bench<'_> {
                 STALE_TOKEN,
                 StatusCode::CONFLICT,
             ),
-            Phase::Pgbench => return self.measure_pgbench().await,
+            Phase::Pgbench => return self.measure_pgbench(o.connections).await,
+            Phase::PgbenchPool => return self.measure_pgbench(o.pool_size as usize).await,
         };
         if !o.warmup.is_zero() {
             load::run(&load(target, accounts.clone(), token, o.warmup)).await;
         }
         self.rail.reset();
+        let before = cpu::Snapshot::take(self.postgres.pid());
         let result = load::run(&load(target, accounts, token, o.duration)).await;
+        let cpu = before.until(&cpu::Snapshot::take(self.postgres.pid()));
         let delivered = self.rail.reset();
         let should_deliver = if expect == StatusCode::CONFLICT {
             0
         } else {
             result.count(expect)
         };
-        sample_of(&result, expect, delivered, should_deliver)
+        Sample {
+            cpu,
+            ..sample_of(&result, expect, delivered, should_deliver)
+        }
     }
 
-    async fn measure_pgbench(&self) -> Sample {
+    async fn measure_pgbench(&self, clients: usize) -> Sample {
         let o = self.options;
         let pgbench = |duration| Pgbench {
             bin_dir: self.postgres.bin_dir().to_path_buf(),
             port: self.postgres.port(),
-            clients: o.connections,
+            clients,
             duration,
             accounts: o.accounts,
             account_prefix: ACCOUNT_PREFIX,
@@ -305,7 +330,10 @@ impl Bench<'_> {
         if !o.warmup.is_zero() {
             let _ = pgbench(o.warmup).run(self.work_dir).await;
         }
-        match pgbench(o.duration).run(self.work_dir).await {
+        let before = cpu::Snapshot::take(self.postgres.pid());
+        let result = pgbench(o.duration).run(self.work_dir).await;
+        let cpu = before.until(&cpu::Snapshot::take(self.postgres.pid()));
+        match result {
             Ok(r) => {
                 let mut problems = Vec::new();
                 if r.failed > 0 {
@@ -321,6 +349,7 @@ impl Bench<'_> {
                     count: r.transactions,
                     unexpected: r.failed,
                     problems,
+                    cpu,
                 }
             }
             Err(why) => Sample::failed(why),
@@ -368,6 +397,7 @@ fn sample_of(
         count: result.answered(),
         unexpected: unexpected.max(u64::from(!problems.is_empty())),
         problems,
+        cpu: cpu::CpuUse::default(),
     }
 }
 
@@ -483,7 +513,9 @@ impl Proxy {
     ) -> Result<Self, BenchError> {
         let mut config = Config::default();
         config.proxy.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, free_loopback_port()));
-        config.admin.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, free_loopback_port()));
+        // Listeners the benchmark does not use: any free loopback port.
+        config.admin.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        config.lock.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
         config.proxy.upstream = format!("http://{rail}");
         config.database.url = database_url.to_string();
         config.database.pool_size = pool_size;

@@ -7,6 +7,7 @@
 
 use std::fmt::Write as _;
 
+use super::cpu::CpuUse;
 use super::{BenchOptions, Phase};
 
 /// One repetition of one phase.
@@ -22,6 +23,8 @@ pub struct Sample {
     pub unexpected: u64,
     /// What was unexpected, in words.
     pub problems: Vec<String>,
+    /// CPU used during the measured run.
+    pub cpu: CpuUse,
 }
 
 impl Sample {
@@ -72,6 +75,9 @@ pub fn median(values: impl IntoIterator<Item = f64>) -> f64 {
         (values[mid - 1] + values[mid]) / 2.0
     }
 }
+
+/// Share of the machine's CPU time used by other processes above which a repetition is marked.
+const NOISY: f64 = 0.10;
 
 /// Medians of one phase.
 struct Summary {
@@ -151,7 +157,8 @@ impl Report {
         let _ = writeln!(
             md,
             "- Settings: {} s × {} repetitions per phase, interleaved round-robin, {} s warm-up before each; \
-             {} connections; {} accounts (uniform); proxy pool {} connections; pgbench -c {} -j {} -M prepared",
+             {} HTTP connections, each one request at a time; {} accounts (uniform); each proxy's pool \
+             {} PostgreSQL connections; `pgbench -n -M prepared -j 2` with -c {} and -c {}",
             o.duration.as_secs(),
             o.repeats,
             o.warmup.as_secs(),
@@ -159,7 +166,7 @@ impl Report {
             o.accounts,
             self.pool_size,
             o.connections,
-            o.connections.clamp(1, 2),
+            self.pool_size,
         );
         let _ = writeln!(
             md,
@@ -181,17 +188,32 @@ impl Report {
 
         let direct = self.summary(Phase::Direct).map(|s| s.rate);
         let pgbench = self.summary(Phase::Pgbench).map(|s| s.rate);
-        md.push_str("| phase | req/s (median) | min–max | p50 ms | p99 ms | × direct | × pgbench | unexpected |\n");
-        md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+        let pgbench_pool = self.summary(Phase::PgbenchPool).map(|s| s.rate);
+        md.push_str(
+            "| phase | req/s (median) | min–max | p50 ms | p99 ms | × direct | × pgbench | × pgbench (= pool) | unexpected |\n",
+        );
+        md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for (phase, samples) in &self.samples {
             let s = summarize(samples);
-            let vs_direct = match phase {
-                Phase::Direct | Phase::Pgbench => "—".into(),
-                _ => ratio(s.rate, direct),
+            let proxied = matches!(
+                phase,
+                Phase::ProxyUnfenced | Phase::ProxyFenced | Phase::StaleRejected
+            );
+            let commits = matches!(phase, Phase::ProxyUnfenced | Phase::ProxyFenced);
+            let vs_direct = if proxied {
+                ratio(s.rate, direct)
+            } else {
+                "—".into()
             };
-            let vs_pgbench = match phase {
-                Phase::ProxyUnfenced | Phase::ProxyFenced => ratio(s.rate, pgbench),
-                _ => "—".into(),
+            let vs_pgbench = if commits {
+                ratio(s.rate, pgbench)
+            } else {
+                "—".into()
+            };
+            let vs_pgbench_pool = if commits {
+                ratio(s.rate, pgbench_pool)
+            } else {
+                "—".into()
             };
             let unexpected = if s.unexpected == 0 {
                 "0".to_string()
@@ -200,8 +222,8 @@ impl Report {
             };
             let _ = writeln!(
                 md,
-                "| {} | {} | {}–{} | {} | {} | {} | {} | {} |",
-                phase.label(),
+                "| {} | {} | {}–{} | {} | {} | {} | {} | {} | {} |",
+                phase.label(o),
                 thousands(s.rate),
                 thousands(s.min),
                 thousands(s.max),
@@ -209,6 +231,7 @@ impl Report {
                 ms(s.p99_ms),
                 vs_direct,
                 vs_pgbench,
+                vs_pgbench_pool,
                 unexpected,
             );
         }
@@ -220,7 +243,7 @@ impl Report {
                 samples.iter().enumerate().flat_map(move |(rep, s)| {
                     s.problems
                         .iter()
-                        .map(move |p| format!("- {}, repetition {}: {p}", phase.label(), rep + 1))
+                        .map(move |p| format!("- {}, repetition {}: {p}", phase.label(o), rep + 1))
                 })
             })
             .collect();
@@ -242,11 +265,62 @@ impl Report {
         md.push_str(&"---:|".repeat(reps));
         md.push('\n');
         for (phase, samples) in &self.samples {
-            let _ = write!(md, "| {} |", phase.label());
+            let _ = write!(md, "| {} |", phase.label(o));
             for s in samples {
-                let _ = write!(md, " {} |", thousands(s.rate));
+                let mark = if s.cpu.others > NOISY { " †" } else { "" };
+                let _ = write!(md, " {}{mark} |", thousands(s.rate));
             }
             md.push('\n');
+        }
+        let noisy = self
+            .samples
+            .iter()
+            .flat_map(|(_, s)| s)
+            .any(|s| s.cpu.others > NOISY);
+        if noisy {
+            let _ = writeln!(
+                md,
+                "\n† Other processes on the machine used more than {:.0}% of its CPU time during this repetition.",
+                NOISY * 100.0
+            );
+        }
+
+        md.push_str(
+            "\nWhere the CPU went during the measured runs (medians; CPU time per request or transaction, \
+             from /proc; the railguard process holds the load generator, both proxies and the rail \
+             simulator):\n\n",
+        );
+        md.push_str(
+            "| phase | machine busy | other processes | railguard process µs | PostgreSQL µs | pgbench µs |\n",
+        );
+        md.push_str("|---|---:|---:|---:|---:|---:|\n");
+        for (phase, samples) in &self.samples {
+            let pgbench = matches!(phase, Phase::Pgbench | Phase::PgbenchPool);
+            let per_op = |secs: fn(&CpuUse) -> f64| {
+                median(
+                    samples
+                        .iter()
+                        .map(|s| secs(&s.cpu) * 1e6 / s.count.max(1) as f64),
+                )
+            };
+            let busy = median(samples.iter().map(|s| s.cpu.machine_busy * 100.0));
+            let others = median(samples.iter().map(|s| s.cpu.others * 100.0));
+            let own = if pgbench {
+                "—".into()
+            } else {
+                format!("{:.0}", per_op(|c| c.own_secs))
+            };
+            let client = if pgbench {
+                format!("{:.0}", per_op(|c| c.reaped_children_secs))
+            } else {
+                "—".into()
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {busy:.0}% | {others:.0}% | {own} | {:.0} | {client} |",
+                phase.label(o),
+                per_op(|c| c.postgres_secs),
+            );
         }
         md
     }

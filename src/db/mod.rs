@@ -13,8 +13,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::NoTls;
 
 use crate::config::{Config, DatabaseLocation};
-use crate::net::free_loopback_port;
-pub use server::{PostgresServer, ServerError, ServerOptions};
+pub use server::{Access, PostgresServer, ServerError, ServerOptions};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatabaseError {
@@ -50,13 +49,15 @@ impl Database {
             DatabaseLocation::Embedded { data_dir } => {
                 let options = ServerOptions {
                     data_dir,
-                    port: free_loopback_port(),
+                    // The socket file is named after the port; no TCP port is opened.
+                    port: 5432,
                     durable: true,
+                    access: Access::Socket,
                 };
                 let mut server = PostgresServer::init(options).await?;
                 server.start().await?;
-                tracing::info!(port = server.port(), data_dir = %server.data_dir().display(),
-                    "embedded PostgreSQL started");
+                tracing::info!(data_dir = %server.data_dir().display(),
+                    "embedded PostgreSQL started (Unix socket in its data directory only)");
                 (server.url(), Some(server))
             }
         };
@@ -69,6 +70,14 @@ impl Database {
         }
         let pool = build_pool(&url, config.database.pool_size as usize, timeout)?;
         Ok(Self { pool, url, server })
+    }
+
+    /// Resolves if the embedded server exits on its own; pending forever otherwise.
+    pub async fn embedded_exited(&mut self) -> String {
+        match self.server.as_mut() {
+            Some(server) => server.exited().await,
+            None => std::future::pending().await,
+        }
     }
 
     /// Stops the embedded server, if any. Call after the last request has finished.

@@ -7,7 +7,18 @@
 //! root), listen on loopback only, and notice when the server dies during start-up.
 //!
 //! The server is our child process, started with `postgres -D` rather than `pg_ctl`, so that
-//! we hold its pid and can signal it directly.
+//! we hold its pid and can signal it directly. It runs in its own process group, so a Ctrl-C
+//! at the terminal reaches railguard only, which stops the server *after* draining requests.
+//!
+//! One data directory, one owner: a lock file beside the directory (`<data_dir>.lock`) is
+//! held for as long as a `PostgresServer` exists, so a second railguard (a `migrate` run next
+//! to a `serve`, say) is refused instead of stopping the first one's database.
+//!
+//! Access: the embedded server ([`Access::Socket`]) listens on a Unix socket inside its own
+//! data directory (mode 0700) and on no TCP port, so no other local user can reach it; test
+//! clusters ([`Access::Loopback`]) listen on a loopback port so tools like `pgbench` can.
+//! Either way, readiness is confirmed by asking the server for its data directory, so we never
+//! mistake another cluster for ours.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -38,6 +49,20 @@ pub enum ServerError {
     NotReady(Duration, String),
     #[error("PostgreSQL exited during start-up ({status}); its log: {log}")]
     Exited { status: String, log: String },
+    #[error(
+        "data directory {0} is in use by another railguard (its lock file is held); stop that \
+         one first, or give this one its own database.data_dir"
+    )]
+    InUse(PathBuf),
+}
+
+/// How clients reach the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// A Unix socket in the data directory only: private to the server's user (and root).
+    Socket,
+    /// 127.0.0.1 on `port`, trust authentication: for throwaway test clusters.
+    Loopback,
 }
 
 /// Options for a server.
@@ -50,6 +75,7 @@ pub struct ServerOptions {
     /// Turn off fsync: only for throwaway test clusters. A killed server still loses nothing
     /// (the OS keeps the writes); only a machine crash would.
     pub durable: bool,
+    pub access: Access,
 }
 
 /// A PostgreSQL server child process. Dropping it kills the server.
@@ -59,6 +85,8 @@ pub struct PostgresServer {
     bin_dir: PathBuf,
     run_as: Option<(u32, u32)>,
     child: Option<Child>,
+    /// Held while this value lives: the data directory is ours.
+    _lock: std::fs::File,
 }
 
 /// The database user and database railguard's clusters are created with.
@@ -74,7 +102,9 @@ impl PostgresServer {
         } else {
             None
         };
+        let lock = lock_data_dir(&options.data_dir)?;
         let server = Self {
+            _lock: lock,
             options,
             bin_dir,
             run_as,
@@ -84,12 +114,28 @@ impl PostgresServer {
         Ok(server)
     }
 
-    /// `postgres://` URL of the server (trust authentication, loopback only).
+    /// Connection string for the server: a `postgres://` URL on loopback, or key-value form
+    /// naming the socket directory.
     pub fn url(&self) -> String {
-        format!(
-            "postgres://{SUPERUSER}@127.0.0.1:{}/postgres",
-            self.options.port
-        )
+        match self.options.access {
+            Access::Loopback => format!(
+                "postgres://{SUPERUSER}@127.0.0.1:{}/postgres",
+                self.options.port
+            ),
+            Access::Socket => {
+                let dir = self
+                    .options
+                    .data_dir
+                    .display()
+                    .to_string()
+                    .replace('\\', "\\\\")
+                    .replace('\'', "\\'");
+                format!(
+                    "host='{dir}' port={} user={SUPERUSER} dbname=postgres",
+                    self.options.port
+                )
+            }
+        }
     }
 
     pub fn port(&self) -> u16 {
@@ -173,6 +219,28 @@ impl PostgresServer {
         cmd
     }
 
+    fn access_flags(&self) -> Vec<String> {
+        match self.options.access {
+            Access::Loopback => vec![
+                "-c".into(),
+                "listen_addresses=127.0.0.1".into(),
+                "-c".into(),
+                "unix_socket_directories=".into(),
+            ],
+            Access::Socket => vec![
+                "-c".into(),
+                "listen_addresses=".into(),
+                "-c".into(),
+                format!(
+                    "unix_socket_directories={}",
+                    self.options.data_dir.display()
+                ),
+                "-c".into(),
+                "unix_socket_permissions=0700".into(),
+            ],
+        }
+    }
+
     /// Starts the server and waits until it accepts connections.
     pub async fn start(&mut self) -> Result<(), ServerError> {
         if self.child.is_some() {
@@ -195,12 +263,12 @@ impl PostgresServer {
         cmd.arg("-D")
             .arg(&self.options.data_dir)
             .args(["-p", &self.options.port.to_string()])
-            .args(["-c", "listen_addresses=127.0.0.1"])
-            .args(["-c", "unix_socket_directories="])
+            .args(self.access_flags())
             .args(["-c", "max_connections=200"])
             .stdout(log)
             .stderr(log2)
-            .kill_on_drop(true);
+            .kill_on_drop(true)
+            .process_group(0);
         if !self.options.durable {
             cmd.args(["-c", "fsync=off", "-c", "full_page_writes=off"]);
         }
@@ -228,13 +296,22 @@ impl PostgresServer {
             let probe = async {
                 let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
                 let conn = tokio::spawn(conn);
-                let result = client.simple_query("SELECT 1").await.map(|_| ());
+                let result = client
+                    .query_one("SHOW data_directory", &[])
+                    .await
+                    .map(|row| row.get::<_, String>(0));
                 drop(client);
                 let _ = conn.await;
                 result
             };
-            if let Ok(Ok(())) = tokio::time::timeout(Duration::from_secs(2), probe).await {
-                return Ok(());
+            if let Ok(Ok(served)) = tokio::time::timeout(Duration::from_secs(2), probe).await {
+                // Whoever answers on our port must be serving our data directory.
+                let ours = std::fs::canonicalize(&self.options.data_dir)
+                    .unwrap_or_else(|_| self.options.data_dir.clone());
+                if Path::new(&served) == ours {
+                    return Ok(());
+                }
+                tracing::warn!(served, ours = %ours.display(), "another PostgreSQL answers on our port");
             }
             if tokio::time::Instant::now() > deadline {
                 return Err(ServerError::NotReady(limit, self.log_tail()));
@@ -244,7 +321,9 @@ impl PostgresServer {
     }
 
     /// A server left behind by a railguard that died without stopping it still holds the data
-    /// directory. It is ours (the directory is private to railguard), so stop it.
+    /// directory. We hold the directory's lock, so no live railguard owns it: if the pid in
+    /// `postmaster.pid` is a `postgres` from our binaries running in our data directory, it is
+    /// that orphan, and we stop it. Anything else (a reused pid) is left alone.
     async fn stop_stale_server(&self) {
         let Ok(text) = std::fs::read_to_string(self.options.data_dir.join("postmaster.pid")) else {
             return;
@@ -256,19 +335,40 @@ impl PostgresServer {
         else {
             return;
         };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
+        let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+        let exe = std::fs::read_link(proc_dir.join("exe")).ok();
+        let cwd = std::fs::read_link(proc_dir.join("cwd")).ok();
+        let ours = std::fs::canonicalize(&self.options.data_dir).ok();
+        let our_postgres = std::fs::canonicalize(self.bin_dir.join("postgres")).ok();
+        if exe.is_none() || exe != our_postgres || cwd != ours {
             return;
         }
         tracing::warn!(pid, data_dir = %self.options.data_dir.display(),
             "a PostgreSQL server from an earlier run still holds the data directory; stopping it");
         signal(pid, "INT").await;
         for _ in 0..600 {
-            if !Path::new(&format!("/proc/{pid}")).exists() {
+            if !proc_dir.exists() {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         signal(pid, "KILL").await;
+    }
+
+    /// Resolves when the running server exits on its own (it crashed, or was killed). Pending
+    /// forever when it is not running.
+    pub async fn exited(&mut self) -> String {
+        match self.child.as_mut() {
+            Some(child) => {
+                let status = child.wait().await;
+                self.child = None;
+                match status {
+                    Ok(status) => status.to_string(),
+                    Err(e) => e.to_string(),
+                }
+            }
+            None => std::future::pending().await,
+        }
     }
 
     /// Fast shutdown: disconnects clients, checkpoints and exits. Waits for it.
@@ -367,6 +467,34 @@ fn children_of(pid: u32) -> Vec<u32> {
                 .flatten()
         })
         .collect()
+}
+
+/// Takes the data directory's lock file (`<data_dir>.lock`, beside it), or says who has it.
+fn lock_data_dir(data_dir: &Path) -> Result<std::fs::File, ServerError> {
+    let dir_error = |message: String| ServerError::DataDir {
+        path: data_dir.to_path_buf(),
+        message,
+    };
+    let mut name = data_dir.as_os_str().to_owned();
+    name.push(".lock");
+    let path = PathBuf::from(name);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| dir_error(format!("cannot create its parent: {e}")))?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| dir_error(format!("cannot open its lock file {}: {e}", path.display())))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(ServerError::InUse(data_dir.to_path_buf())),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(dir_error(format!("cannot lock {}: {e}", path.display())))
+        }
+    }
 }
 
 fn effective_uid_is_root() -> bool {

@@ -132,12 +132,14 @@ pub fn rejection(error: &BoxError) -> Rejection {
             );
         }
         if let Some(e) = e.downcast_ref::<FenceUnavailable>() {
+            // The database's own words stay in the log: they describe our infrastructure.
+            tracing::warn!(error = %e, "fence check unavailable");
             return Rejection::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 Outcome::DatabaseUnavailable,
                 "database_unavailable",
                 Origin::Database,
-                format!("{e}; nothing was forwarded, retry later"),
+                "the fence check could not be made; nothing was forwarded, retry later".into(),
             );
         }
         if let Some(e) = e.downcast_ref::<UpstreamUnavailable>() {

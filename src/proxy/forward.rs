@@ -3,7 +3,7 @@
 //! A reverse proxy's duties: hop-by-hop headers (RFC 9110 §7.6.1 — the fixed list plus any
 //! named in `Connection`) are dropped both ways; the client's address is appended to
 //! `X-Forwarded-For`; the client's `Host` moves to `X-Forwarded-Host` and the rail's authority
-//! becomes the new `Host`. Requests from HTTP/2 clients go to the rail as HTTP/1.1 over a
+//! becomes the new `Host`; `Via` names railguard. Requests from HTTP/2 clients go to the rail as HTTP/1.1 over a
 //! pooled keep-alive connection.
 //!
 //! A failure here happens *after* the mark advanced; `fence` explains why that is safe. The
@@ -163,6 +163,8 @@ impl Forward {
         if let Some(host) = client_host {
             headers.insert(HeaderName::from_static("x-forwarded-host"), host);
         }
+        // RFC 9110 §7.6.3: a gateway appends itself to Via.
+        headers.append(header::VIA, HeaderValue::from_static("1.1 railguard"));
         headers.insert(
             HeaderName::from_static("x-forwarded-proto"),
             HeaderValue::from_static("http"),

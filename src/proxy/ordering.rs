@@ -5,11 +5,19 @@
 //! rail receives it there is a window in which a request for a higher token, committed later,
 //! could overtake it. This module closes that window for one proxy:
 //!
-//! **Guarantee.** For one account, the rail sees tokens in non-decreasing order from this
-//! proxy: once a forward for token `t` has been admitted, no forward for a lower token is
-//! admitted afterwards, and a forward for a higher token waits until every in-flight forward
-//! for a lower token has its response headers (or has failed). Requests with the *same* token
-//! (one grant sending several payments) are forwarded concurrently.
+//! **Guarantee.** For one account, within one proxy process:
+//! 1. once a forward for token `t` has *started*, no forward for a lower token starts
+//!    afterwards (the lower request gets 409 even if its own compare-and-set had succeeded);
+//! 2. a forward for a higher token does not start until every in-flight forward for a lower
+//!    token has *ended* — the rail's response headers arrived, or the forward failed or was
+//!    abandoned (502, 504, client gone);
+//! 3. requests with the *same* token (one grant sending several payments) go concurrently.
+//!
+//! So the rail *receives* tokens in non-decreasing order as long as lower forwards end with
+//! the rail's answer. After a 504 or a dropped connection the lower request may still be in
+//! the network or queued at the rail when the higher one is sent, and the rail may see them
+//! in either order; only (1) holds then. Both were accepted tokens, and idempotency keys are
+//! what make such a retry-after-timeout safe.
 //!
 //! How: a request takes a [`Ticket`] *before* its compare-and-set and calls
 //! [`Ticket::admit`] after it succeeded. The ticket keeps the account's slot alive, so a

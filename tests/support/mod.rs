@@ -22,12 +22,13 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use railguard::db::{PostgresServer, ServerOptions};
+use railguard::db::{Access, PostgresServer, ServerOptions};
 use railguard::net::free_loopback_port;
 use railguard::railsim::{LedgerEntry, RailSim};
 use tempfile::TempDir;
 use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
+
 
 /// Installs a test log subscriber once (RUST_LOG controls it).
 pub fn init_tracing() {
@@ -53,6 +54,7 @@ impl Pg {
             data_dir: dir.path().join("data"),
             port: free_loopback_port(),
             durable: false,
+            access: Access::Loopback,
         };
         let mut server = PostgresServer::init(options).await.expect("initdb");
         server.start().await.expect("postgres starts");
