@@ -31,6 +31,32 @@ pub struct Config {
     pub log: LogConfig,
     pub shutdown: ShutdownConfig,
     pub lock: LockConfig,
+    pub idempotency: IdempotencyConfig,
+}
+
+/// `[idempotency]`: C3 §3.1 at the proxy.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct IdempotencyConfig {
+    /// Refuse (400) requests without an idempotency key.
+    pub required: bool,
+    /// How long a record is kept; a repeat after that is a new request.
+    pub retention_secs: u64,
+    /// Largest response body stored for replay; a larger one is replayed without its body.
+    pub max_response_bytes: u64,
+    /// How often expired records are removed.
+    pub sweep_interval_secs: u64,
+}
+
+impl Default for IdempotencyConfig {
+    fn default() -> Self {
+        Self {
+            required: false,
+            retention_secs: 86_400,
+            max_response_bytes: 65_536,
+            sweep_interval_secs: 60,
+        }
+    }
 }
 
 /// `[proxy]`: the listener payment workers talk to and the rail behind it.
@@ -154,6 +180,10 @@ pub struct FencingConfig {
     pub enforce: bool,
     /// Accounts whose last-known mark is kept in memory to reject stale tokens early.
     pub cache_capacity: u64,
+    /// Most compare-and-sets grouped into one statement and one commit.
+    pub batch_max: u64,
+    /// Fence statements in flight at once (at most `database.pool_size`).
+    pub batch_concurrency: u64,
 }
 
 impl Default for FencingConfig {
@@ -161,6 +191,8 @@ impl Default for FencingConfig {
         Self {
             enforce: true,
             cache_capacity: 100_000,
+            batch_max: 512,
+            batch_concurrency: 4,
         }
     }
 }
@@ -328,6 +360,16 @@ impl Config {
             ("database.timeout_ms", self.database.timeout_ms),
             ("fencing.cache_capacity", self.fencing.cache_capacity),
             ("lock.max_ttl_ms", self.lock.max_ttl_ms),
+            ("fencing.batch_max", self.fencing.batch_max),
+            ("fencing.batch_concurrency", self.fencing.batch_concurrency),
+            (
+                "idempotency.retention_secs",
+                self.idempotency.retention_secs,
+            ),
+            (
+                "idempotency.sweep_interval_secs",
+                self.idempotency.sweep_interval_secs,
+            ),
             ("lock.max_waiters", self.lock.max_waiters),
             ("lock.poll_interval_ms", self.lock.poll_interval_ms),
         ] {
@@ -351,6 +393,30 @@ impl Config {
             return Err((
                 "proxy.account_header",
                 "must differ from proxy.token_header".into(),
+            ));
+        }
+        if self.fencing.batch_concurrency > self.database.pool_size {
+            return Err((
+                "fencing.batch_concurrency",
+                "must be at most database.pool_size".into(),
+            ));
+        }
+        if self.fencing.batch_max > 10_000 {
+            return Err(("fencing.batch_max", "must be at most 10000".into()));
+        }
+        if self.idempotency.max_response_bytes > 16 * 1024 * 1024 {
+            return Err((
+                "idempotency.max_response_bytes",
+                "must be at most 16 MiB".into(),
+            ));
+        }
+        if [&self.proxy.token_header, &self.proxy.account_header]
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(&self.proxy.idempotency_header))
+        {
+            return Err((
+                "proxy.idempotency_header",
+                "must differ from the token and account headers".into(),
             ));
         }
         if self.database.pool_size > 1024 {

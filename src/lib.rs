@@ -24,6 +24,7 @@ pub mod config;
 pub mod db;
 pub mod high_water;
 pub mod http_server;
+pub mod idempotency;
 pub mod lock;
 pub mod metrics;
 pub mod net;

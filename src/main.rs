@@ -41,6 +41,19 @@ enum Command {
     },
     /// Run the rail simulator: a non-idempotent rail that accepts every POST as a new payment
     /// and lists what it received at GET /ledger.
+    /// Remove an idempotency record left in flight ("in doubt") by a proxy that stopped before
+    /// the rail answered, so that a retry of that key is forwarded again. Check the rail's own
+    /// records first: if the payment did happen, forgetting the key lets it happen twice.
+    IdempotencyForget {
+        #[arg(long, short, default_value = "config/railguard.toml")]
+        config: PathBuf,
+        /// The account the key belongs to (the Fencing-Account of the request).
+        #[arg(long)]
+        account: String,
+        /// The Idempotency-Key.
+        #[arg(long)]
+        key: String,
+    },
     RailSim {
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:9090")]
@@ -98,6 +111,34 @@ fn main() -> ExitCode {
                 };
                 match server::run(config, server::shutdown_signal()).await {
                     Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => fail(&e),
+                }
+            }
+            Command::IdempotencyForget { config, account, key } => {
+                let config = match load(&config) {
+                    Ok(c) => c,
+                    Err(code) => return code,
+                };
+                let account = match railguard::token::AccountId::parse(&account, config.proxy.max_account_len as usize) {
+                    Ok(a) => a,
+                    Err(e) => return fail(&format!("--account {e}")),
+                };
+                let db = match Database::open(&config).await {
+                    Ok(db) => db,
+                    Err(e) => return fail(&e),
+                };
+                let store = railguard::idempotency::IdempotencyStore::new(db.pool.clone(), config.database_timeout());
+                let result = store.forget(&account, &key).await;
+                db.shutdown().await;
+                match result {
+                    Ok(true) => {
+                        println!("forgot the in-flight record of key {key:?} for account {account}; a retry will be forwarded");
+                        ExitCode::SUCCESS
+                    }
+                    Ok(false) => {
+                        println!("no in-flight record of key {key:?} for account {account} (completed records are kept until retention)");
+                        ExitCode::from(1)
+                    }
                     Err(e) => fail(&e),
                 }
             }

@@ -21,10 +21,14 @@ pub enum Outcome {
     UpstreamTimeout,
     Timeout,
     Internal,
+    /// A repeat of an idempotency key: in flight, in doubt, or reused for another request.
+    IdempotentRefused,
+    /// A repeat of an idempotency key answered from the stored response.
+    Replayed,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 11] = [
         Outcome::Forwarded,
         Outcome::FencedOut,
         Outcome::BadRequest,
@@ -34,6 +38,8 @@ impl Outcome {
         Outcome::UpstreamTimeout,
         Outcome::Timeout,
         Outcome::Internal,
+        Outcome::IdempotentRefused,
+        Outcome::Replayed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -47,6 +53,8 @@ impl Outcome {
             Outcome::UpstreamTimeout => "upstream_timeout",
             Outcome::Timeout => "timeout",
             Outcome::Internal => "internal",
+            Outcome::IdempotentRefused => "idempotent_refused",
+            Outcome::Replayed => "replayed",
         }
     }
 }
@@ -70,6 +78,8 @@ pub struct Metrics {
     pub fence_check_seconds: HistogramVec,
     pub upstream_seconds: Histogram,
     pub fencing_enforced: IntGauge,
+    /// Requests per fence statement (group commit).
+    pub fence_batch_size: Histogram,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -113,6 +123,16 @@ impl Metrics {
             .buckets(LATENCY_BUCKETS.to_vec()),
         )
         .expect("valid metric");
+        let fence_batch_size = Histogram::with_opts(
+            HistogramOpts::new(
+                "railguard_fence_batch_size",
+                "Compare-and-sets grouped into one statement and one commit.",
+            )
+            .buckets(vec![
+                1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0,
+            ]),
+        )
+        .expect("valid metric");
         let fencing_enforced = IntGauge::new(
             "railguard_fencing_enforced",
             "1 when the proxy refuses stale tokens, 0 when the kill switch is off.",
@@ -125,6 +145,7 @@ impl Metrics {
             Box::new(fence_check_seconds.clone()),
             Box::new(upstream_seconds.clone()),
             Box::new(fencing_enforced.clone()),
+            Box::new(fence_batch_size.clone()),
         ] {
             registry.register(metric).expect("metric registered once");
         }
@@ -143,6 +164,7 @@ impl Metrics {
             fence_check_seconds,
             upstream_seconds,
             fencing_enforced,
+            fence_batch_size,
         }
     }
 

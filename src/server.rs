@@ -18,8 +18,9 @@ use tower::ServiceExt;
 use crate::admin::Admin;
 use crate::config::Config;
 use crate::db::{Database, DatabaseError};
-use crate::high_water::HighWaterStore;
+use crate::high_water::{Batching, HighWaterStore};
 use crate::http_server::serve;
+use crate::idempotency::{IdempotencyStore, sweep_forever};
 use crate::lock::api::LockApi;
 use crate::lock::postgres::{PgLocks, listen_for_releases};
 use crate::lock::service::{LockLimits, LockService};
@@ -27,6 +28,7 @@ use crate::metrics::Metrics;
 use crate::proxy::extract::ExtractConfig;
 use crate::proxy::fence::Fence;
 use crate::proxy::forward::{Forward, Upstream};
+use crate::proxy::idempotency::{IdempotencyConfig as IdempotencyLayerConfig, IdempotencyLayer};
 use crate::proxy::{self, ClientAddr};
 
 #[derive(Debug, thiserror::Error)]
@@ -76,7 +78,30 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             return Ok(());
         }
     };
-    let store = HighWaterStore::new(database.pool.clone(), config.database_timeout());
+    let store = HighWaterStore::new(
+        database.pool.clone(),
+        config.database_timeout(),
+        Batching {
+            max_batch: config.fencing.batch_max as usize,
+            concurrency: config.fencing.batch_concurrency as usize,
+        },
+        metrics.fence_batch_size.clone(),
+    );
+    let idempotency_store = IdempotencyStore::new(database.pool.clone(), config.database_timeout());
+    let sweeper = tokio::spawn(sweep_forever(
+        idempotency_store.clone(),
+        Duration::from_secs(config.idempotency.retention_secs),
+        Duration::from_secs(config.idempotency.sweep_interval_secs),
+    ));
+    let idempotency = IdempotencyLayer::new(
+        idempotency_store,
+        IdempotencyLayerConfig {
+            max_response_bytes: config.idempotency.max_response_bytes as usize,
+            // No forward outlives the request deadline; a record older than that plus a margin
+            // has no live proxy behind it.
+            in_doubt_after: config.request_timeout() + Duration::from_secs(1),
+        },
+    );
     let fence = Arc::new(Fence::new(
         store.clone(),
         config.fencing.cache_capacity,
@@ -93,11 +118,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             .expect("validated"),
         account_header: HeaderName::from_bytes(config.proxy.account_header.as_bytes())
             .expect("validated"),
+        idempotency_header: HeaderName::from_bytes(config.proxy.idempotency_header.as_bytes())
+            .expect("validated"),
+        idempotency_required: config.idempotency.required,
         max_account_len: config.proxy.max_account_len as usize,
         max_body_bytes: config.proxy.max_body_bytes,
         request_timeout: config.request_timeout(),
     };
-    let stack = proxy::stack(extract, fence, forward, metrics.clone());
+    let stack = proxy::stack(extract, fence, idempotency, forward, metrics.clone());
     let lock_metrics = metrics.lock_metrics("postgres");
     let lock_service = Arc::new(LockService::new(
         PgLocks::new(
@@ -177,6 +205,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let _ = lock_task.await;
     let _ = admin_task.await;
     listener_task.abort();
+    sweeper.abort();
     database.shutdown().await;
     tracing::info!("railguard stopped");
     match died {

@@ -30,6 +30,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "lock_entry",
         sql: include_str!("../../migrations/0002_lock_entry.sql"),
     },
+    Migration {
+        version: 3,
+        name: "idempotency_record",
+        sql: include_str!("../../migrations/0003_idempotency_record.sql"),
+    },
 ];
 
 /// The schema version this binary expects.

@@ -17,6 +17,7 @@ use serde::Serialize;
 use super::extract::{BadRequest, BodyTooLarge, ClientTimeout};
 use super::fence::{FenceUnavailable, FencedOut};
 use super::forward::{UpstreamTimeout, UpstreamUnavailable};
+use super::idempotency::{IdempotencyConflict, IdempotencyUnavailable};
 use super::{BoxError, ProxyBody, full};
 use crate::metrics::Outcome;
 
@@ -140,6 +141,33 @@ pub fn rejection(error: &BoxError) -> Rejection {
                 "database_unavailable",
                 Origin::Database,
                 "the fence check could not be made; nothing was forwarded, retry later".into(),
+            );
+        }
+        if let Some(e) = e.downcast_ref::<IdempotencyConflict>() {
+            let (status, code) = match e {
+                IdempotencyConflict::InFlight => (StatusCode::CONFLICT, "in_flight"),
+                IdempotencyConflict::InDoubt => (StatusCode::CONFLICT, "in_doubt"),
+                IdempotencyConflict::Mismatch => {
+                    (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
+                }
+            };
+            return Rejection::new(
+                status,
+                Outcome::IdempotentRefused,
+                code,
+                Origin::Client,
+                e.to_string(),
+            );
+        }
+        if let Some(e) = e.downcast_ref::<IdempotencyUnavailable>() {
+            tracing::warn!(error = %e, "idempotency record unavailable");
+            return Rejection::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                Outcome::DatabaseUnavailable,
+                "database_unavailable",
+                Origin::Database,
+                "the idempotency record could not be read; nothing was forwarded, retry later"
+                    .into(),
             );
         }
         if let Some(e) = e.downcast_ref::<UpstreamUnavailable>() {

@@ -21,8 +21,8 @@ use hyper::body::Body;
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
-use super::{BoxError, FencedRequest, ProxyResponse};
-use crate::token::{AccountId, FencingToken, single_header};
+use super::{BoxError, FencedRequest, IdempotencyKey, ProxyResponse};
+use crate::token::{AccountId, FencingToken, HeaderError, single_header};
 
 /// A request the proxy refuses to read.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +48,9 @@ pub struct ClientTimeout(pub Duration);
 pub struct ExtractConfig {
     pub token_header: HeaderName,
     pub account_header: HeaderName,
+    pub idempotency_header: HeaderName,
+    /// Refuse requests without an idempotency key.
+    pub idempotency_required: bool,
     pub max_account_len: usize,
     pub max_body_bytes: u64,
     pub request_timeout: Duration,
@@ -102,6 +105,20 @@ impl ExtractConfig {
             .map_err(|e| bad(&self.account_header, e.to_string()))?;
         Ok((token, account))
     }
+
+    /// The idempotency key, if any: at most one, well-formed, and present when required.
+    fn idempotency_key(&self, headers: &http::HeaderMap) -> Result<Option<String>, BadRequest> {
+        let name = &self.idempotency_header;
+        let bad = |reason: String| BadRequest::Header {
+            header: name.clone(),
+            reason,
+        };
+        match single_header(headers, name) {
+            Err(HeaderError::Missing) if !self.idempotency_required => Ok(None),
+            Err(e) => Err(bad(e.to_string())),
+            Ok(text) => crate::idempotency::parse_key(text).map(Some).map_err(bad),
+        }
+    }
 }
 
 impl<S, B> Service<Request<B>> for Extract<S>
@@ -127,6 +144,7 @@ where
         Box::pin(async move {
             let deadline = Instant::now() + config.request_timeout;
             let (token, account) = config.fencing_headers(request.headers())?;
+            let idempotency_key = config.idempotency_key(request.headers())?;
             let span = tracing::Span::current();
             span.record("lock.token", token.get());
             span.record("account", account.as_str());
@@ -155,6 +173,18 @@ where
                 }
                 Ok(Err(e)) => return Err(BadRequest::Body(e.to_string()).into()),
             };
+            let idempotency = idempotency_key.map(|key| {
+                let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+                IdempotencyKey {
+                    key,
+                    fingerprint: crate::idempotency::fingerprint(
+                        parts.method.as_str(),
+                        target,
+                        &bytes,
+                    ),
+                    recorded: false,
+                }
+            });
             let request = Request::from_parts(parts, bytes);
             inner
                 .call(FencedRequest {
@@ -162,6 +192,7 @@ where
                     account,
                     request,
                     deadline,
+                    idempotency,
                 })
                 .await
         })

@@ -34,7 +34,7 @@ use tracing::Instrument;
 use super::mark_cache::MarkCache;
 use super::ordering::ForwardOrder;
 use super::{BoxError, FencedRequest, ProxyResponse};
-use crate::high_water::{HighWaterStore, StoreError, Verdict};
+use crate::high_water::{HighWaterStore, NewRecord, StoreError, Verdict};
 use crate::metrics::{FencePath, Metrics};
 use crate::token::{AccountId, FencingToken};
 
@@ -144,7 +144,7 @@ where
 async fn enforce<S>(
     fence: Arc<Fence>,
     mut inner: S,
-    request: FencedRequest,
+    mut request: FencedRequest,
     span: tracing::Span,
 ) -> Result<ProxyResponse, BoxError>
 where
@@ -165,7 +165,7 @@ where
     let mut ticket = fence.order.enter(&account);
     let verdict = fence
         .store
-        .advance(&account, token)
+        .advance(&account, token, new_record(&request))
         .instrument(span.clone())
         .await;
     fence
@@ -177,9 +177,12 @@ where
             fence.cache.raise_past(&account, token);
             Err(fence.fenced_out(account, token, "below the mark"))
         }
-        Verdict::Accepted => {
+        Verdict::Accepted { recorded } => {
             span.record("verdict", "accepted");
             fence.cache.raise(&account, token.get());
+            if let Some(key) = request.idempotency.as_mut() {
+                key.recorded = recorded;
+            }
             let deadline = request.deadline;
             match tokio::time::timeout_at(deadline, ticket.admit(token)).await {
                 Ok(Ok(())) => {}
@@ -207,7 +210,7 @@ where
 async fn observe_only<S>(
     fence: Arc<Fence>,
     mut inner: S,
-    request: FencedRequest,
+    mut request: FencedRequest,
     span: tracing::Span,
 ) -> Result<ProxyResponse, BoxError>
 where
@@ -217,27 +220,40 @@ where
     let started = Instant::now();
     let verdict = fence
         .store
-        .advance(&account, token)
+        .advance(&account, token, new_record(&request))
         .instrument(span.clone())
         .await;
     fence
         .metrics
         .observe_fence(FencePath::Database, started.elapsed().as_secs_f64());
     match verdict {
-        Ok(Verdict::Accepted) => {
+        Ok(Verdict::Accepted { recorded }) => {
             span.record("verdict", "accepted");
+            if let Some(key) = request.idempotency.as_mut() {
+                key.recorded = recorded;
+            }
         }
         Ok(Verdict::Stale) => {
             span.record("verdict", "stale_forwarded");
             fence.metrics.would_have_fenced.inc();
             tracing::warn!(lock.token = token.get(), account = %account,
                 "FENCING IS OFF: forwarding a stale token that would have been fenced out");
+            // No record was made for it: forward it as if it had no key.
+            request.idempotency = None;
         }
         Err(e) => {
             span.record("verdict", "unknown");
             tracing::warn!(lock.token = token.get(), account = %account, error = %e,
                 "FENCING IS OFF: forwarding without a fence check");
+            request.idempotency = None;
         }
     }
     inner.call(request).await
+}
+
+fn new_record(request: &FencedRequest) -> Option<NewRecord> {
+    request.idempotency.as_ref().map(|k| NewRecord {
+        key: k.key.clone(),
+        fingerprint: k.fingerprint.clone(),
+    })
 }

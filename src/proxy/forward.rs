@@ -33,7 +33,16 @@ use crate::metrics::Metrics;
 /// The rail could not be reached, or broke off its answer.
 #[derive(Debug, thiserror::Error)]
 #[error("the rail could not be reached: {0}")]
-pub struct UpstreamUnavailable(#[source] pub BoxError);
+pub struct UpstreamUnavailable(#[source] pub BoxError, pub Sent);
+
+/// Whether a failed request can have reached the rail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// No connection was made: the rail cannot have seen the request.
+    Never,
+    /// The rail may have received it.
+    Maybe,
+}
 
 /// The rail did not answer in time.
 #[derive(Debug, thiserror::Error)]
@@ -116,14 +125,21 @@ impl Service<FencedRequest> for Forward {
                     .observe(started.elapsed().as_secs_f64());
                 let response = match sent {
                     Err(_) => return Err(UpstreamTimeout::no_answer().into()),
-                    Ok(Err(e)) => return Err(UpstreamUnavailable(e.into()).into()),
+                    Ok(Err(e)) => {
+                        let sent = if e.is_connect() {
+                            Sent::Never
+                        } else {
+                            Sent::Maybe
+                        };
+                        return Err(UpstreamUnavailable(e.into(), sent).into());
+                    }
                     Ok(Ok(response)) => response,
                 };
                 tracing::Span::current().record("status", response.status().as_u16());
                 let (mut parts, body) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
                 let body = body
-                    .map_err(|e| -> BoxError { UpstreamUnavailable(e.into()).into() })
+                    .map_err(|e| -> BoxError { UpstreamUnavailable(e.into(), Sent::Maybe).into() })
                     .boxed_unsync();
                 Ok(ProxyResponse::from_parts(parts, body))
             }

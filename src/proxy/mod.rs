@@ -9,13 +9,15 @@
 //! | trace | the request span; `lock.token` and `account` are recorded on it | |
 //! | [`respond`] | error → the one response for it; outcome metrics | |
 //! | [`extract`] | deadline starts; token + account headers; body read whole | 400, 413, 408 |
-//! | [`fence`] | cache fast path; compare-and-set; per-account order | 409, 503 |
+//! | [`fence`] | cache fast path; compare-and-set (+ idempotency record); per-account order | 409, 503 |
+//! | [`idempotency`] | forward a first request and store its answer; replay or refuse repeats | 409, 422 |
 //! | [`forward`] | to the rail over pooled HTTP/1.1 | 502, 504 |
 
 pub mod error;
 pub mod extract;
 pub mod fence;
 pub mod forward;
+pub mod idempotency;
 pub mod mark_cache;
 pub mod ordering;
 pub mod respond;
@@ -48,6 +50,19 @@ pub struct FencedRequest {
     pub request: Request<Bytes>,
     /// When the request's time is up, whatever phase it is in.
     pub deadline: Instant,
+    /// The request's idempotency key, if it has one.
+    pub idempotency: Option<IdempotencyKey>,
+}
+
+/// An idempotency key and what the fence did with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey {
+    pub key: String,
+    /// Of method, path and query, and body: see `crate::idempotency::fingerprint`.
+    pub fingerprint: String,
+    /// Set by the fence: this request's compare-and-set created the record, so it is the
+    /// first with this key and may be forwarded.
+    pub recorded: bool,
 }
 
 /// The peer address of the client connection, for `X-Forwarded-For`.
@@ -95,6 +110,7 @@ impl MakeRequestId for RequestIds {
 pub fn stack(
     extract: extract::ExtractConfig,
     fence: Arc<fence::Fence>,
+    idempotency: idempotency::IdempotencyLayer,
     forward: forward::Forward,
     metrics: Arc<crate::metrics::Metrics>,
 ) -> impl tower::Service<
@@ -126,5 +142,6 @@ pub fn stack(
         .layer(respond::RespondLayer::new(metrics))
         .layer(extract::ExtractLayer::new(extract))
         .layer(fence::FenceLayer::new(fence))
+        .layer(idempotency)
         .service(forward)
 }

@@ -74,7 +74,12 @@ where
         Box::pin(async move {
             match inner.call(request).await {
                 Ok(response) => {
-                    metrics.record_outcome(Outcome::Forwarded);
+                    let replayed = response.headers().contains_key("idempotency-replayed");
+                    metrics.record_outcome(if replayed {
+                        Outcome::Replayed
+                    } else {
+                        Outcome::Forwarded
+                    });
                     Ok(response)
                 }
                 Err(error) => {

@@ -29,6 +29,7 @@ use tempfile::TempDir;
 use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
 
+pub mod etcd;
 
 /// Installs a test log subscriber once (RUST_LOG controls it).
 pub fn init_tracing() {

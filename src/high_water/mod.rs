@@ -1,0 +1,172 @@
+//! The proxy's fencing point in PostgreSQL: `rail_high_water(account_id, highest_token)`.
+//!
+//! [`HighWaterStore::advance`] is FR-17's compare-and-set: it inserts the account's first mark
+//! or raises the existing one, and raises it only when the presented token is at least the
+//! mark. PostgreSQL's `ON CONFLICT DO UPDATE` locks the row and evaluates the `WHERE` against
+//! the latest committed version, so concurrent advances for one account are serialised by the
+//! row lock and the mark never goes down. Equal tokens are accepted: they are the same grant
+//! (C1 §1.6), so a holder may send any number of payments under one token.
+//!
+//! Durability is kept (`synchronous_commit` stays on) and its cost shared: concurrent advances
+//! for *different* accounts are grouped into one statement and one commit ([`batch`]). Each
+//! request is still exactly one row of that statement with its own verdict, so the semantics
+//! are those of one compare-and-set per request, in some order.
+//!
+//! An advance may carry an idempotency record (C3 §3.1); it is inserted by the same statement,
+//! only for an accepted request, so the record exists if and only if the fence let it through.
+
+mod batch;
+
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use prometheus::Histogram;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::token::{AccountId, FencingToken};
+
+/// The single-row compare-and-set, as one statement per request would run it. The proxy runs
+/// the batched form in [`batch`]; benchmarks run this one with `pgbench` as the baseline.
+pub const ADVANCE_SQL: &str = "\
+INSERT INTO rail_high_water AS h (account_id, highest_token) VALUES ($1, $2)
+ON CONFLICT (account_id) DO UPDATE
+    SET highest_token = EXCLUDED.highest_token, updated_at = now()
+    WHERE h.highest_token <= EXCLUDED.highest_token";
+
+/// An idempotency record to create if, and only if, the request is accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewRecord {
+    pub key: String,
+    pub fingerprint: String,
+}
+
+/// What the compare-and-set decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The token was at least the mark; the mark is now the token. `recorded`: the request's
+    /// idempotency record was created (false when it had none, or one already existed).
+    Accepted { recorded: bool },
+    /// The mark is above the token; nothing changed and no record was made.
+    Stale,
+}
+
+/// The database could not give a verdict. Whether a compare-and-set that timed out committed
+/// is unknown — which is safe either way (see `proxy::fence`).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    #[error("no database connection: {0}")]
+    Pool(String),
+    #[error("the fence compare-and-set did not finish within {0:?}")]
+    Timeout(Duration),
+    #[error("the fence compare-and-set failed: {0}")]
+    Query(String),
+    #[error("the database connection closed: {0}")]
+    ConnectionClosed(String),
+    #[error("the fence store is shutting down")]
+    Closed,
+}
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        if e.is_closed() {
+            return StoreError::ConnectionClosed(e.to_string());
+        }
+        match e.as_db_error() {
+            Some(db) => StoreError::Query(format!("{}: {}", db.code().code(), db.message())),
+            None => StoreError::Query(e.to_string()),
+        }
+    }
+}
+
+/// How compare-and-sets are grouped.
+#[derive(Debug, Clone)]
+pub struct Batching {
+    /// Most requests in one statement.
+    pub max_batch: usize,
+    /// Statements in flight at once; while they wait for their commit the next batch fills.
+    pub concurrency: usize,
+}
+
+impl Default for Batching {
+    fn default() -> Self {
+        Self {
+            max_batch: 512,
+            concurrency: 4,
+        }
+    }
+}
+
+/// Advances per-account high-water marks.
+#[derive(Clone)]
+pub struct HighWaterStore {
+    pool: Pool,
+    timeout: Duration,
+    requests: mpsc::UnboundedSender<batch::Pending>,
+}
+
+impl HighWaterStore {
+    /// Starts the batcher; it stops when the last clone of the store is dropped.
+    pub fn new(pool: Pool, timeout: Duration, batching: Batching, batch_sizes: Histogram) -> Self {
+        let (requests, queue) = mpsc::unbounded_channel();
+        tokio::spawn(batch::run(
+            pool.clone(),
+            timeout,
+            batching,
+            batch_sizes,
+            queue,
+        ));
+        Self {
+            pool,
+            timeout,
+            requests,
+        }
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// The compare-and-set: accepts `token` for `account` iff `token >= highest_token`, and then
+    /// sets `highest_token := token`; creates `record` in the same transaction if accepted.
+    pub async fn advance(
+        &self,
+        account: &AccountId,
+        token: FencingToken,
+        record: Option<NewRecord>,
+    ) -> Result<Verdict, StoreError> {
+        let (reply, verdict) = oneshot::channel();
+        let pending = batch::Pending {
+            account: account.clone(),
+            token,
+            record,
+            reply,
+        };
+        self.requests
+            .send(pending)
+            .map_err(|_| StoreError::Closed)?;
+        match tokio::time::timeout(self.timeout, verdict).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(StoreError::Closed),
+            // Dropping the receiver tells the batch we are gone (see `batch::deliver`).
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    /// Whether PostgreSQL answers and the schema is the one this binary expects.
+    pub async fn ready(&self) -> Result<(), String> {
+        let check = async {
+            let client = self.pool.get().await.map_err(|e| e.to_string())?;
+            let version = crate::db::migrate::current_version(&**client)
+                .await
+                .map_err(|e| e.to_string())?;
+            let want = crate::db::migrate::latest_version();
+            match version {
+                Some(v) if v == want => Ok(()),
+                other => Err(format!("schema version {other:?}, want {want}")),
+            }
+        };
+        tokio::time::timeout(self.timeout, check)
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.timeout)))
+    }
+}

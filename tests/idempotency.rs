@@ -1,0 +1,398 @@
+//! Idempotency keys at the proxy (C3 §3.1), and group commit, end to end.
+
+mod support;
+
+use std::time::Duration;
+
+use http::StatusCode;
+use support::{Http, Pg, Rail, Railguard, Reply, init_tracing};
+
+async fn pay(
+    http: &Http,
+    rg: &Railguard,
+    token: i64,
+    account: &str,
+    key: &str,
+    body: &str,
+) -> Reply {
+    let token = token.to_string();
+    http.pay(
+        &rg.proxy_url("/payments"),
+        &[
+            ("Fencing-Token", &token),
+            ("Fencing-Account", account),
+            ("Idempotency-Key", key),
+        ],
+        body,
+    )
+    .await
+}
+
+async fn records(pg: &Pg) -> i64 {
+    pg.client()
+        .await
+        .query_one("SELECT count(*) FROM idempotency_record", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test]
+async fn a_completed_request_is_replayed_without_touching_the_rail() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = Http::new();
+    let first = pay(&http, &rg, 7, "acct", "pay-1", "{\"amount\":5}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.headers.contains_key("idempotency-replayed"));
+    let again = pay(&http, &rg, 7, "acct", "pay-1", "{\"amount\":5}").await;
+    assert_eq!(again.status, first.status);
+    assert_eq!(again.body, first.body, "the stored response, byte for byte");
+    assert_eq!(
+        again.headers.get("content-type"),
+        first.headers.get("content-type")
+    );
+    assert_eq!(again.headers.get("idempotency-replayed").unwrap(), "true");
+    // A newer grant retrying the same payment gets the same answer too.
+    let newer = pay(&http, &rg, 8, "acct", "pay-1", "{\"amount\":5}").await;
+    assert_eq!(newer.body, first.body);
+    assert_eq!(rail.ledger().len(), 1, "the rail saw the payment once");
+    // Keys are scoped per account: the same key on another account is another payment.
+    assert_eq!(
+        pay(&http, &rg, 8, "other", "pay-1", "{\"amount\":5}")
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    assert_eq!(rail.ledger().len(), 2);
+    let m = rg.metrics().await;
+    assert_eq!(m.get("railguard_requests_total{outcome=\"replayed\"}"), 2.0);
+    // A stale token is fenced before its key is looked at, and leaves no record.
+    let stale = pay(&http, &rg, 1, "acct", "pay-2", "{}").await;
+    assert_eq!(stale.status, StatusCode::CONFLICT);
+    assert_eq!(stale.json()["error"], "fenced_out");
+    assert_eq!(records(&pg).await, 2);
+}
+
+#[tokio::test]
+async fn concurrent_duplicates_are_forwarded_once() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_millis(500)).await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = Http::new();
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let http = http.clone();
+        let url = rg.proxy_url("/payments");
+        tasks.push(tokio::spawn(async move {
+            http.pay(
+                &url,
+                &[
+                    ("Fencing-Token", "3"),
+                    ("Fencing-Account", "a"),
+                    ("Idempotency-Key", "dup"),
+                ],
+                "{}",
+            )
+            .await
+        }));
+    }
+    let (mut created, mut in_flight) = (0, 0);
+    for task in tasks {
+        let reply = task.await.unwrap();
+        match reply.status {
+            StatusCode::CREATED => created += 1,
+            StatusCode::CONFLICT => {
+                assert_eq!(reply.json()["error"], "in_flight", "{}", reply.body);
+                in_flight += 1;
+            }
+            other => panic!("unexpected {other}: {}", reply.body),
+        }
+    }
+    assert_eq!((created, in_flight), (1, 19));
+    assert_eq!(rail.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_request_is_422() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__IDEMPOTENCY__REQUIRED", "true")],
+    )
+    .await;
+    let http = Http::new();
+    assert_eq!(
+        pay(&http, &rg, 1, "a", "k", "{\"amount\":5}").await.status,
+        StatusCode::CREATED
+    );
+    let other = pay(&http, &rg, 1, "a", "k", "{\"amount\":6}").await;
+    assert_eq!(
+        other.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        other.body
+    );
+    assert_eq!(other.json()["error"], "idempotency_key_reused");
+    let other_path = http
+        .pay(
+            &rg.proxy_url("/refunds"),
+            &[
+                ("Fencing-Token", "1"),
+                ("Fencing-Account", "a"),
+                ("Idempotency-Key", "k"),
+            ],
+            "{\"amount\":5}",
+        )
+        .await;
+    assert_eq!(other_path.status, StatusCode::UNPROCESSABLE_ENTITY);
+    // Required: a request without a key is refused.
+    let missing = http.pay_with(&rg, 1, "a").await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert!(
+        missing.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("idempotency-key")
+    );
+    let bad = pay(&http, &rg, 1, "a", "has space", "{}").await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert_eq!(rail.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwarded_twice() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_secs(2)).await;
+    let mut rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = Http::new();
+    let in_flight = {
+        let http = http.clone();
+        let url = rg.proxy_url("/payments");
+        tokio::spawn(async move {
+            http.send(
+                http::Request::post(url)
+                    .header("Fencing-Token", "4")
+                    .header("Fencing-Account", "a")
+                    .header("Idempotency-Key", "crash")
+                    .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+                    .unwrap(),
+            )
+            .await
+        })
+    };
+    for _ in 0..100 {
+        if !rail.ledger().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+    rg.kill().await; // before the rail answered
+    assert!(
+        in_flight.await.unwrap().is_err(),
+        "the client lost its connection"
+    );
+    rg.start_again().await;
+
+    let soon = pay(&http, &rg, 4, "a", "crash", "{}").await;
+    assert_eq!(soon.status, StatusCode::CONFLICT, "{}", soon.body);
+    // Past the longest a forward can take (the harness's 3 s deadline + 1 s), it is in doubt.
+    tokio::time::sleep(Duration::from_millis(4200)).await;
+    let later = pay(&http, &rg, 4, "a", "crash", "{}").await;
+    assert_eq!(later.status, StatusCode::CONFLICT);
+    assert_eq!(later.json()["error"], "in_doubt", "{}", later.body);
+    assert!(
+        later.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("idempotency-forget")
+    );
+    assert_eq!(rail.ledger().len(), 1, "never forwarded twice");
+
+    // The operator's way out, after checking the rail.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_railguard"))
+        .args([
+            "idempotency-forget",
+            "--account",
+            "a",
+            "--key",
+            "crash",
+            "--config",
+        ])
+        .arg(rg.config_path())
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let retried = tokio::time::timeout(
+        Duration::from_secs(5),
+        pay(&http, &rg, 4, "a", "crash", "{}"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(retried.status, StatusCode::CREATED);
+    assert_eq!(
+        rail.ledger().len(),
+        2,
+        "forwarded again only after the operator said so"
+    );
+}
+
+#[tokio::test]
+async fn retention_removes_old_records() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(
+        &pg.url(),
+        &rail.url(),
+        &[
+            ("RAILGUARD__IDEMPOTENCY__RETENTION_SECS", "1"),
+            ("RAILGUARD__IDEMPOTENCY__SWEEP_INTERVAL_SECS", "1"),
+        ],
+    )
+    .await;
+    let http = Http::new();
+    assert_eq!(
+        pay(&http, &rg, 1, "a", "old", "{}").await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(records(&pg).await, 1);
+    let mut gone = false;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if records(&pg).await == 0 {
+            gone = true;
+            break;
+        }
+    }
+    assert!(gone, "the record was removed after its retention");
+    // After retention a repeat is a new payment: that is what retention means.
+    assert_eq!(
+        pay(&http, &rg, 1, "a", "old", "{}").await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(rail.ledger().len(), 2);
+}
+
+#[tokio::test]
+async fn large_responses_are_replayed_without_their_body_and_unreached_rails_leave_no_record() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__IDEMPOTENCY__MAX_RESPONSE_BYTES", "10")],
+    )
+    .await;
+    let http = Http::new();
+    let first = pay(&http, &rg, 1, "a", "big", "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(
+        first.body.len() > 10,
+        "the client got the whole body: {}",
+        first.body
+    );
+    let again = pay(&http, &rg, 1, "a", "big", "{}").await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.body, "");
+    assert_eq!(
+        again.headers.get("idempotency-replay-body").unwrap(),
+        "omitted"
+    );
+    assert_eq!(rail.ledger().len(), 1);
+
+    let dead = format!("http://127.0.0.1:{}", railguard::net::free_loopback_port());
+    let rg2 = Railguard::start(&pg.url(), &dead, &[]).await;
+    let reply = pay(&http, &rg2, 1, "b", "never-sent", "{}").await;
+    assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
+    let left: i64 = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'never-sent'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        left, 0,
+        "the rail cannot have seen it, so a retry may go through"
+    );
+}
+
+#[tokio::test]
+async fn concurrent_accounts_share_commits() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = Http::new();
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let http = http.clone();
+        let url = rg.proxy_url("/payments");
+        tasks.push(tokio::spawn(async move {
+            let account = format!("acct-{}", i % 50);
+            let token = (1 + i / 50).to_string();
+            http.pay(
+                &url,
+                &[("Fencing-Token", &token), ("Fencing-Account", &account)],
+                "{}",
+            )
+            .await
+            .status
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::CREATED || *s == StatusCode::CONFLICT),
+        "{statuses:?}"
+    );
+    let m = rg.metrics().await;
+    let batches = m.get("railguard_fence_batch_size_count");
+    let requests = m.get("railguard_fence_batch_size_sum");
+    assert_eq!(
+        requests, 200.0,
+        "every compare-and-set went through a batch"
+    );
+    assert!(
+        batches < requests,
+        "some statements carried several requests ({batches} statements)"
+    );
+    // Every account's mark is the largest token accepted for it.
+    for i in 0..50 {
+        let account = format!("acct-{i}");
+        let mark = pg.mark(&account).await.unwrap();
+        let forwarded: Vec<i64> = rail
+            .ledger()
+            .iter()
+            .filter(|e| e.account.as_deref() == Some(account.as_str()))
+            .map(|e| e.token.as_ref().unwrap().parse().unwrap())
+            .collect();
+        assert_eq!(Some(mark), forwarded.iter().max().copied(), "{account}");
+        assert!(
+            forwarded.windows(2).all(|w| w[0] <= w[1]),
+            "{account}: {forwarded:?}"
+        );
+    }
+}

@@ -1,0 +1,524 @@
+//! Throwaway etcd clusters from Debian's `etcd-server` binary (3.4), for tests that must kill,
+//! stop, pause and restart members.
+//!
+//! Every member listens on free loopback ports and keeps its data and its log in its own temp
+//! dir. Timings are small (25 ms heartbeat, 250 ms election timeout) so elections take well
+//! under a second and the minimum lease TTL is one second.
+//!
+//! Tests talk to the cluster through etcd's v3 JSON gateway on the client URL: bytes travel as
+//! base64 and 64-bit integers as decimal strings, and fields with zero values are omitted.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::Full;
+use railguard::net::free_loopback_port;
+use serde_json::{Value, json};
+use tempfile::TempDir;
+use tokio::process::{Child, Command};
+use tokio::time::{Instant, sleep, timeout};
+
+use super::Http;
+
+const ETCD: &str = "/usr/bin/etcd";
+/// How long a whole cluster (or a restarted member) may take to report healthy.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long `leader()` waits for the responsive members to agree on a leader.
+const LEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one gateway request may take; a paused member never answers.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long `get`, `put_raw` and `revision` keep retrying across members (elections).
+const KV_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A running etcd cluster of one or three members.
+pub struct EtcdCluster {
+    members: Vec<Member>,
+    token: String,
+    http: Http,
+}
+
+/// What one member is doing, as far as the harness has made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemberState {
+    Running,
+    Paused,
+    Stopped,
+}
+
+struct Member {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    // Dropped before `dir`: kill_on_drop sends SIGKILL (which also ends a paused process),
+    // then the data dir is removed.
+    child: Option<Child>,
+    paused: bool,
+    dir: TempDir,
+}
+
+impl Member {
+    fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("etcd.log")
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    fn peer_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.peer_port)
+    }
+
+    fn state(&self) -> MemberState {
+        match (&self.child, self.paused) {
+            (None, _) => MemberState::Stopped,
+            (Some(_), true) => MemberState::Paused,
+            (Some(_), false) => MemberState::Running,
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+}
+
+impl EtcdCluster {
+    /// One member, healthy.
+    pub async fn single() -> EtcdCluster {
+        EtcdCluster::launch(1).await
+    }
+
+    /// Three members, all healthy (so a leader has been elected).
+    pub async fn three() -> EtcdCluster {
+        EtcdCluster::launch(3).await
+    }
+
+    async fn launch(size: usize) -> EtcdCluster {
+        // Ports must differ within a cluster; free_loopback_port only promises "free now".
+        let mut ports: Vec<u16> = Vec::new();
+        while ports.len() < 2 * size {
+            let port = free_loopback_port();
+            if !ports.contains(&port) {
+                ports.push(port);
+            }
+        }
+        let mut members = Vec::new();
+        for (i, pair) in ports.chunks(2).enumerate() {
+            let dir = tempfile::Builder::new()
+                .prefix("railguard-etcd-")
+                .tempdir()
+                .expect("temp dir");
+            members.push(Member {
+                name: format!("m{i}"),
+                client_port: pair[0],
+                peer_port: pair[1],
+                child: None,
+                paused: false,
+                dir,
+            });
+        }
+        let mut cluster = EtcdCluster {
+            members,
+            token: cluster_token(),
+            http: Http::new(),
+        };
+        for i in 0..size {
+            cluster.spawn(i, "new");
+        }
+        for i in 0..size {
+            cluster.wait_healthy(i).await;
+        }
+        cluster
+    }
+
+    fn initial_cluster(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.peer_url()))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn spawn(&mut self, i: usize, state: &str) {
+        let initial_cluster = self.initial_cluster();
+        let token = self.token.clone();
+        let member = &mut self.members[i];
+        assert!(member.child.is_none(), "member {i} is already running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(member.log_path())
+            .expect("etcd log file");
+        let endpoint = member.endpoint();
+        let peer = member.peer_url();
+        let child = Command::new(ETCD)
+            .arg("--name")
+            .arg(&member.name)
+            .arg("--data-dir")
+            .arg(member.data_dir())
+            .args(["--listen-client-urls", &endpoint])
+            .args(["--advertise-client-urls", &endpoint])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &initial_cluster])
+            .args(["--initial-cluster-state", state])
+            .args(["--initial-cluster-token", &token])
+            // etcd requires election-timeout >= 5 × heartbeat-interval. The minimum lease TTL
+            // is 1.5 election timeouts rounded up to a second: 1 s here.
+            .args(["--heartbeat-interval", "25", "--election-timeout", "250"])
+            .args(["--logger", "zap", "--log-level", "warn"])
+            .args(["--quota-backend-bytes", &(256u64 << 20).to_string()])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("etcd log file"))
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn /usr/bin/etcd (Debian package etcd-server)");
+        member.child = Some(child);
+        member.paused = false;
+    }
+
+    /// Polls `/health` on member `i` until it says `{"health":"true"}`; panics with the
+    /// member's log tail if it exits or the timeout passes.
+    async fn wait_healthy(&mut self, i: usize) {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let member = &mut self.members[i];
+            let child = member.child.as_mut().expect("member is running");
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                member.child = None;
+                panic!(
+                    "etcd member {i} exited during start-up ({status}):\n{}",
+                    member.log_tail()
+                );
+            }
+            if self.healthy(i).await {
+                return;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "etcd member {i} not healthy after {READY_TIMEOUT:?}:\n{}",
+                    self.members[i].log_tail()
+                );
+            }
+            sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Whether member `i` answers `/health` with `{"health":"true"}` right now.
+    pub async fn healthy(&self, i: usize) -> bool {
+        let url = format!("{}/health", self.members[i].endpoint());
+        let request = Request::get(url).body(Full::new(Bytes::new())).unwrap();
+        match timeout(REQUEST_TIMEOUT, self.http.send(request)).await {
+            Ok(Ok(reply)) if reply.status == StatusCode::OK => {
+                serde_json::from_str::<Value>(&reply.body)
+                    .is_ok_and(|v| v["health"].as_str() == Some("true"))
+            }
+            _ => false,
+        }
+    }
+
+    /// Number of members.
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// The client URL of every member, running or not, in member order.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(Member::endpoint).collect()
+    }
+
+    /// [`endpoints`](Self::endpoints), comma-separated (etcdctl's `--endpoints` form).
+    pub fn endpoints_csv(&self) -> String {
+        self.endpoints().join(",")
+    }
+
+    /// The client URL of member `i`.
+    pub fn endpoint(&self, i: usize) -> String {
+        self.members[i].endpoint()
+    }
+
+    pub fn state(&self, i: usize) -> MemberState {
+        self.members[i].state()
+    }
+
+    /// Member `i`'s log (stdout and stderr, every run appended).
+    pub fn log(&self, i: usize) -> String {
+        std::fs::read_to_string(self.members[i].log_path()).unwrap_or_default()
+    }
+
+    /// SIGTERM, then wait for the process to exit. A leader hands over leadership first.
+    pub async fn stop(&mut self, i: usize) -> std::process::ExitStatus {
+        let member = &mut self.members[i];
+        let mut child = member.child.take().expect("member is running");
+        let pid = child.id().expect("child pid").to_string();
+        signal(&pid, "-TERM").await;
+        if member.paused {
+            // A stopped process only acts on SIGTERM once it is continued.
+            signal(&pid, "-CONT").await;
+            member.paused = false;
+        }
+        timeout(Duration::from_secs(20), child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("etcd member {i} exits after SIGTERM"))
+            .expect("wait for etcd")
+    }
+
+    /// SIGKILL: a crash. Also works on a paused member.
+    pub async fn kill(&mut self, i: usize) {
+        let member = &mut self.members[i];
+        let mut child = member.child.take().expect("member is running");
+        child.kill().await.expect("SIGKILL etcd");
+        member.paused = false;
+    }
+
+    /// Restarts member `i` after `stop` or `kill`, on the same ports and data dir, and waits
+    /// until it is healthy again (in a three-member cluster: rejoined and sees a leader).
+    pub async fn start(&mut self, i: usize) {
+        // With an existing data dir etcd ignores the initial-cluster flags.
+        self.spawn(i, "existing");
+        self.wait_healthy(i).await;
+    }
+
+    /// SIGSTOP: the member is frozen and its connections hang, as in a GC pause or a partition.
+    pub async fn pause(&mut self, i: usize) {
+        let member = &mut self.members[i];
+        assert!(!member.paused, "member {i} is already paused");
+        let pid = member.pid().expect("member is running");
+        signal(&pid, "-STOP").await;
+        member.paused = true;
+    }
+
+    /// SIGCONT after `pause`.
+    pub async fn resume(&mut self, i: usize) {
+        let member = &mut self.members[i];
+        assert!(member.paused, "member {i} is not paused");
+        let pid = member.pid().expect("member is running");
+        signal(&pid, "-CONT").await;
+        member.paused = false;
+    }
+
+    /// Which member is the leader: waits until every running, unpaused member answers
+    /// `/v3/maintenance/status`, they all name the same leader, and that leader is one of them
+    /// (its own `header.member_id` equals `leader`). Panics after a bounded wait.
+    pub async fn leader(&self) -> usize {
+        let deadline = Instant::now() + LEADER_TIMEOUT;
+        loop {
+            if let Some(leader) = self.try_leader().await {
+                return leader;
+            }
+            if Instant::now() >= deadline {
+                let mut report = String::new();
+                for i in 0..self.members.len() {
+                    report.push_str(&format!(
+                        "member {i} ({:?}): {:?}\n",
+                        self.state(i),
+                        self.status(i).await
+                    ));
+                }
+                panic!("no agreed etcd leader after {LEADER_TIMEOUT:?}:\n{report}");
+            }
+            sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// One look at [`leader`](Self::leader): `None` while there is no agreed leader.
+    pub async fn try_leader(&self) -> Option<usize> {
+        let mut leader_id = None;
+        let mut leader = None;
+        for i in 0..self.members.len() {
+            if self.state(i) != MemberState::Running {
+                continue;
+            }
+            let (member_id, says) = self.status(i).await?;
+            if says == 0 || leader_id.is_some_and(|id| id != says) {
+                return None;
+            }
+            leader_id = Some(says);
+            if member_id == says {
+                leader = Some(i);
+            }
+        }
+        leader
+    }
+
+    /// Member `i`'s `(member_id, leader_id)` from `/v3/maintenance/status`, if it answers.
+    pub async fn status(&self, i: usize) -> Option<(u64, u64)> {
+        let url = format!("{}/v3/maintenance/status", self.members[i].endpoint());
+        let reply = self.post(&url, json!({})).await.ok()?;
+        let member_id = uint(&reply["header"]["member_id"])?;
+        let leader = uint(&reply["leader"]).unwrap_or(0);
+        Some((member_id as u64, leader as u64))
+    }
+
+    /// Reads `key` straight from etcd (a linearizable range through the JSON gateway, on any
+    /// running member): `(create_revision, mod_revision, value, lease)`, lease 0 when none.
+    pub async fn get(&self, key: &str) -> Option<(i64, i64, String, i64)> {
+        self.range(None, key).await
+    }
+
+    /// [`get`](Self::get) through member `i` only, e.g. to show a restarted member has caught
+    /// up.
+    pub async fn get_from(&self, i: usize, key: &str) -> Option<(i64, i64, String, i64)> {
+        self.range(Some(i), key).await
+    }
+
+    async fn range(&self, only: Option<usize>, key: &str) -> Option<(i64, i64, String, i64)> {
+        let body = json!({ "key": base64_encode(key.as_bytes()) });
+        let reply = self.kv(only, "/v3/kv/range", body).await;
+        // The gateway omits zero-valued fields: no `kvs` when absent, no `value` when empty,
+        // no `lease` without a lease.
+        let kv = reply["kvs"].as_array()?.first()?;
+        let value = base64_decode(kv["value"].as_str().unwrap_or("")).expect("value is base64");
+        Some((
+            uint(&kv["create_revision"]).unwrap_or(0),
+            uint(&kv["mod_revision"]).unwrap_or(0),
+            String::from_utf8_lossy(&value).into_owned(),
+            uint(&kv["lease"]).unwrap_or(0),
+        ))
+    }
+
+    /// Writes `key` = `value` without a lease; returns the revision of the write. Retried on
+    /// another member after an error, so a write whose reply was lost may apply twice.
+    pub async fn put_raw(&self, key: &str, value: &str) -> i64 {
+        let body = json!({
+            "key": base64_encode(key.as_bytes()),
+            "value": base64_encode(value.as_bytes()),
+        });
+        let reply = self.kv(None, "/v3/kv/put", body).await;
+        uint(&reply["header"]["revision"]).expect("put reply has a revision")
+    }
+
+    /// The cluster's current revision (1 on a fresh cluster).
+    pub async fn revision(&self) -> i64 {
+        let probe = base64_encode(b"railguard-test-revision-probe");
+        let reply = self.kv(None, "/v3/kv/range", json!({ "key": probe })).await;
+        uint(&reply["header"]["revision"]).expect("range reply has a revision")
+    }
+
+    /// Sends a KV request to the first running member (or only to member `only`) that answers
+    /// 200, retrying (an election may be under way) until a bounded deadline.
+    async fn kv(&self, only: Option<usize>, path: &str, body: Value) -> Value {
+        let deadline = Instant::now() + KV_TIMEOUT;
+        let mut errors = vec!["no running member".to_string()];
+        loop {
+            for i in 0..self.members.len() {
+                if self.state(i) != MemberState::Running || only.is_some_and(|only| only != i) {
+                    continue;
+                }
+                let url = format!("{}{path}", self.members[i].endpoint());
+                match self.post(&url, body.clone()).await {
+                    Ok(reply) => return reply,
+                    Err(e) => errors.push(format!("member {i}: {e}")),
+                }
+            }
+            if Instant::now() >= deadline {
+                let last = &errors[errors.len().saturating_sub(6)..];
+                panic!("etcd {path} failed on every member:\n{}", last.join("\n"));
+            }
+            sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn post(&self, url: &str, body: Value) -> Result<Value, String> {
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(url)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap();
+        let reply = timeout(REQUEST_TIMEOUT, self.http.send(request))
+            .await
+            .map_err(|_| format!("no answer within {REQUEST_TIMEOUT:?}"))??;
+        if reply.status != StatusCode::OK {
+            return Err(format!("{}: {}", reply.status, reply.body));
+        }
+        serde_json::from_str(&reply.body).map_err(|e| format!("not JSON ({e}): {}", reply.body))
+    }
+}
+
+impl Member {
+    fn pid(&self) -> Option<String> {
+        self.child.as_ref()?.id().map(|pid| pid.to_string())
+    }
+}
+
+/// A token no other cluster on this machine uses, so stray peers can never join.
+fn cluster_token() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "railguard-test-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+async fn signal(pid: &str, signal: &str) {
+    let status = Command::new("kill")
+        .arg(signal)
+        .arg(pid)
+        .status()
+        .await
+        .expect("run kill");
+    assert!(status.success(), "kill {signal} {pid}: {status}");
+}
+
+/// The gateway writes 64-bit integers as decimal strings; accept numbers too.
+fn uint(value: &Value) -> Option<i64> {
+    match value {
+        Value::String(s) => s.parse::<u64>().ok().map(|v| v as i64),
+        Value::Number(n) => n.as_u64().map(|v| v as i64),
+        _ => None,
+    }
+}
+
+const BASE64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding, as the gateway's protobuf `bytes` fields expect.
+pub fn base64_encode(input: &[u8]) -> String {
+    let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
+    for chunk in input.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for (k, shift) in [18, 12, 6, 0].into_iter().enumerate() {
+            if k <= chunk.len() {
+                out.push(BASE64[(n >> shift) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Decodes standard base64 (padding optional); `None` on any other character.
+pub fn base64_decode(input: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(input.len() / 4 * 3);
+    let mut n: u32 = 0;
+    let mut bits = 0;
+    for c in input.trim_end_matches('=').bytes() {
+        let v = BASE64.iter().position(|&a| a == c)? as u32;
+        n = (n << 6) | v;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((n >> bits) as u8);
+            n &= (1 << bits) - 1;
+        }
+    }
+    Some(out)
+}
