@@ -4,9 +4,11 @@
 #   scripts/test.sh            # from anywhere inside a clone
 #
 # Needs: a Rust toolchain (rustup), and root or sudo for apt-get when a package is missing.
-# Installs (Debian/Ubuntu): postgresql (server binaries for the throwaway test clusters).
-# The tests start their own PostgreSQL instances on free loopback ports in temp dirs; they
-# never touch a server already running on the machine.
+# Installs (Debian/Ubuntu) what is missing of: postgresql (server binaries for throwaway test
+# clusters), etcd-server (throwaway etcd members), protobuf-compiler and libprotobuf-dev
+# (etcd-client's build needs protoc and the well-known protos).
+# The tests start their own PostgreSQL and etcd instances on free loopback ports in temp
+# dirs; they never touch a server already running on the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +19,9 @@ have_pg_server() {
 
 missing=()
 have_pg_server || missing+=(postgresql)
+command -v etcd >/dev/null || missing+=(etcd-server)
+command -v protoc >/dev/null || missing+=(protobuf-compiler)
+[ -f /usr/include/google/protobuf/descriptor.proto ] || missing+=(libprotobuf-dev)
 
 if ((${#missing[@]})); then
     echo "==> installing: ${missing[*]}"
@@ -24,8 +29,9 @@ if ((${#missing[@]})); then
         echo "error: need root or sudo to install ${missing[*]}" >&2; exit 1
     fi
     "${sudo[@]}" apt-get update -qq
+    # Recommended packages stay on: libprotobuf-dev's well-known protos are needed.
     DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
-    # The Debian package starts its own cluster; the tests do not use it.
+    # The packages may start their own PostgreSQL or etcd; the tests do not use them.
 fi
 
 if ! command -v cargo >/dev/null; then

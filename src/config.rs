@@ -32,6 +32,40 @@ pub struct Config {
     pub shutdown: ShutdownConfig,
     pub lock: LockConfig,
     pub idempotency: IdempotencyConfig,
+    pub etcd: EtcdConfig,
+}
+
+/// `[etcd]`: the etcd lock backend (`lock.backend = "etcd"`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EtcdConfig {
+    /// Client URLs of the cluster's members. From the environment: a comma-separated list.
+    pub endpoints: Vec<String>,
+    /// Deadline for connecting to an endpoint.
+    pub dial_timeout_ms: u64,
+    /// Deadline for one request.
+    pub request_timeout_ms: u64,
+    /// Prefix of lock keys.
+    pub key_prefix: String,
+    /// PEM CA certificate for `https://` endpoints.
+    pub tls_ca_file: String,
+    /// PEM client certificate and key, when etcd requires client authentication.
+    pub tls_cert_file: String,
+    pub tls_key_file: String,
+}
+
+impl Default for EtcdConfig {
+    fn default() -> Self {
+        Self {
+            endpoints: vec!["http://127.0.0.1:2379".into()],
+            dial_timeout_ms: 2_000,
+            request_timeout_ms: 2_000,
+            key_prefix: "/railguard/locks/".into(),
+            tls_ca_file: String::new(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
+        }
+    }
 }
 
 /// `[idempotency]`: C3 §3.1 at the proxy.
@@ -443,11 +477,55 @@ impl Config {
                 format!("{:?} is not a tracing filter: {e}", self.log.level),
             )
         })?;
-        if self.lock.backend != "postgres" {
+        if !["postgres", "etcd"].contains(&self.lock.backend.as_str()) {
             return Err((
                 "lock.backend",
-                format!("{:?} is not a backend; use \"postgres\"", self.lock.backend),
+                format!(
+                    "{:?} is not a backend; use \"postgres\" or \"etcd\"",
+                    self.lock.backend
+                ),
             ));
+        }
+        if self.lock.backend == "etcd" {
+            if self.etcd.endpoints.is_empty() {
+                return Err(("etcd.endpoints", "needs at least one endpoint".into()));
+            }
+            for endpoint in &self.etcd.endpoints {
+                let uri: http::Uri = endpoint
+                    .parse()
+                    .map_err(|e| ("etcd.endpoints", format!("{endpoint:?} is not a URL: {e}")))?;
+                match uri.scheme_str() {
+                    Some("http") => {}
+                    Some("https") if !self.etcd.tls_ca_file.is_empty() => {}
+                    Some("https") => {
+                        return Err((
+                            "etcd.tls_ca_file",
+                            "https:// endpoints need a CA certificate file".into(),
+                        ));
+                    }
+                    _ => {
+                        return Err((
+                            "etcd.endpoints",
+                            format!("{endpoint:?} must be http:// or https://"),
+                        ));
+                    }
+                }
+            }
+            if self.etcd.tls_cert_file.is_empty() != self.etcd.tls_key_file.is_empty() {
+                return Err((
+                    "etcd.tls_key_file",
+                    "tls_cert_file and tls_key_file go together".into(),
+                ));
+            }
+            if self.etcd.dial_timeout_ms == 0 || self.etcd.request_timeout_ms == 0 {
+                return Err((
+                    "etcd.request_timeout_ms",
+                    "timeouts must be greater than zero".into(),
+                ));
+            }
+            if !self.etcd.key_prefix.starts_with('/') {
+                return Err(("etcd.key_prefix", "must start with /".into()));
+            }
         }
         let listeners = [
             ("proxy.listen", self.proxy.listen),

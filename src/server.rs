@@ -21,7 +21,9 @@ use crate::db::{Database, DatabaseError};
 use crate::high_water::{Batching, HighWaterStore};
 use crate::http_server::serve;
 use crate::idempotency::{IdempotencyStore, sweep_forever};
+use crate::lock::AnyBackend;
 use crate::lock::api::LockApi;
+use crate::lock::etcd::{EtcdLocks, EtcdSettings};
 use crate::lock::postgres::{PgLocks, listen_for_releases};
 use crate::lock::service::{LockLimits, LockService};
 use crate::metrics::Metrics;
@@ -126,13 +128,31 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         request_timeout: config.request_timeout(),
     };
     let stack = proxy::stack(extract, fence, idempotency, forward, metrics.clone());
-    let lock_metrics = metrics.lock_metrics("postgres");
-    let lock_service = Arc::new(LockService::new(
-        PgLocks::new(
+    let backend_name: &'static str = if config.lock.backend == "etcd" {
+        "etcd"
+    } else {
+        "postgres"
+    };
+    let lock_metrics = metrics.lock_metrics(backend_name);
+    let etcd_settings = EtcdSettings {
+        endpoints: config.etcd.endpoints.clone(),
+        dial_timeout: Duration::from_millis(config.etcd.dial_timeout_ms),
+        request_timeout: Duration::from_millis(config.etcd.request_timeout_ms),
+        key_prefix: config.etcd.key_prefix.clone(),
+        tls_ca_file: config.etcd.tls_ca_file.clone(),
+        tls_cert_file: config.etcd.tls_cert_file.clone(),
+        tls_key_file: config.etcd.tls_key_file.clone(),
+    };
+    let backend = match backend_name {
+        "etcd" => AnyBackend::Etcd(EtcdLocks::new(etcd_settings.clone())),
+        _ => AnyBackend::Postgres(PgLocks::new(
             database.pool.clone(),
             config.database_timeout(),
             lock_metrics.clone(),
-        ),
+        )),
+    };
+    let lock_service = Arc::new(LockService::new(
+        backend,
         lock_metrics,
         LockLimits {
             max_ttl: Duration::from_millis(config.lock.max_ttl_ms),
@@ -142,15 +162,21 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             ..LockLimits::default()
         },
     ));
+    // Releases (and, for etcd, expiries) wake this process's waiters at once.
     let queues = lock_service.queues();
-    let listener_task = tokio::spawn(listen_for_releases(
-        database.url.clone(),
-        {
-            let queues = queues.clone();
-            move |key| queues.wake(key)
-        },
-        move || queues.wake_all(),
-    ));
+    let wake = {
+        let queues = queues.clone();
+        move |key: &str| queues.wake(key)
+    };
+    let wake_all = move || queues.wake_all();
+    let listener_task = match backend_name {
+        "etcd" => tokio::spawn(async move {
+            EtcdLocks::new(etcd_settings)
+                .watch_releases(wake, wake_all)
+                .await;
+        }),
+        _ => tokio::spawn(listen_for_releases(database.url.clone(), wake, wake_all)),
+    };
     let lock_api = LockApi::new(lock_service);
     let admin = Admin { metrics, store };
 

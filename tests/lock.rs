@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use railguard::sdk::{LeaseLost, LockClient, SdkError};
+use support::etcd::EtcdCluster;
 use support::{Http, Pg, Rail, Railguard, init_tracing};
 use tokio::time::Instant;
 
@@ -16,25 +17,49 @@ use tokio::time::Instant;
 #[derive(Debug, Clone, Copy)]
 enum Backend {
     Postgres,
+    Etcd,
 }
 
-/// PostgreSQL (always: it holds the rail's marks) and one railguard serving the lock API.
+/// PostgreSQL (always: it holds the rail's marks), etcd for the etcd backend, and one
+/// railguard serving the lock API from the chosen backend.
 struct LockWorld {
     backend: Backend,
     pg: Pg,
+    etcd: Option<EtcdCluster>,
     rail: Rail,
     rg: Railguard,
 }
 
 impl LockWorld {
     async fn start(backend: Backend, env: &[(&str, &str)]) -> LockWorld {
+        let etcd = match backend {
+            Backend::Postgres => None,
+            Backend::Etcd => Some(EtcdCluster::single().await),
+        };
+        Self::start_with(backend, etcd, env).await
+    }
+
+    async fn start_with(
+        backend: Backend,
+        etcd: Option<EtcdCluster>,
+        env: &[(&str, &str)],
+    ) -> LockWorld {
         init_tracing();
         let pg = Pg::start().await;
         let rail = Rail::start().await;
-        let rg = Railguard::start(&pg.url(), &rail.url(), env).await;
+        let mut env: Vec<(&str, &str)> = env.to_vec();
+        let endpoints = etcd.as_ref().map(|e| e.endpoints_csv()).unwrap_or_default();
+        if etcd.is_some() {
+            env.push(("RAILGUARD__LOCK__BACKEND", "etcd"));
+            env.push(("RAILGUARD__ETCD__ENDPOINTS", &endpoints));
+            env.push(("RAILGUARD__ETCD__REQUEST_TIMEOUT_MS", "1000"));
+            env.push(("RAILGUARD__ETCD__DIAL_TIMEOUT_MS", "1000"));
+        }
+        let rg = Railguard::start(&pg.url(), &rail.url(), &env).await;
         LockWorld {
             backend,
             pg,
+            etcd,
             rail,
             rg,
         }
@@ -44,12 +69,44 @@ impl LockWorld {
         self.rg.lock_client()
     }
 
-    /// Restarts whatever holds the grants.
+    /// A second railguard on the same backend (and the same PostgreSQL).
+    async fn another_railguard(&self, env: &[(&str, &str)]) -> Railguard {
+        let mut env: Vec<(&str, &str)> = env.to_vec();
+        let endpoints = self
+            .etcd
+            .as_ref()
+            .map(|e| e.endpoints_csv())
+            .unwrap_or_default();
+        if self.etcd.is_some() {
+            env.push(("RAILGUARD__LOCK__BACKEND", "etcd"));
+            env.push(("RAILGUARD__ETCD__ENDPOINTS", &endpoints));
+        }
+        Railguard::start(&self.pg.url(), &self.rail.url(), &env).await
+    }
+
+    /// The shortest lease the backend grants as asked: etcd leases are whole seconds.
+    fn short_ttl(&self) -> Duration {
+        match self.backend {
+            Backend::Postgres => Duration::from_millis(100),
+            Backend::Etcd => Duration::from_secs(1),
+        }
+    }
+
+    fn etcd(&self) -> &EtcdCluster {
+        self.etcd.as_ref().expect("an etcd world")
+    }
+
+    /// Restarts whatever holds the grants, keeping its data.
     async fn restart_backend(&mut self) {
         match self.backend {
             Backend::Postgres => {
                 self.pg.server.stop().await;
                 self.pg.server.start().await.expect("postgres restarts");
+            }
+            Backend::Etcd => {
+                let etcd = self.etcd.as_mut().unwrap();
+                etcd.stop(0).await;
+                etcd.start(0).await;
             }
         }
     }
@@ -57,6 +114,7 @@ impl LockWorld {
     async fn stop_backend(&mut self) {
         match self.backend {
             Backend::Postgres => self.pg.server.kill().await,
+            Backend::Etcd => self.etcd.as_mut().unwrap().kill(0).await,
         }
     }
 }
@@ -132,16 +190,24 @@ async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
     let http = Http::new();
     let url = w.rg.lock_url();
     let mut tasks = Vec::new();
+    // Some grants are released, some are left to expire: both must end before the next grant
+    // begins. etcd leases are whole seconds, so there fewer are left to expire.
+    let backend = w.backend;
+    let rounds = match backend {
+        Backend::Postgres => 6,
+        Backend::Etcd => 3,
+    };
     for worker in 0..32 {
         let http = http.clone();
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
             let mut history = Vec::new();
-            for round in 0..6 {
-                // Half the grants are released, half are left to expire: both must end before
-                // the next grant begins.
-                let expire = (worker + round) % 2 == 0;
-                let ttl_ms = if expire { 40 } else { 5_000 };
+            for round in 0..rounds {
+                let (expire, short_ms) = match backend {
+                    Backend::Postgres => ((worker + round) % 2 == 0, 40),
+                    Backend::Etcd => (worker % 16 == 0 && round == 0, 1000),
+                };
+                let ttl_ms = if expire { short_ms } else { 5_000 };
                 let body =
                     format!("{{\"holder\":\"w{worker}\",\"ttl_ms\":{ttl_ms},\"wait_ms\":20000}}");
                 let reply = post(&http, &format!("{url}/v1/locks/inv06/acquire"), &body).await;
@@ -180,7 +246,7 @@ async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
     for task in tasks {
         history.extend(task.await.unwrap());
     }
-    assert_eq!(history.len(), 32 * 6);
+    assert_eq!(history.len(), 32 * rounds);
     history.sort_by_key(|h| h.granted_us);
     for pair in history.windows(2) {
         let (a, b) = (pair[0], pair[1]);
@@ -213,15 +279,18 @@ async fn post(http: &Http, url: &str, body: &str) -> support::Reply {
 async fn expired_grant_is_taken_over_and_the_old_holder_is_lost(w: LockWorld) {
     let lock = w.client();
     let old = lock
-        .acquire("takeover", "w1", Duration::from_millis(100), NOW)
+        .acquire("takeover", "w1", w.short_ttl(), NOW)
         .await
         .unwrap();
     assert_eq!(
         lock.acquire("takeover", "w2", TTL, NOW).await,
         Err(SdkError::Held)
     );
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    let new = lock.acquire("takeover", "w2", TTL, NOW).await.unwrap();
+    // Wait for the key: it comes free only when the old lease has run out.
+    let new = lock
+        .acquire("takeover", "w2", TTL, w.short_ttl() * 10)
+        .await
+        .unwrap();
     assert!(new.token() > old.token(), "the takeover has a larger token");
 
     assert_eq!(lock.renew(&old).await, Err(SdkError::Lost));
@@ -237,10 +306,14 @@ async fn expired_grant_is_taken_over_and_the_old_holder_is_lost(w: LockWorld) {
     lock.release(new).await.unwrap();
     let m = w.rg.metrics().await;
     let backend = backend_label(w.backend);
-    assert_eq!(
-        m.get(&format!("lock_takeovers_total{{backend=\"{backend}\"}}")),
-        1.0
-    );
+    if matches!(w.backend, Backend::Postgres) {
+        // PostgreSQL keeps the expired row and takes it over; etcd deletes an expired key
+        // itself, so there the new grant creates the key afresh.
+        assert_eq!(
+            m.get(&format!("lock_takeovers_total{{backend=\"{backend}\"}}")),
+            1.0
+        );
+    }
     assert_eq!(
         m.get(&format!("lock_lost_total{{backend=\"{backend}\"}}")),
         2.0
@@ -251,6 +324,7 @@ async fn expired_grant_is_taken_over_and_the_old_holder_is_lost(w: LockWorld) {
 fn backend_label(backend: Backend) -> &'static str {
     match backend {
         Backend::Postgres => "postgres",
+        Backend::Etcd => "etcd",
     }
 }
 
@@ -290,6 +364,17 @@ async fn a_hundred_renewals_keep_the_token(w: LockWorld) {
             row.get::<_, i64>(0),
             token,
             "the stored token never changed"
+        );
+    }
+    if matches!(w.backend, Backend::Etcd) {
+        let (_, mod_revision, _, _) = w
+            .etcd()
+            .get("/railguard/locks/renewed")
+            .await
+            .expect("the key exists");
+        assert_eq!(
+            mod_revision, token,
+            "renewal never wrote the key: its ModRevision is still the token"
         );
     }
     let reply = post(
@@ -361,7 +446,7 @@ async fn a_waiter_is_woken_by_release(w: LockWorld) {
 }
 
 async fn a_waiter_is_woken_by_a_release_made_through_another_railguard(w: LockWorld) {
-    let other = Railguard::start(&w.pg.url(), &w.rail.url(), SLOW_POLL).await;
+    let other = w.another_railguard(SLOW_POLL).await;
     let lock = w.client();
     let holder = other
         .lock_client()
@@ -387,7 +472,7 @@ async fn a_waiter_is_woken_by_a_release_made_through_another_railguard(w: LockWo
 async fn a_waiter_is_woken_by_expiry(w: LockWorld) {
     let lock = w.client();
     let _abandoned = lock
-        .acquire("expire", "holder", Duration::from_millis(300), NOW)
+        .acquire("expire", "holder", w.short_ttl() * 3, NOW)
         .await
         .unwrap();
     let started = Instant::now();
@@ -578,12 +663,10 @@ async fn bad_input_gets_400_with_a_clear_message(w: LockWorld) {
 
 async fn auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(mut w: LockWorld) {
     let lock = w.client();
-    let handle = lock
-        .acquire("kept", "w", Duration::from_millis(600), NOW)
-        .await
-        .unwrap();
+    let ttl = w.short_ttl().max(Duration::from_millis(600));
+    let handle = lock.acquire("kept", "w", ttl, NOW).await.unwrap();
     let mut keep = lock.keep_alive(&handle);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(ttl * 5 / 2).await;
     assert_eq!(keep.lost_reason(), None, "renewed past two ttls");
     assert!(lock.inspect("kept").await.unwrap().held);
 
@@ -594,7 +677,7 @@ async fn auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(mut w:
         .expect("loss is reported");
     assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
     assert!(
-        started.elapsed() <= Duration::from_millis(600) + Duration::from_millis(500),
+        started.elapsed() <= ttl + Duration::from_millis(500),
         "promptly: within about a ttl"
     );
     w.rg.start_again().await;
@@ -602,12 +685,10 @@ async fn auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(mut w:
 
 async fn auto_renew_reports_loss_when_the_backend_stops(mut w: LockWorld) {
     let lock = w.client();
-    let handle = lock
-        .acquire("kept2", "w", Duration::from_millis(600), NOW)
-        .await
-        .unwrap();
+    let ttl = w.short_ttl().max(Duration::from_millis(600));
+    let handle = lock.acquire("kept2", "w", ttl, NOW).await.unwrap();
     let mut keep = lock.keep_alive(&handle);
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(ttl + ttl / 6).await;
     w.stop_backend().await;
     let reason = tokio::time::timeout(Duration::from_secs(5), keep.lost())
         .await
@@ -618,7 +699,12 @@ async fn auto_renew_reports_loss_when_the_backend_stops(mut w: LockWorld) {
 async fn auto_renew_reports_revocation(w: LockWorld) {
     let lock = w.client();
     let handle = lock
-        .acquire("revoked", "w", Duration::from_millis(900), NOW)
+        .acquire(
+            "revoked",
+            "w",
+            w.short_ttl().max(Duration::from_millis(900)),
+            NOW,
+        )
         .await
         .unwrap();
     let mut keep = lock.keep_alive(&handle);
@@ -635,11 +721,14 @@ async fn grants_fence_the_rail_through_the_sdk(w: LockWorld) {
     let lock = w.client();
     let rail = railguard::sdk::RailClient::new(w.rg.proxy_url(""));
     let w1 = lock
-        .acquire("acct-42", "w1", Duration::from_millis(200), NOW)
+        .acquire("acct-42", "w1", w.short_ttl(), NOW)
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await; // W1 stalls past its lease
-    let w2 = lock.acquire("acct-42", "w2", TTL, NOW).await.unwrap();
+    // W1 stalls past its lease (it never renews); W2 waits for the key and takes it.
+    let w2 = lock
+        .acquire("acct-42", "w2", TTL, w.short_ttl() * 10)
+        .await
+        .unwrap();
     assert!(w2.token() > w1.token());
     let paid = rail
         .post(
@@ -763,6 +852,7 @@ macro_rules! suite {
 }
 
 suite!(postgres, Backend::Postgres);
+suite!(etcd, Backend::Etcd);
 
 /// C1 §1.6 through the SDK: the paydb row remembers the newest grant that wrote it.
 #[tokio::test]
@@ -833,4 +923,138 @@ async fn paydb_fenced_update_refuses_a_superseded_grant() {
         w2.token().get(),
         "the fence itself never goes down"
     );
+}
+
+/// FR-10's reason for ModRevision: a key taken over *in place* keeps its CreateRevision, so
+/// CreateRevision would give two consecutive holders the same token. ModRevision grows.
+#[tokio::test]
+async fn etcd_takeover_in_place_keeps_create_revision_while_the_token_grows() {
+    let w = LockWorld::start(Backend::Etcd, &[]).await;
+    let etcd = w.etcd();
+    // An entry whose lease does not exist: written without one (as a restore or a tool might).
+    let path = "/railguard/locks/in-place";
+    let written = etcd
+        .put_raw(
+            path,
+            "{\"holder\":\"ghost\",\"ttl_ms\":1000,\"granted_unix_ms\":0}",
+        )
+        .await;
+    let (create_before, mod_before, _, lease_before) = etcd.get(path).await.unwrap();
+    assert_eq!(
+        (create_before, mod_before, lease_before),
+        (written, written, 0)
+    );
+
+    let lock = w.client();
+    let first = lock.acquire("in-place", "w1", TTL, NOW).await.unwrap();
+    let (create, modified, _, lease) = etcd.get(path).await.unwrap();
+    assert_eq!(
+        create, create_before,
+        "taken over in place: CreateRevision unchanged"
+    );
+    assert_eq!(
+        modified,
+        first.token().get(),
+        "the token is the ModRevision of the winning txn"
+    );
+    assert!(first.token().get() > mod_before);
+    assert_ne!(lease, 0, "the new grant has its own lease");
+    let m = w.rg.metrics().await;
+    assert_eq!(m.get("lock_takeovers_total{backend=\"etcd\"}"), 1.0);
+
+    // A renewal is the lease's keep-alive: the key, and so the token, do not change.
+    for _ in 0..5 {
+        lock.renew(&first).await.unwrap();
+    }
+    assert_eq!(etcd.get(path).await.unwrap().1, first.token().get());
+    lock.release(first.clone()).await.unwrap();
+    assert!(etcd.get(path).await.is_none(), "release deletes the key");
+    let second = lock.acquire("in-place", "w2", TTL, NOW).await.unwrap();
+    assert!(second.token() > first.token());
+}
+
+/// Three members; the leader is stopped while several clients acquire and release. Grants
+/// never overlap, every token is larger than the last, and grants resume under the new leader.
+#[tokio::test]
+async fn etcd_leader_loss_during_a_stream_of_acquires() {
+    let cluster = EtcdCluster::three().await;
+    let mut w = LockWorld::start_with(Backend::Etcd, Some(cluster), &[]).await;
+    let url = w.rg.lock_url();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for worker in 0..4 {
+        let (http, url, stop) = (Http::new(), url.clone(), stop.clone());
+        workers.push(tokio::spawn(async move {
+            let mut history = Vec::new();
+            let mut unavailable = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let body = format!("{{\"holder\":\"w{worker}\",\"ttl_ms\":5000,\"wait_ms\":3000}}");
+                let reply = post(&http, &format!("{url}/v1/locks/leader/acquire"), &body).await;
+                match reply.status {
+                    StatusCode::OK => {}
+                    StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT => {
+                        unavailable += 1;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                    other => panic!("unexpected {other}: {}", reply.body),
+                }
+                let grant = reply.json();
+                let token = grant["token"].as_i64().unwrap();
+                let granted_us = grant["granted_at_us"].as_i64().unwrap();
+                let reply = post(
+                    &http,
+                    &format!("{url}/v1/locks/leader/release"),
+                    &format!("{{\"token\":{token}}}"),
+                )
+                .await;
+                let ended_us = match reply.status {
+                    StatusCode::OK => reply.json()["released_at_us"].as_i64().unwrap(),
+                    // The release's answer was lost in the election: the grant ends at its
+                    // lease's expiry at the latest.
+                    _ => grant["expires_at_us"].as_i64().unwrap(),
+                };
+                history.push((
+                    Held {
+                        token,
+                        granted_us,
+                        ended_us,
+                    },
+                    Instant::now(),
+                ));
+            }
+            (history, unavailable)
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let leader = w.etcd().leader().await;
+    let stopped_at = Instant::now();
+    w.etcd.as_mut().unwrap().stop(leader).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut history = Vec::new();
+    for worker in workers {
+        let (h, _) = worker.await.unwrap();
+        history.extend(h);
+    }
+    assert!(
+        history.iter().any(|(_, at)| *at < stopped_at),
+        "grants before the leader stopped"
+    );
+    assert!(
+        history
+            .iter()
+            .any(|(_, at)| *at > stopped_at + Duration::from_secs(1)),
+        "and after a new leader"
+    );
+    let mut grants: Vec<Held> = history.into_iter().map(|(h, _)| h).collect();
+    grants.sort_by_key(|h| h.token);
+    for pair in grants.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        assert!(b.token > a.token, "every token is larger than the last");
+        assert!(
+            b.granted_us >= a.ended_us,
+            "grants overlap: {a:?} then {b:?}"
+        );
+    }
 }

@@ -85,29 +85,20 @@ pub enum Phase {
     ProxyFenced,
     /// Token 1 against accounts whose mark is 2,000,000: every answer a 409 from the mark cache.
     StaleRejected,
-    /// pgbench running the same compare-and-set directly against PostgreSQL, one client per
-    /// connection of the HTTP phases.
+    /// pgbench running the single-row compare-and-set directly against PostgreSQL, one client
+    /// per connection of the HTTP phases and one commit per transaction.
     Pgbench,
-    /// The same with as many clients as a proxy has pooled connections: the most
-    /// compare-and-sets a proxy can have in flight. Skipped when that equals `connections`.
-    PgbenchPool,
 }
 
 impl Phase {
-    /// The phases a run with `options` measures, in the order each round runs them.
-    pub fn all(options: &BenchOptions) -> Vec<Phase> {
-        let mut phases = vec![
-            Phase::Direct,
-            Phase::ProxyUnfenced,
-            Phase::ProxyFenced,
-            Phase::StaleRejected,
-            Phase::Pgbench,
-        ];
-        if options.pool_size != options.connections as u64 {
-            phases.push(Phase::PgbenchPool);
-        }
-        phases
-    }
+    /// Every phase, in the order each round runs them.
+    pub const ALL: [Phase; 5] = [
+        Phase::Direct,
+        Phase::ProxyUnfenced,
+        Phase::ProxyFenced,
+        Phase::StaleRejected,
+        Phase::Pgbench,
+    ];
 
     pub fn label(self, options: &BenchOptions) -> String {
         match self {
@@ -115,8 +106,7 @@ impl Phase {
             Phase::ProxyUnfenced => "proxy, fencing off".into(),
             Phase::ProxyFenced => "proxy, fencing on".into(),
             Phase::StaleRejected => "proxy, stale token → 409".into(),
-            Phase::Pgbench => format!("pgbench CAS, {} clients", options.connections),
-            Phase::PgbenchPool => format!("pgbench CAS, {} clients (= pool)", options.pool_size),
+            Phase::Pgbench => format!("pgbench, same CAS, {} clients", options.connections),
         }
     }
 }
@@ -235,7 +225,7 @@ impl Bench<'_> {
         self.rail.reset();
 
         let mut samples: Vec<(Phase, Vec<Sample>)> =
-            Phase::all(o).into_iter().map(|p| (p, Vec::new())).collect();
+            Phase::ALL.iter().map(|&p| (p, Vec::new())).collect();
         for rep in 1..=o.repeats {
             for (phase, done) in &mut samples {
                 let sample = self.measure(*phase).await;
@@ -259,7 +249,7 @@ impl Bench<'_> {
         Ok(Report {
             environment,
             options: o.clone(),
-            pool_size: o.pool_size,
+            proxy_config: proxy_config(o.pool_size),
             stale_accounts,
             samples,
             peak_rss_kib: peak_rss_kib(),
@@ -294,8 +284,7 @@ impl Bench<'_> {
                 STALE_TOKEN,
                 StatusCode::CONFLICT,
             ),
-            Phase::Pgbench => return self.measure_pgbench(o.connections).await,
-            Phase::PgbenchPool => return self.measure_pgbench(o.pool_size as usize).await,
+            Phase::Pgbench => return self.measure_pgbench().await,
         };
         if !o.warmup.is_zero() {
             load::run(&load(target, accounts.clone(), token, o.warmup)).await;
@@ -316,12 +305,12 @@ impl Bench<'_> {
         }
     }
 
-    async fn measure_pgbench(&self, clients: usize) -> Sample {
+    async fn measure_pgbench(&self) -> Sample {
         let o = self.options;
         let pgbench = |duration| Pgbench {
             bin_dir: self.postgres.bin_dir().to_path_buf(),
             port: self.postgres.port(),
-            clients,
+            clients: o.connections,
             duration,
             accounts: o.accounts,
             account_prefix: ACCOUNT_PREFIX,
@@ -496,6 +485,14 @@ impl Rail {
     }
 }
 
+/// The defaults, with the pool size asked for; the caller sets addresses and the database.
+fn proxy_config(pool_size: u64) -> Config {
+    let mut config = Config::default();
+    config.database.pool_size = pool_size;
+    config.fencing.batch_concurrency = config.fencing.batch_concurrency.min(pool_size);
+    config
+}
+
 /// A proxy running in this process through [`server::run`].
 struct Proxy {
     addr: SocketAddr,
@@ -511,14 +508,13 @@ impl Proxy {
         enforce: bool,
         pool_size: u64,
     ) -> Result<Self, BenchError> {
-        let mut config = Config::default();
+        let mut config = proxy_config(pool_size);
         config.proxy.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, free_loopback_port()));
         // Listeners the benchmark does not use: any free loopback port.
         config.admin.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
         config.lock.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
         config.proxy.upstream = format!("http://{rail}");
         config.database.url = database_url.to_string();
-        config.database.pool_size = pool_size;
         config.fencing.enforce = enforce;
         config.shutdown.grace_ms = 2_000;
         let addr = config.proxy.listen;

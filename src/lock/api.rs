@@ -227,7 +227,8 @@ impl<B: LockBackend> LockApi<B> {
                 key: grant.key.to_string(),
                 token: grant.token.get(),
                 holder: grant.holder,
-                ttl_ms: body.ttl_ms,
+                // As granted: etcd rounds leases up to whole seconds.
+                ttl_ms: grant.ttl.as_millis() as u64,
                 granted_at_us: grant.granted_at_us,
                 expires_at_us: grant.expires_at_us,
                 waited_ms,

@@ -12,6 +12,7 @@
 //! field at all (FR-07).
 
 pub mod api;
+pub mod etcd;
 pub mod postgres;
 pub mod service;
 pub mod wait;
@@ -168,6 +169,54 @@ pub trait LockBackend: Send + Sync + 'static {
 
     /// Diagnosis only: never returns a token.
     fn inspect(&self, key: &LockKey) -> impl Future<Output = Result<Inspection, LockError>> + Send;
+}
+
+/// The backend chosen in the config file (FR-09): same interface, same token semantics.
+pub enum AnyBackend {
+    Postgres(postgres::PgLocks),
+    Etcd(etcd::EtcdLocks),
+}
+
+impl LockBackend for AnyBackend {
+    fn name(&self) -> &'static str {
+        match self {
+            AnyBackend::Postgres(b) => b.name(),
+            AnyBackend::Etcd(b) => b.name(),
+        }
+    }
+
+    async fn try_acquire(
+        &self,
+        key: &LockKey,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Attempt, LockError> {
+        match self {
+            AnyBackend::Postgres(b) => b.try_acquire(key, holder, ttl).await,
+            AnyBackend::Etcd(b) => b.try_acquire(key, holder, ttl).await,
+        }
+    }
+
+    async fn renew(&self, key: &LockKey, token: FencingToken) -> Result<Renewed, LockError> {
+        match self {
+            AnyBackend::Postgres(b) => b.renew(key, token).await,
+            AnyBackend::Etcd(b) => b.renew(key, token).await,
+        }
+    }
+
+    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<i64, LockError> {
+        match self {
+            AnyBackend::Postgres(b) => b.release(key, token).await,
+            AnyBackend::Etcd(b) => b.release(key, token).await,
+        }
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Inspection, LockError> {
+        match self {
+            AnyBackend::Postgres(b) => b.inspect(key).await,
+            AnyBackend::Etcd(b) => b.inspect(key).await,
+        }
+    }
 }
 
 #[cfg(test)]

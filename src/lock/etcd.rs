@@ -1,0 +1,386 @@
+//! The etcd lock backend (FR-10): the token is the lock key's ModRevision in the response of
+//! the winning compare-and-set transaction. No counters, no extra keys.
+//!
+//! Layout: one key per lock, `<key_prefix><key>`, attached to one lease per grant, holding a
+//! small JSON value (holder, ttl, grant time) for diagnosis.
+//!
+//! **Acquire** is one transaction: if the key does not exist (`create_revision == 0`), put it
+//! with the new grant's lease. The response header's revision is the key's new ModRevision:
+//! the token. If the key exists, it is held — unless the lease it is attached to no longer
+//! exists. etcd deletes a key when its lease expires, so normally an expired grant's key is
+//! simply gone; a key *without a live lease* (written without one, or left by a restore) can
+//! never be renewed by anyone (renewal is the lease's keep-alive), so it holds nobody. Such an
+//! entry is taken over **in place** by a second transaction that compares the key's
+//! ModRevision with the one just read (nobody changed it meanwhile) and puts the new grant
+//! with its own lease. The key keeps its CreateRevision; its ModRevision — the token — grows.
+//! That is exactly why CreateRevision cannot be the token (ADR-002 §A2.5).
+//!
+//! **Renew** is one keep-alive of the grant's lease; it never writes the key, so the token
+//! (ModRevision) cannot change. It first checks that the key's ModRevision is still the
+//! caller's token. **Release** is a transaction comparing the ModRevision with the token
+//! before deleting the key, then revokes the lease.
+//!
+//! When etcd is unreachable or has no leader (`require_leader`), every call is `Unavailable`
+//! (503): no grant is made and no token is invented.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use etcd_client::{
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, Identity, PutOptions,
+    TlsOptions, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::OnceCell;
+
+use super::{Attempt, Grant, Inspection, LockBackend, LockError, LockKey, Renewed};
+use crate::token::FencingToken;
+
+/// How to reach etcd.
+#[derive(Debug, Clone)]
+pub struct EtcdSettings {
+    pub endpoints: Vec<String>,
+    pub dial_timeout: Duration,
+    pub request_timeout: Duration,
+    pub key_prefix: String,
+    /// PEM files; all empty for plain HTTP.
+    pub tls_ca_file: String,
+    pub tls_cert_file: String,
+    pub tls_key_file: String,
+}
+
+/// The value stored under a lock key: diagnosis only, never read for a decision except the
+/// holder's name for `inspect`.
+#[derive(Debug, Serialize, Deserialize)]
+struct Entry {
+    holder: String,
+    ttl_ms: u64,
+    granted_unix_ms: u64,
+}
+
+pub struct EtcdLocks {
+    settings: EtcdSettings,
+    client: OnceCell<Client>,
+}
+
+fn unavailable(e: impl std::fmt::Display) -> LockError {
+    LockError::Unavailable(format!("etcd: {e}"))
+}
+
+fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0)
+}
+
+impl EtcdLocks {
+    /// Connects lazily: railguard starts while etcd is down, and answers 503 until it is back.
+    pub fn new(settings: EtcdSettings) -> Self {
+        Self {
+            settings,
+            client: OnceCell::new(),
+        }
+    }
+
+    fn options(&self) -> Result<ConnectOptions, LockError> {
+        let s = &self.settings;
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(s.dial_timeout)
+            .with_timeout(s.request_timeout)
+            .with_require_leader(true)
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+        if !s.tls_ca_file.is_empty() || !s.tls_cert_file.is_empty() {
+            let mut tls = TlsOptions::new();
+            if !s.tls_ca_file.is_empty() {
+                let ca = std::fs::read(&s.tls_ca_file)
+                    .map_err(|e| unavailable(format!("etcd.tls_ca_file {}: {e}", s.tls_ca_file)))?;
+                tls = tls.ca_certificate(Certificate::from_pem(ca));
+            }
+            if !s.tls_cert_file.is_empty() {
+                let cert = std::fs::read(&s.tls_cert_file).map_err(|e| {
+                    unavailable(format!("etcd.tls_cert_file {}: {e}", s.tls_cert_file))
+                })?;
+                let key = std::fs::read(&s.tls_key_file).map_err(|e| {
+                    unavailable(format!("etcd.tls_key_file {}: {e}", s.tls_key_file))
+                })?;
+                tls = tls.identity(Identity::from_pem(cert, key));
+            }
+            options = options.with_tls(tls);
+        }
+        Ok(options)
+    }
+
+    /// A client sharing the one connection. Calls take `&mut`, so each gets a cheap clone.
+    async fn client(&self) -> Result<Client, LockError> {
+        let client = self
+            .client
+            .get_or_try_init(|| async {
+                let options = self.options()?;
+                tokio::time::timeout(
+                    self.settings.dial_timeout,
+                    Client::connect(&self.settings.endpoints, Some(options)),
+                )
+                .await
+                .map_err(|_| {
+                    unavailable(format!(
+                        "no endpoint answered within {:?}",
+                        self.settings.dial_timeout
+                    ))
+                })?
+                .map_err(unavailable)
+            })
+            .await?;
+        Ok(client.clone())
+    }
+
+    fn path(&self, key: &LockKey) -> String {
+        format!("{}{}", self.settings.key_prefix, key.as_str())
+    }
+
+    /// Bounds a whole operation (several RPCs) by twice the request timeout.
+    async fn bounded<T>(
+        &self,
+        work: impl Future<Output = Result<T, LockError>>,
+    ) -> Result<T, LockError> {
+        let limit = self.settings.request_timeout * 2;
+        tokio::time::timeout(limit, work)
+            .await
+            .unwrap_or_else(|_| Err(unavailable(format!("no answer within {limit:?}"))))
+    }
+
+    /// An upper bound of the time `lease` has left, or `None` when it does not exist (expired
+    /// or revoked). etcd answers whole seconds, rounded down ("expires in under TTL+1
+    /// seconds"), and -1 for a lease that is gone: 0 is a live lease in its last second.
+    async fn lease_remaining(
+        client: &mut Client,
+        lease: i64,
+    ) -> Result<Option<Duration>, LockError> {
+        if lease == 0 {
+            return Ok(None);
+        }
+        let ttl = client
+            .lease_time_to_live(lease, None)
+            .await
+            .map_err(unavailable)?
+            .ttl();
+        Ok((ttl >= 0).then(|| Duration::from_secs(ttl as u64 + 1)))
+    }
+
+    /// Wakes `on_release` with each released key (deleted: released or expired) until the
+    /// process ends; reconnects on failure and calls `on_reconnect` (events may be missed).
+    pub async fn watch_releases(
+        &self,
+        on_release: impl Fn(&str) + Send + 'static,
+        on_reconnect: impl Fn() + Send + 'static,
+    ) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if let Ok(mut client) = self.client().await {
+                let options = WatchOptions::new()
+                    .with_prefix()
+                    .with_filters([WatchFilterType::NoPut]);
+                if let Ok(mut stream) = client
+                    .watch(self.settings.key_prefix.as_str(), Some(options))
+                    .await
+                {
+                    backoff = Duration::from_millis(100);
+                    on_reconnect();
+                    while let Ok(Some(response)) = stream.message().await {
+                        for event in response.events() {
+                            if event.event_type() == EventType::Delete
+                                && let Some(kv) = event.kv()
+                                && let Ok(key) = kv.key_str()
+                                && let Some(key) =
+                                    key.strip_prefix(self.settings.key_prefix.as_str())
+                            {
+                                on_release(key);
+                            }
+                        }
+                    }
+                }
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+}
+
+impl LockBackend for EtcdLocks {
+    fn name(&self) -> &'static str {
+        "etcd"
+    }
+
+    async fn try_acquire(
+        &self,
+        key: &LockKey,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Attempt, LockError> {
+        self.bounded(async {
+            let mut client = self.client().await?;
+            let path = self.path(key);
+            // etcd leases are whole seconds: round up, never down.
+            let ttl_secs = ttl.as_millis().div_ceil(1000).max(1) as i64;
+            let before_lease_us = now_us();
+            let lease = client.lease_grant(ttl_secs, None).await.map_err(unavailable)?;
+            let granted_ttl = Duration::from_secs(lease.ttl().max(1) as u64);
+            let value = serde_json::to_string(&Entry {
+                holder: holder.to_string(),
+                ttl_ms: granted_ttl.as_millis() as u64,
+                granted_unix_ms: (before_lease_us / 1000) as u64,
+            })
+            .expect("entry serializes");
+            let put = TxnOp::put(path.as_str(), value.as_str(), Some(PutOptions::new().with_lease(lease.id())));
+            let create = Txn::new()
+                .when([Compare::create_revision(path.as_str(), CompareOp::Equal, 0)])
+                .and_then([put.clone()])
+                .or_else([TxnOp::get(path.as_str(), None)]);
+            let response = client.txn(create).await.map_err(unavailable)?;
+            let grant = |revision: i64, took_over: bool| {
+                let token = FencingToken::new(revision).ok_or_else(|| unavailable("non-positive revision"))?;
+                Ok::<_, LockError>(Attempt::Granted(Grant {
+                    key: key.clone(),
+                    holder: holder.to_string(),
+                    token,
+                    ttl: granted_ttl,
+                    granted_at_us: now_us(),
+                    // Not etcd's clock (it exposes none): a lower bound on when the lease can
+                    // end, since the lease was granted after this instant. Diagnosis only.
+                    expires_at_us: before_lease_us + granted_ttl.as_micros() as i64,
+                    took_over,
+                }))
+            };
+            if response.succeeded() {
+                let revision = response.header().map(|h| h.revision()).ok_or_else(|| unavailable("no header"))?;
+                return grant(revision, false);
+            }
+            let current = response.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(get) => get.kvs().first().map(|kv| (kv.mod_revision(), kv.lease())),
+                _ => None,
+            });
+            let outcome = match current {
+                // Deleted between the compare and the get: free now; the waiter tries again.
+                None => Ok(Attempt::Held { retry_in: Some(Duration::ZERO) }),
+                Some((mod_revision, holder_lease)) => match Self::lease_remaining(&mut client, holder_lease).await? {
+                    Some(remaining) => Ok(Attempt::Held { retry_in: Some(remaining) }),
+                    None => {
+                        let takeover = Txn::new()
+                            .when([Compare::mod_revision(path.as_str(), CompareOp::Equal, mod_revision)])
+                            .and_then([put]);
+                        let response = client.txn(takeover).await.map_err(unavailable)?;
+                        match (response.succeeded(), response.header()) {
+                            (true, Some(header)) => {
+                                tracing::warn!(lock.key = %key, "took over an entry whose lease no longer exists");
+                                return grant(header.revision(), true);
+                            }
+                            _ => Ok(Attempt::Held { retry_in: Some(Duration::ZERO) }),
+                        }
+                    }
+                },
+            };
+            // Not granted: the new lease holds nothing; give it back.
+            let _ = client.lease_revoke(lease.id()).await;
+            outcome
+        })
+        .await
+    }
+
+    async fn renew(&self, key: &LockKey, token: FencingToken) -> Result<Renewed, LockError> {
+        self.bounded(async {
+            let mut client = self.client().await?;
+            let found = client
+                .get(self.path(key), None)
+                .await
+                .map_err(unavailable)?;
+            let Some(kv) = found.kvs().first() else {
+                return Err(LockError::Lost);
+            };
+            if kv.mod_revision() != token.get() || kv.lease() == 0 {
+                return Err(LockError::Lost);
+            }
+            let lease = kv.lease();
+            let sent_us = now_us();
+            let (mut keeper, mut stream) =
+                client.lease_keep_alive(lease).await.map_err(unavailable)?;
+            keeper.keep_alive().await.map_err(unavailable)?;
+            let answer = stream.message().await.map_err(unavailable)?;
+            match answer {
+                Some(answer) if answer.ttl() > 0 => {
+                    let ttl = Duration::from_secs(answer.ttl() as u64);
+                    Ok(Renewed {
+                        expires_at_us: sent_us + ttl.as_micros() as i64,
+                        ttl,
+                    })
+                }
+                _ => Err(LockError::Lost),
+            }
+        })
+        .await
+    }
+
+    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<i64, LockError> {
+        self.bounded(async {
+            let mut client = self.client().await?;
+            let path = self.path(key);
+            let before_us = now_us();
+            let release = Txn::new()
+                .when([Compare::mod_revision(
+                    path.as_str(),
+                    CompareOp::Equal,
+                    token.get(),
+                )])
+                .and_then([
+                    TxnOp::get(path.as_str(), None),
+                    TxnOp::delete(path.as_str(), None),
+                ]);
+            let response = client.txn(release).await.map_err(unavailable)?;
+            if !response.succeeded() {
+                return Err(LockError::Lost);
+            }
+            let lease = response.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.lease()),
+                _ => None,
+            });
+            if let Some(lease) = lease.filter(|l| *l != 0)
+                && let Err(e) = client.lease_revoke(lease).await
+            {
+                tracing::debug!(error = %e, "lease revoke after release failed; it will expire");
+            }
+            // A lower bound of the delete's time: sound for "ended before the next grant".
+            Ok(before_us)
+        })
+        .await
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Inspection, LockError> {
+        self.bounded(async {
+            let mut client = self.client().await?;
+            let found = client
+                .get(self.path(key), None)
+                .await
+                .map_err(unavailable)?;
+            let free = Inspection {
+                key: key.to_string(),
+                held: false,
+                holder: None,
+                lease_remaining_ms: None,
+                grant_age_ms: None,
+            };
+            let Some(kv) = found.kvs().first() else {
+                return Ok(free);
+            };
+            let Some(remaining) = Self::lease_remaining(&mut client, kv.lease()).await? else {
+                return Ok(free);
+            };
+            let entry: Option<Entry> = serde_json::from_slice(kv.value()).ok();
+            Ok(Inspection {
+                key: key.to_string(),
+                held: true,
+                holder: entry.as_ref().map(|e| e.holder.clone()),
+                lease_remaining_ms: Some(remaining.as_millis() as i64),
+                grant_age_ms: entry.map(|e| (now_us() / 1000 - e.granted_unix_ms as i64).max(0)),
+            })
+        })
+        .await
+    }
+}
