@@ -144,7 +144,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         tls_key_file: config.etcd.tls_key_file.clone(),
     };
     let backend = match backend_name {
-        "etcd" => AnyBackend::Etcd(EtcdLocks::new(etcd_settings.clone())),
+        "etcd" => AnyBackend::Etcd(Box::new(EtcdLocks::new(etcd_settings.clone()))),
         _ => AnyBackend::Postgres(PgLocks::new(
             database.pool.clone(),
             config.database_timeout(),

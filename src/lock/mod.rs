@@ -174,7 +174,7 @@ pub trait LockBackend: Send + Sync + 'static {
 /// The backend chosen in the config file (FR-09): same interface, same token semantics.
 pub enum AnyBackend {
     Postgres(postgres::PgLocks),
-    Etcd(etcd::EtcdLocks),
+    Etcd(Box<etcd::EtcdLocks>),
 }
 
 impl LockBackend for AnyBackend {
