@@ -8,6 +8,9 @@ CREATE TABLE idempotency_record (
     fingerprint     text        NOT NULL,
     -- The token of the request that created the record (for diagnosis).
     token           bigint      NOT NULL,
+    -- A random id of the one request that owns the record: only it completes the record, and
+    -- only its own paths remove it again (when it is known never to have reached the rail).
+    owner           text        NOT NULL,
     state           text        NOT NULL CHECK (state IN ('in_flight', 'done')),
     status          smallint,
     headers         jsonb,
@@ -18,4 +21,5 @@ CREATE TABLE idempotency_record (
     completed_at    timestamptz,
     PRIMARY KEY (account_id, idempotency_key)
 );
-CREATE INDEX idempotency_record_created_at ON idempotency_record (created_at);
+-- Retention removes completed records; in-flight ones wait for an operator.
+CREATE INDEX idempotency_record_completed_at ON idempotency_record (completed_at) WHERE state = 'done';

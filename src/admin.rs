@@ -1,22 +1,49 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz`.
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, and the operator's way out of an
+//! idempotency record in doubt (`POST /idempotency/forget`).
 //!
-//! It has its own port so that a scrape or a health probe never queues behind payment
-//! traffic, and so that the proxy's port carries nothing but the rail's API.
+//! It has its own port (loopback by default) so that a scrape or a health probe never queues
+//! behind payment traffic, and so that the proxy's port carries nothing but the rail's API.
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
+use serde::Deserialize;
 
 use crate::high_water::HighWaterStore;
+use crate::idempotency::{Forgot, IdempotencyStore};
 use crate::metrics::Metrics;
 use crate::proxy::{ProxyBody, full};
+use crate::token::AccountId;
 
 #[derive(Clone)]
 pub struct Admin {
     pub metrics: Arc<Metrics>,
     pub store: HighWaterStore,
+    pub idempotency: IdempotencyStore,
+    /// A record in flight for longer than this has no live forward behind it.
+    pub in_doubt_after: Duration,
+    pub max_account_len: usize,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForgetRequest {
+    account: String,
+    key: String,
+}
+
+fn reply(status: StatusCode, content_type: &'static str, body: String) -> Response<ProxyBody> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, content_type)
+        .body(full(body))
+        .expect("static response parts")
 }
 
 impl Admin {
@@ -24,28 +51,15 @@ impl Admin {
         self,
         request: Request<Incoming>,
     ) -> Result<Response<ProxyBody>, Infallible> {
-        let reply = |status: StatusCode, content_type: &'static str, body: String| {
-            Response::builder()
-                .status(status)
-                .header(header::CONTENT_TYPE, content_type)
-                .body(full(body))
-                .expect("static response parts")
-        };
-        if request.method() != Method::GET {
-            return Ok(reply(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "text/plain",
-                "GET only\n".into(),
-            ));
-        }
-        Ok(match request.uri().path() {
-            "/metrics" => reply(
+        let path = request.uri().path().to_string();
+        Ok(match (request.method().clone(), path.as_str()) {
+            (Method::GET, "/metrics") => reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
                 self.metrics.render(),
             ),
-            "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n".into()),
-            "/readyz" => match self.store.ready().await {
+            (Method::GET, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".into()),
+            (Method::GET, "/readyz") => match self.store.ready().await {
                 Ok(()) => reply(StatusCode::OK, "text/plain", "ready\n".into()),
                 Err(why) => reply(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -53,11 +67,108 @@ impl Admin {
                     format!("not ready: {why}\n"),
                 ),
             },
+            (Method::POST, "/idempotency/forget") => self.forget(request).await,
+            (_, "/metrics" | "/healthz" | "/readyz" | "/idempotency/forget") => reply(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "text/plain",
+                "method not allowed\n".into(),
+            ),
             _ => reply(
                 StatusCode::NOT_FOUND,
                 "text/plain",
-                "not found; try /metrics, /healthz, /readyz\n".into(),
+                "not found; try /metrics, /healthz, /readyz, POST /idempotency/forget\n".into(),
             ),
         })
+    }
+
+    async fn forget(&self, request: Request<Incoming>) -> Response<ProxyBody> {
+        let body = match Limited::new(request.into_body(), 4096).collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(e) => {
+                return reply(
+                    StatusCode::BAD_REQUEST,
+                    "text/plain",
+                    format!("cannot read the body: {e}\n"),
+                );
+            }
+        };
+        let asked: ForgetRequest = match serde_json::from_slice(&body) {
+            Ok(asked) => asked,
+            Err(e) => {
+                return reply(
+                    StatusCode::BAD_REQUEST,
+                    "text/plain",
+                    format!("expected {{\"account\", \"key\"}}: {e}\n"),
+                );
+            }
+        };
+        let account = match AccountId::parse(&asked.account, self.max_account_len) {
+            Ok(account) => account,
+            Err(e) => {
+                return reply(
+                    StatusCode::BAD_REQUEST,
+                    "text/plain",
+                    format!("account {e}\n"),
+                );
+            }
+        };
+        let (status, message) = match self.idempotency.forget_in_doubt(&account, &asked.key, self.in_doubt_after).await {
+            Ok(Forgot::Forgotten) => {
+                tracing::warn!(account = %account, key = asked.key, "an operator forgot an idempotency record in doubt");
+                (StatusCode::OK, "forgotten: the next retry of this key will be forwarded".to_string())
+            }
+            Ok(Forgot::Completed) => (
+                StatusCode::CONFLICT,
+                "the record is complete: the rail answered and repeats get its response; nothing to forget".into(),
+            ),
+            Ok(Forgot::StillInFlight) => (
+                StatusCode::CONFLICT,
+                format!("the record is in flight but not yet in doubt (younger than {:?}); its forward may still be running", self.in_doubt_after),
+            ),
+            Ok(Forgot::NotFound) => (StatusCode::NOT_FOUND, "no record for this account and key".into()),
+            Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
+        };
+        reply(status, "text/plain", format!("{message}\n"))
+    }
+}
+
+/// The `idempotency-forget` command: asks the railguard whose admin listener is `admin` to
+/// forget `key` of `account`. Returns its answer, as an error unless it forgot the record.
+pub async fn forget_idempotency_key(
+    admin: SocketAddr,
+    account: &str,
+    key: &str,
+) -> Result<String, String> {
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    let host = if admin.ip().is_unspecified() {
+        SocketAddr::from(([127, 0, 0, 1], admin.port()))
+    } else {
+        admin
+    };
+    let body = serde_json::json!({ "account": account, "key": key }).to_string();
+    let request = Request::post(format!("http://{host}/idempotency/forget"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))
+        .await
+        .map_err(|_| format!("railguard's admin listener at {host} did not answer"))?
+        .map_err(|e| {
+            format!("cannot reach railguard's admin listener at {host} (is it running?): {e}")
+        })?;
+    let status = response.status();
+    let text = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    let text = String::from_utf8_lossy(&text).trim().to_string();
+    if status == StatusCode::OK {
+        Ok(text)
+    } else {
+        Err(format!("{status}: {text}"))
     }
 }

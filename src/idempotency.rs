@@ -7,8 +7,8 @@
 //! scoped per account. A record still `in_flight` after the longest a forward can take
 //! (`request_timeout` plus a margin) belongs to a proxy that crashed or lost its database
 //! mid-request: whether the rail acted is unknown, so the record is *in doubt* and is never
-//! forwarded again on its own. The operator's way out is `railguard idempotency-forget`, after
-//! checking the rail's own records.
+//! forwarded again on its own, and retention does not remove it either. The operator's way out
+//! is `railguard idempotency-forget`, after checking the rail's own records.
 
 use std::time::Duration;
 
@@ -28,6 +28,21 @@ pub fn fingerprint(method: &str, path_and_query: &str, body: &[u8]) -> String {
     hash.update([0]);
     hash.update(body);
     hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A random id for the request that may create a record (128 bits, hex).
+pub fn new_owner() -> String {
+    use std::hash::{BuildHasher, RandomState};
+    let state = RandomState::new();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "{:016x}{:016x}",
+        state.hash_one(nanos),
+        state.hash_one((nanos, std::process::id()))
+    )
 }
 
 /// A key as received: 1 to 255 bytes of visible ASCII.
@@ -131,11 +146,13 @@ impl IdempotencyStore {
         .await
     }
 
-    /// Stores the rail's response: the record is `done` from now on.
+    /// Stores the rail's response: the record is `done` from now on. Only the request that
+    /// owns the record can complete it.
     pub async fn complete(
         &self,
         account: &AccountId,
         key: &str,
+        owner: &str,
         response: &StoredResponse,
     ) -> Result<(), StoreError> {
         let headers = serde_json::to_string(&response.headers).expect("headers serialize");
@@ -149,12 +166,14 @@ impl IdempotencyStore {
             client
                 .execute(
                     "UPDATE idempotency_record
-                     SET state = 'done', status = $3, headers = $4::text::jsonb, body = $5,
-                         body_stored = $6, completed_at = now()
-                     WHERE account_id = $1 AND idempotency_key = $2 AND state = 'in_flight'",
+                     SET state = 'done', status = $4, headers = $5::text::jsonb, body = $6,
+                         body_stored = $7, completed_at = now()
+                     WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3
+                       AND state = 'in_flight'",
                     &[
                         &account.as_str(),
                         &key,
+                        &owner,
                         &(response.status as i16),
                         &headers,
                         &body,
@@ -167,28 +186,49 @@ impl IdempotencyStore {
         .await
     }
 
-    /// Deletes an `in_flight` record: for a request known never to have reached the rail, or
-    /// by an operator who checked. Returns whether one was deleted.
-    pub async fn forget(&self, account: &AccountId, key: &str) -> Result<bool, StoreError> {
+    /// Removes, in the background, the in-flight records of requests known never to have
+    /// reached the rail, by owner id.
+    pub fn forget_unsent(&self, owners: Vec<String>) {
+        crate::high_water::forget_records(self.pool.clone(), owners, self.timeout);
+    }
+
+    /// The operator's way out of `in_doubt`: deletes the record if it is in flight and older
+    /// than `in_doubt_after` — a record whose forward may still be running is never touched.
+    pub async fn forget_in_doubt(
+        &self,
+        account: &AccountId,
+        key: &str,
+        in_doubt_after: Duration,
+    ) -> Result<Forgot, StoreError> {
+        let after_ms = i64::try_from(in_doubt_after.as_millis()).unwrap_or(i64::MAX);
         self.bounded(async {
-            let client = self
-                .pool
-                .get()
-                .await
-                .map_err(|e| StoreError::Pool(e.to_string()))?;
-            let deleted = client
-                .execute(
-                    "DELETE FROM idempotency_record
-                     WHERE account_id = $1 AND idempotency_key = $2 AND state = 'in_flight'",
-                    &[&account.as_str(), &key],
+            let client = self.pool.get().await.map_err(|e| StoreError::Pool(e.to_string()))?;
+            let row = client
+                .query_opt(
+                    "WITH gone AS (
+                         DELETE FROM idempotency_record
+                         WHERE account_id = $1 AND idempotency_key = $2 AND state = 'in_flight'
+                           AND created_at < now() - $3::bigint * interval '1 millisecond'
+                         RETURNING 1)
+                     SELECT (SELECT count(*) FROM gone),
+                            (SELECT state FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2)",
+                    &[&account.as_str(), &key, &after_ms],
                 )
                 .await?;
-            Ok(deleted > 0)
+            let (deleted, state): (i64, Option<String>) = row.map(|r| (r.get(0), r.get(1))).unwrap_or((0, None));
+            Ok(match (deleted, state.as_deref()) {
+                (1.., _) => Forgot::Forgotten,
+                (_, Some("done")) => Forgot::Completed,
+                (_, Some(_)) => Forgot::StillInFlight,
+                (_, None) => Forgot::NotFound,
+            })
         })
         .await
     }
 
-    /// Deletes records created more than `retention` ago, a bounded number at a time.
+    /// Deletes completed records older than `retention`, a bounded number at a time. Records
+    /// still in flight are never removed here: a retry of one in doubt must not be forwarded
+    /// just because time passed; an operator decides (`forget_in_doubt`).
     pub async fn sweep(&self, retention: Duration) -> Result<u64, StoreError> {
         let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
         self.bounded(async {
@@ -201,7 +241,8 @@ impl IdempotencyStore {
                 .execute(
                     "DELETE FROM idempotency_record WHERE ctid IN (
                          SELECT ctid FROM idempotency_record
-                         WHERE created_at < now() - $1::bigint * interval '1 millisecond'
+                         WHERE state = 'done'
+                           AND completed_at < now() - $1::bigint * interval '1 millisecond'
                          LIMIT 10000)",
                     &[&retention_ms],
                 )
@@ -210,6 +251,17 @@ impl IdempotencyStore {
         })
         .await
     }
+}
+
+/// What `forget_in_doubt` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forgot {
+    Forgotten,
+    /// The record is complete: the rail answered; nothing to forget.
+    Completed,
+    /// In flight but not yet in doubt: its forward may still be running.
+    StillInFlight,
+    NotFound,
 }
 
 /// Removes expired records every `interval` until the process ends.

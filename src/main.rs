@@ -39,12 +39,13 @@ enum Command {
         #[arg(long, short, default_value = "config/railguard.toml")]
         config: PathBuf,
     },
-    /// Run the rail simulator: a non-idempotent rail that accepts every POST as a new payment
-    /// and lists what it received at GET /ledger.
-    /// Remove an idempotency record left in flight ("in doubt") by a proxy that stopped before
-    /// the rail answered, so that a retry of that key is forwarded again. Check the rail's own
-    /// records first: if the payment did happen, forgetting the key lets it happen twice.
+    /// Remove an idempotency record left "in doubt" by a proxy that stopped before the rail
+    /// answered, so that a retry of that key is forwarded again. Check the rail's own records
+    /// first: if the payment did happen, forgetting the key lets it happen twice. Asks the
+    /// running railguard (its admin listener), which refuses records that may still be in
+    /// flight.
     IdempotencyForget {
+        /// The running railguard's config file (for admin.listen).
         #[arg(long, short, default_value = "config/railguard.toml")]
         config: PathBuf,
         /// The account the key belongs to (the Fencing-Account of the request).
@@ -54,6 +55,8 @@ enum Command {
         #[arg(long)]
         key: String,
     },
+    /// Run the rail simulator: a non-idempotent rail that accepts every POST as a new payment
+    /// and lists what it received at GET /ledger.
     RailSim {
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:9090")]
@@ -114,32 +117,23 @@ fn main() -> ExitCode {
                     Err(e) => fail(&e),
                 }
             }
-            Command::IdempotencyForget { config, account, key } => {
+            Command::IdempotencyForget {
+                config,
+                account,
+                key,
+            } => {
                 let config = match load(&config) {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
-                let account = match railguard::token::AccountId::parse(&account, config.proxy.max_account_len as usize) {
-                    Ok(a) => a,
-                    Err(e) => return fail(&format!("--account {e}")),
-                };
-                let db = match Database::open(&config).await {
-                    Ok(db) => db,
-                    Err(e) => return fail(&e),
-                };
-                let store = railguard::idempotency::IdempotencyStore::new(db.pool.clone(), config.database_timeout());
-                let result = store.forget(&account, &key).await;
-                db.shutdown().await;
-                match result {
-                    Ok(true) => {
-                        println!("forgot the in-flight record of key {key:?} for account {account}; a retry will be forwarded");
+                match railguard::admin::forget_idempotency_key(config.admin.listen, &account, &key)
+                    .await
+                {
+                    Ok(message) => {
+                        println!("{message}");
                         ExitCode::SUCCESS
                     }
-                    Ok(false) => {
-                        println!("no in-flight record of key {key:?} for account {account} (completed records are kept until retention)");
-                        ExitCode::from(1)
-                    }
-                    Err(e) => fail(&e),
+                    Err(message) => fail(&message),
                 }
             }
             Command::Migrate { config } => {

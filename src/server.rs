@@ -95,13 +95,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         Duration::from_secs(config.idempotency.retention_secs),
         Duration::from_secs(config.idempotency.sweep_interval_secs),
     ));
+    let idempotency_store_for_admin = idempotency_store.clone();
     let idempotency = IdempotencyLayer::new(
         idempotency_store,
         IdempotencyLayerConfig {
             max_response_bytes: config.idempotency.max_response_bytes as usize,
             // No forward outlives the request deadline; a record older than that plus a margin
             // has no live proxy behind it.
-            in_doubt_after: config.request_timeout() + Duration::from_secs(1),
+            in_doubt_after: in_doubt_after(&config),
         },
     );
     let fence = Arc::new(Fence::new(
@@ -178,7 +179,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         _ => tokio::spawn(listen_for_releases(database.url.clone(), wake, wake_all)),
     };
     let lock_api = LockApi::new(lock_service);
-    let admin = Admin { metrics, store };
+    let admin = Admin {
+        metrics,
+        store,
+        idempotency: idempotency_store_for_admin,
+        in_doubt_after: in_doubt_after(&config),
+        max_account_len: config.proxy.max_account_len as usize,
+    };
 
     let grace = Duration::from_millis(config.shutdown.grace_ms);
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -238,6 +245,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         Some(status) => Err(ServeError::EmbeddedDied(status)),
         None => Ok(()),
     }
+}
+
+/// How long a record may stay in flight before it is in doubt: longer than any forward, its
+/// response body and the write that completes the record can take.
+pub fn in_doubt_after(config: &Config) -> Duration {
+    config.request_timeout() + config.database_timeout() + Duration::from_secs(1)
 }
 
 /// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not when

@@ -103,6 +103,10 @@ async fn concurrent_duplicates_are_forwarded_once() {
     let (mut created, mut in_flight) = (0, 0);
     for task in tasks {
         let reply = task.await.unwrap();
+        assert!(
+            !reply.headers.contains_key("idempotency-replayed"),
+            "all overlap the first"
+        );
         match reply.status {
             StatusCode::CREATED => created += 1,
             StatusCode::CONFLICT => {
@@ -204,8 +208,14 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
 
     let soon = pay(&http, &rg, 4, "a", "crash", "{}").await;
     assert_eq!(soon.status, StatusCode::CONFLICT, "{}", soon.body);
-    // Past the longest a forward can take (the harness's 3 s deadline + 1 s), it is in doubt.
-    tokio::time::sleep(Duration::from_millis(4200)).await;
+    assert_eq!(soon.json()["error"], "in_flight");
+    // While its forward may still be running, the operator cannot forget it.
+    let early = forget(&rg, "a", "crash").await;
+    assert!(!early.status.success(), "refused while it may be in flight");
+    assert!(String::from_utf8_lossy(&early.stderr).contains("not yet in doubt"));
+    // Past the longest a forward and its record's completion can take (the harness's 3 s
+    // deadline + 1 s database timeout + 1 s), it is in doubt.
+    tokio::time::sleep(Duration::from_millis(5200)).await;
     let later = pay(&http, &rg, 4, "a", "crash", "{}").await;
     assert_eq!(later.status, StatusCode::CONFLICT);
     assert_eq!(later.json()["error"], "in_doubt", "{}", later.body);
@@ -217,20 +227,8 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     );
     assert_eq!(rail.ledger().len(), 1, "never forwarded twice");
 
-    // The operator's way out, after checking the rail.
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_railguard"))
-        .args([
-            "idempotency-forget",
-            "--account",
-            "a",
-            "--key",
-            "crash",
-            "--config",
-        ])
-        .arg(rg.config_path())
-        .output()
-        .await
-        .unwrap();
+    // The operator's way out, after checking the rail: asks the running railguard.
+    let out = forget(&rg, "a", "crash").await;
     assert!(
         out.status.success(),
         "{}",
@@ -248,6 +246,78 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
         2,
         "forwarded again only after the operator said so"
     );
+}
+
+async fn forget(rg: &Railguard, account: &str, key: &str) -> std::process::Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_railguard"))
+        .args([
+            "idempotency-forget",
+            "--account",
+            account,
+            "--key",
+            key,
+            "--config",
+        ])
+        .arg(rg.config_path())
+        .output()
+        .await
+        .unwrap()
+}
+
+/// A request whose record was made but which was superseded before its turn never reached the
+/// rail: its record is removed, so a retry of the key goes through.
+#[tokio::test]
+async fn a_superseded_request_leaves_no_record_behind() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_millis(600)).await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = Http::new();
+    let send = |token: i64, key: Option<&'static str>| {
+        let http = http.clone();
+        let url = rg.proxy_url("/payments");
+        tokio::spawn(async move {
+            let token = token.to_string();
+            let mut headers = vec![("Fencing-Token", token.as_str()), ("Fencing-Account", "a")];
+            if let Some(key) = key {
+                headers.push(("Idempotency-Key", key));
+            }
+            http.pay(&url, &headers, "{}").await
+        })
+    };
+    let first = send(42, None); // in flight at the rail
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let waiting = send(43, Some("k")); // accepted, recorded, waits for its turn
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let newer = send(44, None); // accepted: 43 is superseded before it starts
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    let superseded = waiting.await.unwrap();
+    assert_eq!(
+        superseded.status,
+        StatusCode::CONFLICT,
+        "{}",
+        superseded.body
+    );
+    assert_eq!(superseded.json()["error"], "fenced_out");
+    assert_eq!(newer.await.unwrap().status, StatusCode::CREATED);
+    // Removed in the background; the retry of the key (by the newer grant) is forwarded.
+    let mut left = 1;
+    for _ in 0..50 {
+        left = records(&pg).await;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(left, 0, "the superseded request's record was removed");
+    let retry = pay(&http, &rg, 44, "a", "k", "{}").await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    let tokens: Vec<_> = rail
+        .ledger()
+        .iter()
+        .map(|e| e.token.clone().unwrap())
+        .collect();
+    assert_eq!(tokens, ["42", "44", "44"]);
 }
 
 #[tokio::test]
@@ -279,6 +349,23 @@ async fn retention_removes_old_records() {
         }
     }
     assert!(gone, "the record was removed after its retention");
+    // A record in flight (here: left by a crashed proxy long ago) is never swept: only an
+    // operator decides about a payment in doubt.
+    pg.client()
+        .await
+        .execute(
+            "INSERT INTO idempotency_record (account_id, idempotency_key, fingerprint, token, state, owner, created_at)
+             VALUES ('a', 'doubt', 'f', 1, 'in_flight', 'o', now() - interval '1 day')",
+            &[],
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        records(&pg).await,
+        1,
+        "the in-doubt record survived the sweep"
+    );
     // After retention a repeat is a new payment: that is what retention means.
     assert_eq!(
         pay(&http, &rg, 1, "a", "old", "{}").await.status,

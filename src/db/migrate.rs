@@ -80,6 +80,10 @@ fn checksum(sql: &str) -> String {
 /// Applies every pending migration. Returns how many were applied.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, MigrateError> {
     let tx = client.transaction().await?;
+    // Migrations may take longer than a request's statement deadline, and may wait for
+    // another migrator.
+    tx.batch_execute("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = '60s'")
+        .await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
         .await?;
     tx.batch_execute(

@@ -92,10 +92,19 @@ impl Database {
 
 fn pg_config(url: &str, timeout: Duration) -> Result<tokio_postgres::Config, DatabaseError> {
     let mut config: tokio_postgres::Config = url.parse().map_err(DatabaseError::Url)?;
+    // A statement that cannot finish in time is cancelled by the server rather than committed
+    // after we stopped waiting; a peer that stops acknowledging is given up on as quickly.
+    let timeout_ms = timeout.as_millis().max(1);
     config
         .connect_timeout(timeout)
         .keepalives(true)
         .keepalives_idle(Duration::from_secs(10))
+        .keepalives_interval(Duration::from_secs(2))
+        .keepalives_retries(3)
+        .tcp_user_timeout(timeout * 2)
+        .options(format!(
+            "-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms}"
+        ))
         .application_name("railguard");
     Ok(config)
 }

@@ -16,7 +16,8 @@
 //!
 //! **Callers that gave up.** A caller whose deadline passed has dropped its reply channel. If
 //! its request was accepted and created an idempotency record, nothing will forward it, so the
-//! record is deleted again: a retry must not be refused for a request that never left.
+//! record is deleted again (by its owner id): a retry must not be refused for a request that
+//! never left.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -39,22 +40,21 @@ WITH fenced AS (
         WHERE h.highest_token <= EXCLUDED.highest_token
     RETURNING account_id
 ), recorded AS (
-    INSERT INTO idempotency_record (account_id, idempotency_key, fingerprint, token, state)
-    SELECT r.account_id, r.key, r.fingerprint, r.token, 'in_flight'
-    FROM unnest($3::text[], $4::text[], $5::text[], $6::bigint[]) AS r(account_id, key, fingerprint, token)
-    WHERE r.account_id IN (SELECT account_id FROM fenced)
-    ORDER BY r.account_id, r.key
-    ON CONFLICT (account_id, idempotency_key) DO NOTHING
+    INSERT INTO idempotency_record AS r (account_id, idempotency_key, fingerprint, token, state, owner)
+    SELECT i.account_id, i.key, i.fingerprint, i.token, 'in_flight', i.owner
+    FROM unnest($3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[])
+        AS i(account_id, key, fingerprint, token, owner)
+    WHERE i.account_id IN (SELECT account_id FROM fenced)
+    ORDER BY i.account_id, i.key
+    -- A record that exists is someone else's, unless it is ours: made by an earlier attempt
+    -- of this same statement whose answer was lost with its connection.
+    ON CONFLICT (account_id, idempotency_key) DO UPDATE SET owner = EXCLUDED.owner
+        WHERE r.owner = EXCLUDED.owner
     RETURNING account_id, idempotency_key
 )
 SELECT account_id, NULL::text FROM fenced
 UNION ALL
 SELECT account_id, idempotency_key FROM recorded";
-
-const FORGET_SQL: &str = "\
-DELETE FROM idempotency_record AS r
-USING unnest($1::text[], $2::text[]) AS g(account_id, key)
-WHERE r.account_id = g.account_id AND r.idempotency_key = g.key AND r.state = 'in_flight'";
 
 /// One request waiting for its verdict.
 pub(super) struct Pending {
@@ -70,7 +70,7 @@ pub(super) async fn run(
     timeout: Duration,
     batching: Batching,
     sizes: Histogram,
-    mut queue: mpsc::UnboundedReceiver<Pending>,
+    mut queue: mpsc::Receiver<Pending>,
 ) {
     let slots = Arc::new(Semaphore::new(batching.concurrency.max(1)));
     let mut waiting: VecDeque<Pending> = VecDeque::new();
@@ -142,60 +142,58 @@ async fn execute(pool: &Pool, timeout: Duration, batch: Vec<Pending>) {
     let mut accounts: Vec<&str> = Vec::new();
     let mut tokens: Vec<i64> = Vec::new();
     let mut seen = HashSet::new();
-    let (mut r_accounts, mut r_keys, mut r_prints, mut r_tokens) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut records = RecordColumns::default();
     for p in &batch {
         if seen.insert(p.account.as_str()) {
             accounts.push(p.account.as_str());
             tokens.push(p.token.get());
         }
         if let Some(record) = &p.record {
-            r_accounts.push(p.account.as_str());
-            r_keys.push(record.key.as_str());
-            r_prints.push(record.fingerprint.as_str());
-            r_tokens.push(p.token.get());
+            records.accounts.push(p.account.as_str());
+            records.keys.push(record.key.as_str());
+            records.fingerprints.push(record.fingerprint.as_str());
+            records.tokens.push(p.token.get());
+            records.owners.push(record.owner.as_str());
         }
     }
-    let run = async {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let result = async {
-                let client = pool
-                    .get()
-                    .await
-                    .map_err(|e| StoreError::Pool(e.to_string()))?;
-                let statement = client.prepare_cached(BATCH_SQL).await?;
-                let rows = client
-                    .query(
-                        &statement,
-                        &[
-                            &accounts,
-                            &tokens,
-                            &r_accounts,
-                            &r_keys,
-                            &r_prints,
-                            &r_tokens,
-                        ],
-                    )
-                    .await?;
-                Ok::<_, StoreError>(rows)
-            }
-            .await;
-            match result {
-                // A connection closed under us (the server restarted): one retry on a fresh
-                // one. Safe: advancing to the same token twice is advancing once, and a record
-                // made by the first attempt makes the second see "already recorded", which the
-                // caller reads as a duplicate — never as a second forward.
-                Err(StoreError::ConnectionClosed(_)) if attempt == 1 => continue,
-                other => break other,
-            }
+    // No client-side timeout: the server cancels a statement at `statement_timeout`, and the
+    // connection gives up on a silent peer at `tcp_user_timeout` (see `db::pg_config`). So a
+    // statement either commits and its verdicts are handed out here, or fails with nothing
+    // committed — it never commits after we stopped listening.
+    let mut attempt = 0;
+    let rows = loop {
+        attempt += 1;
+        let result = async {
+            let client = pool
+                .get()
+                .await
+                .map_err(|e| StoreError::Pool(e.to_string()))?;
+            let statement = client.prepare_cached(BATCH_SQL).await?;
+            let rows = client
+                .query(
+                    &statement,
+                    &[
+                        &accounts,
+                        &tokens,
+                        &records.accounts,
+                        &records.keys,
+                        &records.fingerprints,
+                        &records.tokens,
+                        &records.owners,
+                    ],
+                )
+                .await?;
+            Ok::<_, StoreError>(rows)
         }
-    };
-    let rows = match tokio::time::timeout(timeout, run).await {
-        Ok(Ok(rows)) => rows,
-        Ok(Err(e)) => return fail(batch, e),
-        Err(_) => return fail(batch, StoreError::Timeout(timeout)),
+        .await;
+        match result {
+            // A connection closed under us (the server restarted): one retry on a fresh one.
+            // Safe: advancing to the same token twice is advancing once, and a record made by
+            // the first attempt is recognised by its owner id.
+            Err(StoreError::ConnectionClosed(_)) if attempt == 1 => continue,
+            Err(e) => return fail(batch, e),
+            Ok(rows) => break rows,
+        }
     };
     let mut fenced: HashSet<String> = HashSet::new();
     let mut recorded: HashSet<(String, String)> = HashSet::new();
@@ -210,7 +208,7 @@ async fn execute(pool: &Pool, timeout: Duration, batch: Vec<Pending>) {
             }
         }
     }
-    let mut orphans: Vec<(String, String)> = Vec::new();
+    let mut orphans: Vec<String> = Vec::new();
     for pending in batch {
         let verdict = if fenced.contains(pending.account.as_str()) {
             let made = pending.record.as_ref().is_some_and(|r| {
@@ -223,28 +221,31 @@ async fn execute(pool: &Pool, timeout: Duration, batch: Vec<Pending>) {
         deliver(pending, Ok(verdict), &mut orphans);
     }
     if !orphans.is_empty() {
-        forget(pool, &orphans).await;
+        forget_records(pool.clone(), orphans, timeout);
     }
 }
 
+/// The idempotency records of one batch, column by column.
+#[derive(Default)]
+struct RecordColumns<'a> {
+    accounts: Vec<&'a str>,
+    keys: Vec<&'a str>,
+    fingerprints: Vec<&'a str>,
+    tokens: Vec<i64>,
+    owners: Vec<&'a str>,
+}
+
 /// Sends a verdict. If the caller is gone and the request created a record, that record is
-/// an orphan: remember it for deletion.
-fn deliver(
-    pending: Pending,
-    verdict: Result<Verdict, StoreError>,
-    orphans: &mut Vec<(String, String)>,
-) {
-    let record = match (&verdict, &pending.record) {
-        (Ok(Verdict::Accepted { recorded: true }), Some(r)) => {
-            Some((pending.account.as_str().to_string(), r.key.clone()))
-        }
+/// an orphan: remember its owner for deletion.
+fn deliver(pending: Pending, verdict: Result<Verdict, StoreError>, orphans: &mut Vec<String>) {
+    let owner = match (&verdict, &pending.record) {
+        (Ok(Verdict::Accepted { recorded: true }), Some(r)) => Some(r.owner.clone()),
         _ => None,
     };
     if pending.reply.send(verdict).is_err()
-        && let Some(key) = record
-        && !orphans.contains(&key)
+        && let Some(owner) = owner
     {
-        orphans.push(key);
+        orphans.push(owner);
     }
 }
 
@@ -255,29 +256,36 @@ fn fail(batch: Vec<Pending>, error: StoreError) {
     }
 }
 
-async fn forget(pool: &Pool, orphans: &[(String, String)]) {
-    let (accounts, keys): (Vec<&str>, Vec<&str>) = orphans
-        .iter()
-        .map(|(a, k)| (a.as_str(), k.as_str()))
-        .unzip();
-    let result = async {
-        let client = pool
-            .get()
-            .await
-            .map_err(|e| StoreError::Pool(e.to_string()))?;
-        client.execute(FORGET_SQL, &[&accounts, &keys]).await?;
-        Ok::<_, StoreError>(())
-    }
-    .await;
-    match result {
-        Ok(()) => tracing::info!(
-            records = orphans.len(),
-            "removed idempotency records of requests whose callers gave up before forwarding"
-        ),
-        Err(e) => {
-            tracing::warn!(error = %e, "could not remove orphaned idempotency records; retries will see them in doubt")
+/// Removes, in the background and within `timeout`, the in-flight records of `owners`:
+/// requests known never to have reached the rail.
+pub(crate) fn forget_records(pool: Pool, owners: Vec<String>, timeout: Duration) {
+    tokio::spawn(async move {
+        let work = async {
+            let client = pool
+                .get()
+                .await
+                .map_err(|e| StoreError::Pool(e.to_string()))?;
+            let n = client
+                .execute(
+                    "DELETE FROM idempotency_record WHERE owner = ANY($1) AND state = 'in_flight'",
+                    &[&owners],
+                )
+                .await?;
+            Ok::<_, StoreError>(n)
+        };
+        match tokio::time::timeout(timeout, work).await {
+            Ok(Ok(n)) => tracing::info!(
+                records = n,
+                "removed idempotency records of requests that never reached the rail"
+            ),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not remove idempotency records of unsent requests; retries will find them in doubt")
+            }
+            Err(_) => tracing::warn!(
+                "removing idempotency records of unsent requests timed out; retries will find them in doubt"
+            ),
         }
-    }
+    });
 }
 
 #[cfg(test)]
@@ -293,6 +301,7 @@ mod tests {
         let record = key.map(|k| NewRecord {
             key: k.into(),
             fingerprint: "f".into(),
+            owner: "o".into(),
         });
         let p = Pending {
             account: AccountId::parse(account, 64).unwrap(),

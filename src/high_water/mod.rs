@@ -17,6 +17,8 @@
 
 mod batch;
 
+pub(crate) use batch::forget_records;
+
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
@@ -38,6 +40,8 @@ ON CONFLICT (account_id) DO UPDATE
 pub struct NewRecord {
     pub key: String,
     pub fingerprint: String,
+    /// The request's own random id: see `idempotency_record.owner`.
+    pub owner: String,
 }
 
 /// What the compare-and-set decided.
@@ -64,6 +68,8 @@ pub enum StoreError {
     ConnectionClosed(String),
     #[error("the fence store is shutting down")]
     Closed,
+    #[error("too many fence checks are waiting for the database")]
+    Overloaded,
 }
 
 impl From<tokio_postgres::Error> for StoreError {
@@ -77,6 +83,10 @@ impl From<tokio_postgres::Error> for StoreError {
         }
     }
 }
+
+/// Fence checks that may wait for a statement; past it, new ones get 503 at once instead of
+/// queueing behind a database that is not keeping up.
+const QUEUE_LIMIT: usize = 16_384;
 
 /// How compare-and-sets are grouped.
 #[derive(Debug, Clone)]
@@ -101,13 +111,13 @@ impl Default for Batching {
 pub struct HighWaterStore {
     pool: Pool,
     timeout: Duration,
-    requests: mpsc::UnboundedSender<batch::Pending>,
+    requests: mpsc::Sender<batch::Pending>,
 }
 
 impl HighWaterStore {
     /// Starts the batcher; it stops when the last clone of the store is dropped.
     pub fn new(pool: Pool, timeout: Duration, batching: Batching, batch_sizes: Histogram) -> Self {
-        let (requests, queue) = mpsc::unbounded_channel();
+        let (requests, queue) = mpsc::channel(QUEUE_LIMIT);
         tokio::spawn(batch::run(
             pool.clone(),
             timeout,
@@ -141,15 +151,27 @@ impl HighWaterStore {
             record,
             reply,
         };
-        self.requests
-            .send(pending)
-            .map_err(|_| StoreError::Closed)?;
-        match tokio::time::timeout(self.timeout, verdict).await {
+        self.requests.try_send(pending).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => StoreError::Overloaded,
+            mpsc::error::TrySendError::Closed(_) => StoreError::Closed,
+        })?;
+        let mut verdict = std::pin::pin!(verdict);
+        match tokio::time::timeout(self.timeout, &mut verdict).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(StoreError::Closed),
-            // Dropping the receiver tells the batch we are gone (see `batch::deliver`).
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+            // A verdict that arrived just as we gave up is still the verdict; otherwise dropping
+            // the receiver tells the batch we are gone (see `batch::deliver`).
+            Err(_) => match verdict.try_recv() {
+                Ok(result) => result,
+                Err(_) => Err(StoreError::Timeout(self.timeout)),
+            },
         }
+    }
+
+    /// Removes, in the background, the in-flight idempotency records created by requests that
+    /// are known never to have reached the rail (by the records' owner ids).
+    pub fn forget_unsent(&self, owners: Vec<String>) {
+        batch::forget_records(self.pool.clone(), owners, self.timeout);
     }
 
     /// Whether PostgreSQL answers and the schema is the one this binary expects.

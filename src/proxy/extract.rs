@@ -177,6 +177,7 @@ where
                 let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
                 IdempotencyKey {
                     key,
+                    owner: crate::idempotency::new_owner(),
                     fingerprint: crate::idempotency::fingerprint(
                         parts.method.as_str(),
                         target,

@@ -143,12 +143,13 @@ where
 
 async fn enforce<S>(
     fence: Arc<Fence>,
-    mut inner: S,
+    inner: S,
     mut request: FencedRequest,
     span: tracing::Span,
 ) -> Result<ProxyResponse, BoxError>
 where
-    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
+    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError> + Send + 'static,
+    S::Future: Send,
 {
     let (token, account) = (request.token, request.account.clone());
     let started = Instant::now();
@@ -162,7 +163,7 @@ where
 
     // Take our place before the compare-and-set, so that a higher token committed after ours
     // cannot lose track of us (see `ordering`).
-    let mut ticket = fence.order.enter(&account);
+    let ticket = fence.order.enter(&account);
     let verdict = fence
         .store
         .advance(&account, token, new_record(&request))
@@ -183,28 +184,72 @@ where
             if let Some(key) = request.idempotency.as_mut() {
                 key.recorded = recorded;
             }
-            let deadline = request.deadline;
-            match tokio::time::timeout_at(deadline, ticket.admit(token)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_superseded)) => {
-                    fence.cache.raise_past(&account, token);
-                    return Err(fence.fenced_out(
-                        account,
-                        token,
-                        "a higher token was admitted meanwhile",
-                    ));
-                }
-                Err(_) => {
-                    return Err(super::forward::UpstreamTimeout::waiting_for_turn().into());
+            // From here a request that created an idempotency record must end with that
+            // record either forwarded or removed, even if its client goes away: it runs in a
+            // task of its own, which a dropped connection does not cancel.
+            let owner = request
+                .idempotency
+                .as_ref()
+                .filter(|k| k.recorded)
+                .map(|k| k.owner.clone());
+            let proceed = admit_and_forward(fence.clone(), inner, request, ticket, account, token);
+            match owner {
+                None => proceed.await,
+                Some(owner) => {
+                    let store = fence.store.clone();
+                    let task = tokio::spawn(async move {
+                        let result = proceed.await;
+                        if let Err(e) = &result
+                            && e.downcast_ref::<NotSent>().is_some()
+                        {
+                            store.forget_unsent(vec![owner]);
+                        }
+                        result
+                    });
+                    task.await.unwrap_or_else(|e| Err(e.into()))
                 }
             }
-            // The ticket is held until the rail has answered: only then may a higher token
-            // for this account start its forward.
-            let response = inner.call(request).await;
-            drop(ticket);
-            response
+            .map_err(|e| match e.downcast::<NotSent>() {
+                Ok(not_sent) => not_sent.0,
+                Err(e) => e,
+            })
         }
     }
+}
+
+/// An error of a request that never left for the rail (its record may be removed).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct NotSent(BoxError);
+
+async fn admit_and_forward<S>(
+    fence: Arc<Fence>,
+    mut inner: S,
+    request: FencedRequest,
+    mut ticket: super::ordering::Ticket,
+    account: AccountId,
+    token: FencingToken,
+) -> Result<ProxyResponse, BoxError>
+where
+    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
+{
+    match tokio::time::timeout_at(request.deadline, ticket.admit(token)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_superseded)) => {
+            fence.cache.raise_past(&account, token);
+            let error = fence.fenced_out(account, token, "a higher token was admitted meanwhile");
+            return Err(NotSent(error).into());
+        }
+        Err(_) => {
+            let error: BoxError = super::forward::UpstreamTimeout::waiting_for_turn().into();
+            return Err(NotSent(error).into());
+        }
+    }
+    // The ticket is held until the rail has answered: only then may a higher token for this
+    // account start its forward.
+    let response = inner.call(request).await;
+    drop(ticket);
+    response
 }
 
 async fn observe_only<S>(
@@ -255,5 +300,6 @@ fn new_record(request: &FencedRequest) -> Option<NewRecord> {
     request.idempotency.as_ref().map(|k| NewRecord {
         key: k.key.clone(),
         fingerprint: k.fingerprint.clone(),
+        owner: k.owner.clone(),
     })
 }

@@ -25,7 +25,7 @@ use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Frame;
 use tower::{Layer, Service};
 
-use super::forward::{Sent, UpstreamUnavailable};
+use super::forward::{Sent, UpstreamTimeout, UpstreamUnavailable};
 use super::{BoxError, FencedRequest, ProxyBody, ProxyResponse, full};
 use crate::high_water::StoreError;
 use crate::idempotency::{IdempotencyStore, RecordState, StoredResponse};
@@ -116,6 +116,7 @@ where
                 return inner.call(request).await;
             };
             let account = request.account.clone();
+            let deadline = request.deadline;
             if !key.recorded {
                 return repeat(&store, &config, &request, &key.fingerprint, &key.key).await;
             }
@@ -125,14 +126,22 @@ where
                     let never_sent = error
                         .downcast_ref::<UpstreamUnavailable>()
                         .is_some_and(|e| e.1 == Sent::Never);
-                    if never_sent && let Err(e) = store.forget(&account, &key.key).await {
-                        tracing::warn!(error = %e, "could not remove the record of a request that never reached the rail");
+                    if never_sent {
+                        store.forget_unsent(vec![key.owner.clone()]);
                     }
                     return Err(error);
                 }
             };
-            let (response, stored) = capture(response, config.max_response_bytes).await?;
-            if let Err(e) = store.complete(&account, &key.key, &stored).await {
+            // The rail has answered; its body must arrive within the deadline too, or the record
+            // stays in flight (the rail may have acted) and becomes in doubt.
+            let (response, stored) =
+                tokio::time::timeout_at(deadline, capture(response, config.max_response_bytes))
+                    .await
+                    .map_err(|_| -> BoxError { UpstreamTimeout::no_answer().into() })??;
+            if let Err(e) = store
+                .complete(&account, &key.key, &key.owner, &stored)
+                .await
+            {
                 // The rail acted; the client must hear about it. A repeat will find the record
                 // in flight, and later in doubt, and will not be forwarded.
                 tracing::error!(error = %e, account = %account, "could not store the rail's response for replay");

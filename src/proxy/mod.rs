@@ -60,6 +60,8 @@ pub struct IdempotencyKey {
     pub key: String,
     /// Of method, path and query, and body: see `crate::idempotency::fingerprint`.
     pub fingerprint: String,
+    /// This request's own random id, stored with the record it creates.
+    pub owner: String,
     /// Set by the fence: this request's compare-and-set created the record, so it is the
     /// first with this key and may be forwarded.
     pub recorded: bool,
