@@ -486,6 +486,12 @@ impl Config {
                 ),
             ));
         }
+        if !(10..=86_400_000).contains(&self.lock.max_ttl_ms) {
+            return Err((
+                "lock.max_ttl_ms",
+                "must be between 10 ms and one day".into(),
+            ));
+        }
         if self.lock.backend == "etcd" {
             if self.etcd.endpoints.is_empty() {
                 return Err(("etcd.endpoints", "needs at least one endpoint".into()));
@@ -523,8 +529,15 @@ impl Config {
                     "timeouts must be greater than zero".into(),
                 ));
             }
-            if !self.etcd.key_prefix.starts_with('/') {
-                return Err(("etcd.key_prefix", "must start with /".into()));
+            if !self.etcd.key_prefix.starts_with('/') || !self.etcd.key_prefix.ends_with('/') {
+                return Err(("etcd.key_prefix", "must start and end with /".into()));
+            }
+            let tls = !self.etcd.tls_ca_file.is_empty() || !self.etcd.tls_cert_file.is_empty();
+            if tls && self.etcd.endpoints.iter().any(|e| e.starts_with("http://")) {
+                return Err((
+                    "etcd.endpoints",
+                    "TLS files are set: every endpoint must be https://".into(),
+                ));
             }
         }
         let listeners = [

@@ -145,7 +145,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         tls_key_file: config.etcd.tls_key_file.clone(),
     };
     let backend = match backend_name {
-        "etcd" => AnyBackend::Etcd(Box::new(EtcdLocks::new(etcd_settings.clone()))),
+        "etcd" => AnyBackend::Etcd(Box::new(EtcdLocks::new(
+            etcd_settings.clone(),
+            Some(lock_metrics.clone()),
+        ))),
         _ => AnyBackend::Postgres(PgLocks::new(
             database.pool.clone(),
             config.database_timeout(),
@@ -172,7 +175,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let wake_all = move || queues.wake_all();
     let listener_task = match backend_name {
         "etcd" => tokio::spawn(async move {
-            EtcdLocks::new(etcd_settings)
+            EtcdLocks::new(etcd_settings, None)
                 .watch_releases(wake, wake_all)
                 .await;
         }),

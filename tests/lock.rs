@@ -111,6 +111,13 @@ impl LockWorld {
         }
     }
 
+    async fn start_backend(&mut self) {
+        match self.backend {
+            Backend::Postgres => self.pg.server.start().await.expect("postgres starts"),
+            Backend::Etcd => self.etcd.as_mut().unwrap().start(0).await,
+        }
+    }
+
     async fn stop_backend(&mut self) {
         match self.backend {
             Backend::Postgres => self.pg.server.kill().await,
@@ -188,7 +195,10 @@ struct Held {
 
 async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
     let http = Http::new();
-    let url = w.rg.lock_url();
+    // Two railguards on one backend, so that acquires really race in the backend and not only
+    // in one process's queue.
+    let other = w.another_railguard(&[]).await;
+    let urls = [w.rg.lock_url(), other.lock_url()];
     let mut tasks = Vec::new();
     // Some grants are released, some are left to expire: both must end before the next grant
     // begins. etcd leases are whole seconds, so there fewer are left to expire.
@@ -199,7 +209,7 @@ async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
     };
     for worker in 0..32 {
         let http = http.clone();
-        let url = url.clone();
+        let url = urls[worker % 2].clone();
         tasks.push(tokio::spawn(async move {
             let mut history = Vec::new();
             for round in 0..rounds {
@@ -208,19 +218,32 @@ async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
                     Backend::Etcd => (worker % 16 == 0 && round == 0, 1000),
                 };
                 let ttl_ms = if expire { short_ms } else { 5_000 };
-                let body =
-                    format!("{{\"holder\":\"w{worker}\",\"ttl_ms\":{ttl_ms},\"wait_ms\":20000}}");
-                let reply = post(&http, &format!("{url}/v1/locks/inv06/acquire"), &body).await;
+                // Half the workers poll without waiting, so attempts collide in the backend.
+                let wait_ms = if worker % 4 == 0 { 0 } else { 20_000 };
+                let body = format!(
+                    "{{\"holder\":\"w{worker}\",\"ttl_ms\":{ttl_ms},\"wait_ms\":{wait_ms}}}"
+                );
+                let reply = loop {
+                    let reply = post(&http, &format!("{url}/v1/locks/inv06/acquire"), &body).await;
+                    if reply.status == StatusCode::CONFLICT && wait_ms == 0 {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        continue;
+                    }
+                    break reply;
+                };
                 assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
                 let grant = reply.json();
                 let token = grant["token"].as_i64().unwrap();
                 let granted_us = grant["granted_at_us"].as_i64().unwrap();
                 let expires_us = grant["expires_at_us"].as_i64().unwrap();
                 if expire {
-                    history.push(Held {
-                        token,
-                        granted_us,
-                        ended_us: expires_us,
+                    history.push(Ended {
+                        held: Held {
+                            token,
+                            granted_us,
+                            ended_us: expires_us,
+                        },
+                        revision: None,
                     });
                     continue;
                 }
@@ -232,11 +255,16 @@ async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
                 )
                 .await;
                 assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
-                let ended_us = reply.json()["released_at_us"].as_i64().unwrap();
-                history.push(Held {
-                    token,
-                    granted_us,
-                    ended_us,
+                let released = reply.json();
+                let ended_us = released["released_at_us"].as_i64().unwrap();
+                let revision = released["released_revision"].as_i64();
+                history.push(Ended {
+                    held: Held {
+                        token,
+                        granted_us,
+                        ended_us,
+                    },
+                    revision,
                 });
             }
             history
@@ -247,20 +275,38 @@ async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
         history.extend(task.await.unwrap());
     }
     assert_eq!(history.len(), 32 * rounds);
-    history.sort_by_key(|h| h.granted_us);
+    history.sort_by_key(|e| e.held.token);
     for pair in history.windows(2) {
         let (a, b) = (pair[0], pair[1]);
-        assert!(
-            b.granted_us >= a.ended_us,
-            "grants overlap in the backend's time: {a:?} then {b:?}"
-        );
-        assert!(
-            b.token > a.token,
-            "tokens follow grant order: {a:?} then {b:?}"
-        );
+        match backend {
+            // One clock, the database's: each grant starts after the previous one ended.
+            Backend::Postgres => {
+                assert!(
+                    b.held.granted_us >= a.held.ended_us,
+                    "grants overlap in the database's time: {a:?} then {b:?}"
+                );
+            }
+            // etcd's order is its revisions: a grant ended by a release at revision r is
+            // followed only by grants whose token (their put's revision) is above r.
+            Backend::Etcd => {
+                if let Some(r) = a.revision {
+                    assert!(
+                        b.held.token > r,
+                        "a grant began before the previous release: {a:?} then {b:?}"
+                    );
+                }
+            }
+        }
     }
-    let tokens: BTreeSet<i64> = history.iter().map(|h| h.token).collect();
+    let tokens: BTreeSet<i64> = history.iter().map(|e| e.held.token).collect();
     assert_eq!(tokens.len(), history.len(), "every grant has its own token");
+}
+
+/// A grant's life and, for etcd, the revision of the release that ended it.
+#[derive(Debug, Clone, Copy)]
+struct Ended {
+    held: Held,
+    revision: Option<i64>,
 }
 
 async fn post(http: &Http, url: &str, body: &str) -> support::Reply {
@@ -766,6 +812,43 @@ async fn grants_fence_the_rail_through_the_sdk(w: LockWorld) {
     assert_eq!(w.rg.metrics().await.get("lock_fenced_out_total"), 1.0);
 }
 
+async fn backend_down_means_503_and_no_token(mut w: LockWorld) {
+    let lock = w.client();
+    let held = lock.acquire("down", "w", TTL, NOW).await.unwrap();
+    w.stop_backend().await;
+    let http = Http::new();
+    let url = w.rg.lock_url();
+    for (path, body) in [
+        ("acquire", "{\"holder\":\"w2\",\"ttl_ms\":5000}".to_string()),
+        ("renew", format!("{{\"token\":{}}}", held.token().get())),
+        ("release", format!("{{\"token\":{}}}", held.token().get())),
+    ] {
+        let reply = post(&http, &format!("{url}/v1/locks/down/{path}"), &body).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{path}: {}",
+            reply.body
+        );
+        assert_eq!(reply.headers.get("retry-after").unwrap(), "1");
+        assert_eq!(reply.json()["error"], "unavailable");
+        assert!(
+            reply.json().get("token").is_none(),
+            "no token invented: {}",
+            reply.body
+        );
+    }
+    // Back: the next token is larger than any before the outage.
+    w.start_backend().await;
+    let next = retry_acquire(&lock, "down-after", TTL).await;
+    assert!(
+        next.token() > held.token(),
+        "{} after {}",
+        next.token(),
+        held.token()
+    );
+}
+
 macro_rules! suite {
     ($module:ident, $backend:expr) => {
         mod $module {
@@ -842,6 +925,10 @@ macro_rules! suite {
             #[tokio::test]
             async fn auto_renew_and_revocation() {
                 auto_renew_reports_revocation(world().await).await
+            }
+            #[tokio::test]
+            async fn backend_down() {
+                backend_down_means_503_and_no_token(world().await).await
             }
             #[tokio::test]
             async fn t042_through_the_sdk() {
@@ -973,7 +1060,7 @@ async fn etcd_takeover_in_place_keeps_create_revision_while_the_token_grows() {
     assert!(second.token() > first.token());
 }
 
-/// Three members; the leader is stopped while several clients acquire and release. Grants
+/// Three members; the leader is killed while several clients acquire and release. Grants
 /// never overlap, every token is larger than the last, and grants resume under the new leader.
 #[tokio::test]
 async fn etcd_leader_loss_during_a_stream_of_acquires() {
@@ -985,76 +1072,70 @@ async fn etcd_leader_loss_during_a_stream_of_acquires() {
     for worker in 0..4 {
         let (http, url, stop) = (Http::new(), url.clone(), stop.clone());
         workers.push(tokio::spawn(async move {
-            let mut history = Vec::new();
-            let mut unavailable = 0;
+            // (when the grant's answer arrived, token, revision of its release if known)
+            let mut history: Vec<(Instant, i64, Option<i64>)> = Vec::new();
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let body = format!("{{\"holder\":\"w{worker}\",\"ttl_ms\":5000,\"wait_ms\":3000}}");
+                let body = format!("{{\"holder\":\"w{worker}\",\"ttl_ms\":1000,\"wait_ms\":3000}}");
                 let reply = post(&http, &format!("{url}/v1/locks/leader/acquire"), &body).await;
                 match reply.status {
                     StatusCode::OK => {}
+                    // No leader yet (503), or the key stayed held for the whole wait (409).
                     StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT => {
-                        unavailable += 1;
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
                     other => panic!("unexpected {other}: {}", reply.body),
                 }
-                let grant = reply.json();
-                let token = grant["token"].as_i64().unwrap();
-                let granted_us = grant["granted_at_us"].as_i64().unwrap();
+                let at = Instant::now();
+                let token = reply.json()["token"].as_i64().unwrap();
                 let reply = post(
                     &http,
                     &format!("{url}/v1/locks/leader/release"),
                     &format!("{{\"token\":{token}}}"),
                 )
                 .await;
-                let ended_us = match reply.status {
-                    StatusCode::OK => reply.json()["released_at_us"].as_i64().unwrap(),
-                    // The release's answer was lost in the election: the grant ends at its
-                    // lease's expiry at the latest.
-                    _ => grant["expires_at_us"].as_i64().unwrap(),
-                };
-                history.push((
-                    Held {
-                        token,
-                        granted_us,
-                        ended_us,
-                    },
-                    Instant::now(),
-                ));
+                // A release whose answer was lost in the election ends the grant at some
+                // unknown revision (or at its lease's expiry).
+                let revision = (reply.status == StatusCode::OK)
+                    .then(|| reply.json()["released_revision"].as_i64().unwrap());
+                history.push((at, token, revision));
             }
-            (history, unavailable)
+            history
         }));
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let leader = w.etcd().leader().await;
-    let stopped_at = Instant::now();
-    w.etcd.as_mut().unwrap().stop(leader).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    let killed_at = Instant::now();
+    w.etcd.as_mut().unwrap().kill(leader).await;
+    // A grant whose release was lost with the leader holds the key until its lease runs out
+    // (1 s, which etcd refreshes once on the leader change): give it a few seconds.
+    tokio::time::sleep(Duration::from_secs(6)).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut history = Vec::new();
     for worker in workers {
-        let (h, _) = worker.await.unwrap();
-        history.extend(h);
+        history.extend(worker.await.unwrap());
     }
     assert!(
-        history.iter().any(|(_, at)| *at < stopped_at),
-        "grants before the leader stopped"
+        history.iter().any(|(at, _, _)| *at < killed_at),
+        "grants before the leader died"
     );
     assert!(
         history
             .iter()
-            .any(|(_, at)| *at > stopped_at + Duration::from_secs(1)),
+            .any(|(at, _, _)| *at > killed_at + Duration::from_secs(1)),
         "and after a new leader"
     );
-    let mut grants: Vec<Held> = history.into_iter().map(|(h, _)| h).collect();
-    grants.sort_by_key(|h| h.token);
-    for pair in grants.windows(2) {
-        let (a, b) = (pair[0], pair[1]);
-        assert!(b.token > a.token, "every token is larger than the last");
-        assert!(
-            b.granted_us >= a.ended_us,
-            "grants overlap: {a:?} then {b:?}"
-        );
+    // Grants are sequential, so the order in which their answers arrived is the grant order:
+    // tokens must increase along it, and each grant must begin after the previous release.
+    history.sort_by_key(|(at, _, _)| *at);
+    for pair in history.windows(2) {
+        let ((_, a, released), (_, b, _)) = (pair[0], pair[1]);
+        assert!(b > a, "token {b} granted after token {a}");
+        if let Some(r) = released {
+            assert!(
+                b > r,
+                "token {b} granted before the release (revision {r}) of {a}"
+            );
+        }
     }
 }

@@ -181,15 +181,16 @@ impl<B: LockBackend> LockApi<B> {
             }
             (Some("release"), Method::POST) => {
                 let token = read_token(request).await?;
-                let released_at_us = self.service.release(&key, token).await?;
-                Ok(json(
-                    StatusCode::OK,
-                    &serde_json::json!({
-                        "key": key.as_str(),
-                        "released": true,
-                        "released_at_us": released_at_us,
-                    }),
-                ))
+                let released = self.service.release(&key, token).await?;
+                let mut body = serde_json::json!({
+                    "key": key.as_str(),
+                    "released": true,
+                    "released_at_us": released.at_us,
+                });
+                if let Some(revision) = released.revision {
+                    body["released_revision"] = revision.into();
+                }
+                Ok(json(StatusCode::OK, &body))
             }
             (None | Some("acquire" | "renew" | "release"), _) => Err(ApiError::MethodNotAllowed),
             _ => Err(ApiError::NotFound),
@@ -251,7 +252,7 @@ async fn read_json<T: serde::de::DeserializeOwned>(
         })?
         .to_bytes();
     let mut deserializer = serde_json::Deserializer::from_slice(&body);
-    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
         let path = e.path().to_string();
         let field = if path == "." {
             String::new()
@@ -259,7 +260,11 @@ async fn read_json<T: serde::de::DeserializeOwned>(
             format!(" at `{path}`")
         };
         ApiError::BadRequest(format!("invalid JSON body{field}: {}", e.inner()))
-    })
+    })?;
+    deserializer
+        .end()
+        .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: trailing data: {e}")))?;
+    Ok(value)
 }
 
 async fn read_token(request: Request<Incoming>) -> Result<FencingToken, ApiError> {

@@ -32,8 +32,10 @@ use etcd_client::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
 
-use super::{Attempt, Grant, Inspection, LockBackend, LockError, LockKey, Renewed};
+use super::service::LockMetrics;
+use super::{Attempt, Grant, Inspection, LockBackend, LockError, LockKey, Released, Renewed};
 use crate::token::FencingToken;
+use std::sync::Arc;
 
 /// How to reach etcd.
 #[derive(Debug, Clone)]
@@ -60,6 +62,34 @@ struct Entry {
 pub struct EtcdLocks {
     settings: EtcdSettings,
     client: OnceCell<Client>,
+    metrics: Option<Arc<LockMetrics>>,
+}
+
+/// Revokes a lease granted for an attempt unless the attempt returned it as a grant: a lease
+/// whose grant nobody received (an error, a timeout, a dropped request) must not hold the key
+/// until it expires. Revoking also deletes the key if the lost grant had been put.
+struct LeaseGuard {
+    client: Client,
+    lease: Option<i64>,
+}
+
+impl LeaseGuard {
+    fn keep(mut self) {
+        self.lease = None;
+    }
+}
+
+impl Drop for LeaseGuard {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            let mut client = self.client.clone();
+            tokio::spawn(async move {
+                if let Err(e) = client.lease_revoke(lease).await {
+                    tracing::debug!(error = %e, lease, "could not revoke an unused lease; it will expire");
+                }
+            });
+        }
+    }
 }
 
 fn unavailable(e: impl std::fmt::Display) -> LockError {
@@ -75,11 +105,21 @@ fn now_us() -> i64 {
 
 impl EtcdLocks {
     /// Connects lazily: railguard starts while etcd is down, and answers 503 until it is back.
-    pub fn new(settings: EtcdSettings) -> Self {
+    pub fn new(settings: EtcdSettings, metrics: Option<Arc<LockMetrics>>) -> Self {
         Self {
             settings,
             client: OnceCell::new(),
+            metrics,
         }
+    }
+
+    /// A renewal or release found its grant gone: count it as an expiry noticed (etcd deletes
+    /// expired keys itself, so this is where an expiry under a live holder shows).
+    fn lost_noticed(&self) -> LockError {
+        if let Some(metrics) = &self.metrics {
+            metrics.expiries.inc();
+        }
+        LockError::Lost
     }
 
     fn options(&self) -> Result<ConnectOptions, LockError> {
@@ -184,8 +224,18 @@ impl EtcdLocks {
                     .await
                 {
                     backoff = Duration::from_millis(100);
-                    on_reconnect();
                     while let Ok(Some(response)) = stream.message().await {
+                        if response.created() {
+                            // Watching from here on: releases before this may have been missed.
+                            on_reconnect();
+                        }
+                        if response.canceled() {
+                            tracing::warn!(
+                                reason = response.cancel_reason(),
+                                "etcd cancelled the release watch; re-watching"
+                            );
+                            break;
+                        }
                         for event in response.events() {
                             if event.event_type() == EventType::Delete
                                 && let Some(kv) = event.kv()
@@ -223,6 +273,7 @@ impl LockBackend for EtcdLocks {
             let ttl_secs = ttl.as_millis().div_ceil(1000).max(1) as i64;
             let before_lease_us = now_us();
             let lease = client.lease_grant(ttl_secs, None).await.map_err(unavailable)?;
+            let guard = LeaseGuard { client: client.clone(), lease: Some(lease.id()) };
             let granted_ttl = Duration::from_secs(lease.ttl().max(1) as u64);
             let value = serde_json::to_string(&Entry {
                 holder: holder.to_string(),
@@ -252,7 +303,9 @@ impl LockBackend for EtcdLocks {
             };
             if response.succeeded() {
                 let revision = response.header().map(|h| h.revision()).ok_or_else(|| unavailable("no header"))?;
-                return grant(revision, false);
+                let granted = grant(revision, false)?;
+                guard.keep();
+                return Ok(granted);
             }
             let current = response.op_responses().into_iter().find_map(|op| match op {
                 TxnOpResponse::Get(get) => get.kvs().first().map(|kv| (kv.mod_revision(), kv.lease())),
@@ -271,15 +324,17 @@ impl LockBackend for EtcdLocks {
                         match (response.succeeded(), response.header()) {
                             (true, Some(header)) => {
                                 tracing::warn!(lock.key = %key, "took over an entry whose lease no longer exists");
-                                return grant(header.revision(), true);
+                                let granted = grant(header.revision(), true)?;
+                                guard.keep();
+                                return Ok(granted);
                             }
                             _ => Ok(Attempt::Held { retry_in: Some(Duration::ZERO) }),
                         }
                     }
                 },
             };
-            // Not granted: the new lease holds nothing; give it back.
-            let _ = client.lease_revoke(lease.id()).await;
+            // Not granted: the guard gives the new lease back.
+            drop(guard);
             outcome
         })
         .await
@@ -288,37 +343,44 @@ impl LockBackend for EtcdLocks {
     async fn renew(&self, key: &LockKey, token: FencingToken) -> Result<Renewed, LockError> {
         self.bounded(async {
             let mut client = self.client().await?;
-            let found = client
-                .get(self.path(key), None)
-                .await
-                .map_err(unavailable)?;
+            let path = self.path(key);
+            let found = client.get(path.as_str(), None).await.map_err(unavailable)?;
             let Some(kv) = found.kvs().first() else {
-                return Err(LockError::Lost);
+                return Err(self.lost_noticed());
             };
             if kv.mod_revision() != token.get() || kv.lease() == 0 {
-                return Err(LockError::Lost);
+                return Err(self.lost_noticed());
             }
             let lease = kv.lease();
+            let ttl_ms = serde_json::from_slice::<Entry>(kv.value())
+                .map(|e| e.ttl_ms)
+                .unwrap_or(1000);
             let sent_us = now_us();
-            let (mut keeper, mut stream) =
-                client.lease_keep_alive(lease).await.map_err(unavailable)?;
-            keeper.keep_alive().await.map_err(unavailable)?;
-            let answer = stream.message().await.map_err(unavailable)?;
-            match answer {
-                Some(answer) if answer.ttl() > 0 => {
-                    let ttl = Duration::from_secs(answer.ttl() as u64);
+            // One keep-alive; etcd answers TTL 0 for a lease that is gone (expired, even if not
+            // yet revoked, or revoked by a release), which the client reports as an error.
+            match client.lease_keep_alive(lease).await {
+                Ok(_) => {}
+                Err(etcd_client::Error::LeaseKeepAliveError(_)) => return Err(self.lost_noticed()),
+                Err(e) => return Err(unavailable(e)),
+            }
+            // The read and the keep-alive are two steps: confirm the key is still this grant's,
+            // so a renewal never answers "yes" for a grant that was replaced meanwhile.
+            let after = client.get(path.as_str(), None).await.map_err(unavailable)?;
+            match after.kvs().first() {
+                Some(kv) if kv.mod_revision() == token.get() && kv.lease() == lease => {
+                    let ttl = Duration::from_millis(ttl_ms);
                     Ok(Renewed {
                         expires_at_us: sent_us + ttl.as_micros() as i64,
                         ttl,
                     })
                 }
-                _ => Err(LockError::Lost),
+                _ => Err(self.lost_noticed()),
             }
         })
         .await
     }
 
-    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<i64, LockError> {
+    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<Released, LockError> {
         self.bounded(async {
             let mut client = self.client().await?;
             let path = self.path(key);
@@ -335,8 +397,9 @@ impl LockBackend for EtcdLocks {
                 ]);
             let response = client.txn(release).await.map_err(unavailable)?;
             if !response.succeeded() {
-                return Err(LockError::Lost);
+                return Err(self.lost_noticed());
             }
+            let revision = response.header().map(|h| h.revision());
             let lease = response.op_responses().into_iter().find_map(|op| match op {
                 TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.lease()),
                 _ => None,
@@ -346,8 +409,12 @@ impl LockBackend for EtcdLocks {
             {
                 tracing::debug!(error = %e, "lease revoke after release failed; it will expire");
             }
-            // A lower bound of the delete's time: sound for "ended before the next grant".
-            Ok(before_us)
+            // A lower bound of the delete's time, and the revision that ended the grant: every
+            // later grant of the key has a larger token.
+            Ok(Released {
+                at_us: before_us,
+                revision,
+            })
         })
         .await
     }

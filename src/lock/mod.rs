@@ -109,6 +109,16 @@ pub struct Renewed {
     pub ttl: Duration,
 }
 
+/// A grant ended by release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// When, in the backend's clock where it has one (µs since the Unix epoch); for etcd, a
+    /// lower bound taken just before the release.
+    pub at_us: i64,
+    /// etcd: the revision of the delete. Every later grant of the key has a larger token.
+    pub revision: Option<i64>,
+}
+
 /// What `inspect` shows. Deliberately has no token: nothing read from here may be used to
 /// make a correctness decision (FR-07, ADR-002 §A2.3).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -165,7 +175,7 @@ pub trait LockBackend: Send + Sync + 'static {
         &self,
         key: &LockKey,
         token: FencingToken,
-    ) -> impl Future<Output = Result<i64, LockError>> + Send;
+    ) -> impl Future<Output = Result<Released, LockError>> + Send;
 
     /// Diagnosis only: never returns a token.
     fn inspect(&self, key: &LockKey) -> impl Future<Output = Result<Inspection, LockError>> + Send;
@@ -204,7 +214,7 @@ impl LockBackend for AnyBackend {
         }
     }
 
-    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<i64, LockError> {
+    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<Released, LockError> {
         match self {
             AnyBackend::Postgres(b) => b.release(key, token).await,
             AnyBackend::Etcd(b) => b.release(key, token).await,

@@ -20,7 +20,7 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 
 use super::service::LockMetrics;
-use super::{Attempt, Grant, Inspection, LockBackend, LockError, LockKey, Renewed};
+use super::{Attempt, Grant, Inspection, LockBackend, LockError, LockKey, Released, Renewed};
 use crate::token::FencingToken;
 
 /// NOTIFY channel on which releases are announced, with the key as payload.
@@ -239,7 +239,7 @@ impl LockBackend for PgLocks {
         .await
     }
 
-    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<i64, LockError> {
+    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<Released, LockError> {
         self.bounded(async {
             let client = self.client().await?;
             let release = client.prepare_cached(RELEASE_SQL).await.map_err(db)?;
@@ -248,7 +248,10 @@ impl LockBackend for PgLocks {
                 .await
                 .map_err(db)?;
             match rows.first() {
-                Some(row) => Ok(row.get(1)),
+                Some(row) => Ok(Released {
+                    at_us: row.get(1),
+                    revision: None,
+                }),
                 None => {
                     self.notice_expiry(&client, key, token).await;
                     Err(LockError::Lost)

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::wait::WaitQueues;
-use super::{Attempt, Grant, Inspection, LockBackend, LockError, LockKey, Renewed};
+use super::{Attempt, Grant, Inspection, LockBackend, LockError, LockKey, Released, Renewed};
 use crate::token::FencingToken;
 
 /// Lock metrics for one backend. Never labelled by key.
@@ -52,6 +52,9 @@ impl Default for LockLimits {
         }
     }
 }
+
+/// Pause between attempts while the backend is unavailable.
+const UNAVAILABLE_RETRY: Duration = Duration::from_millis(100);
 
 pub struct LockService<B> {
     backend: B,
@@ -136,9 +139,19 @@ impl<B: LockBackend> LockService<B> {
                 let mut woken = pin!(place.notify().notified());
                 woken.as_mut().enable();
                 let attempt_started = Instant::now();
-                let retry_in = match self.backend.try_acquire(key, holder, ttl).await? {
-                    Attempt::Granted(grant) => return Ok((grant, attempt_started - called)),
-                    Attempt::Held { retry_in } => retry_in,
+                let retry_in = match self.backend.try_acquire(key, holder, ttl).await {
+                    Ok(Attempt::Granted(grant)) => return Ok((grant, attempt_started - called)),
+                    Ok(Attempt::Held { retry_in }) => retry_in,
+                    // A waiter rides out a short backend outage (a restart, an election) for
+                    // as long as its wait lasts; a caller that would not wait hears at once.
+                    Err(LockError::Unavailable(why)) => {
+                        if Instant::now() + UNAVAILABLE_RETRY >= deadline {
+                            return Err(LockError::Unavailable(why));
+                        }
+                        tokio::time::sleep(UNAVAILABLE_RETRY).await;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
                 };
                 let now = Instant::now();
                 if now >= deadline {
@@ -172,7 +185,7 @@ impl<B: LockBackend> LockService<B> {
     }
 
     /// FR-04: ends the grant if it still holds the key, and wakes the key's waiters here.
-    pub async fn release(&self, key: &LockKey, token: FencingToken) -> Result<i64, LockError> {
+    pub async fn release(&self, key: &LockKey, token: FencingToken) -> Result<Released, LockError> {
         let span = tracing::info_span!("lock.release", lock.key = %key, lock.token = token.get(), lock.backend = self.backend.name());
         let result = self.backend.release(key, token).instrument(span).await;
         match &result {

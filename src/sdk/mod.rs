@@ -203,6 +203,12 @@ impl LockClient {
     }
 
     /// FR-01: a handle on `key`, waiting up to `wait` for it to be free.
+    fn check_key(key: &str) -> Result<(), SdkError> {
+        crate::lock::LockKey::parse(key)
+            .map(|_| ())
+            .map_err(SdkError::BadRequest)
+    }
+
     pub async fn acquire(
         &self,
         key: &str,
@@ -210,6 +216,7 @@ impl LockClient {
         ttl: Duration,
         wait: Duration,
     ) -> Result<LockHandle, SdkError> {
+        Self::check_key(key)?;
         let body = serde_json::json!({ "holder": holder, "ttl_ms": ttl.as_millis() as u64, "wait_ms": wait.as_millis() as u64 });
         let sent = tokio::time::Instant::now();
         let bytes = self
@@ -271,6 +278,7 @@ impl LockClient {
 
     /// FR-07: who holds `key`, for people diagnosing it. Never use this to decide anything.
     pub async fn inspect(&self, key: &str) -> Result<KeyStatus, SdkError> {
+        Self::check_key(key)?;
         let bytes = self
             .call(Method::GET, &format!("/v1/locks/{key}"), None, self.timeout)
             .await?;
