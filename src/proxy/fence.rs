@@ -78,6 +78,24 @@ impl Fence {
         }
     }
 
+    /// The compare-and-set for `request` (with its idempotency record, if any), timed from
+    /// `started`.
+    async fn check(
+        &self,
+        request: &FencedRequest,
+        started: Instant,
+        span: &tracing::Span,
+    ) -> Result<Verdict, StoreError> {
+        let verdict = self
+            .store
+            .advance(&request.account, request.token, new_record(request))
+            .instrument(span.clone())
+            .await;
+        self.metrics
+            .observe_fence(FencePath::Database, started.elapsed().as_secs_f64());
+        verdict
+    }
+
     fn fenced_out(&self, account: AccountId, token: FencingToken, why: &'static str) -> BoxError {
         tracing::warn!(lock.token = token.get(), account = %account, why,
             "stale fencing token refused: a lease expired under a live holder");
@@ -164,15 +182,11 @@ where
     // Take our place before the compare-and-set, so that a higher token committed after ours
     // cannot lose track of us (see `ordering`).
     let ticket = fence.order.enter(&account);
-    let verdict = fence
-        .store
-        .advance(&account, token, new_record(&request))
-        .instrument(span.clone())
-        .await;
-    fence
-        .metrics
-        .observe_fence(FencePath::Database, started.elapsed().as_secs_f64());
-    match verdict.map_err(FenceUnavailable)? {
+    match fence
+        .check(&request, started, &span)
+        .await
+        .map_err(FenceUnavailable)?
+    {
         Verdict::Stale => {
             span.record("verdict", "stale");
             fence.cache.raise_past(&account, token);
@@ -262,15 +276,7 @@ where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
 {
     let (token, account) = (request.token, request.account.clone());
-    let started = Instant::now();
-    let verdict = fence
-        .store
-        .advance(&account, token, new_record(&request))
-        .instrument(span.clone())
-        .await;
-    fence
-        .metrics
-        .observe_fence(FencePath::Database, started.elapsed().as_secs_f64());
+    let verdict = fence.check(&request, Instant::now(), &span).await;
     match verdict {
         Ok(Verdict::Accepted { recorded }) => {
             span.record("verdict", "accepted");

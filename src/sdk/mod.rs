@@ -52,6 +52,23 @@ pub enum SdkError {
     Transport(String),
 }
 
+/// Sends `request` and reads the whole answer within `timeout`.
+pub(crate) async fn exchange(
+    http: &Client<HttpConnector, Full<Bytes>>,
+    request: Request<Full<Bytes>>,
+    timeout: Duration,
+) -> Result<(StatusCode, Bytes), SdkError> {
+    let exchange = async {
+        let response = http.request(request).await.map_err(|e| SdkError::Unavailable(e.to_string()))?;
+        let status = response.status();
+        let bytes = response.into_body().collect().await.map_err(|e| SdkError::Transport(e.to_string()))?.to_bytes();
+        Ok::<_, SdkError>((status, bytes))
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| SdkError::Unavailable(format!("no answer within {timeout:?}")))?
+}
+
 /// One grant: a key, the holder it was granted to, and the token fixed when it was granted.
 ///
 /// The token cannot be changed — not assigned, not mutated, not replaced:
@@ -168,24 +185,7 @@ impl LockClient {
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(Full::new(body))
             .map_err(|e| SdkError::BadRequest(e.to_string()))?;
-        let exchange = async {
-            let response = self
-                .http
-                .request(request)
-                .await
-                .map_err(|e| SdkError::Unavailable(e.to_string()))?;
-            let status = response.status();
-            let bytes = response
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| SdkError::Transport(e.to_string()))?
-                .to_bytes();
-            Ok::<_, SdkError>((status, bytes))
-        };
-        let (status, bytes) = tokio::time::timeout(timeout, exchange)
-            .await
-            .map_err(|_| SdkError::Unavailable(format!("no answer within {timeout:?}")))??;
+        let (status, bytes) = exchange(&self.http, request, timeout).await?;
         if status.is_success() {
             return Ok(bytes);
         }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -87,24 +87,8 @@ impl RailClient {
         let request = request
             .body(Full::new(body))
             .map_err(|e| SdkError::BadRequest(e.to_string()))?;
-        let exchange = async {
-            let response = self
-                .http
-                .request(request)
-                .await
-                .map_err(|e| SdkError::Unavailable(e.to_string()))?;
-            let status = response.status();
-            let body = response
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| SdkError::Transport(e.to_string()))?
-                .to_bytes();
-            Ok::<_, SdkError>(RailResponse { status, body })
-        };
-        let response = tokio::time::timeout(self.timeout, exchange)
-            .await
-            .map_err(|_| SdkError::Unavailable(format!("no answer within {:?}", self.timeout)))??;
+        let (status, body) = super::exchange(&self.http, request, self.timeout).await?;
+        let response = RailResponse { status, body };
         if response.status == StatusCode::CONFLICT {
             let fenced = serde_json::from_slice::<serde_json::Value>(&response.body)
                 .is_ok_and(|v| v["error"] == "fenced_out");
