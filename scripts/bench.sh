@@ -4,9 +4,11 @@
 #
 #   scripts/bench.sh                                   # defaults: 5 s x 3 repetitions, 64 connections
 #   scripts/bench.sh --duration-secs 3 --repeats 3     # quicker
+#   scripts/bench.sh --suite locks                     # one suite: proxy, locks, etcd (default all)
 #   scripts/bench.sh --help                            # every option
 #
-# Needs the PostgreSQL server binaries (apt-get install postgresql); when run as root the
+# Needs the PostgreSQL server binaries (apt-get install postgresql) and, for the etcd suite,
+# /usr/bin/etcd (apt-get install etcd-server); when run as root the
 # throwaway cluster runs as the `postgres` user. Everything listens on 127.0.0.1 only.
 set -euo pipefail
 
@@ -18,6 +20,13 @@ cargo build --release --quiet --bin railguard
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if ! git diff --quiet HEAD -- 2>/dev/null; then
     commit="$commit (with uncommitted changes)"
+fi
+
+# The RSS measurement holds 1,000 client connections open to a separate `railguard serve`;
+# this process holds their other ends and the rail simulator's, so both need the descriptors.
+# (The crate forbids unsafe code, so it cannot raise the limit itself.)
+if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt 8192 ]; then
+    ulimit -n 8192
 fi
 
 "$CARGO_TARGET_DIR/release/railguard" bench "$@"

@@ -69,11 +69,18 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         jitter_ms: u64,
     },
-    /// Measure the proxy against baselines taken in the same run, on loopback only: load
-    /// straight at an in-process rail simulator, through the proxy with fencing off and on, a
-    /// stale-token phase, and pgbench running the same compare-and-set on the same throwaway
-    /// durable PostgreSQL. Prints a markdown table (progress goes to stderr).
+    /// Measure the proxy and the lock service against baselines taken in the same run, on
+    /// loopback only. proxy: load straight at an in-process rail simulator, through the proxy
+    /// with fencing off and on (over several account counts), a stale-token phase, pgbench
+    /// running the same compare-and-set on the same throwaway durable PostgreSQL, and the RSS of
+    /// a separate `railguard serve` holding many connections. locks: acquire+release cycles
+    /// through the lock API on PostgreSQL against pgbench running the same statements. etcd: the
+    /// same cycles on the etcd backend against etcd's own Lock/Unlock RPC (needs /usr/bin/etcd).
+    /// Prints markdown tables (progress goes to stderr).
     Bench {
+        /// What to measure.
+        #[arg(long, value_enum, default_value_t = BenchSuite::All)]
+        suite: BenchSuite,
         /// Measured seconds of each repetition of each phase.
         #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
         duration_secs: u64,
@@ -96,7 +103,21 @@ enum Command {
         /// Upper bound on requests per repetition, across all connections.
         #[arg(long, default_value_t = 5_000_000)]
         max_requests: u64,
+        /// Concurrent clients of the lock phases, and pgbench clients there.
+        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=150))]
+        lock_clients: u64,
+        /// Open client connections for the proxy RSS measurement (0 skips it).
+        #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+        rss_connections: u64,
     },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum BenchSuite {
+    Proxy,
+    Locks,
+    Etcd,
+    All,
 }
 
 fn main() -> ExitCode {
@@ -186,10 +207,23 @@ fn main() -> ExitCode {
                 warmup_secs,
                 pool_size,
                 max_requests,
+                suite,
+                lock_clients,
+                rss_connections,
             } => {
+                use railguard::bench::Suite;
                 // Errors only: the stale phase would otherwise log a warning per request.
                 telemetry::init(LogFormat::Pretty, "error");
+                let suites = match suite {
+                    BenchSuite::Proxy => vec![Suite::Proxy],
+                    BenchSuite::Locks => vec![Suite::Locks],
+                    BenchSuite::Etcd => vec![Suite::Etcd],
+                    BenchSuite::All => Suite::ALL.to_vec(),
+                };
                 let options = railguard::bench::BenchOptions {
+                    suites,
+                    lock_clients: lock_clients as usize,
+                    rss_connections: rss_connections as usize,
                     duration: Duration::from_secs(duration_secs),
                     warmup: Duration::from_secs(warmup_secs),
                     repeats,

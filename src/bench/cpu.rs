@@ -21,6 +21,7 @@ pub struct Snapshot {
     own: u64,
     reaped_children: u64,
     postgres: u64,
+    etcd: u64,
 }
 
 /// CPU use between two snapshots, in seconds.
@@ -30,6 +31,8 @@ pub struct CpuUse {
     pub machine_busy: f64,
     pub own_secs: f64,
     pub postgres_secs: f64,
+    /// The throwaway etcd member, when one runs.
+    pub etcd_secs: f64,
     /// Children of this process that exited and were waited for: pgbench.
     pub reaped_children_secs: f64,
     /// Fraction of all CPUs' time used by everything else on the machine: a repetition with
@@ -38,9 +41,9 @@ pub struct CpuUse {
 }
 
 impl Snapshot {
-    /// Reads the counters; `postmaster` is the PostgreSQL server's pid. Whatever cannot be read
-    /// counts as zero.
-    pub fn take(postmaster: Option<u32>) -> Self {
+    /// Reads the counters; `postmaster` is the PostgreSQL server's pid, `etcd` the etcd
+    /// member's. Whatever cannot be read counts as zero.
+    pub fn take(postmaster: Option<u32>, etcd: Option<u32>) -> Self {
         let (machine_busy, machine_total) = machine_ticks().unwrap_or_default();
         let own = process_ticks(Path::new("/proc/self/stat")).unwrap_or_default();
         // A backend's time moves into the postmaster's cutime/cstime when it exits, so the
@@ -55,12 +58,17 @@ impl Snapshot {
                     .map(|t| t.0)
                     .sum::<u64>()
         });
+        let etcd = etcd.map_or(0, |pid| {
+            let stat = Path::new("/proc").join(pid.to_string()).join("stat");
+            process_ticks(&stat).map_or(0, |(own, reaped)| own + reaped)
+        });
         Self {
             machine_busy,
             machine_total,
             own: own.0,
             reaped_children: own.1,
             postgres,
+            etcd,
         }
     }
 
@@ -72,11 +80,13 @@ impl Snapshot {
         let busy = ticks(self.machine_busy, later.machine_busy);
         let ours = ticks(self.own, later.own)
             + ticks(self.postgres, later.postgres)
+            + ticks(self.etcd, later.etcd)
             + ticks(self.reaped_children, later.reaped_children);
         CpuUse {
             machine_busy: busy as f64 / total,
             own_secs: secs(self.own, later.own),
             postgres_secs: secs(self.postgres, later.postgres),
+            etcd_secs: secs(self.etcd, later.etcd),
             reaped_children_secs: secs(self.reaped_children, later.reaped_children),
             others: busy.saturating_sub(ours) as f64 / total,
         }
@@ -140,13 +150,13 @@ mod tests {
 
     #[test]
     fn reads_this_process_and_the_machine() {
-        let before = Snapshot::take(Some(std::process::id()));
+        let before = Snapshot::take(Some(std::process::id()), None);
         let mut x = 0u64;
         let started = std::time::Instant::now();
         while started.elapsed().as_millis() < 60 {
             x = x.wrapping_add(std::hint::black_box(1));
         }
-        let used = before.until(&Snapshot::take(Some(std::process::id())));
+        let used = before.until(&Snapshot::take(Some(std::process::id()), None));
         assert!(x > 0);
         assert!(used.own_secs > 0.0, "{used:?}");
         assert!((0.0..=1.0).contains(&used.machine_busy), "{used:?}");

@@ -78,6 +78,30 @@ impl LoadResult {
     pub fn percentile_us(&self, q: f64) -> u32 {
         percentile(&self.latencies_us, q)
     }
+
+    /// Counts one request (or cycle) begun at `started`: its latency and status if it was
+    /// answered, a transport error if not, after which it pauses briefly so that a dead
+    /// target is not spun on (the run stays bounded by its budget and time either way).
+    pub async fn record(&mut self, started: Instant, outcome: Result<StatusCode, String>) {
+        match outcome {
+            Ok(status) => {
+                let micros = started.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
+                self.latencies_us.push(micros);
+                *self.statuses.entry(status.as_u16()).or_default() += 1;
+            }
+            Err(e) => {
+                self.transport_errors += 1;
+                self.first_transport_error.get_or_insert(e);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+/// Splits `total` into `parts` shares that add up to exactly `total`; share `id` of them.
+pub fn share(total: u64, parts: usize, id: usize) -> u64 {
+    let parts = parts.max(1) as u64;
+    total / parts + u64::from((id as u64) < total % parts)
 }
 
 /// Nearest-rank percentile of an ascending slice; 0 for an empty one.
@@ -97,12 +121,18 @@ pub async fn run(load: &Load) -> LoadResult {
     let deadline = started + load.duration;
     let workers: Vec<_> = (0..connections)
         .map(|id| {
-            // Split the budget so that the shares add up to exactly `max_requests`.
-            let share = load.max_requests / connections as u64
-                + u64::from((id as u64) < load.max_requests % connections as u64);
+            let share = share(load.max_requests, connections, id);
             tokio::spawn(worker(load.clone(), id as u64, share, deadline))
         })
         .collect();
+    collect(started, workers).await
+}
+
+/// Waits for every worker and merges what they saw; `started` is when the first was spawned.
+pub async fn collect(
+    started: Instant,
+    workers: Vec<tokio::task::JoinHandle<LoadResult>>,
+) -> LoadResult {
     let mut result = LoadResult::default();
     for worker in workers {
         match worker.await {
@@ -141,21 +171,10 @@ async fn worker(load: Arc<Load>, id: u64, budget: u64, deadline: Instant) -> Loa
             1 + rng.below(load.accounts.count)
         );
         let started = Instant::now();
-        match connection.send(&account, load.token).await {
-            Ok(status) => {
-                let micros = started.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
-                result.latencies_us.push(micros);
-                *result.statuses.entry(status.as_u16()).or_default() += 1;
-            }
-            Err(e) => {
-                result.transport_errors += 1;
-                result
-                    .first_transport_error
-                    .get_or_insert_with(|| e.to_string());
-                // Do not spin on a dead target: the run stays bounded by its budget and time.
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
+        let outcome = connection.send(&account, load.token).await;
+        result
+            .record(started, outcome.map_err(|e| e.to_string()))
+            .await;
     }
     result
 }
@@ -189,6 +208,47 @@ impl Connection {
     }
 
     async fn send_once(&mut self, account: &str, token: i64) -> Result<StatusCode, BoxError> {
+        let request = Request::post("/payments")
+            .header(header::HOST, &self.host)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("fencing-token", token)
+            .header("fencing-account", account)
+            .body(Full::new(Bytes::from_static(BODY)))?;
+        let (status, _) = self.exchange(request).await?;
+        Ok(status)
+    }
+
+    /// Sends one request to `path` (a POST with `body`, or a GET when `body` is `None`) and
+    /// reads the whole answer, under the same timeout and reconnect rules as [`send`].
+    ///
+    /// [`send`]: Self::send
+    pub async fn request(
+        &mut self,
+        path: &str,
+        body: Option<Bytes>,
+    ) -> Result<(StatusCode, Bytes), BoxError> {
+        let request = match body {
+            Some(body) => Request::post(path)
+                .header(header::HOST, &self.host)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Full::new(body))?,
+            None => Request::get(path)
+                .header(header::HOST, &self.host)
+                .body(Full::new(Bytes::new()))?,
+        };
+        let outcome = tokio::time::timeout(REQUEST_TIMEOUT, self.exchange(request)).await;
+        let outcome =
+            outcome.unwrap_or_else(|_| Err(format!("no answer within {REQUEST_TIMEOUT:?}").into()));
+        if outcome.is_err() {
+            self.sender = None;
+        }
+        outcome
+    }
+
+    async fn exchange(
+        &mut self,
+        request: Request<Full<Bytes>>,
+    ) -> Result<(StatusCode, Bytes), BoxError> {
         if self.sender.is_none() {
             let stream = TcpStream::connect(self.target).await?;
             stream.set_nodelay(true)?;
@@ -200,16 +260,10 @@ impl Connection {
         }
         let sender = self.sender.as_mut().expect("connected above");
         sender.ready().await?;
-        let request = Request::post("/payments")
-            .header(header::HOST, &self.host)
-            .header(header::CONTENT_TYPE, "application/json")
-            .header("fencing-token", token)
-            .header("fencing-account", account)
-            .body(Full::new(Bytes::from_static(BODY)))?;
         let response = sender.send_request(request).await?;
         let status = response.status();
-        response.into_body().collect().await?;
-        Ok(status)
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok((status, body))
     }
 }
 

@@ -20,10 +20,14 @@
 //! is partly a measurement of the load generator. That is why only ratios are claimed.
 
 mod cpu;
+mod etcd;
 mod load;
+mod locks;
 mod pgbench;
 mod report;
+mod rss;
 
+use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -40,8 +44,10 @@ use crate::net::free_loopback_port;
 use crate::railsim::RailSim;
 use crate::server::{self, ServeError};
 use load::{Accounts, Connection, Load, LoadResult};
+use locks::CycleLoad;
 use pgbench::Pgbench;
 pub use report::{Environment, Report, Sample};
+pub use rss::RssResult;
 
 /// The token every accepted request carries. Equal tokens are accepted, so a fixed token per
 /// account keeps every request accepted while each still commits a real compare-and-set.
@@ -55,9 +61,27 @@ const STALE_PREFIX: &str = "stale-";
 /// in the proxy's mark cache, so the phase measures the cache path.
 const STALE_ACCOUNTS: u64 = 1_000;
 
+/// A group of phases that can be run alone (`--suite`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Suite {
+    /// The fenced proxy: direct, fencing off/on, stale, pgbench of the same CAS, and the RSS
+    /// of a separate `railguard serve` holding many open connections.
+    Proxy,
+    /// The lock API on PostgreSQL against pgbench running the backend's own statements.
+    Locks,
+    /// The lock API on etcd against etcd's own Lock/Unlock RPC.
+    Etcd,
+}
+
+impl Suite {
+    pub const ALL: [Suite; 3] = [Suite::Proxy, Suite::Locks, Suite::Etcd];
+}
+
 /// What `railguard bench` was asked to do.
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
+    /// What to measure; the order does not matter.
+    pub suites: Vec<Suite>,
     /// Measured time of each repetition of each phase.
     pub duration: Duration,
     /// Unmeasured load before each repetition.
@@ -71,6 +95,16 @@ pub struct BenchOptions {
     pub pool_size: u64,
     /// Upper bound on requests per repetition, across all connections.
     pub max_requests: u64,
+    /// Concurrent clients of the lock phases (pgbench: clients).
+    pub lock_clients: usize,
+    /// Open client connections for the RSS measurement.
+    pub rss_connections: usize,
+}
+
+impl BenchOptions {
+    pub fn runs(&self, suite: Suite) -> bool {
+        self.suites.contains(&suite)
+    }
 }
 
 /// One thing measured.
@@ -81,35 +115,85 @@ pub enum Phase {
     /// Through a proxy with `fencing.enforce = false`. It still runs the compare-and-set (to
     /// count what it would have refused), so this is *not* a proxy without a database.
     ProxyUnfenced,
-    /// Through the enforcing proxy: one durable compare-and-set per request, then the forward.
+    /// Through the enforcing proxy: one durable compare-and-set per request, then the forward,
+    /// on `accounts` accounts.
     ProxyFenced,
+    /// The same on this many accounts only: requests of one account are forwarded in order,
+    /// one at a time, and hot rows serialise their compare-and-sets.
+    ProxyFencedOn(u64),
     /// Token 1 against accounts whose mark is 2,000,000: every answer a 409 from the mark cache.
     StaleRejected,
     /// pgbench running the single-row compare-and-set directly against PostgreSQL, one client
     /// per connection of the HTTP phases and one commit per transaction.
     Pgbench,
+    /// Acquire + release cycles through the lock API on the PostgreSQL backend.
+    LockApiPostgres,
+    /// pgbench running the backend's acquire statement then its release statement.
+    PgbenchLocks,
+    /// Acquire + release cycles through the lock API on the etcd backend.
+    LockApiEtcd,
+    /// etcd's own lease grant, Lock, Unlock, lease revoke, through `etcd-client`.
+    EtcdNativeLocks,
 }
 
 impl Phase {
-    /// Every phase, in the order each round runs them.
-    pub const ALL: [Phase; 5] = [
-        Phase::Direct,
-        Phase::ProxyUnfenced,
-        Phase::ProxyFenced,
-        Phase::StaleRejected,
-        Phase::Pgbench,
-    ];
+    /// Every phase of the suites asked for, in the order each round runs them.
+    pub fn all(options: &BenchOptions) -> Vec<Phase> {
+        let mut phases = Vec::new();
+        if options.runs(Suite::Proxy) {
+            phases.extend([Phase::Direct, Phase::ProxyUnfenced, Phase::ProxyFenced]);
+            for few in FEW_ACCOUNTS {
+                if few < options.accounts {
+                    phases.push(Phase::ProxyFencedOn(few));
+                }
+            }
+            phases.extend([Phase::StaleRejected, Phase::Pgbench]);
+        }
+        if options.runs(Suite::Locks) {
+            phases.extend([Phase::LockApiPostgres, Phase::PgbenchLocks]);
+        }
+        if options.runs(Suite::Etcd) {
+            phases.extend([Phase::LockApiEtcd, Phase::EtcdNativeLocks]);
+        }
+        phases
+    }
+
+    pub fn suite(self) -> Suite {
+        match self {
+            Phase::LockApiPostgres | Phase::PgbenchLocks => Suite::Locks,
+            Phase::LockApiEtcd | Phase::EtcdNativeLocks => Suite::Etcd,
+            _ => Suite::Proxy,
+        }
+    }
 
     pub fn label(self, options: &BenchOptions) -> String {
+        let accounts = |n: u64| {
+            if n == 1 {
+                "1 account".to_string()
+            } else {
+                format!("{} accounts", report::thousands(n as f64))
+            }
+        };
         match self {
             Phase::Direct => "direct to rail simulator".into(),
             Phase::ProxyUnfenced => "proxy, fencing off".into(),
-            Phase::ProxyFenced => "proxy, fencing on".into(),
+            Phase::ProxyFenced => format!("proxy, fencing on, {}", accounts(options.accounts)),
+            Phase::ProxyFencedOn(n) => format!("proxy, fencing on, {}", accounts(n)),
             Phase::StaleRejected => "proxy, stale token → 409".into(),
             Phase::Pgbench => format!("pgbench, same CAS, {} clients", options.connections),
+            Phase::LockApiPostgres => "lock API, PostgreSQL backend".into(),
+            Phase::PgbenchLocks => format!(
+                "pgbench, same acquire + release SQL, {} clients",
+                options.lock_clients
+            ),
+            Phase::LockApiEtcd => "lock API, etcd backend".into(),
+            Phase::EtcdNativeLocks => "etcd Lock/Unlock RPC (etcd-client)".into(),
         }
     }
 }
+
+/// The smaller account sets the enforcing proxy is also measured on.
+const FEW_ACCOUNTS: [u64; 2] = [64, 1];
 
 /// The benchmark could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -164,23 +248,61 @@ async fn with_postgres(
 ) -> Result<Report, BenchError> {
     let rail = Rail::start().await?;
     let mut proxies = Vec::new();
+    let mut etcd_node = None;
     let setup = async {
-        // One after the other: both migrate the same database on start.
-        proxies.push(Proxy::start(rail.addr, &postgres.url(), true, options.pool_size).await?);
-        eprintln!(
-            "bench: starting the second proxy with fencing.enforce = false; \
-             the error it logs about that is expected"
-        );
-        proxies.push(Proxy::start(rail.addr, &postgres.url(), false, options.pool_size).await?);
-        Ok::<_, BenchError>(())
+        // One after the other: each migrates the same database on start.
+        let url = postgres.url();
+        proxies.push(Proxy::start(rail.addr, &url, true, None, options.pool_size).await?);
+        if options.runs(Suite::Proxy) {
+            eprintln!(
+                "bench: starting the second proxy with fencing.enforce = false; \
+                 the error it logs about that is expected"
+            );
+            proxies.push(Proxy::start(rail.addr, &url, false, None, options.pool_size).await?);
+        }
+        if options.runs(Suite::Locks) {
+            wait_for_lock_api(proxies[0].lock_addr, "postgres").await?;
+        }
+        let mut etcd = None;
+        if options.runs(Suite::Etcd) {
+            let dir = work_dir.join("etcd");
+            std::fs::create_dir_all(&dir).map_err(|source| BenchError::Io {
+                what: "cannot create the etcd directory",
+                source,
+            })?;
+            eprintln!("bench: starting etcd in {}", dir.display());
+            let node = etcd_node.insert(etcd::EtcdNode::start(&dir).await?);
+            let endpoint = node.endpoint.clone();
+            let proxy = Proxy::start(
+                rail.addr,
+                &url,
+                true,
+                Some(endpoint.clone()),
+                options.pool_size,
+            )
+            .await?;
+            let lock_addr = proxy.lock_addr;
+            proxies.push(proxy);
+            wait_for_lock_api(lock_addr, "etcd").await?;
+            let client = locks::connect_etcd(&endpoint)
+                .await
+                .map_err(BenchError::Setup)?;
+            etcd = Some(EtcdSetup {
+                lock_addr,
+                client,
+                pid: etcd_node.as_ref().and_then(etcd::EtcdNode::pid),
+            });
+        }
+        Ok::<_, BenchError>(etcd)
     };
     let result = match setup.await {
-        Ok(()) => {
+        Ok(etcd) => {
             let bench = Bench {
                 options,
                 rail: &rail,
                 fenced: &proxies[0],
-                unfenced: &proxies[1],
+                unfenced: proxies.get(1).filter(|_| options.runs(Suite::Proxy)),
+                etcd,
                 postgres,
                 work_dir,
             };
@@ -191,17 +313,56 @@ async fn with_postgres(
     for proxy in proxies {
         proxy.stop().await;
     }
+    if let Some(node) = etcd_node {
+        node.stop().await;
+    }
     rail.stop().await;
     let mut report = result?;
     report.environment.postgres = postgres_version(postgres.bin_dir()).await;
+    if options.runs(Suite::Etcd) {
+        report.environment.etcd = etcd::version().await;
+    }
     Ok(report)
+}
+
+/// Cycles once through the lock API at `addr` until that works (the etcd backend connects
+/// lazily), for at most 60 s.
+async fn wait_for_lock_api(addr: SocketAddr, backend: &str) -> Result<(), BenchError> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut connection = Connection::new(addr);
+    loop {
+        let last = match locks::api_cycle(&mut connection, "bench-probe").await {
+            Ok(StatusCode::OK) => return Ok(()),
+            Ok(status) => format!("status {status}"),
+            Err(e) => e,
+        };
+        if tokio::time::Instant::now() > deadline {
+            return Err(BenchError::Setup(format!(
+                "the lock API ({backend} backend) at {addr} did not complete a cycle within 60 s: {last}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What the etcd phases need.
+struct EtcdSetup {
+    /// The lock API of the railguard whose lock backend is etcd.
+    lock_addr: SocketAddr,
+    /// For the native baseline.
+    client: etcd_client::Client,
+    pid: Option<u32>,
 }
 
 struct Bench<'a> {
     options: &'a BenchOptions,
     rail: &'a Rail,
+    /// Its lock API is the PostgreSQL one.
     fenced: &'a Proxy,
-    unfenced: &'a Proxy,
+    /// Only with the proxy suite.
+    unfenced: Option<&'a Proxy>,
+    /// Only with the etcd suite.
+    etcd: Option<EtcdSetup>,
     postgres: &'a PostgresServer,
     work_dir: &'a Path,
 }
@@ -211,26 +372,28 @@ impl Bench<'_> {
         let o = self.options;
         let environment = Environment::probe();
         let stale_accounts = o.accounts.min(STALE_ACCOUNTS);
-        eprintln!(
-            "bench: raising {stale_accounts} accounts to {STALE_MARK} through the enforcing proxy"
-        );
-        advance_all(
-            self.fenced.addr,
-            STALE_PREFIX,
-            stale_accounts,
-            STALE_MARK,
-            o.connections,
-        )
-        .await?;
-        self.rail.reset();
+        if o.runs(Suite::Proxy) {
+            eprintln!(
+                "bench: raising {stale_accounts} accounts to {STALE_MARK} through the enforcing proxy"
+            );
+            advance_all(
+                self.fenced.addr,
+                STALE_PREFIX,
+                stale_accounts,
+                STALE_MARK,
+                o.connections,
+            )
+            .await?;
+            self.rail.reset();
+        }
 
         let mut samples: Vec<(Phase, Vec<Sample>)> =
-            Phase::ALL.iter().map(|&p| (p, Vec::new())).collect();
+            Phase::all(o).into_iter().map(|p| (p, Vec::new())).collect();
         for rep in 1..=o.repeats {
             for (phase, done) in &mut samples {
                 let sample = self.measure(*phase).await;
                 eprintln!(
-                    "bench: [{rep}/{}] {:<32} {:>9.0}/s  p50 {:>7.2} ms  p99 {:>7.2} ms  n={}{}",
+                    "bench: [{rep}/{}] {:<44} {:>9.0}/s  p50 {:>7.2} ms  p99 {:>7.2} ms  n={}{}",
                     o.repeats,
                     phase.label(o),
                     sample.rate,
@@ -246,6 +409,35 @@ impl Bench<'_> {
                 done.push(sample);
             }
         }
+        let rss = if o.runs(Suite::Proxy) && o.rss_connections > 0 {
+            eprintln!(
+                "bench: RSS of a separate `railguard serve` with {} open connections",
+                o.rss_connections
+            );
+            let rss = rss::measure(
+                self.work_dir,
+                self.rail.addr,
+                &self.postgres.url(),
+                o.pool_size,
+                o.rss_connections,
+            )
+            .await;
+            self.rail.reset();
+            match &rss {
+                Ok(r) => eprintln!(
+                    "bench: RSS idle {:.1} MiB, with {} of {} connections open {:.1} MiB, peak {:.1} MiB",
+                    r.idle_kib as f64 / 1024.0,
+                    r.accepted,
+                    r.connections,
+                    r.open_kib as f64 / 1024.0,
+                    r.peak_kib as f64 / 1024.0
+                ),
+                Err(why) => eprintln!("bench: RSS measurement failed: {why}"),
+            }
+            Some(rss)
+        } else {
+            None
+        };
         Ok(Report {
             environment,
             options: o.clone(),
@@ -253,7 +445,12 @@ impl Bench<'_> {
             stale_accounts,
             samples,
             peak_rss_kib: peak_rss_kib(),
+            rss,
         })
+    }
+
+    fn snapshot(&self) -> cpu::Snapshot {
+        cpu::Snapshot::take(self.postgres.pid(), self.etcd.as_ref().and_then(|e| e.pid))
     }
 
     /// One warm-up and one measured repetition of `phase`.
@@ -267,14 +464,33 @@ impl Bench<'_> {
             accounts,
             token,
         };
-        let accounts = Accounts {
+        let accounts = |count| Accounts {
             prefix: ACCOUNT_PREFIX,
-            count: o.accounts,
+            count,
         };
         let (target, accounts, token, expect) = match phase {
-            Phase::Direct => (self.rail.addr, accounts, TOKEN, StatusCode::CREATED),
-            Phase::ProxyUnfenced => (self.unfenced.addr, accounts, TOKEN, StatusCode::CREATED),
-            Phase::ProxyFenced => (self.fenced.addr, accounts, TOKEN, StatusCode::CREATED),
+            Phase::Direct => (
+                self.rail.addr,
+                accounts(o.accounts),
+                TOKEN,
+                StatusCode::CREATED,
+            ),
+            Phase::ProxyUnfenced => match self.unfenced {
+                Some(unfenced) => (
+                    unfenced.addr,
+                    accounts(o.accounts),
+                    TOKEN,
+                    StatusCode::CREATED,
+                ),
+                None => return Sample::failed("no proxy with fencing off".into()),
+            },
+            Phase::ProxyFenced => (
+                self.fenced.addr,
+                accounts(o.accounts),
+                TOKEN,
+                StatusCode::CREATED,
+            ),
+            Phase::ProxyFencedOn(n) => (self.fenced.addr, accounts(n), TOKEN, StatusCode::CREATED),
             Phase::StaleRejected => (
                 self.fenced.addr,
                 Accounts {
@@ -284,15 +500,36 @@ impl Bench<'_> {
                 STALE_TOKEN,
                 StatusCode::CONFLICT,
             ),
-            Phase::Pgbench => return self.measure_pgbench().await,
+            Phase::Pgbench => {
+                let script = pgbench::cas_script(o.accounts, ACCOUNT_PREFIX, TOKEN);
+                return self.measure_pgbench(script, o.connections).await;
+            }
+            Phase::PgbenchLocks => {
+                return self
+                    .measure_pgbench(locks::pgbench_script(), o.lock_clients)
+                    .await;
+            }
+            Phase::LockApiPostgres => return self.measure_lock_api(self.fenced.lock_addr).await,
+            Phase::LockApiEtcd => match &self.etcd {
+                Some(etcd) => return self.measure_lock_api(etcd.lock_addr).await,
+                None => return Sample::failed("no etcd".into()),
+            },
+            Phase::EtcdNativeLocks => match &self.etcd {
+                Some(etcd) => {
+                    let run =
+                        |duration| locks::run_etcd_native(&etcd.client, self.cycles(duration));
+                    return self.measure_cycles(run).await;
+                }
+                None => return Sample::failed("no etcd".into()),
+            },
         };
         if !o.warmup.is_zero() {
             load::run(&load(target, accounts.clone(), token, o.warmup)).await;
         }
         self.rail.reset();
-        let before = cpu::Snapshot::take(self.postgres.pid());
+        let before = self.snapshot();
         let result = load::run(&load(target, accounts, token, o.duration)).await;
-        let cpu = before.until(&cpu::Snapshot::take(self.postgres.pid()));
+        let cpu = before.until(&self.snapshot());
         let delivered = self.rail.reset();
         let should_deliver = if expect == StatusCode::CONFLICT {
             0
@@ -305,23 +542,53 @@ impl Bench<'_> {
         }
     }
 
-    async fn measure_pgbench(&self) -> Sample {
+    fn cycles(&self, duration: Duration) -> CycleLoad {
+        CycleLoad {
+            clients: self.options.lock_clients,
+            duration,
+            max_cycles: self.options.max_requests,
+        }
+    }
+
+    async fn measure_lock_api(&self, target: SocketAddr) -> Sample {
+        self.measure_cycles(|duration| locks::run_api(target, self.cycles(duration)))
+            .await
+    }
+
+    /// A warm-up and a measured run of `run`, whose every cycle should end in a 200.
+    async fn measure_cycles<F, Fut>(&self, run: F) -> Sample
+    where
+        F: Fn(Duration) -> Fut,
+        Fut: Future<Output = LoadResult>,
+    {
+        let o = self.options;
+        if !o.warmup.is_zero() {
+            run(o.warmup).await;
+        }
+        let before = self.snapshot();
+        let result = run(o.duration).await;
+        let cpu = before.until(&self.snapshot());
+        Sample {
+            cpu,
+            ..sample_of(&result, StatusCode::OK, 0, 0)
+        }
+    }
+
+    async fn measure_pgbench(&self, script: String, clients: usize) -> Sample {
         let o = self.options;
         let pgbench = |duration| Pgbench {
             bin_dir: self.postgres.bin_dir().to_path_buf(),
             port: self.postgres.port(),
-            clients: o.connections,
+            clients,
             duration,
-            accounts: o.accounts,
-            account_prefix: ACCOUNT_PREFIX,
-            token: TOKEN,
+            script: script.clone(),
         };
         if !o.warmup.is_zero() {
             let _ = pgbench(o.warmup).run(self.work_dir).await;
         }
-        let before = cpu::Snapshot::take(self.postgres.pid());
+        let before = self.snapshot();
         let result = pgbench(o.duration).run(self.work_dir).await;
-        let cpu = before.until(&cpu::Snapshot::take(self.postgres.pid()));
+        let cpu = before.until(&self.snapshot());
         match result {
             Ok(r) => {
                 let mut problems = Vec::new();
@@ -486,7 +753,7 @@ impl Rail {
 }
 
 /// The defaults, with the pool size asked for; the caller sets addresses and the database.
-fn proxy_config(pool_size: u64) -> Config {
+pub(crate) fn proxy_config(pool_size: u64) -> Config {
     let mut config = Config::default();
     config.database.pool_size = pool_size;
     config.fencing.batch_concurrency = config.fencing.batch_concurrency.min(pool_size);
@@ -496,28 +763,37 @@ fn proxy_config(pool_size: u64) -> Config {
 /// A proxy running in this process through [`server::run`].
 struct Proxy {
     addr: SocketAddr,
+    /// Its lock API.
+    lock_addr: SocketAddr,
     stop: oneshot::Sender<()>,
     task: JoinHandle<Result<(), ServeError>>,
 }
 
 impl Proxy {
-    /// Starts a proxy and waits until a payment through it is accepted.
+    /// Starts a proxy and waits until a payment through it is accepted. Its lock service uses
+    /// PostgreSQL, or the etcd at `etcd` when given.
     async fn start(
         rail: SocketAddr,
         database_url: &str,
         enforce: bool,
+        etcd: Option<String>,
         pool_size: u64,
     ) -> Result<Self, BenchError> {
         let mut config = proxy_config(pool_size);
         config.proxy.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, free_loopback_port()));
-        // Listeners the benchmark does not use: any free loopback port.
+        config.lock.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, free_loopback_port()));
+        // A listener the benchmark does not use: any free loopback port.
         config.admin.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-        config.lock.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        if let Some(endpoint) = etcd {
+            config.lock.backend = "etcd".into();
+            config.etcd.endpoints = vec![endpoint];
+        }
         config.proxy.upstream = format!("http://{rail}");
         config.database.url = database_url.to_string();
         config.fencing.enforce = enforce;
         config.shutdown.grace_ms = 2_000;
         let addr = config.proxy.listen;
+        let lock_addr = config.lock.listen;
         let (stop, stopped) = oneshot::channel::<()>();
         let mut task = tokio::spawn(server::run(config, async move {
             let _ = stopped.await;
@@ -537,7 +813,14 @@ impl Proxy {
                 )));
             }
             let last = match connection.send("bench-probe", 1).await {
-                Ok(status) if status.is_success() => return Ok(Self { addr, stop, task }),
+                Ok(status) if status.is_success() => {
+                    return Ok(Self {
+                        addr,
+                        lock_addr,
+                        stop,
+                        task,
+                    });
+                }
                 Ok(status) => format!("status {status}"),
                 Err(e) => e.to_string(),
             };
@@ -583,6 +866,7 @@ impl Environment {
             kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
             memory,
             postgres: String::new(),
+            etcd: String::new(),
         }
     }
 }

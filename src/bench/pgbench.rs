@@ -24,9 +24,8 @@ pub struct Pgbench {
     pub port: u16,
     pub clients: usize,
     pub duration: Duration,
-    pub accounts: u64,
-    pub account_prefix: &'static str,
-    pub token: i64,
+    /// What each transaction runs (see [`cas_script`] and `locks::pgbench_script`).
+    pub script: String,
 }
 
 /// What pgbench reported.
@@ -46,21 +45,22 @@ impl PgbenchResult {
     }
 }
 
-impl Pgbench {
-    /// The script pgbench runs: one compare-and-set on a uniformly drawn account.
-    pub fn script(&self) -> String {
-        let sql = ADVANCE_SQL
-            .replace("$1", &format!("'{}' || :aid", self.account_prefix))
-            .replace("$2", &self.token.to_string());
-        format!("\\set aid random(1, {})\n{sql};\n", self.accounts.max(1))
-    }
+/// The compare-and-set script: one [`ADVANCE_SQL`] on a uniformly drawn account of
+/// `{prefix}1..={accounts}` at `token`.
+pub fn cas_script(accounts: u64, prefix: &str, token: i64) -> String {
+    let sql = ADVANCE_SQL
+        .replace("$1", &format!("'{prefix}' || :aid"))
+        .replace("$2", &token.to_string());
+    format!("\\set aid random(1, {})\n{sql};\n", accounts.max(1))
+}
 
+impl Pgbench {
     /// Runs pgbench with its files (script and transaction logs) in `work_dir`, which must
     /// be empty of earlier logs. Bounded by `-T` and, should pgbench hang, by a timeout that
     /// kills it.
     pub async fn run(&self, work_dir: &Path) -> Result<PgbenchResult, String> {
-        let script = work_dir.join("advance.sql");
-        std::fs::write(&script, self.script())
+        let script = work_dir.join("script.sql");
+        std::fs::write(&script, &self.script)
             .map_err(|e| format!("cannot write {}: {e}", script.display()))?;
         let log_prefix = work_dir.join("txn");
         let secs = self.duration.as_secs().max(1);
@@ -160,16 +160,7 @@ mod tests {
 
     #[test]
     fn the_script_is_the_proxys_compare_and_set() {
-        let pgbench = Pgbench {
-            bin_dir: PathBuf::new(),
-            port: 5432,
-            clients: 8,
-            duration: Duration::from_secs(1),
-            accounts: 10_000,
-            account_prefix: "acct-",
-            token: 1_000_000,
-        };
-        let script = pgbench.script();
+        let script = cas_script(10_000, "acct-", 1_000_000);
         assert!(
             script.starts_with("\\set aid random(1, 10000)\n"),
             "{script}"

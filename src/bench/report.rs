@@ -8,7 +8,8 @@
 use std::fmt::Write as _;
 
 use super::cpu::CpuUse;
-use super::{BenchOptions, Phase};
+use super::rss::RssResult;
+use super::{BenchOptions, Phase, Suite};
 use crate::config::Config;
 
 /// One repetition of one phase.
@@ -48,6 +49,7 @@ pub struct Environment {
     pub kernel: String,
     pub memory: String,
     pub postgres: String,
+    pub etcd: String,
 }
 
 /// Everything one `railguard bench` measured.
@@ -61,6 +63,8 @@ pub struct Report {
     pub samples: Vec<(Phase, Vec<Sample>)>,
     /// VmHWM of this process at the end of the run.
     pub peak_rss_kib: Option<u64>,
+    /// The separate `railguard serve` process with many connections open (proxy suite).
+    pub rss: Option<Result<RssResult, String>>,
 }
 
 /// The median of the values; the mean of the middle two for an even count.
@@ -104,7 +108,7 @@ fn summarize(samples: &[Sample]) -> Summary {
 }
 
 /// `12345.6` → `12,346`.
-fn thousands(value: f64) -> String {
+pub(crate) fn thousands(value: f64) -> String {
     let digits = format!("{:.0}", value.max(0.0));
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
@@ -142,9 +146,44 @@ impl Report {
     }
 
     pub fn to_markdown(&self) -> String {
+        let mut md = String::new();
+        self.header(&mut md);
+        if self.options.runs(Suite::Proxy) {
+            self.proxy_table(&mut md);
+        }
+        if self.options.runs(Suite::Locks) {
+            md.push_str("\n#### Lock API on PostgreSQL against pgbench running the same SQL\n\n");
+            self.cycle_table(
+                &mut md,
+                Phase::LockApiPostgres,
+                Phase::PgbenchLocks,
+                "× pgbench",
+            );
+        }
+        if self.options.runs(Suite::Etcd) {
+            md.push_str("\n#### Lock API on etcd against etcd's own Lock/Unlock RPC\n\n");
+            self.cycle_table(
+                &mut md,
+                Phase::LockApiEtcd,
+                Phase::EtcdNativeLocks,
+                "× etcd Lock/Unlock",
+            );
+        }
+        if let Some(rss) = &self.rss {
+            self.rss_table(&mut md, rss);
+        }
+        if self.options.runs(Suite::Proxy) {
+            self.targets(&mut md);
+        }
+        self.flagged(&mut md);
+        self.repetitions(&mut md);
+        self.cpu_table(&mut md);
+        md
+    }
+
+    fn header(&self, md: &mut String) {
         let env = &self.environment;
         let o = &self.options;
-        let mut md = String::new();
         let _ = writeln!(md, "### railguard bench, {}\n", env.date);
         let _ = writeln!(
             md,
@@ -156,18 +195,48 @@ impl Report {
             "- PostgreSQL: {}, durable (fsync on, synchronous_commit on), throwaway cluster under /var/tmp",
             env.postgres
         );
+        if o.runs(Suite::Etcd) {
+            let _ = writeln!(
+                md,
+                "- etcd: {}, one member, throwaway data dir under /var/tmp (fsync on: etcd 3.4 cannot turn it off)",
+                env.etcd
+            );
+        }
+        let suites: Vec<&str> = Suite::ALL
+            .iter()
+            .filter(|s| o.runs(**s))
+            .map(|s| match s {
+                Suite::Proxy => "proxy",
+                Suite::Locks => "locks",
+                Suite::Etcd => "etcd",
+            })
+            .collect();
         let _ = writeln!(
             md,
-            "- Settings: {} s × {} repetitions per phase, interleaved round-robin, {} s warm-up before each; \
-             {} HTTP connections, each one request at a time; {} accounts (uniform); \
-             `pgbench -n -M prepared -j 2` with -c {}",
+            "- Settings: suites {}; {} s × {} repetitions per phase, all phases interleaved round-robin, \
+             {} s warm-up before each",
+            suites.join(", "),
             o.duration.as_secs(),
             o.repeats,
             o.warmup.as_secs(),
-            o.connections,
-            o.accounts,
-            o.connections,
         );
+        if o.runs(Suite::Proxy) {
+            let _ = writeln!(
+                md,
+                "- Proxy phases: {} HTTP connections, each one request at a time; {} accounts (uniform) unless the row says otherwise; \
+                 `pgbench -n -M prepared -j 2` with -c {}",
+                o.connections, o.accounts, o.connections,
+            );
+        }
+        if o.runs(Suite::Locks) || o.runs(Suite::Etcd) {
+            let _ = writeln!(
+                md,
+                "- Lock phases: {} clients, each cycling on its own key (`bench-lock-<client>`): acquire \
+                 (`ttl_ms` {}, `wait_ms` 0) then release of the returned token; one cycle = both",
+                o.lock_clients,
+                super::locks::LEASE_MS,
+            );
+        }
         let c = &self.proxy_config;
         let _ = writeln!(
             md,
@@ -178,68 +247,240 @@ impl Report {
             c.fencing.batch_concurrency,
             c.fencing.cache_capacity,
         );
-        let _ = writeln!(
-            md,
-            "- Accepted phases send token {} on accounts `acct-1..{}`: equal tokens are accepted, so every request \
-             is a real compare-and-set committed durably (grouped by the proxy, one per transaction by pgbench); \
-             the stale phase sends token 1 on {} accounts raised to {} beforehand",
-            super::TOKEN,
-            o.accounts,
-            self.stale_accounts,
-            super::STALE_MARK,
-        );
+        if o.runs(Suite::Proxy) {
+            let _ = writeln!(
+                md,
+                "- Accepted phases send token {} on accounts `acct-1..N`: equal tokens are accepted, so every request \
+                 is a real compare-and-set committed durably (grouped by the proxy, one per transaction by pgbench); \
+                 the stale phase sends token 1 on {} accounts raised to {} beforehand",
+                super::TOKEN,
+                self.stale_accounts,
+                super::STALE_MARK,
+            );
+        }
         if let Some(kib) = self.peak_rss_kib {
             let _ = writeln!(
                 md,
-                "- Peak RSS of the bench process (both proxies, rail simulator and load generator together): {:.0} MiB",
+                "- Peak RSS of the bench process (proxies, rail simulator and load generator together): {:.0} MiB",
                 kib as f64 / 1024.0
             );
         }
-        md.push('\n');
+    }
 
-        let direct = self.summary(Phase::Direct).map(|s| s.rate);
+    fn proxy_table(&self, md: &mut String) {
+        let o = &self.options;
+        let direct = self.summary(Phase::Direct);
         let pgbench = self.summary(Phase::Pgbench).map(|s| s.rate);
+        let _ = writeln!(md, "\n#### Fenced proxy, {} connections\n", o.connections);
         md.push_str(
-            "| phase | req/s (median) | min–max | p50 ms | p99 ms | × direct | × pgbench | unexpected |\n",
+            "| phase | req/s (median) | min–max | p50 ms | p99 ms | added p50 ms | added p99 ms | × direct | × pgbench | unexpected |\n",
         );
-        md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
-        for (phase, samples) in &self.samples {
+        md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        for (phase, samples) in self.suite_samples(Suite::Proxy) {
             let s = summarize(samples);
-            let proxied = matches!(
+            let proxied = !matches!(phase, Phase::Direct | Phase::Pgbench);
+            let commits = matches!(
                 phase,
-                Phase::ProxyUnfenced | Phase::ProxyFenced | Phase::StaleRejected
+                Phase::ProxyUnfenced | Phase::ProxyFenced | Phase::ProxyFencedOn(_)
             );
-            let commits = matches!(phase, Phase::ProxyUnfenced | Phase::ProxyFenced);
-            let vs_direct = if proxied {
-                ratio(s.rate, direct)
-            } else {
-                "—".into()
+            let (vs_direct, added_p50, added_p99) = match (&direct, proxied) {
+                (Some(d), true) => (
+                    ratio(s.rate, Some(d.rate)),
+                    ms(s.p50_ms - d.p50_ms),
+                    ms(s.p99_ms - d.p99_ms),
+                ),
+                _ => ("—".into(), "—".into(), "—".into()),
             };
             let vs_pgbench = if commits {
                 ratio(s.rate, pgbench)
             } else {
                 "—".into()
             };
-            let unexpected = if s.unexpected == 0 {
-                "0".to_string()
-            } else {
-                format!("**⚠ {}**", s.unexpected)
-            };
             let _ = writeln!(
                 md,
-                "| {} | {} | {}–{} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {}–{} | {} | {} | {added_p50} | {added_p99} | {vs_direct} | {vs_pgbench} | {} |",
                 phase.label(o),
                 thousands(s.rate),
                 thousands(s.min),
                 thousands(s.max),
                 ms(s.p50_ms),
                 ms(s.p99_ms),
-                vs_direct,
-                vs_pgbench,
-                unexpected,
+                unexpected(s.unexpected),
             );
         }
+        md.push_str(
+            "\nadded p50/p99: the row's median p50/p99 minus the direct row's, at the same number of connections \
+             (closed loops, so most of it is queueing behind the slower path).\n",
+        );
+    }
 
+    /// A two-row table of acquire + release cycles against their baseline.
+    fn cycle_table(&self, md: &mut String, ours: Phase, baseline: Phase, against: &str) {
+        let o = &self.options;
+        let base = self.summary(baseline).map(|s| s.rate);
+        let _ = writeln!(
+            md,
+            "| phase | cycles/s (median) | min–max | p50 ms | p99 ms | {against} | unexpected |"
+        );
+        md.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+        for phase in [ours, baseline] {
+            let Some(s) = self.summary(phase) else {
+                continue;
+            };
+            let vs = if phase == ours {
+                ratio(s.rate, base)
+            } else {
+                "—".into()
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {} | {}–{} | {} | {} | {vs} | {} |",
+                phase.label(o),
+                thousands(s.rate),
+                thousands(s.min),
+                thousands(s.max),
+                ms(s.p50_ms),
+                ms(s.p99_ms),
+                unexpected(s.unexpected),
+            );
+        }
+    }
+
+    fn rss_table(&self, md: &mut String, rss: &Result<RssResult, String>) {
+        let _ = writeln!(
+            md,
+            "\n#### Proxy memory with {} open client connections (separate `railguard serve` process)\n",
+            self.options.rss_connections
+        );
+        match rss {
+            Ok(r) => {
+                let mib = |kib: u64| {
+                    format!(
+                        "{:.1} MiB ({:.1} MB)",
+                        kib as f64 / 1024.0,
+                        kib as f64 * 1.024 / 1000.0
+                    )
+                };
+                md.push_str("| measurement | value |\n|---|---:|\n");
+                let _ = writeln!(
+                    md,
+                    "| VmRSS once ready, no client connection | {} |",
+                    mib(r.idle_kib)
+                );
+                let _ = writeln!(
+                    md,
+                    "| VmRSS with {} keep-alive connections open, one fenced payment sent on each ({} answered 201) | {} |",
+                    r.connections,
+                    r.accepted,
+                    mib(r.open_kib)
+                );
+                let _ = writeln!(
+                    md,
+                    "| VmHWM (peak resident) at that moment | {} |",
+                    mib(r.peak_kib)
+                );
+                for problem in &r.problems {
+                    let _ = writeln!(md, "\n**⚠** {problem}");
+                }
+            }
+            Err(why) => {
+                let _ = writeln!(md, "**Not measured:** {why}");
+            }
+        }
+    }
+
+    fn targets(&self, md: &mut String) {
+        let o = &self.options;
+        md.push_str("\n#### Targets\n\n| target | measured | met? | why, when missed |\n|---|---:|---|---|\n");
+        let rate = |p| self.summary(p).map(|s| s.rate);
+        let met = |ok: bool| if ok { "met" } else { "**missed**" };
+        if let (Some(fenced), Some(pgbench)) = (rate(Phase::ProxyFenced), rate(Phase::Pgbench)) {
+            let r = fenced / pgbench.max(1e-9);
+            let why = if r >= 1.0 {
+                String::new()
+            } else {
+                let cpu = |p: Phase| {
+                    let samples = self
+                        .samples
+                        .iter()
+                        .find(|(q, _)| *q == p)
+                        .map(|(_, s)| s.as_slice())
+                        .unwrap_or(&[]);
+                    let per = |f: fn(&CpuUse) -> f64| {
+                        median(
+                            samples
+                                .iter()
+                                .map(|s| f(&s.cpu) * 1e6 / s.count.max(1) as f64),
+                        )
+                    };
+                    (
+                        per(|c| c.own_secs),
+                        per(|c| c.postgres_secs),
+                        median(samples.iter().map(|s| s.cpu.machine_busy * 100.0)),
+                    )
+                };
+                let (own, pg, busy) = cpu(Phase::ProxyFenced);
+                let (direct_own, _, _) = cpu(Phase::Direct);
+                format!(
+                    "CPU: the {} shared cores were {busy:.0}% busy; per forwarded request the railguard process \
+                     used {own:.0} µs (direct to the simulator: {direct_own:.0} µs) and PostgreSQL {pg:.0} µs",
+                    self.environment.cpus
+                )
+            };
+            let _ = writeln!(
+                md,
+                "| fenced forwards ≥ 1.0× pgbench at {} clients ({} accounts) | {r:.2}× | {} | {why} |",
+                o.connections,
+                thousands(o.accounts as f64),
+                met(r >= 1.0)
+            );
+        }
+        if let (Some(stale), Some(off)) = (rate(Phase::StaleRejected), rate(Phase::ProxyUnfenced)) {
+            let r = stale / off.max(1e-9);
+            let _ = writeln!(
+                md,
+                "| stale rejections ≥ 0.9× fencing off | {r:.2}× | {} | {} |",
+                met(r >= 0.9),
+                if r >= 0.9 { "" } else { "see the CPU table" }
+            );
+        }
+        if let Some(rss) = &self.rss {
+            match rss {
+                Ok(r) => {
+                    let bytes = r.open_kib * 1024;
+                    let complete = r.accepted == r.connections;
+                    let ok = bytes < super::rss::TARGET_BYTES && complete;
+                    let why = if !complete {
+                        format!(
+                            "only {} of {} connections were accepted",
+                            r.accepted, r.connections
+                        )
+                    } else if !ok {
+                        "resident memory above the target".into()
+                    } else {
+                        String::new()
+                    };
+                    let _ = writeln!(
+                        md,
+                        "| proxy RSS < 100 MB at {} open connections | {:.1} MB | {} | {why} |",
+                        r.connections,
+                        bytes as f64 / 1e6,
+                        met(ok)
+                    );
+                }
+                Err(why) => {
+                    let _ = writeln!(
+                        md,
+                        "| proxy RSS < 100 MB at {} open connections | — | **not measured** | {why} |",
+                        o.rss_connections
+                    );
+                }
+            }
+        }
+    }
+
+    fn flagged(&self, md: &mut String) {
+        let o = &self.options;
         let flagged: Vec<String> = self
             .samples
             .iter()
@@ -258,8 +499,11 @@ impl Report {
                 md.push('\n');
             }
         }
+    }
 
-        md.push_str("\nEach repetition, req/s (tx/s for pgbench), in the order they ran:\n\n");
+    fn repetitions(&self, md: &mut String) {
+        let o = &self.options;
+        md.push_str("\nEach repetition, req/s (cycles/s for lock phases, tx/s for pgbench), in the order they ran:\n\n");
         let reps = self.samples.iter().map(|(_, s)| s.len()).max().unwrap_or(0);
         md.push_str("| phase |");
         for rep in 1..=reps {
@@ -288,18 +532,22 @@ impl Report {
                 NOISY * 100.0
             );
         }
+    }
 
+    fn cpu_table(&self, md: &mut String) {
+        let o = &self.options;
         md.push_str(
-            "\nWhere the CPU went during the measured runs (medians; CPU time per request or transaction, \
-             from /proc; the railguard process holds the load generator, both proxies and the rail \
-             simulator):\n\n",
+            "\nWhere the CPU went during the measured runs (medians; CPU time per request, cycle or transaction, \
+             from /proc; the railguard process holds the load generator, the in-process proxies and lock \
+             services, and the rail simulator):\n\n",
         );
         md.push_str(
-            "| phase | machine busy | other processes | railguard process µs | PostgreSQL µs | pgbench µs |\n",
+            "| phase | machine busy | other processes | railguard process µs | PostgreSQL µs | etcd µs | pgbench µs |\n",
         );
-        md.push_str("|---|---:|---:|---:|---:|---:|\n");
+        md.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
         for (phase, samples) in &self.samples {
-            let pgbench = matches!(phase, Phase::Pgbench);
+            let pgbench = matches!(phase, Phase::Pgbench | Phase::PgbenchLocks);
+            let etcd = phase.suite() == Suite::Etcd;
             let per_op = |secs: fn(&CpuUse) -> f64| {
                 median(
                     samples
@@ -319,14 +567,33 @@ impl Report {
             } else {
                 "—".into()
             };
+            let etcd = if etcd {
+                format!("{:.0}", per_op(|c| c.etcd_secs))
+            } else {
+                "—".into()
+            };
             let _ = writeln!(
                 md,
-                "| {} | {busy:.0}% | {others:.0}% | {own} | {:.0} | {client} |",
+                "| {} | {busy:.0}% | {others:.0}% | {own} | {:.0} | {etcd} | {client} |",
                 phase.label(o),
                 per_op(|c| c.postgres_secs),
             );
         }
-        md
+    }
+
+    fn suite_samples(&self, suite: Suite) -> impl Iterator<Item = (Phase, &[Sample])> {
+        self.samples
+            .iter()
+            .filter(move |(p, _)| p.suite() == suite)
+            .map(|(p, s)| (*p, s.as_slice()))
+    }
+}
+
+fn unexpected(n: u64) -> String {
+    if n == 0 {
+        "0".to_string()
+    } else {
+        format!("**⚠ {n}**")
     }
 }
 

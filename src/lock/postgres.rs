@@ -26,7 +26,7 @@ use crate::token::FencingToken;
 /// NOTIFY channel on which releases are announced, with the key as payload.
 pub const RELEASE_CHANNEL: &str = "railguard_lock_released";
 
-const ACQUIRE_SQL: &str = "\
+pub const ACQUIRE_SQL: &str = "\
 INSERT INTO lock_entry AS e (key, holder, token, ttl_ms, granted_at, expires_at)
 VALUES ($1, $2, nextval('fencing_token_seq'), $3::bigint,
         clock_timestamp(), clock_timestamp() + $3::bigint * interval '1 millisecond')
@@ -57,7 +57,7 @@ UPDATE lock_entry SET expires_at = clock_timestamp() + ttl_ms * interval '1 mill
 WHERE key = $1 AND token = $2 AND ended_at IS NULL AND expires_at > clock_timestamp()
 RETURNING (extract(epoch FROM expires_at) * 1000000)::bigint, ttl_ms";
 
-const RELEASE_SQL: &str = "\
+pub const RELEASE_SQL: &str = "\
 WITH ended AS (
     UPDATE lock_entry
     SET ended_at = clock_timestamp(), expires_at = clock_timestamp(), released = true
