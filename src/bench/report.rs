@@ -379,6 +379,11 @@ impl Report {
                     "| VmHWM (peak resident) at that moment | {} |",
                     mib(r.peak_kib)
                 );
+                let _ = writeln!(
+                    md,
+                    "| open file descriptors of the process at that moment | {} |",
+                    thousands(r.open_fds as f64)
+                );
                 for problem in &r.problems {
                     let _ = writeln!(md, "\n**⚠** {problem}");
                 }

@@ -36,6 +36,9 @@ pub struct RssResult {
     pub open_kib: u64,
     /// VmHWM at the same moment: the most the process ever had resident.
     pub peak_kib: u64,
+    /// The child's open file descriptors at the same moment: shows the connections were
+    /// still open on its side (each client connection is one socket there).
+    pub open_fds: usize,
     pub problems: Vec<String>,
 }
 
@@ -165,6 +168,7 @@ async fn with_child(
     tokio::time::sleep(Duration::from_millis(500)).await;
     result.open_kib = status_kib(pid, "VmRSS:").ok_or("cannot read the child's VmRSS")?;
     result.peak_kib = status_kib(pid, "VmHWM:").ok_or("cannot read the child's VmHWM")?;
+    result.open_fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count());
     if let Ok(Some(status)) = child.try_wait() {
         result.problems.push(format!(
             "`railguard serve` exited during the measurement ({status})"
