@@ -211,15 +211,18 @@ where
                 None => proceed.await,
                 Some(owner) => {
                     let store = fence.store.clone();
-                    let task = tokio::spawn(async move {
-                        let result = proceed.await;
-                        if let Err(e) = &result
-                            && e.downcast_ref::<NotSent>().is_some()
-                        {
-                            store.forget_unsent(vec![owner]);
+                    let task = tokio::spawn(
+                        async move {
+                            let result = proceed.await;
+                            if let Err(e) = &result
+                                && e.downcast_ref::<NotSent>().is_some()
+                            {
+                                store.forget_unsent(vec![owner]);
+                            }
+                            result
                         }
-                        result
-                    });
+                        .instrument(tracing::Span::current()),
+                    );
                     task.await.unwrap_or_else(|e| Err(e.into()))
                 }
             }
