@@ -87,9 +87,10 @@ enum Command {
         /// Repetitions of each phase, interleaved round-robin; the table quotes medians.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
         repeats: u32,
-        /// Concurrent keep-alive connections, and pgbench clients (at most 150: the throwaway
-        /// PostgreSQL allows 200 connections, shared with both proxies' pools).
-        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=150))]
+        /// Concurrent keep-alive connections, and pgbench clients (at most 140: the throwaway
+        /// PostgreSQL allows 200 connections, shared with the pools of up to three in-process
+        /// railguards).
+        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=140))]
         connections: u64,
         /// Accounts requests are spread over, uniformly.
         #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
@@ -103,8 +104,9 @@ enum Command {
         /// Upper bound on requests per repetition, across all connections.
         #[arg(long, default_value_t = 5_000_000)]
         max_requests: u64,
-        /// Concurrent clients of the lock phases, and pgbench clients there.
-        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=150))]
+        /// Concurrent clients of the lock phases, and pgbench clients there (at most 140, as
+        /// for --connections).
+        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=140))]
         lock_clients: u64,
         /// Open client connections for the proxy RSS measurement (0 skips it).
         #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=10_000))]
