@@ -10,7 +10,6 @@
 //! rather than queued behind an unbounded backlog.
 
 use std::collections::{HashMap, VecDeque};
-use std::pin::pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
@@ -27,11 +26,13 @@ pub struct WaitQueues {
 struct State {
     next_id: u64,
     waiting: usize,
-    keys: HashMap<LockKey, KeyQueue>,
+    keys: HashMap<LockKey, VecDeque<Waiter>>,
 }
 
-struct KeyQueue {
-    order: VecDeque<u64>,
+/// One place in a key's queue, with its own wake-up: only the head is ever woken, so a
+/// release or a departure costs one wake-up, not one per waiter.
+struct Waiter {
+    id: u64,
     notify: Arc<Notify>,
 }
 
@@ -64,12 +65,15 @@ impl WaitQueues {
         state.next_id += 1;
         state.waiting += 1;
         let id = state.next_id;
-        let queue = state.keys.entry(key.clone()).or_insert_with(|| KeyQueue {
-            order: VecDeque::new(),
-            notify: Arc::new(Notify::new()),
-        });
-        queue.order.push_back(id);
-        let notify = queue.notify.clone();
+        let notify = Arc::new(Notify::new());
+        state
+            .keys
+            .entry(key.clone())
+            .or_default()
+            .push_back(Waiter {
+                id,
+                notify: notify.clone(),
+            });
         Ok(Place {
             queues: self.clone(),
             key: key.clone(),
@@ -78,18 +82,19 @@ impl WaitQueues {
         })
     }
 
-    /// Wakes every waiter of `key` (it was released).
+    /// Wakes the head of `key`'s queue (the key was released).
     pub fn wake(&self, key: &str) {
         let Ok(key) = LockKey::parse(key) else { return };
-        if let Some(queue) = self.lock().keys.get(&key) {
-            queue.notify.notify_waiters();
+        if let Some(head) = self.lock().keys.get(&key).and_then(|q| q.front()) {
+            // `notify_one` keeps a permit if the head is not waiting yet: nothing is lost.
+            head.notify.notify_one();
         }
     }
 
-    /// Wakes every waiter of every key (notifications may have been missed).
+    /// Wakes the head of every queue (notifications may have been missed).
     pub fn wake_all(&self) {
-        for queue in self.lock().keys.values() {
-            queue.notify.notify_waiters();
+        for head in self.lock().keys.values().filter_map(|q| q.front()) {
+            head.notify.notify_one();
         }
     }
 
@@ -102,25 +107,31 @@ impl WaitQueues {
 impl Place {
     fn is_head(&self) -> bool {
         let state = self.queues.lock();
-        state.keys.get(&self.key).and_then(|q| q.order.front()) == Some(&self.id)
+        state
+            .keys
+            .get(&self.key)
+            .and_then(|q| q.front())
+            .map(|w| w.id)
+            == Some(self.id)
     }
 
     /// Waits until this place is at the head of its queue, or `deadline`. True when at the head.
     pub async fn reach_head(&self, deadline: Instant) -> bool {
         loop {
-            let mut woken = pin!(self.notify.notified());
-            woken.as_mut().enable();
             if self.is_head() {
                 return true;
             }
-            if tokio::time::timeout_at(deadline, woken).await.is_err() {
+            if tokio::time::timeout_at(deadline, self.notify.notified())
+                .await
+                .is_err()
+            {
                 return self.is_head();
             }
         }
     }
 
-    /// The wake-up source of this place's key. Create and enable a `notified()` future before
-    /// an attempt, so that a release landing during the attempt is not missed.
+    /// This place's wake-up: a release of the key, or the queue moving. A wake-up that comes
+    /// while nobody waits is kept (as a permit) for the next `notified()`.
     pub fn notify(&self) -> &Notify {
         &self.notify
     }
@@ -131,10 +142,14 @@ impl Drop for Place {
         let mut state = self.queues.lock();
         state.waiting -= 1;
         if let Some(queue) = state.keys.get_mut(&self.key) {
-            queue.order.retain(|id| *id != self.id);
-            queue.notify.notify_waiters();
-            if queue.order.is_empty() {
-                state.keys.remove(&self.key);
+            let was_head = queue.front().is_some_and(|w| w.id == self.id);
+            queue.retain(|w| w.id != self.id);
+            match queue.front() {
+                Some(next) if was_head => next.notify.notify_one(),
+                Some(_) => {}
+                None => {
+                    state.keys.remove(&self.key);
+                }
             }
         }
     }
