@@ -225,7 +225,9 @@ impl Report {
                 md,
                 "- Proxy phases: {} HTTP connections, each one request at a time; {} accounts (uniform) unless the row says otherwise; \
                  `pgbench -n -M prepared -j 2` with -c {}",
-                o.connections, o.accounts, o.connections,
+                o.connections,
+                thousands(o.accounts as f64),
+                o.connections,
             );
         }
         if o.runs(Suite::Locks) || o.runs(Suite::Etcd) {
@@ -350,7 +352,7 @@ impl Report {
         let _ = writeln!(
             md,
             "\n#### Proxy memory with {} open client connections (separate `railguard serve` process)\n",
-            self.options.rss_connections
+            thousands(self.options.rss_connections as f64)
         );
         match rss {
             Ok(r) => {
@@ -370,8 +372,8 @@ impl Report {
                 let _ = writeln!(
                     md,
                     "| VmRSS with {} keep-alive connections open, one fenced payment sent on each ({} answered 201) | {} |",
-                    r.connections,
-                    r.accepted,
+                    thousands(r.connections as f64),
+                    thousands(r.accepted as f64),
                     mib(r.open_kib)
                 );
                 let _ = writeln!(
@@ -468,7 +470,7 @@ impl Report {
                     let _ = writeln!(
                         md,
                         "| proxy RSS < 100 MB at {} open connections | {:.1} MB | {} | {why} |",
-                        r.connections,
+                        thousands(r.connections as f64),
                         bytes as f64 / 1e6,
                         met(ok)
                     );
