@@ -34,7 +34,11 @@ impl MarkCache {
     pub fn raise(&self, account: &AccountId, lower_bound: i64) {
         // The common case — a holder sending another payment under the same token — finds the
         // bound already known; a read is much cheaper than the cache's atomic upsert.
-        if self.marks.get(account).is_some_and(|known| known >= lower_bound) {
+        if self
+            .marks
+            .get(account)
+            .is_some_and(|known| known >= lower_bound)
+        {
             return;
         }
         self.marks.entry_by_ref(account).and_upsert_with(|current| {

@@ -59,9 +59,17 @@ pub(crate) async fn exchange(
     timeout: Duration,
 ) -> Result<(StatusCode, Bytes), SdkError> {
     let exchange = async {
-        let response = http.request(request).await.map_err(|e| SdkError::Unavailable(e.to_string()))?;
+        let response = http
+            .request(request)
+            .await
+            .map_err(|e| SdkError::Unavailable(e.to_string()))?;
         let status = response.status();
-        let bytes = response.into_body().collect().await.map_err(|e| SdkError::Transport(e.to_string()))?.to_bytes();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| SdkError::Transport(e.to_string()))?
+            .to_bytes();
         Ok::<_, SdkError>((status, bytes))
     };
     tokio::time::timeout(timeout, exchange)
