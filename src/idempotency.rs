@@ -90,6 +90,13 @@ impl IdempotencyStore {
         Self { pool, timeout }
     }
 
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.pool
+            .get()
+            .await
+            .map_err(|e| StoreError::Pool(e.to_string()))
+    }
+
     async fn bounded<T>(
         &self,
         work: impl Future<Output = Result<T, StoreError>>,
@@ -101,11 +108,7 @@ impl IdempotencyStore {
 
     pub async fn find(&self, account: &AccountId, key: &str) -> Result<Option<Record>, StoreError> {
         self.bounded(async {
-            let client = self
-                .pool
-                .get()
-                .await
-                .map_err(|e| StoreError::Pool(e.to_string()))?;
+            let client = self.client().await?;
             let row = client
                 .query_opt(
                     "SELECT fingerprint, state, status, headers::text, body, body_stored,
@@ -158,11 +161,7 @@ impl IdempotencyStore {
         let headers = serde_json::to_string(&response.headers).expect("headers serialize");
         let body: Option<&[u8]> = response.body.as_deref();
         self.bounded(async {
-            let client = self
-                .pool
-                .get()
-                .await
-                .map_err(|e| StoreError::Pool(e.to_string()))?;
+            let client = self.client().await?;
             client
                 .execute(
                     "UPDATE idempotency_record
@@ -232,11 +231,7 @@ impl IdempotencyStore {
     pub async fn sweep(&self, retention: Duration) -> Result<u64, StoreError> {
         let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
         self.bounded(async {
-            let client = self
-                .pool
-                .get()
-                .await
-                .map_err(|e| StoreError::Pool(e.to_string()))?;
+            let client = self.client().await?;
             let deleted = client
                 .execute(
                     "DELETE FROM idempotency_record WHERE ctid IN (
