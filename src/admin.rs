@@ -26,8 +26,6 @@ pub struct Admin {
     pub metrics: Arc<Metrics>,
     pub store: HighWaterStore,
     pub idempotency: IdempotencyStore,
-    /// A record in flight for longer than this has no live forward behind it.
-    pub in_doubt_after: Duration,
     pub max_account_len: usize,
 }
 
@@ -112,7 +110,7 @@ impl Admin {
                 );
             }
         };
-        let (status, message) = match self.idempotency.forget_in_doubt(&account, &asked.key, self.in_doubt_after).await {
+        let (status, message) = match self.idempotency.forget_in_doubt(&account, &asked.key).await {
             Ok(Forgot::Forgotten) => {
                 tracing::warn!(account = %account, key = asked.key, "an operator forgot an idempotency record in doubt");
                 (StatusCode::OK, "forgotten: the next retry of this key will be forwarded".to_string())
@@ -123,7 +121,11 @@ impl Admin {
             ),
             Ok(Forgot::StillInFlight) => (
                 StatusCode::CONFLICT,
-                format!("the record is in flight but not yet in doubt (younger than {:?}); its forward may still be running", self.in_doubt_after),
+                "the record is in flight and not yet in doubt: its owner's deadline has not passed, and its forward may still be running".into(),
+            ),
+            Ok(Forgot::OwnerMayStillSend) => (
+                StatusCode::CONFLICT,
+                "the record is past its owner's deadline, but the railguard process that owns it is still running and has not said its forward ended (it may be paused or cut off from the database mid-send): it may still send it. Retry once that process has ended or the record is declared in doubt".into(),
             ),
             Ok(Forgot::NotFound) => (StatusCode::NOT_FOUND, "no record for this account and key".into()),
             Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),

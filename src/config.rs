@@ -111,8 +111,12 @@ pub struct ProxyConfig {
     pub token_header: String,
     /// Header that names the account the request moves money on (C2 §2.2).
     pub account_header: String,
-    /// Header that carries the idempotency key (C3 §3.1); recorded, passed through.
+    /// Header that carries the idempotency key (C3 §3.1); recorded, and passed through to the
+    /// rail so that a rail which deduplicates by it absorbs a retry the proxy cannot judge.
     pub idempotency_header: String,
+    /// Header that carries the grant's proof that the token was granted for the account's
+    /// lock key (C2 §2.3).
+    pub proof_header: String,
     /// Longest account id accepted, in bytes.
     pub max_account_len: u64,
 }
@@ -128,6 +132,7 @@ impl Default for ProxyConfig {
             token_header: "Fencing-Token".into(),
             account_header: "Fencing-Account".into(),
             idempotency_header: "Idempotency-Key".into(),
+            proof_header: "Fencing-Proof".into(),
             max_account_len: 128,
         }
     }
@@ -218,6 +223,13 @@ pub struct FencingConfig {
     pub batch_max: u64,
     /// Fence statements in flight at once (at most `database.pool_size`).
     pub batch_concurrency: u64,
+    /// Refuse (400) a token without a grant proof. `false` is a migration switch for workers
+    /// that cannot send the proof yet: it logs a loud error at start, exports
+    /// `railguard_fencing_proof_required 0`, and counts unproven tokens; a proof that is sent
+    /// and wrong is still refused.
+    pub require_proof: bool,
+    /// The lock key whose grants fence an account: `{account}` is replaced by the account id.
+    pub lock_key_template: String,
 }
 
 impl Default for FencingConfig {
@@ -227,6 +239,8 @@ impl Default for FencingConfig {
             cache_capacity: 100_000,
             batch_max: 512,
             batch_concurrency: 4,
+            require_proof: true,
+            lock_key_template: "{account}".into(),
         }
     }
 }
@@ -415,6 +429,7 @@ impl Config {
             ("proxy.token_header", &self.proxy.token_header),
             ("proxy.account_header", &self.proxy.account_header),
             ("proxy.idempotency_header", &self.proxy.idempotency_header),
+            ("proxy.proof_header", &self.proxy.proof_header),
         ] {
             http::HeaderName::from_bytes(value.as_bytes())
                 .map_err(|_| (key, format!("{value:?} is not a valid HTTP header name")))?;
@@ -453,6 +468,32 @@ impl Config {
                 "must differ from the token and account headers".into(),
             ));
         }
+        if [
+            &self.proxy.token_header,
+            &self.proxy.account_header,
+            &self.proxy.idempotency_header,
+        ]
+        .iter()
+        .any(|h| h.eq_ignore_ascii_case(&self.proxy.proof_header))
+        {
+            return Err((
+                "proxy.proof_header",
+                "must differ from the token, account and idempotency headers".into(),
+            ));
+        }
+        if self.fencing.lock_key_template.matches("{account}").count() != 1 {
+            return Err((
+                "fencing.lock_key_template",
+                "must contain `{account}` exactly once".into(),
+            ));
+        }
+        let sample = self.fencing.lock_key_template.replace("{account}", "a");
+        crate::lock::LockKey::parse(&sample).map_err(|e| {
+            (
+                "fencing.lock_key_template",
+                format!("does not make a valid lock key: {e}"),
+            )
+        })?;
         if self.database.pool_size > 1024 {
             return Err(("database.pool_size", "must be at most 1024".into()));
         }
@@ -736,6 +777,12 @@ mod tests {
         assert_eq!(err.key.as_deref(), Some("database.url"));
         let err = parse("[proxy]\ntoken_header = \"bad header\"\n", &[]).unwrap_err();
         assert_eq!(err.key.as_deref(), Some("proxy.token_header"));
+        let err = parse("[fencing]\nlock_key_template = \"acct\"\n", &[]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("fencing.lock_key_template"));
+        let err = parse("[fencing]\nlock_key_template = \"a/{account}\"\n", &[]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("fencing.lock_key_template"));
+        let err = parse("[proxy]\nproof_header = \"fencing-token\"\n", &[]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("proxy.proof_header"));
         let err = parse("[log]\nformat = \"xml\"\n", &[]).unwrap_err();
         assert_eq!(err.key.as_deref(), Some("log.format"));
     }

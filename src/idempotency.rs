@@ -4,11 +4,28 @@
 //!
 //! A record is created by the fence's compare-and-set statement (`high_water::batch`), in the
 //! same transaction, as `in_flight`; it becomes `done` with the rail's response. Keys are
-//! scoped per account. A record still `in_flight` after the longest a forward can take
-//! (`request_timeout` plus a margin) belongs to a proxy that crashed or lost its database
-//! mid-request: whether the rail acted is unknown, so the record is *in doubt* and is never
-//! forwarded again on its own, and retention does not remove it either. The operator's way out
-//! is `railguard idempotency-forget`, after checking the rail's own records.
+//! scoped per account.
+//!
+//! **In doubt.** A record is *in doubt* when whether the rail acted is unknown: its owner said
+//! so (its forward ended without an answer: a timeout, a broken connection), or the owner's
+//! own deadline — recorded with the record by the owner, never taken from a reader's
+//! configuration — passed without a completion (the owner crashed, or lost its database, or
+//! is paused). A record in doubt is never forwarded again on its own, and retention does not
+//! remove it either.
+//!
+//! **Forget** ([`IdempotencyStore::forget_in_doubt`]) removes a record in doubt so that the
+//! next retry is forwarded — and refuses while its owner may still send it: a record is
+//! forgotten only when its owner declared it in doubt (its forward is over) or the owner's
+//! deadline passed *and* the owning railguard process is gone. Each process holds a session
+//! advisory lock named by its [`InstanceId`] for its whole life, so "gone" is PostgreSQL's own
+//! view of the owner's session, not a timer. What no check here can see — bytes already on
+//! their way in the network, or a rail that received a request and has not recorded it yet —
+//! is why the proxy forwards `Idempotency-Key` to the rail: a rail that deduplicates by it
+//! absorbs the rest (README, "In doubt").
+//!
+//! **Outcomes are not dropped.** A completion (or a declaration of doubt) that cannot be
+//! stored at once, because the database is down, is retried in the background until it is,
+//! for up to an hour, so a payment that succeeded stays replayable.
 
 use std::time::Duration;
 
@@ -68,8 +85,81 @@ pub struct StoredResponse {
 /// A record as found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordState {
-    InFlight { age: Duration },
+    /// Its owner may still be forwarding it.
+    InFlight,
+    /// Whether the rail acted is unknown (see the module docs).
+    InDoubt,
     Done(StoredResponse),
+}
+
+/// One railguard process as the owner of idempotency records: a random positive id, held as a
+/// session advisory lock for as long as the process lives (see [`hold_instance_lock`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InstanceId(i64);
+
+impl InstanceId {
+    pub fn generate() -> Self {
+        let bytes = crate::proof::random_bytes::<8>();
+        Self((i64::from_be_bytes(bytes) & (i64::MAX >> 1)).max(1))
+    }
+
+    pub fn get(self) -> i64 {
+        self.0
+    }
+}
+
+/// Whether the process `instance` still holds its session in PostgreSQL.
+const OWNER_ALIVE_SQL: &str = "\
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND granted AND objsubid = 1
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = ($1::bigint >> 32)::oid AND objid = ($1::bigint & 4294967295)::oid)";
+
+/// Holds `instance`'s advisory lock on a connection of its own for as long as the process
+/// runs; `held` is told once it is first held. Reconnects when the connection is lost (the
+/// database restarted): until then this process's records look ownerless.
+pub async fn hold_instance_lock(
+    url: String,
+    timeout: Duration,
+    instance: InstanceId,
+    held: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut held = Some(held);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let attempt = async {
+            let config = crate::db::pg_config(&url, timeout).map_err(|e| e.to_string())?;
+            let (client, connection) = config
+                .connect(tokio_postgres::NoTls)
+                .await
+                .map_err(|e| e.to_string())?;
+            let connection = tokio::spawn(connection);
+            client
+                .execute("SELECT pg_advisory_lock($1)", &[&instance.get()])
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>((client, connection))
+        };
+        match attempt.await {
+            Ok((client, connection)) => {
+                backoff = Duration::from_millis(100);
+                if let Some(held) = held.take() {
+                    let _ = held.send(());
+                }
+                let _ = connection.await;
+                drop(client);
+                tracing::warn!(
+                    instance = instance.get(),
+                    "lost the session that marks this railguard's idempotency records as owned; \
+                     reconnecting"
+                );
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot hold the instance lock; retrying"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,11 +173,35 @@ pub struct Record {
 pub struct IdempotencyStore {
     pool: Pool,
     timeout: Duration,
+    outcomes: OutcomeMetrics,
+}
+
+/// How outcomes waiting for the database are shown.
+#[derive(Clone)]
+pub struct OutcomeMetrics {
+    pub pending: prometheus::IntGauge,
+    pub lost: prometheus::IntCounter,
+}
+
+/// Most outcomes retried at once; past it, new ones are given up on (and counted).
+const MAX_PENDING_OUTCOMES: i64 = 100_000;
+/// How long an outcome is retried.
+const OUTCOME_RETRY_FOR: Duration = Duration::from_secs(3600);
+
+/// An outcome to store for a record this process owns.
+#[derive(Debug, Clone)]
+enum Outcome {
+    Done(StoredResponse),
+    InDoubt,
 }
 
 impl IdempotencyStore {
-    pub fn new(pool: Pool, timeout: Duration) -> Self {
-        Self { pool, timeout }
+    pub fn new(pool: Pool, timeout: Duration, outcomes: OutcomeMetrics) -> Self {
+        Self {
+            pool,
+            timeout,
+            outcomes,
+        }
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
@@ -111,15 +225,23 @@ impl IdempotencyStore {
             let client = self.client().await?;
             let row = client
                 .query_opt(
-                    "SELECT fingerprint, state, status, headers::text, body, body_stored,
-                            (extract(epoch FROM now() - created_at) * 1000)::bigint
+                    "SELECT fingerprint,
+                            CASE WHEN state = 'done' THEN 'done'
+                                 WHEN state = 'in_doubt'
+                                   OR now() > COALESCE(in_doubt_at, created_at) THEN 'in_doubt'
+                                 ELSE 'in_flight' END,
+                            status, headers::text, body, body_stored
                      FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2",
                     &[&account.as_str(), &key],
                 )
                 .await?;
             Ok(row.map(|row| {
                 let state: String = row.get(1);
-                let state = if state == "done" {
+                let state = if state == "in_doubt" {
+                    RecordState::InDoubt
+                } else if state == "in_flight" {
+                    RecordState::InFlight
+                } else {
                     let headers: Option<String> = row.get(3);
                     let headers = headers
                         .and_then(|h| serde_json::from_str(&h).ok())
@@ -135,10 +257,6 @@ impl IdempotencyStore {
                             None
                         },
                     })
-                } else {
-                    RecordState::InFlight {
-                        age: Duration::from_millis(row.get::<_, i64>(6).max(0) as u64),
-                    }
                 };
                 Record {
                     fingerprint: row.get(0),
@@ -185,42 +303,142 @@ impl IdempotencyStore {
         .await
     }
 
+    /// Says, for the owner, that its forward ended without an answer: the record is in doubt
+    /// now, and may be forgotten by an operator even while this process runs.
+    pub async fn declare_in_doubt(
+        &self,
+        account: &AccountId,
+        key: &str,
+        owner: &str,
+    ) -> Result<(), StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            client
+                .execute(
+                    "UPDATE idempotency_record SET state = 'in_doubt'
+                     WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3
+                       AND state = 'in_flight'",
+                    &[&account.as_str(), &key, &owner],
+                )
+                .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// [`complete`](Self::complete), retried in the background until the database takes it.
+    pub fn complete_eventually(
+        &self,
+        account: AccountId,
+        key: String,
+        owner: String,
+        response: StoredResponse,
+    ) {
+        self.store_eventually(account, key, owner, Outcome::Done(response));
+    }
+
+    /// [`declare_in_doubt`](Self::declare_in_doubt), retried in the background.
+    pub fn declare_in_doubt_eventually(&self, account: AccountId, key: String, owner: String) {
+        self.store_eventually(account, key, owner, Outcome::InDoubt);
+    }
+
+    fn store_eventually(&self, account: AccountId, key: String, owner: String, outcome: Outcome) {
+        let store = self.clone();
+        let pending = &self.outcomes.pending;
+        if pending.get() >= MAX_PENDING_OUTCOMES {
+            self.outcomes.lost.inc();
+            tracing::error!(account = %account, key, "too many idempotency outcomes wait for the database; this record stays in flight and will be in doubt");
+            return;
+        }
+        pending.inc();
+        tokio::spawn(async move {
+            let started = tokio::time::Instant::now();
+            let mut pause = Duration::from_millis(50);
+            loop {
+                let stored = match &outcome {
+                    Outcome::Done(response) => {
+                        store.complete(&account, &key, &owner, response).await
+                    }
+                    Outcome::InDoubt => store.declare_in_doubt(&account, &key, &owner).await,
+                };
+                match stored {
+                    Ok(()) => break,
+                    Err(e) if started.elapsed() > OUTCOME_RETRY_FOR => {
+                        store.outcomes.lost.inc();
+                        tracing::error!(account = %account, key, error = %e,
+                            "gave up storing an idempotency outcome; the record will be in doubt");
+                        break;
+                    }
+                    Err(e) => {
+                        if pause >= Duration::from_secs(1) {
+                            tracing::warn!(account = %account, key, error = %e,
+                                "idempotency outcome not stored yet; retrying");
+                        }
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(5));
+                    }
+                }
+            }
+            store.outcomes.pending.dec();
+        });
+    }
+
     /// Removes, in the background, the in-flight records of requests known never to have
     /// reached the rail, by owner id.
     pub fn forget_unsent(&self, owners: Vec<String>) {
         crate::high_water::forget_records(self.pool.clone(), owners, self.timeout);
     }
 
-    /// The operator's way out of `in_doubt`: deletes the record if it is in flight and older
-    /// than `in_doubt_after` — a record whose forward may still be running is never touched.
+    /// The operator's way out of `in_doubt`: deletes the record only if nothing railguard
+    /// does can still send it — its owner declared its forward over, or the owner's own
+    /// deadline passed and the owning process is gone. See the module docs for what this
+    /// cannot see.
     pub async fn forget_in_doubt(
         &self,
         account: &AccountId,
         key: &str,
-        in_doubt_after: Duration,
     ) -> Result<Forgot, StoreError> {
-        let after_ms = i64::try_from(in_doubt_after.as_millis()).unwrap_or(i64::MAX);
         self.bounded(async {
-            let client = self.pool.get().await.map_err(|e| StoreError::Pool(e.to_string()))?;
-            let row = client
+            let mut client = self.client().await?;
+            let tx = client.transaction().await?;
+            let row = tx
                 .query_opt(
-                    "WITH gone AS (
-                         DELETE FROM idempotency_record
-                         WHERE account_id = $1 AND idempotency_key = $2 AND state = 'in_flight'
-                           AND created_at < now() - $3::bigint * interval '1 millisecond'
-                         RETURNING 1)
-                     SELECT (SELECT count(*) FROM gone),
-                            (SELECT state FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2)",
-                    &[&account.as_str(), &key, &after_ms],
+                    "SELECT state, now() > COALESCE(in_doubt_at, created_at), owner_instance
+                     FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2
+                     FOR UPDATE",
+                    &[&account.as_str(), &key],
                 )
                 .await?;
-            let (deleted, state): (i64, Option<String>) = row.map(|r| (r.get(0), r.get(1))).unwrap_or((0, None));
-            Ok(match (deleted, state.as_deref()) {
-                (1.., _) => Forgot::Forgotten,
-                (_, Some("done")) => Forgot::Completed,
-                (_, Some(_)) => Forgot::StillInFlight,
-                (_, None) => Forgot::NotFound,
-            })
+            let Some(row) = row else {
+                return Ok(Forgot::NotFound);
+            };
+            let (state, past_deadline, owner): (String, bool, Option<i64>) =
+                (row.get(0), row.get(1), row.get(2));
+            let verdict = match state.as_str() {
+                "done" => Forgot::Completed,
+                "in_doubt" => Forgot::Forgotten,
+                _ if !past_deadline => Forgot::StillInFlight,
+                _ => {
+                    let alive = match owner {
+                        Some(owner) => tx.query_one(OWNER_ALIVE_SQL, &[&owner]).await?.get(0),
+                        None => false,
+                    };
+                    if alive {
+                        Forgot::OwnerMayStillSend
+                    } else {
+                        Forgot::Forgotten
+                    }
+                }
+            };
+            if verdict == Forgot::Forgotten {
+                tx.execute(
+                    "DELETE FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2",
+                    &[&account.as_str(), &key],
+                )
+                .await?;
+            }
+            tx.commit().await?;
+            Ok(verdict)
         })
         .await
     }
@@ -254,8 +472,11 @@ pub enum Forgot {
     Forgotten,
     /// The record is complete: the rail answered; nothing to forget.
     Completed,
-    /// In flight but not yet in doubt: its forward may still be running.
+    /// In flight and within its owner's own deadline: its forward may still be running.
     StillInFlight,
+    /// Past its owner's deadline, but the owning railguard process is still running and has
+    /// not said its forward ended (it may be paused mid-send).
+    OwnerMayStillSend,
     NotFound,
 }
 

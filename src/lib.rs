@@ -9,6 +9,7 @@
 //! - [`lock`] — the lock service: grants with fencing tokens, the PostgreSQL backend, the
 //!   HTTP API; [`sdk`] is what a worker uses (`LockClient`, `LockHandle`, `RailClient`, the
 //!   paydb fenced UPDATE).
+//! - [`proof`] — grant proofs: a token is good only for the lock key it was granted on.
 //! - [`high_water`] — the compare-and-set on `rail_high_water` in PostgreSQL (FR-17).
 //! - [`db`] — the pool, migrations, and the embedded/throwaway PostgreSQL server.
 //! - [`admin`], [`metrics`], [`telemetry`] — what operators see.
@@ -28,6 +29,7 @@ pub mod idempotency;
 pub mod lock;
 pub mod metrics;
 pub mod net;
+pub mod proof;
 pub mod proxy;
 pub mod railsim;
 pub mod sdk;

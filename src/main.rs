@@ -68,6 +68,11 @@ enum Command {
         /// arrive in a different order than they were sent.
         #[arg(long, default_value_t = 0)]
         jitter_ms: u64,
+        /// Behave like a payment API that deduplicates by Idempotency-Key: a second POST with
+        /// a key already seen on the account is answered with the first one's response and is
+        /// not a new payment.
+        #[arg(long)]
+        dedupe_idempotency_keys: bool,
     },
     /// Measure the proxy and the lock service against baselines taken in the same run, on
     /// loopback only. proxy: load straight at an in-process rail simulator, through the proxy
@@ -180,14 +185,18 @@ fn main() -> ExitCode {
                 listen,
                 latency_ms,
                 jitter_ms,
+                dedupe_idempotency_keys,
             } => {
                 telemetry::init(LogFormat::Pretty, "info");
                 let listener = match tokio::net::TcpListener::bind(listen).await {
                     Ok(l) => l,
                     Err(e) => return fail(&format!("cannot listen on {listen}: {e}")),
                 };
-                let sim = RailSim::new(Duration::from_millis(latency_ms))
+                let mut sim = RailSim::new(Duration::from_millis(latency_ms))
                     .with_jitter(Duration::from_millis(jitter_ms));
+                if dedupe_idempotency_keys {
+                    sim = sim.deduplicating();
+                }
                 tracing::info!(%listen, latency_ms, jitter_ms, "rail simulator listening");
                 http_server::serve(
                     listener,

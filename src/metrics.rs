@@ -15,6 +15,8 @@ pub enum Outcome {
     Forwarded,
     FencedOut,
     BadRequest,
+    /// The token came without a valid proof that it was granted for the account's lock key.
+    BadProof,
     BodyTooLarge,
     DatabaseUnavailable,
     UpstreamUnavailable,
@@ -28,10 +30,11 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 12] = [
         Outcome::Forwarded,
         Outcome::FencedOut,
         Outcome::BadRequest,
+        Outcome::BadProof,
         Outcome::BodyTooLarge,
         Outcome::DatabaseUnavailable,
         Outcome::UpstreamUnavailable,
@@ -47,6 +50,7 @@ impl Outcome {
             Outcome::Forwarded => "forwarded",
             Outcome::FencedOut => "fenced_out",
             Outcome::BadRequest => "bad_request",
+            Outcome::BadProof => "bad_proof",
             Outcome::BodyTooLarge => "body_too_large",
             Outcome::DatabaseUnavailable => "database_unavailable",
             Outcome::UpstreamUnavailable => "upstream_unavailable",
@@ -78,6 +82,14 @@ pub struct Metrics {
     pub fence_check_seconds: HistogramVec,
     pub upstream_seconds: Histogram,
     pub fencing_enforced: IntGauge,
+    /// 0 while `fencing.require_proof = false` lets tokens through without a grant proof.
+    pub fencing_proof_required: IntGauge,
+    /// Tokens accepted without a grant proof (`fencing.require_proof = false` only).
+    pub unproven_tokens: IntCounter,
+    /// Idempotency records whose outcome (the rail's response, or "in doubt") could not be
+    /// stored at once and waits for the database; and those given up on.
+    pub outcomes_pending: IntGauge,
+    pub outcomes_lost: IntCounter,
     /// Requests per fence statement (group commit).
     pub fence_batch_size: Histogram,
 }
@@ -138,8 +150,35 @@ impl Metrics {
             "1 when the proxy refuses stale tokens, 0 when the kill switch is off.",
         )
         .expect("valid metric");
+        let fencing_proof_required = IntGauge::new(
+            "railguard_fencing_proof_required",
+            "1 when the proxy refuses tokens without a grant proof, 0 while \
+             fencing.require_proof is false.",
+        )
+        .expect("valid metric");
+        let unproven_tokens = IntCounter::new(
+            "railguard_unproven_tokens_total",
+            "Tokens let through without a grant proof because fencing.require_proof is false.",
+        )
+        .expect("valid metric");
+        let outcomes_pending = IntGauge::new(
+            "railguard_idempotency_outcomes_pending",
+            "Idempotency records whose outcome could not be stored yet (the database was \
+             unreachable) and is being retried.",
+        )
+        .expect("valid metric");
+        let outcomes_lost = IntCounter::new(
+            "railguard_idempotency_outcomes_lost_total",
+            "Idempotency outcomes given up on after retrying for an hour: their records stay \
+             in flight and become in doubt. Should stay zero.",
+        )
+        .expect("valid metric");
         for metric in [
-            Box::new(fenced_out.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(fencing_proof_required.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(unproven_tokens.clone()),
+            Box::new(outcomes_pending.clone()),
+            Box::new(outcomes_lost.clone()),
+            Box::new(fenced_out.clone()),
             Box::new(would_have_fenced.clone()),
             Box::new(requests.clone()),
             Box::new(fence_check_seconds.clone()),
@@ -164,6 +203,10 @@ impl Metrics {
             fence_check_seconds,
             upstream_seconds,
             fencing_enforced,
+            fencing_proof_required,
+            unproven_tokens,
+            outcomes_pending,
+            outcomes_lost,
             fence_batch_size,
         }
     }
@@ -214,6 +257,17 @@ impl Metrics {
             "lock_lost_total",
             "Renewals and releases refused because the grant no longer held the key.",
         );
+        let rejected_secrets = counter(
+            "lock_rejected_secrets_total",
+            "Renewals and releases that named the key's current grant with a lease secret that \
+             is not that grant's: a worker probing for another grant, or a bug. They are \
+             answered exactly like a grant that ended.",
+        );
+        let revoked_undelivered = counter(
+            "lock_undelivered_grants_revoked_total",
+            "Grants made by an acquire whose answer never reached the caller (a timeout, an \
+             error, a caller gone) and that were revoked so that they do not hold the key.",
+        );
         let wait = HistogramVec::new(
             HistogramOpts::new(
                 "lock_acquire_wait_duration_seconds",
@@ -244,6 +298,8 @@ impl Metrics {
             expiries,
             takeovers,
             lost,
+            rejected_secrets,
+            revoked_undelivered,
             wait_seconds: wait.with_label_values(&[backend]),
             waiters: waiters.with_label_values(&[backend]),
         })

@@ -4,8 +4,14 @@
 //! two identical requests are two payments, which is exactly what makes duplicates visible to
 //! the tests and the harness. `GET /ledger` returns the entries as JSON. The fencing headers
 //! are recorded as the rail saw them, so a test can read which token each payment came with.
+//!
+//! [`RailSim::deduplicating`] makes it behave like most payment APIs instead: a POST whose
+//! `Idempotency-Key` was already seen on its account is answered with the first payment's
+//! response and is not a new payment (it is counted in [`RailSim::absorbed`]).
 
+use std::collections::HashMap;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -44,12 +50,18 @@ impl LedgerEntry {
     }
 }
 
+/// `(account, idempotency key)` → the payment it made.
+type SeenKeys = HashMap<(String, String), u64>;
+
 /// The simulator's state: its ledger and how slow it is.
 #[derive(Clone, Default)]
 pub struct RailSim {
     ledger: Arc<Mutex<Vec<LedgerEntry>>>,
     latency: Duration,
     jitter: Duration,
+    /// `(account, idempotency key)` → payment seq, when deduplicating.
+    seen: Option<Arc<Mutex<SeenKeys>>>,
+    absorbed: Arc<AtomicU64>,
 }
 
 impl RailSim {
@@ -58,7 +70,7 @@ impl RailSim {
         Self {
             ledger: Arc::default(),
             latency,
-            jitter: Duration::ZERO,
+            ..Self::default()
         }
     }
 
@@ -67,6 +79,17 @@ impl RailSim {
     pub fn with_jitter(mut self, jitter: Duration) -> Self {
         self.jitter = jitter;
         self
+    }
+
+    /// Deduplicates by `Idempotency-Key` per account, as most payment APIs do.
+    pub fn deduplicating(mut self) -> Self {
+        self.seen = Some(Arc::default());
+        self
+    }
+
+    /// Repeats of a seen idempotency key answered without a new payment.
+    pub fn absorbed(&self) -> u64 {
+        self.absorbed.load(Ordering::Relaxed)
     }
 
     fn arrival_delay(&self) -> Duration {
@@ -152,8 +175,27 @@ impl RailSim {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string)
         };
+        let dedupe_key = match (
+            &self.seen,
+            header("fencing-account"),
+            header("idempotency-key"),
+        ) {
+            (Some(_), Some(account), Some(key)) => Some((account, key)),
+            _ => None,
+        };
         let seq = {
             let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
+            if let (Some(seen), Some(dedupe_key)) = (&self.seen, &dedupe_key) {
+                let seen = seen.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(&first) = seen.get(dedupe_key) {
+                    drop((seen, ledger));
+                    self.absorbed.fetch_add(1, Ordering::Relaxed);
+                    return json(
+                        StatusCode::CREATED,
+                        serde_json::json!({ "payment": first, "status": "accepted" }),
+                    );
+                }
+            }
             let seq = ledger.len() as u64 + 1;
             ledger.push(LedgerEntry {
                 seq,
@@ -186,6 +228,11 @@ impl RailSim {
                     .map(|d| d.as_millis() as u64)
                     .unwrap_or(0),
             });
+            if let (Some(seen), Some(dedupe_key)) = (&self.seen, dedupe_key) {
+                seen.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(dedupe_key, seq);
+            }
             seq
         };
         if !self.latency.is_zero() {

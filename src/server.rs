@@ -20,14 +20,17 @@ use crate::config::Config;
 use crate::db::{Database, DatabaseError};
 use crate::high_water::{Batching, HighWaterStore};
 use crate::http_server::serve;
-use crate::idempotency::{IdempotencyStore, sweep_forever};
+use crate::idempotency::{
+    IdempotencyStore, InstanceId, OutcomeMetrics, hold_instance_lock, sweep_forever,
+};
 use crate::lock::AnyBackend;
 use crate::lock::api::LockApi;
 use crate::lock::etcd::{EtcdLocks, EtcdSettings};
 use crate::lock::postgres::{PgLocks, listen_for_releases};
 use crate::lock::service::{LockLimits, LockService};
 use crate::metrics::Metrics;
-use crate::proxy::extract::ExtractConfig;
+use crate::proof::ProofKey;
+use crate::proxy::extract::{ExtractConfig, GrantCheck};
 use crate::proxy::fence::Fence;
 use crate::proxy::forward::{Forward, Upstream};
 use crate::proxy::idempotency::{IdempotencyConfig as IdempotencyLayerConfig, IdempotencyLayer};
@@ -46,6 +49,10 @@ pub enum ServeError {
     Database(#[from] DatabaseError),
     #[error("proxy.upstream: {0}")]
     Upstream(String),
+    #[error("cannot take this process's instance lock in PostgreSQL")]
+    Instance,
+    #[error("cannot read or create the grant proof key in PostgreSQL: {0}")]
+    ProofKey(String),
     #[error("the embedded PostgreSQL exited unexpectedly ({0}); see its log in the data directory")]
     EmbeddedDied(String),
 }
@@ -80,6 +87,41 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             return Ok(());
         }
     };
+    // This process owns the idempotency records it creates; its session lock says it is alive.
+    let instance = InstanceId::generate();
+    let (instance_held, instance_ready) = tokio::sync::oneshot::channel();
+    let instance_task = tokio::spawn(hold_instance_lock(
+        database.url.clone(),
+        config.database_timeout(),
+        instance,
+        instance_held,
+    ));
+    tokio::select! {
+        held = instance_ready => held.map_err(|_| ServeError::Instance)?,
+        () = &mut shutdown => {
+            tracing::info!("shutdown requested during start-up");
+            instance_task.abort();
+            database.shutdown().await;
+            return Ok(());
+        }
+    }
+    // Grants are signed with the key every railguard on this database shares.
+    let proofs = Arc::new(
+        load_proof_key(&database.pool)
+            .await
+            .map_err(ServeError::ProofKey)?,
+    );
+    if !config.fencing.require_proof {
+        tracing::error!(
+            "!!! GRANT PROOFS ARE NOT REQUIRED (fencing.require_proof = false) !!! A token \
+             granted for any key, or never granted at all, passes the fence when sent without \
+             a proof. This switch exists only for migrating workers that cannot send the proof \
+             yet. railguard_fencing_proof_required is 0."
+        );
+    }
+    metrics
+        .fencing_proof_required
+        .set(i64::from(config.fencing.require_proof));
     let store = HighWaterStore::new(
         database.pool.clone(),
         config.database_timeout(),
@@ -88,8 +130,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             concurrency: config.fencing.batch_concurrency as usize,
         },
         metrics.fence_batch_size.clone(),
+        instance,
     );
-    let idempotency_store = IdempotencyStore::new(database.pool.clone(), config.database_timeout());
+    let idempotency_store = IdempotencyStore::new(
+        database.pool.clone(),
+        config.database_timeout(),
+        OutcomeMetrics {
+            pending: metrics.outcomes_pending.clone(),
+            lost: metrics.outcomes_lost.clone(),
+        },
+    );
     let sweeper = tokio::spawn(sweep_forever(
         idempotency_store.clone(),
         Duration::from_secs(config.idempotency.retention_secs),
@@ -100,9 +150,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         idempotency_store,
         IdempotencyLayerConfig {
             max_response_bytes: config.idempotency.max_response_bytes as usize,
-            // No forward outlives the request deadline; a record older than that plus a margin
-            // has no live proxy behind it.
-            in_doubt_after: in_doubt_after(&config),
         },
     );
     let fence = Arc::new(Fence::new(
@@ -127,6 +174,22 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         max_account_len: config.proxy.max_account_len as usize,
         max_body_bytes: config.proxy.max_body_bytes,
         request_timeout: config.request_timeout(),
+        proof_header: HeaderName::from_bytes(config.proxy.proof_header.as_bytes())
+            .expect("validated"),
+        grants: {
+            let (prefix, suffix) = config
+                .fencing
+                .lock_key_template
+                .split_once("{account}")
+                .expect("validated");
+            GrantCheck {
+                proofs: proofs.clone(),
+                required: config.fencing.require_proof,
+                lock_key_prefix: prefix.to_string(),
+                lock_key_suffix: suffix.to_string(),
+                unproven: metrics.unproven_tokens.clone(),
+            }
+        },
     };
     let stack = proxy::stack(extract, fence, idempotency, forward, metrics.clone());
     let backend_name: &'static str = if config.lock.backend == "etcd" {
@@ -181,12 +244,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         }),
         _ => tokio::spawn(listen_for_releases(database.url.clone(), wake, wake_all)),
     };
-    let lock_api = LockApi::new(lock_service);
+    let lock_api = LockApi::new(lock_service, proofs);
     let admin = Admin {
         metrics,
         store,
         idempotency: idempotency_store_for_admin,
-        in_doubt_after: in_doubt_after(&config),
         max_account_len: config.proxy.max_account_len as usize,
     };
 
@@ -242,6 +304,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let _ = admin_task.await;
     listener_task.abort();
     sweeper.abort();
+    instance_task.abort();
     database.shutdown().await;
     tracing::info!("railguard stopped");
     match died {
@@ -250,10 +313,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     }
 }
 
-/// How long a record may stay in flight before it is in doubt: longer than any forward, its
-/// response body and the write that completes the record can take.
-pub fn in_doubt_after(config: &Config) -> Duration {
-    config.request_timeout() + config.database_timeout() + Duration::from_secs(1)
+async fn load_proof_key(pool: &deadpool_postgres::Pool) -> Result<ProofKey, String> {
+    let client = pool.get().await.map_err(|e| e.to_string())?;
+    ProofKey::load_or_create(&**client)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not when

@@ -43,7 +43,7 @@ async fn a_completed_request_is_replayed_without_touching_the_rail() {
     let pg = Pg::start().await;
     let rail = Rail::start().await;
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = Http::new();
+    let http = rg.http();
     let first = pay(&http, &rg, 7, "acct", "pay-1", "{\"amount\":5}").await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(!first.headers.contains_key("idempotency-replayed"));
@@ -82,7 +82,7 @@ async fn concurrent_duplicates_are_forwarded_once() {
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_millis(500)).await;
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = Http::new();
+    let http = rg.http();
     let mut tasks = Vec::new();
     for _ in 0..20 {
         let http = http.clone();
@@ -131,7 +131,7 @@ async fn the_same_key_with_another_request_is_422() {
         &[("RAILGUARD__IDEMPOTENCY__REQUIRED", "true")],
     )
     .await;
-    let http = Http::new();
+    let http = rg.http();
     assert_eq!(
         pay(&http, &rg, 1, "a", "k", "{\"amount\":5}").await.status,
         StatusCode::CREATED
@@ -176,14 +176,16 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_secs(2)).await;
     let mut rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = Http::new();
+    let http = rg.http();
     let in_flight = {
         let http = http.clone();
         let url = rg.proxy_url("/payments");
+        let proof = rg.proof("a", 4);
         tokio::spawn(async move {
             http.send(
                 http::Request::post(url)
                     .header("Fencing-Token", "4")
+                    .header("Fencing-Proof", proof)
                     .header("Fencing-Account", "a")
                     .header("Idempotency-Key", "crash")
                     .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
@@ -272,7 +274,7 @@ async fn a_superseded_request_leaves_no_record_behind() {
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_millis(600)).await;
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = Http::new();
+    let http = rg.http();
     let send = |token: i64, key: Option<&'static str>| {
         let http = http.clone();
         let url = rg.proxy_url("/payments");
@@ -334,7 +336,7 @@ async fn retention_removes_old_records() {
         ],
     )
     .await;
-    let http = Http::new();
+    let http = rg.http();
     assert_eq!(
         pay(&http, &rg, 1, "a", "old", "{}").await.status,
         StatusCode::CREATED
@@ -385,7 +387,7 @@ async fn large_responses_are_replayed_without_their_body_and_unreached_rails_lea
         &[("RAILGUARD__IDEMPOTENCY__MAX_RESPONSE_BYTES", "10")],
     )
     .await;
-    let http = Http::new();
+    let http = rg.http();
     let first = pay(&http, &rg, 1, "a", "big", "{}").await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(
@@ -428,7 +430,7 @@ async fn concurrent_accounts_share_commits() {
     let pg = Pg::start().await;
     let rail = Rail::start().await;
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = Http::new();
+    let http = rg.http();
     let mut tasks = Vec::new();
     for i in 0..200 {
         let http = http.clone();

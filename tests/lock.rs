@@ -234,6 +234,7 @@ async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
                 assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
                 let grant = reply.json();
                 let token = grant["token"].as_i64().unwrap();
+                let secret = grant["lease_secret"].as_str().unwrap().to_string();
                 let granted_us = grant["granted_at_us"].as_i64().unwrap();
                 let expires_us = grant["expires_at_us"].as_i64().unwrap();
                 if expire {
@@ -251,7 +252,7 @@ async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
                 let reply = post(
                     &http,
                     &format!("{url}/v1/locks/inv06/release"),
-                    &format!("{{\"token\":{token}}}"),
+                    &format!("{{\"token\":{token},\"lease_secret\":\"{secret}\"}}"),
                 )
                 .await;
                 assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
@@ -384,12 +385,13 @@ async fn a_hundred_renewals_keep_the_token(w: LockWorld) {
     )
     .await;
     let token = reply.json()["token"].as_i64().unwrap();
+    let secret = reply.json()["lease_secret"].as_str().unwrap().to_string();
     let mut last_expiry = reply.json()["expires_at_us"].as_i64().unwrap();
     for _ in 0..100 {
         let reply = post(
             &http,
             &format!("{url}/v1/locks/renewed/renew"),
-            &format!("{{\"token\":{token}}}"),
+            &format!("{{\"token\":{token},\"lease_secret\":\"{secret}\"}}"),
         )
         .await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
@@ -426,7 +428,7 @@ async fn a_hundred_renewals_keep_the_token(w: LockWorld) {
     let reply = post(
         &http,
         &format!("{url}/v1/locks/renewed/release"),
-        &format!("{{\"token\":{token}}}"),
+        &format!("{{\"token\":{token},\"lease_secret\":\"{secret}\"}}"),
     )
     .await;
     assert_eq!(reply.status, StatusCode::OK);
@@ -675,6 +677,23 @@ async fn bad_input_gets_400_with_a_clear_message(w: LockWorld) {
             "{\"token\":5,\"holder\":\"w\"}",
             "unknown field",
         ),
+        // A struct also deserializes from an array of its fields: not a request body here.
+        (
+            format!("{url}/v1/locks/k/acquire"),
+            "[\"w\", 1000, 0]",
+            "expected a JSON object",
+        ),
+        // Clients from before lease secrets send only the token: told what is missing.
+        (
+            format!("{url}/v1/locks/k/renew"),
+            "{\"token\":5}",
+            "missing `lease_secret`",
+        ),
+        (
+            format!("{url}/v1/locks/k/release"),
+            "{\"token\":5,\"lease_secret\":\"abc\"}",
+            "64 hex digits",
+        ),
     ];
     for (url, body, expect) in cases {
         let reply = post(&http, &url, body).await;
@@ -820,8 +839,23 @@ async fn backend_down_means_503_and_no_token(mut w: LockWorld) {
     let url = w.rg.lock_url();
     for (path, body) in [
         ("acquire", "{\"holder\":\"w2\",\"ttl_ms\":5000}".to_string()),
-        ("renew", format!("{{\"token\":{}}}", held.token().get())),
-        ("release", format!("{{\"token\":{}}}", held.token().get())),
+        // Any well-formed secret: the backend is not there to check it.
+        (
+            "renew",
+            format!(
+                "{{\"token\":{},\"lease_secret\":\"{}\"}}",
+                held.token().get(),
+                "00".repeat(32)
+            ),
+        ),
+        (
+            "release",
+            format!(
+                "{{\"token\":{},\"lease_secret\":\"{}\"}}",
+                held.token().get(),
+                "00".repeat(32)
+            ),
+        ),
     ] {
         let reply = post(&http, &format!("{url}/v1/locks/down/{path}"), &body).await;
         assert_eq!(
@@ -847,6 +881,116 @@ async fn backend_down_means_503_and_no_token(mut w: LockWorld) {
         next.token(),
         held.token()
     );
+}
+
+/// Issue 8, hole 1: a stalled worker that knows only its own superseded grant tries renew and
+/// release with every token near its own and near the current one. No answer may differ
+/// between guesses (a yes/no to a guess is a read path that returns the token), and the
+/// current grant must survive every attempt.
+async fn a_superseded_holder_can_neither_learn_nor_end_the_current_grant(w: LockWorld) {
+    let http = Http::new();
+    let url = w.rg.lock_url();
+    let acquire = |holder: &str, ttl: Duration, wait: Duration| {
+        format!(
+            "{{\"holder\":\"{holder}\",\"ttl_ms\":{},\"wait_ms\":{}}}",
+            ttl.as_millis(),
+            wait.as_millis()
+        )
+    };
+    let old = post(
+        &http,
+        &format!("{url}/v1/locks/oracle/acquire"),
+        &acquire("w1", w.short_ttl(), NOW),
+    )
+    .await;
+    assert_eq!(old.status, StatusCode::OK, "{}", old.body);
+    let old = old.json();
+    let old_token = old["token"].as_i64().unwrap();
+    // W1 stalls past its lease; W2 waits for the key and takes it.
+    let new = post(
+        &http,
+        &format!("{url}/v1/locks/oracle/acquire"),
+        &acquire("w2", TTL, w.short_ttl() * 10),
+    )
+    .await;
+    assert_eq!(new.status, StatusCode::OK, "{}", new.body);
+    let new = new.json();
+    let new_token = new["token"].as_i64().unwrap();
+    assert!(new_token > old_token);
+
+    // The attacker's bodies: its own secret (if the service issued one) or none, with each
+    // guessed token.
+    let own_secret = old.get("lease_secret").cloned();
+    let mut bodies = Vec::new();
+    for guess in (old_token - 3).max(1)..=new_token + 3 {
+        bodies.push((guess, serde_json::json!({ "token": guess })));
+        if let Some(secret) = &own_secret {
+            bodies.push((
+                guess,
+                serde_json::json!({ "token": guess, "lease_secret": secret }),
+            ));
+            bodies.push((
+                guess,
+                serde_json::json!({ "token": guess, "lease_secret": "00".repeat(32) }),
+            ));
+        }
+    }
+    for action in ["renew", "release"] {
+        let mut answers = BTreeSet::new();
+        for (guess, body) in &bodies {
+            let reply = post(
+                &http,
+                &format!("{url}/v1/locks/oracle/{action}"),
+                &body.to_string(),
+            )
+            .await;
+            assert!(
+                !reply.status.is_success(),
+                "{action} with guessed token {guess} succeeded: {}",
+                reply.body
+            );
+            let shape = body.get("lease_secret").is_some();
+            answers.insert((
+                shape,
+                reply.status.as_u16(),
+                reply.json()["error"].to_string(),
+            ));
+        }
+        let shapes: BTreeSet<bool> = answers.iter().map(|a| a.0).collect();
+        assert_eq!(
+            answers.len(),
+            shapes.len(),
+            "{action}: the answer must not depend on the guess: {answers:?}"
+        );
+    }
+    // The current grant is untouched: still held by W2, and W2 can renew and release it.
+    let (_, inspect) = http.get(&format!("{url}/v1/locks/oracle")).await.unwrap();
+    let inspect: serde_json::Value = serde_json::from_str(&inspect).unwrap();
+    assert_eq!(inspect["holder"], "w2", "{inspect}");
+    let mut own = serde_json::json!({ "token": new_token });
+    if let Some(secret) = new.get("lease_secret") {
+        own["lease_secret"] = secret.clone();
+    }
+    let renewed = post(
+        &http,
+        &format!("{url}/v1/locks/oracle/renew"),
+        &own.to_string(),
+    )
+    .await;
+    assert_eq!(renewed.status, StatusCode::OK, "{}", renewed.body);
+    // Probing is visible to operators.
+    let probes = w.rg.metrics().await.get(&format!(
+        "lock_rejected_secrets_total{{backend=\"{}\"}}",
+        backend_label(w.backend)
+    ));
+    assert!(probes > 0.0, "probes counted: {probes}");
+    let released = post(
+        &http,
+        &format!("{url}/v1/locks/oracle/release"),
+        &own.to_string(),
+    )
+    .await;
+    assert_eq!(released.status, StatusCode::OK, "{}", released.body);
 }
 
 macro_rules! suite {
@@ -930,6 +1074,12 @@ macro_rules! suite {
             async fn backend_down() {
                 backend_down_means_503_and_no_token(world().await).await
             }
+            #[tokio::test]
+            async fn superseded_holder_learns_nothing() {
+                a_superseded_holder_can_neither_learn_nor_end_the_current_grant(world().await)
+                    .await;
+            }
+
             #[tokio::test]
             async fn t042_through_the_sdk() {
                 grants_fence_the_rail_through_the_sdk(world().await).await
@@ -1088,10 +1238,11 @@ async fn etcd_leader_loss_during_a_stream_of_acquires() {
                 }
                 let at = Instant::now();
                 let token = reply.json()["token"].as_i64().unwrap();
+                let secret = reply.json()["lease_secret"].as_str().unwrap().to_string();
                 let reply = post(
                     &http,
                     &format!("{url}/v1/locks/leader/release"),
-                    &format!("{{\"token\":{token}}}"),
+                    &format!("{{\"token\":{token},\"lease_secret\":\"{secret}\"}}"),
                 )
                 .await;
                 // A release whose answer was lost in the election ends the grant at some

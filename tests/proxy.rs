@@ -22,7 +22,7 @@ async fn world() -> (Pg, Rail, Railguard) {
 #[tokio::test]
 async fn tokens_at_or_above_the_mark_pass_and_stale_tokens_are_fenced_out() {
     let (pg, rail, rg) = world().await;
-    let http = Http::new();
+    let http = rg.http();
 
     // The first token for a new account is accepted and becomes its mark.
     let reply = http.pay_with(&rg, 42, "acct-1").await;
@@ -110,7 +110,7 @@ async fn a_stale_token_is_fenced_even_when_the_mark_was_never_cached() {
     // Two railguards share one database: the second has never seen the account.
     let (pg, rail, rg1) = world().await;
     let rg2 = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = Http::new();
+    let http = rg1.http();
     assert_eq!(
         http.pay_with(&rg1, 57, "shared").await.status,
         StatusCode::CREATED
@@ -131,7 +131,7 @@ async fn a_stale_token_is_fenced_even_when_the_mark_was_never_cached() {
 #[tokio::test]
 async fn malformed_fencing_headers_are_refused_and_never_forwarded() {
     let (_pg, rail, rg) = world().await;
-    let http = Http::new();
+    let http = rg.http();
     let url = rg.proxy_url("/payments");
     let cases: &[(&str, &[(&str, &str)])] = &[
         ("missing token", &[("Fencing-Account", "a")]),
@@ -260,7 +260,7 @@ async fn oversized_bodies_get_413_and_advance_nothing() {
         &[("RAILGUARD__PROXY__MAX_BODY_BYTES", "1024")],
     )
     .await;
-    let http = Http::new();
+    let http = rg.http();
     let url = rg.proxy_url("/payments");
     let big = "x".repeat(4096);
     let reply = http
@@ -306,7 +306,7 @@ async fn fifty_concurrent_random_tokens(
     let tokens: Vec<i64> = (0..50u64)
         .map(|i| 1 + (seed.hash_one(i) % 200) as i64)
         .collect();
-    let http = Http::new();
+    let http = rg.http();
     let mut tasks = Vec::new();
     for token in tokens.clone() {
         let http = http.clone();
@@ -390,7 +390,7 @@ async fn futures_join_all<F: std::future::Future>(futures: [F; 4]) -> Vec<F::Out
 #[tokio::test]
 async fn marks_survive_a_railguard_restart_and_a_postgres_restart() {
     let (mut pg, rail, mut rg) = world().await;
-    let http = Http::new();
+    let http = rg.http();
     assert_eq!(
         http.pay_with(&rg, 57, "k").await.status,
         StatusCode::CREATED
@@ -430,7 +430,7 @@ async fn marks_survive_a_railguard_restart_and_a_postgres_restart() {
 #[tokio::test]
 async fn postgres_down_means_503_and_nothing_forwarded_then_recovery() {
     let (mut pg, rail, rg) = world().await;
-    let http = Http::new();
+    let http = rg.http();
     assert_eq!(
         http.pay_with(&rg, 10, "k").await.status,
         StatusCode::CREATED
@@ -491,7 +491,7 @@ async fn postgres_down_means_503_and_nothing_forwarded_then_recovery() {
 #[tokio::test]
 async fn postgres_that_stops_answering_gets_503_within_the_database_timeout() {
     let (pg, rail, rg) = world().await;
-    let http = Http::new();
+    let http = rg.http();
     assert_eq!(
         http.pay_with(&rg, 10, "k").await.status,
         StatusCode::CREATED
@@ -527,7 +527,7 @@ async fn kill_switch_forwards_stale_tokens_and_counts_them() {
         &[("RAILGUARD__FENCING__ENFORCE", "false")],
     )
     .await;
-    let http = Http::new();
+    let http = rg.http();
     assert_eq!(rg.metrics().await.get("railguard_fencing_enforced"), 0.0);
     assert!(
         rg.log().contains("FENCING IS DISABLED"),
@@ -597,7 +597,8 @@ async fn http2_clients_are_proxied_and_hop_by_hop_headers_dropped() {
     assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
     assert!(reply.headers.contains_key("x-request-id"));
 
-    let reply = Http::new()
+    let reply = rg
+        .http()
         .pay(
             &rg.proxy_url("/payments?x=1"),
             &[
@@ -656,7 +657,7 @@ async fn sigterm_drains_in_flight_requests() {
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_millis(500)).await;
     let mut rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = Http::new();
+    let http = rg.http();
     let in_flight = {
         let http = http.clone();
         let url = rg.proxy_url("/payments");
@@ -744,4 +745,59 @@ async fn unreachable_database_url_fails_start_up_clearly() {
         stderr.contains("cannot connect to PostgreSQL") && !stderr.contains(":pw@"),
         "{stderr}"
     );
+}
+
+/// Issue 8, item 7: what a reverse proxy must refuse or say.
+#[tokio::test]
+async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    // Raw HTTP/1.1, so that Host can be left out or repeated.
+    async fn raw(addr: std::net::SocketAddr, head: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(3), stream.read_to_end(&mut answer)).await;
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+    let fencing =
+        "Fencing-Token: 5\r\nFencing-Account: acct-h\r\nContent-Length: 2\r\nConnection: close\r\n";
+    for (case, host) in [
+        ("no Host", String::new()),
+        (
+            "two Hosts",
+            "Host: a.example\r\nHost: b.example\r\n".to_string(),
+        ),
+        ("invalid Host", "Host: a b/c\r\n".to_string()),
+    ] {
+        let answer = raw(
+            rg.proxy,
+            &format!("POST /payments HTTP/1.1\r\n{host}{fencing}\r\n{{}}"),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{case}: {answer}");
+        assert!(answer.contains("\"error\""), "{case}: JSON body: {answer}");
+    }
+    let answer = raw(
+        rg.proxy,
+        &format!(
+            "CONNECT rail.example:443 HTTP/1.1\r\nHost: rail.example:443\r\n{fencing}\r\n{{}}"
+        ),
+    )
+    .await;
+    assert!(
+        !answer.starts_with("HTTP/1.1 2"),
+        "CONNECT refused: {answer}"
+    );
+    assert!(rail.ledger().is_empty(), "nothing reached the rail");
+    assert_eq!(pg.mark("acct-h").await, None, "no mark moved");
+
+    // HTTP/2 arrives at the rail as HTTP/1.1, and Via says what railguard received.
+    let reply = Http::http2().pay_with(&rg, 5, "acct-h2").await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    let via = rail.ledger()[0].header("via").map(str::to_string);
+    assert_eq!(via.as_deref(), Some("2 railguard"));
 }

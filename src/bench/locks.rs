@@ -164,10 +164,19 @@ pub fn pgbench_script() -> String {
     let acquire = ACQUIRE_SQL
         .replace("$1", &key)
         .replace("$2", &format!("'{HOLDER}'"))
-        .replace("$3", &LEASE_MS.to_string());
-    let release = RELEASE_SQL.replace("$1", &key).replace("$2", ":token");
+        .replace("$3", &LEASE_MS.to_string())
+        .replace("$4", BENCH_SECRET_DIGEST);
+    let release = RELEASE_SQL
+        .replace("$1", &key)
+        .replace("$2", ":token")
+        .replace("$3", BENCH_SECRET_DIGEST);
     format!("{acquire} \\gset\n{release};\n")
 }
+
+/// The lease-secret digest every pgbench client's grants carry: the script's release must
+/// present its grant's digest, as the lock API's does.
+const BENCH_SECRET_DIGEST: &str =
+    "decode('0000000000000000000000000000000000000000000000000000000000000000', 'hex')";
 
 #[cfg(test)]
 mod tests {

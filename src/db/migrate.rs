@@ -35,6 +35,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "idempotency_record",
         sql: include_str!("../../migrations/0003_idempotency_record.sql"),
     },
+    Migration {
+        version: 4,
+        name: "grant_secrets_and_record_owners",
+        sql: include_str!("../../migrations/0004_grant_secrets_and_record_owners.sql"),
+    },
 ];
 
 /// The schema version this binary expects.

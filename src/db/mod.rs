@@ -90,7 +90,10 @@ impl Database {
     }
 }
 
-fn pg_config(url: &str, timeout: Duration) -> Result<tokio_postgres::Config, DatabaseError> {
+pub(crate) fn pg_config(
+    url: &str,
+    timeout: Duration,
+) -> Result<tokio_postgres::Config, DatabaseError> {
     let mut config: tokio_postgres::Config = url.parse().map_err(DatabaseError::Url)?;
     // A statement that cannot finish in time is cancelled by the server rather than committed
     // after we stopped waiting; a peer that stops acknowledging is given up on as quickly.

@@ -40,10 +40,12 @@ WITH fenced AS (
         WHERE h.highest_token <= EXCLUDED.highest_token
     RETURNING account_id
 ), recorded AS (
-    INSERT INTO idempotency_record AS r (account_id, idempotency_key, fingerprint, token, state, owner)
-    SELECT i.account_id, i.key, i.fingerprint, i.token, 'in_flight', i.owner
-    FROM unnest($3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[])
-        AS i(account_id, key, fingerprint, token, owner)
+    INSERT INTO idempotency_record AS r
+        (account_id, idempotency_key, fingerprint, token, state, owner, owner_instance, in_doubt_at)
+    SELECT i.account_id, i.key, i.fingerprint, i.token, 'in_flight', i.owner, $9::bigint,
+           now() + i.in_doubt_after_ms * interval '1 millisecond'
+    FROM unnest($3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::bigint[])
+        AS i(account_id, key, fingerprint, token, owner, in_doubt_after_ms)
     WHERE i.account_id IN (SELECT account_id FROM fenced)
     ORDER BY i.account_id, i.key
     -- A record that exists is someone else's, unless it is ours: made by an earlier attempt
@@ -70,6 +72,7 @@ pub(super) async fn run(
     timeout: Duration,
     batching: Batching,
     sizes: Histogram,
+    instance: crate::idempotency::InstanceId,
     mut queue: mpsc::Receiver<Pending>,
 ) {
     let slots = Arc::new(Semaphore::new(batching.concurrency.max(1)));
@@ -100,7 +103,7 @@ pub(super) async fn run(
         sizes.observe(batch.len() as f64);
         let pool = pool.clone();
         tokio::spawn(async move {
-            execute(&pool, timeout, batch).await;
+            execute(&pool, timeout, instance, batch).await;
             drop(slot);
         });
     }
@@ -138,7 +141,12 @@ fn take_batch(waiting: &mut VecDeque<Pending>, max: usize) -> Vec<Pending> {
     batch
 }
 
-async fn execute(pool: &Pool, timeout: Duration, batch: Vec<Pending>) {
+async fn execute(
+    pool: &Pool,
+    timeout: Duration,
+    instance: crate::idempotency::InstanceId,
+    batch: Vec<Pending>,
+) {
     let mut accounts: Vec<&str> = Vec::new();
     let mut tokens: Vec<i64> = Vec::new();
     let mut seen = HashSet::new();
@@ -154,6 +162,9 @@ async fn execute(pool: &Pool, timeout: Duration, batch: Vec<Pending>) {
             records.fingerprints.push(record.fingerprint.as_str());
             records.tokens.push(p.token.get());
             records.owners.push(record.owner.as_str());
+            records
+                .in_doubt_after_ms
+                .push(i64::try_from(record.in_doubt_after.as_millis()).unwrap_or(i64::MAX));
         }
     }
     // No client-side timeout: the server cancels a statement at `statement_timeout`, and the
@@ -180,6 +191,8 @@ async fn execute(pool: &Pool, timeout: Duration, batch: Vec<Pending>) {
                         &records.fingerprints,
                         &records.tokens,
                         &records.owners,
+                        &records.in_doubt_after_ms,
+                        &instance.get(),
                     ],
                 )
                 .await?;
@@ -233,6 +246,7 @@ struct RecordColumns<'a> {
     fingerprints: Vec<&'a str>,
     tokens: Vec<i64>,
     owners: Vec<&'a str>,
+    in_doubt_after_ms: Vec<i64>,
 }
 
 /// Sends a verdict. If the caller is gone and the request created a record, that record is
@@ -302,6 +316,7 @@ mod tests {
             key: k.into(),
             fingerprint: "f".into(),
             owner: "o".into(),
+            in_doubt_after: Duration::from_secs(5),
         });
         let p = Pending {
             account: AccountId::parse(account, 64).unwrap(),

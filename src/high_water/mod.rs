@@ -16,6 +16,7 @@
 //! only for an accepted request, so the record exists if and only if the fence let it through.
 
 mod batch;
+mod recheck;
 
 pub(crate) use batch::forget_records;
 
@@ -42,6 +43,10 @@ pub struct NewRecord {
     pub fingerprint: String,
     /// The request's own random id: see `idempotency_record.owner`.
     pub owner: String,
+    /// How long after its creation the record is in doubt unless completed: the owning
+    /// request's own remaining time plus the time its completion may take. Decided by the
+    /// owner, so that no reader judges it by its own configuration.
+    pub in_doubt_after: Duration,
 }
 
 /// What the compare-and-set decided.
@@ -112,23 +117,66 @@ pub struct HighWaterStore {
     pool: Pool,
     timeout: Duration,
     requests: mpsc::Sender<batch::Pending>,
+    rechecks: mpsc::Sender<recheck::Asked>,
 }
 
 impl HighWaterStore {
-    /// Starts the batcher; it stops when the last clone of the store is dropped.
-    pub fn new(pool: Pool, timeout: Duration, batching: Batching, batch_sizes: Histogram) -> Self {
+    /// Starts the batchers; they stop when the last clone of the store is dropped. Records
+    /// created here are owned by `instance` (this process).
+    pub fn new(
+        pool: Pool,
+        timeout: Duration,
+        batching: Batching,
+        batch_sizes: Histogram,
+        instance: crate::idempotency::InstanceId,
+    ) -> Self {
         let (requests, queue) = mpsc::channel(QUEUE_LIMIT);
+        let (rechecks, recheck_queue) = mpsc::channel(QUEUE_LIMIT);
+        tokio::spawn(recheck::run(
+            pool.clone(),
+            batching.concurrency,
+            recheck_queue,
+        ));
         tokio::spawn(batch::run(
             pool.clone(),
             timeout,
             batching,
             batch_sizes,
+            instance,
             queue,
         ));
         Self {
             pool,
             timeout,
             requests,
+            rechecks,
+        }
+    }
+
+    /// The database's fence timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The account's mark as PostgreSQL has it now (a read, grouped with other reads: no
+    /// commit). The fence asks this just before a forward starts: a mark that has passed the
+    /// request's token since its compare-and-set was raised by another railguard process, and
+    /// the request must not reach the rail after the newer one.
+    pub async fn current_mark(&self, account: &AccountId) -> Result<i64, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.rechecks
+            .try_send(recheck::Asked {
+                account: account.clone(),
+                reply,
+            })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => StoreError::Overloaded,
+                mpsc::error::TrySendError::Closed(_) => StoreError::Closed,
+            })?;
+        match tokio::time::timeout(self.timeout, answer).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(StoreError::Closed),
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
         }
     }
 

@@ -3,14 +3,25 @@
 //! | request | body | success |
 //! |---|---|---|
 //! | `POST /v1/locks/{key}/acquire` | `{"holder", "ttl_ms", "wait_ms"?}` | 200 the grant, with its token |
-//! | `POST /v1/locks/{key}/renew` | `{"token"}` | 200 the new expiry; the token is unchanged |
-//! | `POST /v1/locks/{key}/release` | `{"token"}` | 200 |
+//! | `POST /v1/locks/{key}/renew` | `{"token", "lease_secret"}` | 200 the new expiry; the token is unchanged |
+//! | `POST /v1/locks/{key}/release` | `{"token", "lease_secret"}` | 200 (also for a repeated release) |
 //! | `GET /v1/locks/{key}` | | 200 holder, lease remaining, grant age — **never a token** |
 //!
 //! Refusals: 400 bad key or body (unknown fields included), 409 `held` (revealing neither the
 //! holder's token nor anything usable as one), 410 `lost` (the grant no longer holds the key),
-//! 429 `too_many_waiters`, 503 `unavailable` (nothing was granted, no token was invented).
-//! Tokens travel as JSON integers. `inspect` exists for people diagnosing a stuck key; its
+//! 429 `too_many_waiters`, 503 `unavailable`.
+//!
+//! **Who may renew and release** (C2 §2.3): whoever holds the grant's `lease_secret`, which
+//! only the acquire response carries. A wrong secret, a wrong token and a grant that ended
+//! all get the same 410 `lost`: no answer confirms or denies a guessed token.
+//!
+//! **What a 503 means**, in its `outcome` field: for acquire `none` — nothing was granted, and
+//! a grant that a late statement commits anyway is revoked; for renew and release `unknown` —
+//! the change may have been made. Renew again to find out; a release may simply be repeated
+//! (a grant already ended by its own release answers 200 again on PostgreSQL, 410 on etcd).
+//!
+//! Every grant carries a `fencing_proof`, which the proxy requires with the token (see
+//! `crate::proof`). Tokens travel as JSON integers. `inspect` exists for people diagnosing a stuck key; its
 //! answer is stale the moment it is read and must never feed a correctness decision (FR-07).
 
 use std::convert::Infallible;
@@ -24,7 +35,8 @@ use hyper::body::Incoming;
 use serde::{Deserialize, Serialize};
 
 use super::service::LockService;
-use super::{LockBackend, LockError, LockKey, parse_holder};
+use super::{LeaseSecret, LockBackend, LockError, LockKey, parse_holder};
+use crate::proof::ProofKey;
 use crate::proxy::{ProxyBody, full};
 use crate::token::FencingToken;
 
@@ -44,6 +56,9 @@ pub struct AcquireRequest {
 #[serde(deny_unknown_fields)]
 pub struct TokenRequest {
     pub token: i64,
+    /// Absent from clients older than lease secrets: they get a 400 that says so.
+    #[serde(default)]
+    pub lease_secret: Option<String>,
 }
 
 /// A grant on the wire. The only place a token leaves the lock service.
@@ -60,6 +75,10 @@ pub struct GrantResponse {
     /// to the time it sent the request to bound when its lease began).
     pub waited_ms: u64,
     pub backend: String,
+    /// Authorises renew and release of this grant. Returned here only, never again.
+    pub lease_secret: String,
+    /// Sent to the proxy with the token: proves the token was granted for this key.
+    pub fencing_proof: String,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -81,6 +100,51 @@ pub enum ApiError {
     MethodNotAllowed,
     #[error(transparent)]
     Lock(#[from] LockError),
+    #[error("the lock backend did not answer in time: {why}. {meaning}")]
+    Unavailable {
+        why: String,
+        /// `none` or `unknown`: whether the operation may have taken effect.
+        outcome: &'static str,
+        meaning: &'static str,
+    },
+}
+
+impl ApiError {
+    /// An operation's error, with a 503 saying what it means for that operation.
+    fn from_lock(operation: Operation, error: LockError) -> Self {
+        let LockError::Unavailable(why) = error else {
+            return ApiError::Lock(error);
+        };
+        let (outcome, meaning) = match operation {
+            Operation::Acquire => (
+                "none",
+                "Nothing was granted: a grant that a late statement commits anyway is revoked.",
+            ),
+            Operation::Renew => (
+                "unknown",
+                "The lease may or may not have been extended; renew again to find out.",
+            ),
+            Operation::Release => (
+                "unknown",
+                "The release may or may not have taken effect; repeat it (a grant already \
+                 released answers 200 or 410, never anything that could end another grant).",
+            ),
+            Operation::Inspect => ("none", "Nothing changes on inspect."),
+        };
+        ApiError::Unavailable {
+            why,
+            outcome,
+            meaning,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Operation {
+    Acquire,
+    Renew,
+    Release,
+    Inspect,
 }
 
 impl ApiError {
@@ -94,14 +158,15 @@ impl ApiError {
             ApiError::Lock(LockError::TooManyWaiters(_)) => {
                 (StatusCode::TOO_MANY_REQUESTS, "too_many_waiters")
             }
-            ApiError::Lock(LockError::Unavailable(_)) => {
+            ApiError::Lock(LockError::Unavailable(_)) | ApiError::Unavailable { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
             }
         };
-        let mut response = json(
-            status,
-            &serde_json::json!({ "error": code, "message": self.to_string() }),
-        );
+        let mut body = serde_json::json!({ "error": code, "message": self.to_string() });
+        if let ApiError::Unavailable { outcome, .. } = &self {
+            body["outcome"] = (*outcome).into();
+        }
+        let mut response = json(status, &body);
         if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
             response
                 .headers_mut()
@@ -123,19 +188,23 @@ fn json(status: StatusCode, value: &impl Serialize) -> Response<ProxyBody> {
 
 pub struct LockApi<B> {
     service: Arc<LockService<B>>,
+    proofs: Arc<ProofKey>,
 }
 
 impl<B> Clone for LockApi<B> {
     fn clone(&self) -> Self {
         Self {
             service: self.service.clone(),
+            proofs: self.proofs.clone(),
         }
     }
 }
 
 impl<B: LockBackend> LockApi<B> {
-    pub fn new(service: Arc<LockService<B>>) -> Self {
-        Self { service }
+    /// `proofs` signs every grant for the proxy (the key every railguard on the database
+    /// shares).
+    pub fn new(service: Arc<LockService<B>>, proofs: Arc<ProofKey>) -> Self {
+        Self { service, proofs }
     }
 
     pub async fn handle(
@@ -159,7 +228,11 @@ impl<B: LockBackend> LockApi<B> {
         let method = request.method().clone();
         match (action, method) {
             (None, Method::GET) => {
-                let inspection = self.service.inspect(&key).await?;
+                let inspection = self
+                    .service
+                    .inspect(&key)
+                    .await
+                    .map_err(|e| ApiError::from_lock(Operation::Inspect, e))?;
                 Ok(json(StatusCode::OK, &inspection))
             }
             (Some("acquire"), Method::POST) => {
@@ -167,8 +240,12 @@ impl<B: LockBackend> LockApi<B> {
                 self.acquire(key, body).await
             }
             (Some("renew"), Method::POST) => {
-                let token = read_token(request).await?;
-                let renewed = self.service.renew(&key, token).await?;
+                let (token, secret) = read_token(request).await?;
+                let renewed = self
+                    .service
+                    .renew(&key, token, &secret)
+                    .await
+                    .map_err(|e| ApiError::from_lock(Operation::Renew, e))?;
                 Ok(json(
                     StatusCode::OK,
                     &RenewResponse {
@@ -180,8 +257,12 @@ impl<B: LockBackend> LockApi<B> {
                 ))
             }
             (Some("release"), Method::POST) => {
-                let token = read_token(request).await?;
-                let released = self.service.release(&key, token).await?;
+                let (token, secret) = read_token(request).await?;
+                let released = self
+                    .service
+                    .release(&key, token, &secret)
+                    .await
+                    .map_err(|e| ApiError::from_lock(Operation::Release, e))?;
                 let mut body = serde_json::json!({
                     "key": key.as_str(),
                     "released": true,
@@ -219,7 +300,12 @@ impl<B: LockBackend> LockApi<B> {
                 limits.max_wait.as_millis()
             )));
         }
-        let (grant, waited) = self.service.acquire(&key, &holder, ttl, wait).await?;
+        let (grant, waited) = self
+            .service
+            .acquire(&key, &holder, ttl, wait)
+            .await
+            .map_err(|e| ApiError::from_lock(Operation::Acquire, e))?;
+        let fencing_proof = self.proofs.sign(grant.key.as_str(), grant.token);
         // Rounded down: the client's bound on when the lease began must not be late.
         let waited_ms = waited.as_millis() as u64;
         Ok(json(
@@ -234,6 +320,8 @@ impl<B: LockBackend> LockApi<B> {
                 expires_at_us: grant.expires_at_us,
                 waited_ms,
                 backend: self.service.backend_name().to_string(),
+                lease_secret: grant.secret.to_wire(),
+                fencing_proof,
             },
         ))
     }
@@ -251,6 +339,14 @@ async fn read_json<T: serde::de::DeserializeOwned>(
             ))
         })?
         .to_bytes();
+    // A struct also deserializes from a JSON array of its fields in order; only an object is
+    // a request body here.
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        return Err(ApiError::BadRequest(
+            "invalid JSON body: expected a JSON object".into(),
+        ));
+    }
     let mut deserializer = serde_json::Deserializer::from_slice(&body);
     let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
         let path = e.path().to_string();
@@ -267,8 +363,18 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     Ok(value)
 }
 
-async fn read_token(request: Request<Incoming>) -> Result<FencingToken, ApiError> {
+async fn read_token(request: Request<Incoming>) -> Result<(FencingToken, LeaseSecret), ApiError> {
     let body: TokenRequest = read_json(request).await?;
-    FencingToken::new(body.token)
-        .ok_or_else(|| ApiError::BadRequest("token must be a positive integer".into()))
+    let token = FencingToken::new(body.token)
+        .ok_or_else(|| ApiError::BadRequest("token must be a positive integer".into()))?;
+    let secret = body.lease_secret.ok_or_else(|| {
+        ApiError::BadRequest(
+            "missing `lease_secret`: renew and release are authorised by the secret returned \
+             with the grant by acquire, not by the token. Clients that send only the token \
+             predate lease secrets; upgrade the client"
+                .into(),
+        )
+    })?;
+    let secret = LeaseSecret::parse(&secret).map_err(ApiError::BadRequest)?;
+    Ok((token, secret))
 }

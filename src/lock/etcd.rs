@@ -17,8 +17,11 @@
 //!
 //! **Renew** is one keep-alive of the grant's lease; it never writes the key, so the token
 //! (ModRevision) cannot change. It first checks that the key's ModRevision is still the
-//! caller's token. **Release** is a transaction comparing the ModRevision with the token
-//! before deleting the key, then revokes the lease.
+//! caller's token and that the caller's lease secret hashes to the one stored with the grant
+//! (C2 §2.3): the token alone authorises nothing. **Release** checks the same, then deletes
+//! the key in a transaction comparing the ModRevision with the token (so the check and the
+//! delete are about one grant), then revokes the lease. A wrong secret for the current grant
+//! is answered exactly like a grant that ended, and counted in `lock_rejected_secrets_total`.
 //!
 //! When etcd is unreachable or has no leader (`require_leader`), every call is `Unavailable`
 //! (503): no grant is made and no token is invented.
@@ -33,7 +36,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
 
 use super::service::LockMetrics;
-use super::{Attempt, Grant, Inspection, LockBackend, LockError, LockKey, Released, Renewed};
+use super::{
+    Attempt, Grant, Inspection, LeaseSecret, LockBackend, LockError, LockKey, Released, Renewed,
+};
 use crate::token::FencingToken;
 use std::sync::Arc;
 
@@ -57,6 +62,10 @@ struct Entry {
     holder: String,
     ttl_ms: u64,
     granted_unix_ms: u64,
+    /// Hex SHA-256 of the grant's lease secret: renew and release must present the secret.
+    /// Entries written before secrets existed have none and can be renewed by nobody.
+    #[serde(default)]
+    secret_sha256: String,
 }
 
 pub struct EtcdLocks {
@@ -120,6 +129,36 @@ impl EtcdLocks {
             metrics.expiries.inc();
         }
         LockError::Lost
+    }
+
+    /// Checks `secret` against the current grant of the key read as `kv`, which carries
+    /// `token`. `Lost` when the grant is not the caller's, with the probe counted when the
+    /// token named the current grant but the secret was wrong.
+    fn authorise(
+        &self,
+        kv: Option<&etcd_client::KeyValue>,
+        key: &LockKey,
+        token: FencingToken,
+        secret: &LeaseSecret,
+    ) -> Result<i64, LockError> {
+        let Some(kv) = kv else {
+            return Err(self.lost_noticed());
+        };
+        if kv.mod_revision() != token.get() {
+            return Err(self.lost_noticed());
+        }
+        let stored = serde_json::from_slice::<Entry>(kv.value())
+            .map(|e| e.secret_sha256)
+            .unwrap_or_default();
+        if stored.is_empty() || stored != crate::proof::hex(&secret.digest()) {
+            if let Some(metrics) = &self.metrics {
+                metrics.rejected_secrets.inc();
+            }
+            tracing::warn!(lock.key = %key, lock.token = token.get(),
+                "a renew or release named the key's current grant with the wrong lease secret");
+            return Err(LockError::Lost);
+        }
+        Ok(kv.lease())
     }
 
     fn options(&self) -> Result<ConnectOptions, LockError> {
@@ -275,10 +314,12 @@ impl LockBackend for EtcdLocks {
             let lease = client.lease_grant(ttl_secs, None).await.map_err(unavailable)?;
             let guard = LeaseGuard { client: client.clone(), lease: Some(lease.id()) };
             let granted_ttl = Duration::from_secs(lease.ttl().max(1) as u64);
+            let secret = LeaseSecret::generate();
             let value = serde_json::to_string(&Entry {
                 holder: holder.to_string(),
                 ttl_ms: granted_ttl.as_millis() as u64,
                 granted_unix_ms: (before_lease_us / 1000) as u64,
+                secret_sha256: crate::proof::hex(&secret.digest()),
             })
             .expect("entry serializes");
             let put = TxnOp::put(path.as_str(), value.as_str(), Some(PutOptions::new().with_lease(lease.id())));
@@ -293,6 +334,7 @@ impl LockBackend for EtcdLocks {
                     key: key.clone(),
                     holder: holder.to_string(),
                     token,
+                    secret: secret.clone(),
                     ttl: granted_ttl,
                     granted_at_us: now_us(),
                     // Not etcd's clock (it exposes none): a lower bound on when the lease can
@@ -340,19 +382,24 @@ impl LockBackend for EtcdLocks {
         .await
     }
 
-    async fn renew(&self, key: &LockKey, token: FencingToken) -> Result<Renewed, LockError> {
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+        secret: &LeaseSecret,
+    ) -> Result<Renewed, LockError> {
         self.bounded(async {
             let mut client = self.client().await?;
             let path = self.path(key);
             let found = client.get(path.as_str(), None).await.map_err(unavailable)?;
-            let Some(kv) = found.kvs().first() else {
-                return Err(self.lost_noticed());
-            };
-            if kv.mod_revision() != token.get() || kv.lease() == 0 {
+            let lease = self.authorise(found.kvs().first(), key, token, secret)?;
+            if lease == 0 {
                 return Err(self.lost_noticed());
             }
-            let lease = kv.lease();
-            let ttl_ms = serde_json::from_slice::<Entry>(kv.value())
+            let ttl_ms = found
+                .kvs()
+                .first()
+                .and_then(|kv| serde_json::from_slice::<Entry>(kv.value()).ok())
                 .map(|e| e.ttl_ms)
                 .unwrap_or(1000);
             let sent_us = now_us();
@@ -380,10 +427,17 @@ impl LockBackend for EtcdLocks {
         .await
     }
 
-    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<Released, LockError> {
+    async fn release(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+        secret: &LeaseSecret,
+    ) -> Result<Released, LockError> {
         self.bounded(async {
             let mut client = self.client().await?;
             let path = self.path(key);
+            let found = client.get(path.as_str(), None).await.map_err(unavailable)?;
+            self.authorise(found.kvs().first(), key, token, secret)?;
             let before_us = now_us();
             let release = Txn::new()
                 .when([Compare::mod_revision(

@@ -77,12 +77,51 @@ pub fn parse_holder(text: &str) -> Result<String, String> {
     Ok(text.to_string())
 }
 
+/// The per-grant secret that authorises renew and release (C2 §2.3 a): 256 random bits, made
+/// for one acquire attempt and returned only in the acquire response. The backend keeps its
+/// SHA-256 only. The token never authorises anything: tokens are sequential, so anyone can
+/// guess one, and an answer that told a guess apart would be a read path returning tokens.
+#[derive(Clone, PartialEq, Eq)]
+pub struct LeaseSecret([u8; 32]);
+
+impl LeaseSecret {
+    pub fn generate() -> Self {
+        Self(crate::proof::random_bytes())
+    }
+
+    /// The wire form: 64 hex digits.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        crate::proof::unhex(text)
+            .and_then(|bytes| <[u8; 32]>::try_from(bytes).ok())
+            .map(Self)
+            .ok_or_else(|| "lease_secret must be the 64 hex digits returned by acquire".into())
+    }
+
+    pub fn to_wire(&self) -> String {
+        crate::proof::hex(&self.0)
+    }
+
+    /// What the backend stores and compares.
+    pub fn digest(&self) -> [u8; 32] {
+        use sha2::Digest;
+        sha2::Sha256::digest(self.0).into()
+    }
+}
+
+impl fmt::Debug for LeaseSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("LeaseSecret(..)")
+    }
+}
+
 /// A grant as the backend made it. The token is fixed here, once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grant {
     pub key: LockKey,
     pub holder: String,
     pub token: FencingToken,
+    /// Authorises renew and release of this grant; only its acquirer ever sees it.
+    pub secret: LeaseSecret,
     pub ttl: Duration,
     /// The backend's clock, microseconds since the Unix epoch: for diagnosis and for checking
     /// grant history in one clock; never for a correctness decision.
@@ -161,20 +200,25 @@ pub trait LockBackend: Send + Sync + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<Attempt, LockError>> + Send;
 
-    /// Extends the lease of the grant `(key, token)` by its ttl. `Lost` if that grant no longer
-    /// holds the key.
+    /// Extends the lease of the grant `(key, token)` by its ttl, if `secret` is that grant's.
+    /// `Lost` otherwise — the same answer whether the grant ended or the secret is wrong, so
+    /// that no guess is ever confirmed. A secret that does not match the key's current grant
+    /// counts in `lock_rejected_secrets_total`.
     fn renew(
         &self,
         key: &LockKey,
         token: FencingToken,
+        secret: &LeaseSecret,
     ) -> impl Future<Output = Result<Renewed, LockError>> + Send;
 
-    /// Ends the grant `(key, token)` if it still holds the key, returning when it ended in the
-    /// backend's clock (µs since the Unix epoch); `Lost` otherwise.
+    /// Ends the grant `(key, token)` if `secret` is its secret and it still holds the key,
+    /// returning when it ended in the backend's clock (µs since the Unix epoch); `Lost`
+    /// otherwise, with the same care as `renew`.
     fn release(
         &self,
         key: &LockKey,
         token: FencingToken,
+        secret: &LeaseSecret,
     ) -> impl Future<Output = Result<Released, LockError>> + Send;
 
     /// Diagnosis only: never returns a token.
@@ -207,17 +251,27 @@ impl LockBackend for AnyBackend {
         }
     }
 
-    async fn renew(&self, key: &LockKey, token: FencingToken) -> Result<Renewed, LockError> {
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+        secret: &LeaseSecret,
+    ) -> Result<Renewed, LockError> {
         match self {
-            AnyBackend::Postgres(b) => b.renew(key, token).await,
-            AnyBackend::Etcd(b) => b.renew(key, token).await,
+            AnyBackend::Postgres(b) => b.renew(key, token, secret).await,
+            AnyBackend::Etcd(b) => b.renew(key, token, secret).await,
         }
     }
 
-    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<Released, LockError> {
+    async fn release(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+        secret: &LeaseSecret,
+    ) -> Result<Released, LockError> {
         match self {
-            AnyBackend::Postgres(b) => b.release(key, token).await,
-            AnyBackend::Etcd(b) => b.release(key, token).await,
+            AnyBackend::Postgres(b) => b.release(key, token, secret).await,
+            AnyBackend::Etcd(b) => b.release(key, token, secret).await,
         }
     }
 
@@ -239,6 +293,19 @@ mod tests {
         assert!(LockKey::parse(&"k".repeat(256)).is_ok());
         for bad in ["", "a/b", "a b", "é", "a%2F", &"k".repeat(257)] {
             assert!(LockKey::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn lease_secrets_are_random_hex_and_never_printed() {
+        let a = LeaseSecret::generate();
+        let b = LeaseSecret::generate();
+        assert_ne!(a, b);
+        assert_eq!(LeaseSecret::parse(&a.to_wire()).unwrap(), a);
+        assert_ne!(a.digest(), b.digest());
+        assert_eq!(format!("{a:?}"), "LeaseSecret(..)");
+        for bad in ["", "00", &"0".repeat(63), &"g".repeat(64), &"0".repeat(66)] {
+            assert!(LeaseSecret::parse(bad).is_err(), "{bad:?}");
         }
     }
 

@@ -13,6 +13,20 @@
 //!
 //! Expiry is decided by `clock_timestamp()` of the database, never by a client's clock, and
 //! only ever costs liveness: the token decides safety (INV-07).
+//!
+//! **Renew and release** match on `(key, token, sha256(secret))`: only the acquirer knows the
+//! secret (C2 §2.3). A miss is answered `Lost` whatever the reason, and classified afterwards
+//! for the operator only: a secret that does not match the key's current grant is a probe
+//! (`lock_rejected_secrets_total`). A release repeated after an answer was lost finds its own
+//! grant already released and answers as the first would have.
+//!
+//! **An acquire whose answer is lost** (the database slower than `database.timeout_ms`, the
+//! connection dropped after the commit, the caller gone) must not leave a grant nobody
+//! received holding the key for its ttl. The attempt runs in a task of its own; unless its
+//! grant is handed to the caller, an [`Undelivered`] guard revokes whatever it may have
+//! committed, by the attempt's secret — which only that attempt's row can carry — once the
+//! statement has finished, and once more after the server's `statement_timeout` would have
+//! ended it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,19 +34,22 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 
 use super::service::LockMetrics;
-use super::{Attempt, Grant, Inspection, LockBackend, LockError, LockKey, Released, Renewed};
+use super::{
+    Attempt, Grant, Inspection, LeaseSecret, LockBackend, LockError, LockKey, Released, Renewed,
+};
 use crate::token::FencingToken;
 
 /// NOTIFY channel on which releases are announced, with the key as payload.
 pub const RELEASE_CHANNEL: &str = "railguard_lock_released";
 
 pub const ACQUIRE_SQL: &str = "\
-INSERT INTO lock_entry AS e (key, holder, token, ttl_ms, granted_at, expires_at)
+INSERT INTO lock_entry AS e (key, holder, token, ttl_ms, granted_at, expires_at, secret_sha256)
 VALUES ($1, $2, nextval('fencing_token_seq'), $3::bigint,
-        clock_timestamp(), clock_timestamp() + $3::bigint * interval '1 millisecond')
+        clock_timestamp(), clock_timestamp() + $3::bigint * interval '1 millisecond', $4)
 ON CONFLICT (key) DO UPDATE SET
     holder = EXCLUDED.holder,
     token = EXCLUDED.token,
+    secret_sha256 = EXCLUDED.secret_sha256,
     ttl_ms = EXCLUDED.ttl_ms,
     granted_at = clock_timestamp(),
     expires_at = clock_timestamp() + EXCLUDED.ttl_ms * interval '1 millisecond',
@@ -54,24 +71,45 @@ FROM lock_entry WHERE key = $1";
 
 const RENEW_SQL: &str = "\
 UPDATE lock_entry SET expires_at = clock_timestamp() + ttl_ms * interval '1 millisecond'
-WHERE key = $1 AND token = $2 AND ended_at IS NULL AND expires_at > clock_timestamp()
+WHERE key = $1 AND token = $2 AND secret_sha256 = $3
+  AND ended_at IS NULL AND expires_at > clock_timestamp()
 RETURNING (extract(epoch FROM expires_at) * 1000000)::bigint, ttl_ms";
 
 pub const RELEASE_SQL: &str = "\
 WITH ended AS (
     UPDATE lock_entry
     SET ended_at = clock_timestamp(), expires_at = clock_timestamp(), released = true
-    WHERE key = $1 AND token = $2 AND ended_at IS NULL AND expires_at > clock_timestamp()
+    WHERE key = $1 AND token = $2 AND secret_sha256 = $3
+      AND ended_at IS NULL AND expires_at > clock_timestamp()
     RETURNING key, ended_at)
 SELECT pg_notify('railguard_lock_released', key)::text,
        (extract(epoch FROM ended_at) * 1000000)::bigint
 FROM ended";
 
-/// A late renew or release found its own grant expired and not yet taken over: note the
-/// expiry now (once), so that the takeover that follows does not count it again.
-const NOTICE_EXPIRY_SQL: &str = "\
-UPDATE lock_entry SET ended_at = expires_at
-WHERE key = $1 AND token = $2 AND ended_at IS NULL AND expires_at <= clock_timestamp()";
+/// After a renew or release matched nothing: notes the expiry of the caller's own grant if
+/// it ran out and was not yet taken over (once, so that the takeover does not count it
+/// again); says whether the secret failed to match the key's current grant (a probe); and
+/// finds the caller's own grant already released (a repeated release).
+const MISSED_SQL: &str = "\
+WITH noticed AS (
+    UPDATE lock_entry SET ended_at = expires_at
+    WHERE key = $1 AND token = $2 AND secret_sha256 = $3
+      AND ended_at IS NULL AND expires_at <= clock_timestamp()
+    RETURNING 1)
+SELECT (SELECT count(*) FROM noticed),
+       COALESCE((SELECT token = $2 AND secret_sha256 IS DISTINCT FROM $3
+                 FROM lock_entry WHERE key = $1), false),
+       (SELECT (extract(epoch FROM ended_at) * 1000000)::bigint FROM lock_entry
+        WHERE key = $1 AND token = $2 AND secret_sha256 = $3 AND released)";
+
+/// Ends whatever live grant an acquire attempt with this secret made (see [`Undelivered`]).
+const REVOKE_SQL: &str = "\
+WITH ended AS (
+    UPDATE lock_entry
+    SET ended_at = clock_timestamp(), expires_at = clock_timestamp(), released = true
+    WHERE key = $1 AND secret_sha256 = $2 AND ended_at IS NULL
+    RETURNING key)
+SELECT pg_notify('railguard_lock_released', key)::text FROM ended";
 
 const INSPECT_SQL: &str = "\
 SELECT holder,
@@ -83,6 +121,7 @@ FROM lock_entry WHERE key = $1";
 /// How many fresh tokens one acquire may draw when its draw turned out stale.
 const STALE_DRAW_RETRIES: usize = 3;
 
+#[derive(Clone)]
 pub struct PgLocks {
     pool: Pool,
     timeout: Duration,
@@ -121,18 +160,156 @@ impl PgLocks {
             })
     }
 
-    async fn notice_expiry(
+    /// Classifies a renew or release that matched nothing; returns when the caller's own grant
+    /// was released, if it was. The caller is told `Lost` either way.
+    async fn missed(
         &self,
         client: &deadpool_postgres::Object,
         key: &LockKey,
         token: FencingToken,
-    ) {
-        if let Ok(1) = client
-            .execute(NOTICE_EXPIRY_SQL, &[&key.as_str(), &token.get()])
+        digest: &[u8],
+    ) -> Result<Option<i64>, LockError> {
+        let row = client
+            .query_one(MISSED_SQL, &[&key.as_str(), &token.get(), &digest])
             .await
-        {
+            .map_err(db)?;
+        if row.get::<_, i64>(0) > 0 {
             self.metrics.expiries.inc();
         }
+        if row.get::<_, bool>(1) {
+            self.metrics.rejected_secrets.inc();
+            tracing::warn!(lock.key = %key, lock.token = token.get(),
+                "a renew or release named the key's current grant with the wrong lease secret");
+        }
+        Ok(row.get(2))
+    }
+
+    /// One acquire attempt, as its own task's work. The error says whether the statement may
+    /// have committed before it failed.
+    async fn attempt(
+        &self,
+        key: &LockKey,
+        holder: &str,
+        ttl: Duration,
+        secret: LeaseSecret,
+    ) -> Result<Attempt, (LockError, bool)> {
+        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+        let digest = secret.digest();
+        let client = self.client().await.map_err(|e| (e, false))?;
+        let acquire = client
+            .prepare_cached(ACQUIRE_SQL)
+            .await
+            .map_err(|e| (db(e), false))?;
+        for _ in 0..STALE_DRAW_RETRIES {
+            let rows = client
+                .query(
+                    &acquire,
+                    &[&key.as_str(), &holder, &ttl_ms, &digest.as_slice()],
+                )
+                .await
+                .map_err(|e| (db(e), true))?;
+            if let Some(row) = rows.first() {
+                let token = FencingToken::new(row.get(0))
+                    .expect("fencing_token_seq yields positive values");
+                let noticed: bool = row.get(4);
+                if noticed {
+                    self.metrics.expiries.inc();
+                }
+                return Ok(Attempt::Granted(Grant {
+                    key: key.clone(),
+                    holder: holder.to_string(),
+                    token,
+                    secret,
+                    ttl,
+                    granted_at_us: row.get(1),
+                    expires_at_us: row.get(2),
+                    took_over: row.get(3),
+                }));
+            }
+            let held = client
+                .query_opt(HELD_SQL, &[&key.as_str()])
+                .await
+                .map_err(|e| (db(e), false))?;
+            match held {
+                Some(row) if row.get::<_, bool>(0) => {
+                    let remaining: i64 = row.get(1);
+                    return Ok(Attempt::Held {
+                        retry_in: Some(Duration::from_millis(remaining.max(0) as u64)),
+                    });
+                }
+                // Free, yet not ours: our draw was older than the key's last token, or
+                // the key was freed between the two statements. Draw again.
+                _ => continue,
+            }
+        }
+        Ok(Attempt::Held { retry_in: None })
+    }
+
+    /// Ends the grant an attempt with `digest` may have made; true if there was one.
+    async fn revoke(&self, key: &LockKey, digest: &[u8]) -> Result<bool, LockError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let rows = client
+                .query(REVOKE_SQL, &[&key.as_str(), &digest])
+                .await
+                .map_err(db)?;
+            Ok(!rows.is_empty())
+        })
+        .await
+    }
+}
+
+/// Revokes, when dropped armed, whatever grant one acquire attempt may have committed: its
+/// answer did not reach the caller (timeout, error, or the caller gone), so nobody holds it.
+struct Undelivered {
+    locks: PgLocks,
+    key: LockKey,
+    digest: [u8; 32],
+    attempt: Option<tokio::task::JoinHandle<Result<Attempt, (LockError, bool)>>>,
+    armed: bool,
+}
+
+impl Drop for Undelivered {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (locks, key, digest) = (self.locks.clone(), self.key.clone(), self.digest);
+        let attempt = self.attempt.take();
+        tokio::spawn(async move {
+            // The statement ends by itself: the server cancels it at statement_timeout and the
+            // connection gives up on a silent server at tcp_user_timeout (both derived from the
+            // same timeout). Wait for that, then revoke; and once more a statement_timeout
+            // later, for a statement that was still on its way when the connection died.
+            if let Some(attempt) = attempt {
+                let _ = tokio::time::timeout(locks.timeout * 4, attempt).await;
+            }
+            for round in 0..2 {
+                if round == 1 {
+                    tokio::time::sleep(locks.timeout * 2).await;
+                }
+                let mut pause = Duration::from_millis(100);
+                let outcome = loop {
+                    match locks.revoke(&key, &digest).await {
+                        Ok(revoked) => break Some(revoked),
+                        Err(e) if pause > Duration::from_secs(20) => {
+                            tracing::error!(lock.key = %key, error = %e,
+                                "could not revoke a grant nobody received; it holds the key until its lease ends");
+                            break None;
+                        }
+                        Err(_) => {
+                            tokio::time::sleep(pause).await;
+                            pause *= 2;
+                        }
+                    }
+                };
+                if outcome == Some(true) {
+                    locks.metrics.revoked_undelivered.inc();
+                    tracing::warn!(lock.key = %key,
+                        "revoked a grant whose acquire answer never reached its caller");
+                }
+            }
+        });
     }
 }
 
@@ -167,59 +344,59 @@ impl LockBackend for PgLocks {
         holder: &str,
         ttl: Duration,
     ) -> Result<Attempt, LockError> {
-        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
-        self.bounded(async {
-            let client = self.client().await?;
-            let acquire = client.prepare_cached(ACQUIRE_SQL).await.map_err(db)?;
-            for _ in 0..STALE_DRAW_RETRIES {
-                let rows = client
-                    .query(&acquire, &[&key.as_str(), &holder, &ttl_ms])
-                    .await
-                    .map_err(db)?;
-                if let Some(row) = rows.first() {
-                    let token = FencingToken::new(row.get(0))
-                        .expect("fencing_token_seq yields positive values");
-                    let noticed: bool = row.get(4);
-                    if noticed {
-                        self.metrics.expiries.inc();
-                    }
-                    return Ok(Attempt::Granted(Grant {
-                        key: key.clone(),
-                        holder: holder.to_string(),
-                        token,
-                        ttl,
-                        granted_at_us: row.get(1),
-                        expires_at_us: row.get(2),
-                        took_over: row.get(3),
-                    }));
-                }
-                let held = client
-                    .query_opt(HELD_SQL, &[&key.as_str()])
-                    .await
-                    .map_err(db)?;
-                match held {
-                    Some(row) if row.get::<_, bool>(0) => {
-                        let remaining: i64 = row.get(1);
-                        return Ok(Attempt::Held {
-                            retry_in: Some(Duration::from_millis(remaining.max(0) as u64)),
-                        });
-                    }
-                    // Free, yet not ours: our draw was older than the key's last token, or
-                    // the key was freed between the two statements. Draw again.
-                    _ => continue,
-                }
+        let secret = LeaseSecret::generate();
+        let digest = secret.digest();
+        let attempt = {
+            let (locks, key, holder) = (self.clone(), key.clone(), holder.to_string());
+            tokio::spawn(async move { locks.attempt(&key, &holder, ttl, secret).await })
+        };
+        let mut guard = Undelivered {
+            locks: self.clone(),
+            key: key.clone(),
+            digest,
+            attempt: Some(attempt),
+            armed: true,
+        };
+        let waiting = guard.attempt.as_mut().expect("just set");
+        let answer = tokio::time::timeout(self.timeout, waiting).await;
+        if answer.is_ok() {
+            guard.attempt = None; // finished: a JoinHandle is awaited once
+        }
+        let outcome = match answer {
+            Err(_) => Err(LockError::Unavailable(format!(
+                "no answer within {:?}; nothing was granted (anything the late statement \
+                 commits is revoked)",
+                self.timeout
+            ))),
+            Ok(Err(panicked)) => Err(LockError::Unavailable(format!(
+                "acquire attempt failed: {panicked}"
+            ))),
+            Ok(Ok(Err((error, maybe_committed)))) => {
+                guard.armed = maybe_committed;
+                Err(error)
             }
-            Ok(Attempt::Held { retry_in: None })
-        })
-        .await
+            Ok(Ok(Ok(attempt))) => {
+                // Handed to the caller: from here the grant is the caller's to release.
+                guard.armed = false;
+                Ok(attempt)
+            }
+        };
+        drop(guard);
+        outcome
     }
 
-    async fn renew(&self, key: &LockKey, token: FencingToken) -> Result<Renewed, LockError> {
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+        secret: &LeaseSecret,
+    ) -> Result<Renewed, LockError> {
+        let digest = secret.digest();
         self.bounded(async {
             let client = self.client().await?;
             let renew = client.prepare_cached(RENEW_SQL).await.map_err(db)?;
             match client
-                .query_opt(&renew, &[&key.as_str(), &token.get()])
+                .query_opt(&renew, &[&key.as_str(), &token.get(), &digest.as_slice()])
                 .await
                 .map_err(db)?
             {
@@ -231,7 +408,7 @@ impl LockBackend for PgLocks {
                     })
                 }
                 None => {
-                    self.notice_expiry(&client, key, token).await;
+                    self.missed(&client, key, token, &digest).await?;
                     Err(LockError::Lost)
                 }
             }
@@ -239,12 +416,18 @@ impl LockBackend for PgLocks {
         .await
     }
 
-    async fn release(&self, key: &LockKey, token: FencingToken) -> Result<Released, LockError> {
+    async fn release(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+        secret: &LeaseSecret,
+    ) -> Result<Released, LockError> {
+        let digest = secret.digest();
         self.bounded(async {
             let client = self.client().await?;
             let release = client.prepare_cached(RELEASE_SQL).await.map_err(db)?;
             let rows = client
-                .query(&release, &[&key.as_str(), &token.get()])
+                .query(&release, &[&key.as_str(), &token.get(), &digest.as_slice()])
                 .await
                 .map_err(db)?;
             match rows.first() {
@@ -252,10 +435,15 @@ impl LockBackend for PgLocks {
                     at_us: row.get(1),
                     revision: None,
                 }),
-                None => {
-                    self.notice_expiry(&client, key, token).await;
-                    Err(LockError::Lost)
-                }
+                // Released already, by an earlier attempt of this same release whose answer
+                // was lost: the outcome the caller asked for.
+                None => match self.missed(&client, key, token, &digest).await? {
+                    Some(at_us) => Ok(Released {
+                        at_us,
+                        revision: None,
+                    }),
+                    None => Err(LockError::Lost),
+                },
             }
         })
         .await

@@ -15,7 +15,9 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::wait::WaitQueues;
-use super::{Attempt, Grant, Inspection, LockBackend, LockError, LockKey, Released, Renewed};
+use super::{
+    Attempt, Grant, Inspection, LeaseSecret, LockBackend, LockError, LockKey, Released, Renewed,
+};
 use crate::token::FencingToken;
 
 /// Lock metrics for one backend. Never labelled by key.
@@ -26,6 +28,8 @@ pub struct LockMetrics {
     pub expiries: IntCounter,
     pub takeovers: IntCounter,
     pub lost: IntCounter,
+    pub rejected_secrets: IntCounter,
+    pub revoked_undelivered: IntCounter,
     pub wait_seconds: Histogram,
     pub waiters: IntGauge,
 }
@@ -172,10 +176,20 @@ impl<B: LockBackend> LockService<B> {
         result
     }
 
-    /// FR-03: extends the lease; the token is the caller's and never changes.
-    pub async fn renew(&self, key: &LockKey, token: FencingToken) -> Result<Renewed, LockError> {
+    /// FR-03: extends the lease; the token is the caller's and never changes. Authorised by
+    /// the grant's secret, never by the token (C2 §2.3).
+    pub async fn renew(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+        secret: &LeaseSecret,
+    ) -> Result<Renewed, LockError> {
         let span = tracing::info_span!("lock.renew", lock.key = %key, lock.token = token.get(), lock.backend = self.backend.name());
-        let result = self.backend.renew(key, token).instrument(span).await;
+        let result = self
+            .backend
+            .renew(key, token, secret)
+            .instrument(span)
+            .await;
         match &result {
             Ok(_) => self.metrics.renewals.inc(),
             Err(LockError::Lost) => self.metrics.lost.inc(),
@@ -185,9 +199,18 @@ impl<B: LockBackend> LockService<B> {
     }
 
     /// FR-04: ends the grant if it still holds the key, and wakes the key's waiters here.
-    pub async fn release(&self, key: &LockKey, token: FencingToken) -> Result<Released, LockError> {
+    pub async fn release(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+        secret: &LeaseSecret,
+    ) -> Result<Released, LockError> {
         let span = tracing::info_span!("lock.release", lock.key = %key, lock.token = token.get(), lock.backend = self.backend.name());
-        let result = self.backend.release(key, token).instrument(span).await;
+        let result = self
+            .backend
+            .release(key, token, secret)
+            .instrument(span)
+            .await;
         match &result {
             Ok(_) => {
                 self.metrics.releases.inc();

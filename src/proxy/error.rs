@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde::Serialize;
 
-use super::extract::{BadRequest, BodyTooLarge, ClientTimeout};
+use super::extract::{BadProof, BadRequest, BodyTooLarge, ClientTimeout, MethodRefused};
 use super::fence::{FenceUnavailable, FencedOut};
 use super::forward::{UpstreamTimeout, UpstreamUnavailable};
 use super::idempotency::{IdempotencyConflict, IdempotencyUnavailable};
@@ -110,6 +110,24 @@ pub fn rejection(error: &BoxError) -> Rejection {
                 StatusCode::BAD_REQUEST,
                 Outcome::BadRequest,
                 "bad_request",
+                Origin::Client,
+                e.to_string(),
+            );
+        }
+        if let Some(e) = e.downcast_ref::<BadProof>() {
+            return Rejection::new(
+                StatusCode::BAD_REQUEST,
+                Outcome::BadProof,
+                "invalid_fencing_proof",
+                Origin::Client,
+                e.to_string(),
+            );
+        }
+        if let Some(e) = e.downcast_ref::<MethodRefused>() {
+            return Rejection::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                Outcome::BadRequest,
+                "method_not_allowed",
                 Origin::Client,
                 e.to_string(),
             );

@@ -6,6 +6,15 @@
 //! to `max_body_bytes`) *before* the fence check, so that a body we would refuse never
 //! advances a mark and the rail never receives a truncated payment.
 //!
+//! A token is accepted for an account only with the grant's proof that it was granted for the
+//! account's lock key (C2 §2.3, `crate::proof`): checked here, in memory, so a token granted
+//! for another key — or never granted — is a 400 that never reaches the database and never
+//! moves a mark.
+//!
+//! Requests a reverse proxy must not pass on are refused here too: `CONNECT` (a tunnel is not a
+//! payment, and must not advance a mark), and HTTP/1.1 requests without exactly one valid
+//! `Host` (RFC 9112 §3.2).
+//!
 //! This is also where the request's deadline starts: one `request_timeout` per request,
 //! carried with it, so that each later phase can tell whose time ran out.
 
@@ -33,6 +42,19 @@ pub enum BadRequest {
     Body(String),
 }
 
+/// The token is not shown to have been granted for the account's lock key.
+#[derive(Debug, thiserror::Error)]
+#[error("header {header} {reason}")]
+pub struct BadProof {
+    pub header: HeaderName,
+    pub reason: &'static str,
+}
+
+/// A method the proxy never forwards.
+#[derive(Debug, thiserror::Error)]
+#[error("{0} is not forwarded to the rail")]
+pub struct MethodRefused(pub http::Method);
+
 #[derive(Debug, thiserror::Error)]
 #[error("the request body is larger than {limit} bytes")]
 pub struct BodyTooLarge {
@@ -54,6 +76,68 @@ pub struct ExtractConfig {
     pub max_account_len: usize,
     pub max_body_bytes: u64,
     pub request_timeout: Duration,
+    pub proof_header: HeaderName,
+    pub grants: GrantCheck,
+}
+
+/// How a token is tied to the account it is presented for.
+#[derive(Debug, Clone)]
+pub struct GrantCheck {
+    pub proofs: std::sync::Arc<crate::proof::ProofKey>,
+    /// `fencing.require_proof`.
+    pub required: bool,
+    /// `fencing.lock_key_template`, split around `{account}`.
+    pub lock_key_prefix: String,
+    pub lock_key_suffix: String,
+    /// Tokens let through without a proof (`require_proof = false` only).
+    pub unproven: prometheus::IntCounter,
+}
+
+impl GrantCheck {
+    /// The lock key whose grants fence `account`.
+    pub fn lock_key(&self, account: &AccountId) -> String {
+        let mut key = String::with_capacity(
+            self.lock_key_prefix.len() + account.as_str().len() + self.lock_key_suffix.len(),
+        );
+        key.push_str(&self.lock_key_prefix);
+        key.push_str(account.as_str());
+        key.push_str(&self.lock_key_suffix);
+        key
+    }
+
+    /// Checks the proof sent with `token` for `account`.
+    fn check(
+        &self,
+        header: &HeaderName,
+        proof: Result<&str, HeaderError>,
+        account: &AccountId,
+        token: FencingToken,
+    ) -> Result<(), BadProof> {
+        let bad = |reason| BadProof {
+            header: header.clone(),
+            reason,
+        };
+        let proof = match proof {
+            Ok(proof) => proof,
+            Err(HeaderError::Missing) if !self.required => {
+                self.unproven.inc();
+                return Ok(());
+            }
+            Err(HeaderError::Missing) => {
+                return Err(bad(
+                    "is missing: send the grant's fencing_proof with its token",
+                ));
+            }
+            Err(_) => return Err(bad("must appear once, as visible ASCII")),
+        };
+        if self.proofs.verify(&self.lock_key(account), token, proof) {
+            Ok(())
+        } else {
+            Err(bad(
+                "does not prove that this token was granted for this account's lock key",
+            ))
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -106,6 +190,31 @@ impl ExtractConfig {
         Ok((token, account))
     }
 
+    /// RFC 9112 §3.2: an HTTP/1.1 request has exactly one `Host`; any `Host` must be a valid
+    /// authority. (HTTP/2 carries `:authority` instead; a `Host` beside it must be valid too.)
+    fn host(
+        &self,
+        request_version: http::Version,
+        headers: &http::HeaderMap,
+    ) -> Result<(), BadRequest> {
+        let bad = |reason: &str| BadRequest::Header {
+            header: header::HOST,
+            reason: reason.into(),
+        };
+        match single_header(headers, &header::HOST) {
+            Err(HeaderError::Missing) if request_version == http::Version::HTTP_11 => {
+                Err(bad("is missing (HTTP/1.1 requires exactly one)"))
+            }
+            Err(HeaderError::Missing) => Ok(()),
+            Err(HeaderError::Repeated) => Err(bad("appears more than once")),
+            Err(HeaderError::NotAscii) => Err(bad("is not a valid host")),
+            Ok(text) => text
+                .parse::<http::uri::Authority>()
+                .map(|_| ())
+                .map_err(|_| bad("is not a valid host")),
+        }
+    }
+
     /// The idempotency key, if any: at most one, well-formed, and present when required.
     fn idempotency_key(&self, headers: &http::HeaderMap) -> Result<Option<String>, BadRequest> {
         let name = &self.idempotency_header;
@@ -143,7 +252,17 @@ where
         let config = self.config.clone();
         Box::pin(async move {
             let deadline = Instant::now() + config.request_timeout;
+            if request.method() == http::Method::CONNECT {
+                return Err(MethodRefused(http::Method::CONNECT).into());
+            }
+            config.host(request.version(), request.headers())?;
             let (token, account) = config.fencing_headers(request.headers())?;
+            config.grants.check(
+                &config.proof_header,
+                single_header(request.headers(), &config.proof_header),
+                &account,
+                token,
+            )?;
             let idempotency_key = config.idempotency_key(request.headers())?;
             let span = tracing::Span::current();
             span.record("lock.token", token.get());

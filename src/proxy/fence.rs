@@ -6,8 +6,14 @@
 //!    lower bounds only, so this can never refuse a current token).
 //! 2. The request takes its place in the account's forwarding order (see `ordering`).
 //! 3. One compare-and-set in PostgreSQL decides. Stale: 409, nothing forwarded.
-//! 4. Accepted: the request waits for its turn and is forwarded; a higher token admitted in
-//!    the meantime makes it stale after all (409).
+//! 4. Accepted: the request waits for its turn; a higher token admitted in the meantime in
+//!    this process makes it stale after all (409).
+//! 5. Just before the forward starts, the account's mark is read again (a read, grouped, no
+//!    commit): if another railguard process has accepted a higher token since step 3, this
+//!    one is stale now and is refused (409, counted in `lock_fenced_out_total`, logged with
+//!    both tokens), instead of reaching the rail after the newer one. What remains is the
+//!    moment between that read and the first byte on the wire; `ordering` explains why
+//!    closing it completely would need a row lock held across the send.
 //!
 //! **Why a mark advanced by a request whose forward then failed is safe.** The mark only says
 //! "a grant with this token exists": tokens come from grants, and a grant is issued only after
@@ -88,7 +94,11 @@ impl Fence {
     ) -> Result<Verdict, StoreError> {
         let verdict = self
             .store
-            .advance(&request.account, request.token, new_record(request))
+            .advance(
+                &request.account,
+                request.token,
+                new_record(request, self.store.timeout()),
+            )
             .instrument(span.clone())
             .await;
         self.metrics
@@ -262,6 +272,24 @@ where
             return Err(NotSent(error).into());
         }
     }
+    // The last look: has another railguard accepted a higher token for this account since our
+    // compare-and-set? Then ours must not reach the rail after it.
+    match tokio::time::timeout_at(request.deadline, fence.store.current_mark(&account)).await {
+        Ok(Ok(mark)) if mark > token.get() => {
+            fence.cache.raise(&account, mark);
+            tracing::warn!(lock.token = token.get(), account = %account, mark,
+                "a token superseded in the database after its compare-and-set (another \
+                 railguard accepted a newer grant) was refused before its forward started");
+            let error = fence.fenced_out(account, token, "superseded before its forward started");
+            return Err(NotSent(error).into());
+        }
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(NotSent(FenceUnavailable(e).into()).into()),
+        Err(_) => {
+            let error: BoxError = super::forward::UpstreamTimeout::waiting_for_turn().into();
+            return Err(NotSent(error).into());
+        }
+    }
     // The ticket is held until the rail has answered: only then may a higher token for this
     // account start its forward.
     let response = inner.call(request).await;
@@ -305,10 +333,14 @@ where
     inner.call(request).await
 }
 
-fn new_record(request: &FencedRequest) -> Option<NewRecord> {
+/// The record a request creates with its compare-and-set. It is in doubt, unless completed,
+/// once the request's own deadline and the time to store its outcome have passed.
+fn new_record(request: &FencedRequest, database_timeout: std::time::Duration) -> Option<NewRecord> {
+    let remaining = request.deadline.saturating_duration_since(Instant::now());
     request.idempotency.as_ref().map(|k| NewRecord {
         key: k.key.clone(),
         fingerprint: k.fingerprint.clone(),
         owner: k.owner.clone(),
+        in_doubt_after: remaining + database_timeout + std::time::Duration::from_secs(1),
     })
 }

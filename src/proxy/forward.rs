@@ -13,6 +13,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Uri, Version, header};
 use http_body_util::{BodyExt, Full};
+use hyper::body::Body as _;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -38,7 +40,8 @@ pub struct UpstreamUnavailable(#[source] pub BoxError, pub Sent);
 /// Whether a failed request can have reached the rail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sent {
-    /// No connection was made: the rail cannot have seen the request.
+    /// Not one byte of its body was handed to a connection (or no connection was made): the
+    /// rail cannot have acted on it.
     Never,
     /// The rail may have received it.
     Maybe,
@@ -46,15 +49,72 @@ pub enum Sent {
 
 /// The rail did not answer in time.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UpstreamTimeout(&'static str);
+#[error("{message}")]
+pub struct UpstreamTimeout {
+    message: &'static str,
+    pub sent: Sent,
+}
 
 impl UpstreamTimeout {
-    pub fn no_answer() -> Self {
-        Self("the rail did not answer before the request deadline; it may or may not have acted")
+    pub fn no_answer(sent: Sent) -> Self {
+        let message = match sent {
+            Sent::Maybe => {
+                "the rail did not answer before the request deadline; it may or may not have acted"
+            }
+            Sent::Never => {
+                "the request deadline passed before the request was sent; the rail did not see it"
+            }
+        };
+        Self { message, sent }
     }
     pub fn waiting_for_turn() -> Self {
-        Self("the request deadline passed while an earlier token's forward was still at the rail")
+        Self {
+            message: "the request deadline passed while an earlier token's forward was still at \
+                      the rail; this request was not sent",
+            sent: Sent::Never,
+        }
+    }
+}
+
+/// Whether the request whose forward failed with `error` may have reached the rail. Errors
+/// that are neither of the two kinds above happen before anything is sent (building the
+/// upstream request).
+pub fn sent(error: &BoxError) -> Sent {
+    if let Some(e) = error.downcast_ref::<UpstreamUnavailable>() {
+        return e.1;
+    }
+    if let Some(e) = error.downcast_ref::<UpstreamTimeout>() {
+        return e.sent;
+    }
+    Sent::Never
+}
+
+/// The request body as handed to the client, noting when a connection first asks for it:
+/// hyper asks for the body only after it has a connection and has encoded the request head,
+/// so a body never asked for means the rail cannot have received a complete request.
+struct Tracked {
+    body: Full<Bytes>,
+    asked: Arc<AtomicBool>,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        self.asked.store(true, Ordering::Release);
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -78,7 +138,7 @@ impl Upstream {
 
 #[derive(Clone)]
 pub struct Forward {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpConnector, Tracked>,
     upstream: Arc<Upstream>,
     metrics: Arc<Metrics>,
 }
@@ -117,20 +177,25 @@ impl Service<FencedRequest> for Forward {
         Box::pin(
             async move {
                 let deadline = fenced.deadline;
-                let request = this.upstream_request(fenced.request)?;
+                let (request, asked) = this.upstream_request(fenced.request)?;
+                // An empty body may never be asked for although the request went out whole.
+                let empty = request.body().is_end_stream();
+                let sent = |connect_failed: bool| {
+                    if connect_failed || (!empty && !asked.load(Ordering::Acquire)) {
+                        Sent::Never
+                    } else {
+                        Sent::Maybe
+                    }
+                };
                 let started = Instant::now();
-                let sent = tokio::time::timeout_at(deadline, this.client.request(request)).await;
+                let answer = tokio::time::timeout_at(deadline, this.client.request(request)).await;
                 this.metrics
                     .upstream_seconds
                     .observe(started.elapsed().as_secs_f64());
-                let response = match sent {
-                    Err(_) => return Err(UpstreamTimeout::no_answer().into()),
+                let response = match answer {
+                    Err(_) => return Err(UpstreamTimeout::no_answer(sent(false)).into()),
                     Ok(Err(e)) => {
-                        let sent = if e.is_connect() {
-                            Sent::Never
-                        } else {
-                            Sent::Maybe
-                        };
+                        let sent = sent(e.is_connect());
                         return Err(UpstreamUnavailable(e.into(), sent).into());
                     }
                     Ok(Ok(response)) => response,
@@ -149,7 +214,10 @@ impl Service<FencedRequest> for Forward {
 }
 
 impl Forward {
-    fn upstream_request(&self, request: Request<Bytes>) -> Result<Request<Full<Bytes>>, BoxError> {
+    fn upstream_request(
+        &self,
+        request: Request<Bytes>,
+    ) -> Result<(Request<Tracked>, Arc<AtomicBool>), BoxError> {
         let (mut parts, body) = request.into_parts();
         let path = parts
             .uri
@@ -167,6 +235,12 @@ impl Forward {
             .authority(self.upstream.authority.clone())
             .path_and_query(path)
             .build()?;
+        // RFC 9110 §7.6.3: Via names the protocol railguard *received*.
+        let via = match parts.version {
+            Version::HTTP_2 => "2 railguard",
+            Version::HTTP_10 => "1.0 railguard",
+            _ => "1.1 railguard",
+        };
         parts.version = Version::HTTP_11;
         strip_hop_by_hop(&mut parts.headers);
         // The body was read whole; its length is set from it.
@@ -180,7 +254,7 @@ impl Forward {
             headers.insert(HeaderName::from_static("x-forwarded-host"), host);
         }
         // RFC 9110 §7.6.3: a gateway appends itself to Via.
-        headers.append(header::VIA, HeaderValue::from_static("1.1 railguard"));
+        headers.append(header::VIA, HeaderValue::from_static(via));
         headers.insert(
             HeaderName::from_static("x-forwarded-proto"),
             HeaderValue::from_static("http"),
@@ -188,7 +262,12 @@ impl Forward {
         if let Some(ClientAddr(addr)) = parts.extensions.get::<ClientAddr>().copied() {
             append_forwarded_for(headers, addr.ip());
         }
-        Ok(Request::from_parts(parts, Full::new(body)))
+        let asked = Arc::new(AtomicBool::new(false));
+        let body = Tracked {
+            body: Full::new(body),
+            asked: asked.clone(),
+        };
+        Ok((Request::from_parts(parts, body), asked))
     }
 }
 

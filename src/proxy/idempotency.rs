@@ -5,18 +5,19 @@
 //! - it carries no key: it passes through;
 //! - its record was created (`recorded`): it is the first, and is forwarded; the rail's
 //!   response is stored (status, end-to-end headers, body up to `max_response_bytes`) before
-//!   it is returned, and a connection to the rail that could not even be opened removes the
-//!   record again, since the rail cannot have seen the request;
+//!   it is returned — or, if the database cannot take it now, as soon as it can. A forward
+//!   that failed before any of the request was sent removes the record again, since the rail
+//!   cannot have seen the request; one that failed after (a timeout, a broken connection)
+//!   declares the record in doubt at once;
 //! - its record already existed: it is a repeat, and never reaches the rail. The same key with
 //!   a different request is 422; a repeat while the first is in flight is 409 `in_flight`; a
-//!   record left in flight longer than any forward can take is 409 `in_doubt` (see
-//!   `crate::idempotency`); a completed one is replayed, marked `Idempotency-Replayed: true`.
+//!   record in doubt is 409 `in_doubt` (see `crate::idempotency`); a completed one is
+//!   replayed, marked `Idempotency-Replayed: true`.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
@@ -25,7 +26,7 @@ use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Frame;
 use tower::{Layer, Service};
 
-use super::forward::{Sent, UpstreamTimeout, UpstreamUnavailable};
+use super::forward::{self, Sent, UpstreamTimeout};
 use super::{BoxError, FencedRequest, ProxyBody, ProxyResponse, full};
 use crate::high_water::StoreError;
 use crate::idempotency::{IdempotencyStore, RecordState, StoredResponse};
@@ -36,9 +37,10 @@ pub enum IdempotencyConflict {
     #[error("a request with this idempotency key is still in flight; retry later")]
     InFlight,
     #[error(
-        "a request with this idempotency key was forwarded by a proxy that stopped before the \
-         rail answered: whether the rail acted is unknown, so it will not be forwarded again. \
-         Check the rail, then ask an operator to run `railguard idempotency-forget`"
+        "a request with this idempotency key was forwarded, and its forward ended without the \
+         rail's answer (a timeout, a broken connection, or a proxy that stopped): whether the \
+         rail acted is unknown, so it will not be forwarded again. Ask the rail about this \
+         idempotency key; an operator can then run `railguard idempotency-forget`"
     )]
     InDoubt,
     #[error("this idempotency key was used for a different request (method, path or body)")]
@@ -54,8 +56,6 @@ pub struct IdempotencyUnavailable(#[from] pub StoreError);
 #[derive(Debug, Clone)]
 pub struct IdempotencyConfig {
     pub max_response_bytes: usize,
-    /// A record in flight for longer than this is in doubt.
-    pub in_doubt_after: Duration,
 }
 
 #[derive(Clone)]
@@ -118,33 +118,43 @@ where
             let account = request.account.clone();
             let deadline = request.deadline;
             if !key.recorded {
-                return repeat(&store, &config, &request, &key.fingerprint, &key.key).await;
+                return repeat(&store, &request, &key.fingerprint, &key.key).await;
             }
-            let response = match inner.call(request).await {
-                Ok(response) => response,
-                Err(error) => {
-                    let never_sent = error
-                        .downcast_ref::<UpstreamUnavailable>()
-                        .is_some_and(|e| e.1 == Sent::Never);
-                    if never_sent {
-                        store.forget_unsent(vec![key.owner.clone()]);
-                    }
-                    return Err(error);
+            let in_doubt = |error: BoxError| {
+                match forward::sent(&error) {
+                    Sent::Never => store.forget_unsent(vec![key.owner.clone()]),
+                    Sent::Maybe => store.declare_in_doubt_eventually(
+                        account.clone(),
+                        key.key.clone(),
+                        key.owner.clone(),
+                    ),
                 }
+                error
             };
-            // The rail has answered; its body must arrive within the deadline too, or the record
-            // stays in flight (the rail may have acted) and becomes in doubt.
-            let (response, stored) =
+            let response = inner.call(request).await.map_err(in_doubt)?;
+            // The rail has answered; its body must arrive within the deadline too, or the
+            // record is in doubt (the rail acted, but its answer is not known).
+            let captured =
                 tokio::time::timeout_at(deadline, capture(response, config.max_response_bytes))
                     .await
-                    .map_err(|_| -> BoxError { UpstreamTimeout::no_answer().into() })??;
+                    .map_err(|_| -> BoxError { UpstreamTimeout::no_answer(Sent::Maybe).into() })
+                    .and_then(|captured| captured);
+            let (response, stored) = captured.inspect_err(|_| {
+                store.declare_in_doubt_eventually(
+                    account.clone(),
+                    key.key.clone(),
+                    key.owner.clone(),
+                );
+            })?;
             if let Err(e) = store
                 .complete(&account, &key.key, &key.owner, &stored)
                 .await
             {
-                // The rail acted; the client must hear about it. A repeat will find the record
-                // in flight, and later in doubt, and will not be forwarded.
-                tracing::error!(error = %e, account = %account, "could not store the rail's response for replay");
+                // The rail acted; the client hears its answer now, and the record is completed
+                // as soon as the database takes it (a repeat meanwhile gets in_flight).
+                tracing::warn!(error = %e, account = %account,
+                    "could not store the rail's response for replay yet; retrying in the background");
+                store.complete_eventually(account, key.key, key.owner, stored);
             }
             Ok(response)
         })
@@ -154,7 +164,6 @@ where
 /// A repeat of a key whose record already exists.
 async fn repeat(
     store: &IdempotencyStore,
-    config: &IdempotencyConfig,
     request: &FencedRequest,
     fingerprint: &str,
     key: &str,
@@ -172,10 +181,8 @@ async fn repeat(
         return Err(IdempotencyConflict::Mismatch.into());
     }
     match record.state {
-        RecordState::InFlight { age } if age > config.in_doubt_after => {
-            Err(IdempotencyConflict::InDoubt.into())
-        }
-        RecordState::InFlight { .. } => Err(IdempotencyConflict::InFlight.into()),
+        RecordState::InDoubt => Err(IdempotencyConflict::InDoubt.into()),
+        RecordState::InFlight => Err(IdempotencyConflict::InFlight.into()),
         RecordState::Done(stored) => Ok(replay(stored)),
     }
 }

@@ -126,21 +126,25 @@ pub fn stack(
     ServiceBuilder::new()
         .layer(SetRequestIdLayer::x_request_id(RequestIds::default()))
         .layer(PropagateRequestIdLayer::x_request_id())
-        .layer(TraceLayer::new_for_http().make_span_with(
-            |request: &Request<hyper::body::Incoming>| {
-                let request_id = request
-                    .headers()
-                    .get("x-request-id")
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("");
-                tracing::info_span!("proxy.request",
+        // Refusals are logged once, by `respond`; a 5xx is not an error of railguard's (an
+        // outage of the rail or the database is), so the trace layer keeps them at debug.
+        .layer(
+            TraceLayer::new_for_http()
+                .on_failure(tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG))
+                .make_span_with(|request: &Request<hyper::body::Incoming>| {
+                    let request_id = request
+                        .headers()
+                        .get("x-request-id")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("");
+                    tracing::info_span!("proxy.request",
                     method = %request.method(),
                     path = request.uri().path(),
                     request_id,
                     lock.token = tracing::field::Empty,
                     account = tracing::field::Empty)
-            },
-        ))
+                }),
+        )
         .layer(respond::RespondLayer::new(metrics))
         .layer(extract::ExtractLayer::new(extract))
         .layer(fence::FenceLayer::new(fence))

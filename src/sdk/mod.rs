@@ -100,13 +100,29 @@ pub(crate) async fn exchange(
 ///     handle.token().get()
 /// }
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// Its lease secret, which alone authorises renew and release, never leaves the handle except
+/// to the lock service, and is not printed by `Debug`.
+#[derive(Clone, PartialEq, Eq)]
 pub struct LockHandle {
     key: String,
     holder: String,
     token: FencingToken,
+    secret: String,
+    proof: String,
     ttl: Duration,
     lease_floor: tokio::time::Instant,
+}
+
+impl std::fmt::Debug for LockHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LockHandle")
+            .field("key", &self.key)
+            .field("holder", &self.holder)
+            .field("token", &self.token)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
 }
 
 impl LockHandle {
@@ -121,6 +137,12 @@ impl LockHandle {
     /// The grant's fencing token, as fixed at grant time.
     pub fn token(&self) -> FencingToken {
         self.token
+    }
+
+    /// The grant's proof for the proxy (`Fencing-Proof`): that this token was granted for
+    /// this key. [`RailClient`] sends it; a worker with its own HTTP client sends it too.
+    pub fn fencing_proof(&self) -> &str {
+        &self.proof
     }
 
     pub fn ttl(&self) -> Duration {
@@ -245,6 +267,8 @@ impl LockClient {
             key: grant.key,
             holder: grant.holder,
             token,
+            secret: grant.lease_secret,
+            proof: grant.fencing_proof,
             ttl,
             lease_floor,
         })
@@ -252,7 +276,8 @@ impl LockClient {
 
     /// FR-03: extends the lease. The handle's token does not change; `Lost` means stop.
     pub async fn renew(&self, handle: &LockHandle) -> Result<(), SdkError> {
-        let body = serde_json::json!({ "token": handle.token.get() });
+        let body =
+            serde_json::json!({ "token": handle.token.get(), "lease_secret": handle.secret });
         let bytes = self
             .call(
                 Method::POST,
@@ -272,8 +297,12 @@ impl LockClient {
     }
 
     /// FR-04: ends the grant, if it still holds the key.
+    ///
+    /// `Unavailable` means the outcome is unknown; calling `release` again with a clone of
+    /// the handle is safe (it can only ever end this grant).
     pub async fn release(&self, handle: LockHandle) -> Result<(), SdkError> {
-        let body = serde_json::json!({ "token": handle.token.get() });
+        let body =
+            serde_json::json!({ "token": handle.token.get(), "lease_secret": handle.secret });
         self.call(
             Method::POST,
             &format!("/v1/locks/{}/release", handle.key),

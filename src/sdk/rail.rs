@@ -2,7 +2,7 @@
 //!
 //! [`RailClient::post`] takes `&LockHandle` and nothing else for the token: the fencing header
 //! is written from the handle, so the token presented is always the one the grant was made
-//! with (FR-16). A 409 from the proxy comes back as [`SdkError::FencedOut`]: the grant has been
+//! with (FR-16), together with the grant's proof that it was made for that lock key. A 409 from the proxy comes back as [`SdkError::FencedOut`]: the grant has been
 //! superseded and the worker must stop, not retry with another token.
 
 use std::time::Duration;
@@ -22,6 +22,8 @@ pub struct FencingHeaders {
     pub token: String,
     pub account: String,
     pub idempotency_key: String,
+    /// The grant's proof that the token was granted for the account's lock key.
+    pub proof: String,
 }
 
 impl Default for FencingHeaders {
@@ -29,6 +31,7 @@ impl Default for FencingHeaders {
         Self {
             token: "Fencing-Token".into(),
             account: "Fencing-Account".into(),
+            proof: "Fencing-Proof".into(),
             idempotency_key: "Idempotency-Key".into(),
         }
     }
@@ -80,6 +83,7 @@ impl RailClient {
             .uri(format!("{}{path}", self.base))
             .header(self.headers.token.as_str(), token.to_string())
             .header(self.headers.account.as_str(), account)
+            .header(self.headers.proof.as_str(), grant.fencing_proof())
             .header(http::header::CONTENT_TYPE, "application/json");
         if let Some(key) = idempotency_key {
             request = request.header(self.headers.idempotency_key.as_str(), key);

@@ -24,12 +24,15 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use railguard::db::{Access, PostgresServer, ServerOptions};
 use railguard::net::free_loopback_port;
+use railguard::proof::ProofKey;
 use railguard::railsim::{LedgerEntry, RailSim};
+use std::sync::Arc;
 use tempfile::TempDir;
 use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
 
 pub mod etcd;
+pub mod relay;
 
 /// Installs a test log subscriber once (RUST_LOG controls it).
 pub fn init_tracing() {
@@ -157,6 +160,10 @@ pub struct Railguard {
     child: Option<Child>,
     dir: TempDir,
     env: BTreeMap<String, String>,
+    database_url: String,
+    /// The database's grant-proof key, so that a test can present tokens as the lock service
+    /// would have granted them (the proxy's tests send tokens they choose).
+    proofs: Option<Arc<ProofKey>>,
 }
 
 impl Railguard {
@@ -196,9 +203,57 @@ impl Railguard {
             child: None,
             dir,
             env,
+            database_url: database_url.to_string(),
+            proofs: None,
         };
         rg.spawn().await;
+        rg.proofs = rg.read_proof_key().await;
         rg
+    }
+
+    async fn read_proof_key(&self) -> Option<Arc<ProofKey>> {
+        // The embedded server listens on a socket in its data directory only.
+        let url = match (
+            self.database_url.as_str(),
+            self.env.get("RAILGUARD__DATABASE__DATA_DIR"),
+        ) {
+            ("embedded", Some(dir)) => {
+                format!("host='{dir}' port=5432 user=railguard dbname=postgres")
+            }
+            ("embedded", None) => return None,
+            (url, _) => url.to_string(),
+        };
+        let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .expect("the test reaches railguard's database");
+        tokio::spawn(conn);
+        let row = client
+            .query_one(
+                "SELECT value FROM railguard_secret WHERE name = 'grant_proof'",
+                &[],
+            )
+            .await
+            .expect("railguard created its proof key");
+        Some(Arc::new(ProofKey::from_bytes(&row.get::<_, Vec<u8>>(0))))
+    }
+
+    /// The proof a grant of lock key `account` (the default mapping) with `token` carries.
+    pub fn proof(&self, account: &str, token: i64) -> String {
+        let token = railguard::token::FencingToken::new(token).expect("a valid token");
+        self.proofs
+            .as_ref()
+            .expect("a railguard on a postgres:// database")
+            .sign(account, token)
+    }
+
+    /// An HTTP/1.1 client that adds the grant proof to payments, like a worker with a grant.
+    pub fn http(&self) -> Http {
+        Http::new().with_proofs(self.proofs.clone())
+    }
+
+    /// The same over HTTP/2.
+    pub fn http2(&self) -> Http {
+        Http::http2().with_proofs(self.proofs.clone())
     }
 
     pub fn config_path(&self) -> PathBuf {
@@ -315,6 +370,9 @@ impl Railguard {
 #[derive(Clone)]
 pub struct Http {
     client: Client<HttpConnector, Full<Bytes>>,
+    /// When set, [`Http::pay`] adds the proof of the token it sends, as the lock service
+    /// would have issued it.
+    proofs: Option<Arc<ProofKey>>,
 }
 
 /// A response, read whole.
@@ -335,6 +393,7 @@ impl Http {
     pub fn new() -> Http {
         Http {
             client: Client::builder(TokioExecutor::new()).build_http(),
+            proofs: None,
         }
     }
 
@@ -343,6 +402,35 @@ impl Http {
             client: Client::builder(TokioExecutor::new())
                 .http2_only(true)
                 .build_http(),
+            proofs: None,
+        }
+    }
+
+    pub fn with_proofs(mut self, proofs: Option<Arc<ProofKey>>) -> Http {
+        self.proofs = proofs;
+        self
+    }
+
+    /// The proof for a payment's headers: one valid token and one account, and no proof yet.
+    fn proof_for(&self, headers: &[(&str, &str)]) -> Option<String> {
+        let proofs = self.proofs.as_ref()?;
+        let named = |name: &str| -> Vec<&str> {
+            headers
+                .iter()
+                .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, v)| *v)
+                .collect()
+        };
+        if !named("fencing-proof").is_empty() {
+            return None;
+        }
+        let (tokens, accounts) = (named("fencing-token"), named("fencing-account"));
+        match (tokens.as_slice(), accounts.as_slice()) {
+            ([token], [account]) => {
+                let token = railguard::token::FencingToken::parse(token).ok()?;
+                Some(proofs.sign(account, token))
+            }
+            _ => None,
         }
     }
 
@@ -368,10 +456,15 @@ impl Http {
     }
 
     /// POSTs a payment with the given headers (name, value), repeated names allowed.
+    ///
+    /// With proofs (see [`Railguard::http`]) a grant proof is added for the token and account.
     pub async fn pay(&self, url: &str, headers: &[(&str, &str)], body: &str) -> Reply {
         let mut request = Request::builder().method(Method::POST).uri(url);
         for (name, value) in headers {
             request = request.header(*name, *value);
+        }
+        if let Some(proof) = self.proof_for(headers) {
+            request = request.header("Fencing-Proof", proof);
         }
         let request = request
             .body(Full::new(Bytes::from(body.to_string())))
@@ -380,11 +473,18 @@ impl Http {
     }
 
     /// POSTs with `Fencing-Token: token` and `Fencing-Account: account`.
+    /// POSTs with `Fencing-Token: token` and `Fencing-Account: account`, and the proof of
+    /// that grant.
     pub async fn pay_with(&self, rg: &Railguard, token: i64, account: &str) -> Reply {
+        let proof = rg.proof(account, token);
         let token = token.to_string();
         self.pay(
             &rg.proxy_url("/payments"),
-            &[("Fencing-Token", &token), ("Fencing-Account", account)],
+            &[
+                ("Fencing-Token", &token),
+                ("Fencing-Account", account),
+                ("Fencing-Proof", &proof),
+            ],
             &format!("{{\"account\":\"{account}\",\"amount\":100}}"),
         )
         .await

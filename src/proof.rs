@@ -1,0 +1,190 @@
+//! Grant proofs (C2 §2.3 b): evidence, checked without a database round trip, that a token
+//! was granted by the lock service *for one lock key*.
+//!
+//! Tokens come from one global sequence (PostgreSQL) or the cluster revision (etcd), so a
+//! token alone says nothing about which key it fences: a fresh grant on any key is above every
+//! account's mark, and a number nobody was ever granted (`9223372036854775807`) would poison
+//! a mark for good. So every grant carries a proof, `v1.` followed by the hex HMAC-SHA256 of
+//! (lock key, token) under a key that only railguard holds, and the proxy recomputes it for
+//! the lock key of the request's account before the compare-and-set.
+//!
+//! The key lives in PostgreSQL (`railguard_secret`), written once by the first process that
+//! starts, so that every railguard process sharing a database — lock service and proxy alike —
+//! signs and checks with the same key without any configuration.
+//!
+//! A proof is not a secret: it only lets its holder present *that* token for *that* key,
+//! which the grant already allowed. It never lets anyone learn or make another grant's proof.
+
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
+
+use crate::token::FencingToken;
+
+/// Prefix of the wire form; a later key rotation can introduce `v2.` beside it.
+const VERSION: &str = "v1.";
+/// Separates the fields of the signed message; lock keys and tokens never contain it.
+const SEPARATOR: u8 = 0;
+/// Name of the proof key's row in `railguard_secret`.
+const SECRET_NAME: &str = "grant_proof";
+
+/// The key that signs and checks grant proofs.
+#[derive(Clone)]
+pub struct ProofKey {
+    mac: Hmac<Sha256>,
+}
+
+impl std::fmt::Debug for ProofKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProofKey(..)")
+    }
+}
+
+impl ProofKey {
+    /// A key from its raw bytes (at least 32).
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        Self {
+            mac: Hmac::<Sha256>::new_from_slice(bytes).expect("HMAC takes keys of any length"),
+        }
+    }
+
+    fn mac_of(&self, lock_key: &str, token: FencingToken) -> Hmac<Sha256> {
+        let mut mac = self.mac.clone();
+        mac.update(b"railguard grant");
+        mac.update(&[SEPARATOR]);
+        mac.update(lock_key.as_bytes());
+        mac.update(&[SEPARATOR]);
+        mac.update(token.to_string().as_bytes());
+        mac
+    }
+
+    /// The proof of a grant of `lock_key` with `token`, in its wire form.
+    pub fn sign(&self, lock_key: &str, token: FencingToken) -> String {
+        let tag = self.mac_of(lock_key, token).finalize().into_bytes();
+        let mut text = String::with_capacity(VERSION.len() + 64);
+        text.push_str(VERSION);
+        text.push_str(&hex(&tag));
+        text
+    }
+
+    /// Whether `proof` is the proof of a grant of `lock_key` with `token`. Compares in
+    /// constant time.
+    pub fn verify(&self, lock_key: &str, token: FencingToken, proof: &str) -> bool {
+        let Some(tag) = proof.strip_prefix(VERSION).and_then(unhex) else {
+            return false;
+        };
+        self.mac_of(lock_key, token).verify_slice(&tag).is_ok()
+    }
+
+    /// The database's proof key, created by whichever process gets there first.
+    pub async fn load_or_create(
+        client: &impl tokio_postgres::GenericClient,
+    ) -> Result<Self, tokio_postgres::Error> {
+        let candidate = random_bytes::<32>();
+        client
+            .execute(
+                "INSERT INTO railguard_secret (name, value) VALUES ($1, $2)
+                 ON CONFLICT (name) DO NOTHING",
+                &[&SECRET_NAME, &candidate.as_slice()],
+            )
+            .await?;
+        let row = client
+            .query_one(
+                "SELECT value FROM railguard_secret WHERE name = $1",
+                &[&SECRET_NAME],
+            )
+            .await?;
+        let value: Vec<u8> = row.get(0);
+        Ok(Self::from_bytes(&value))
+    }
+}
+
+/// `N` bytes from the operating system's random source.
+pub fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut bytes = [0u8; N];
+    getrandom::fill(&mut bytes).expect("the operating system's random source works");
+    bytes
+}
+
+/// Lower-case hex.
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut text = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        text.push(DIGITS[usize::from(b >> 4)] as char);
+        text.push(DIGITS[usize::from(b & 15)] as char);
+    }
+    text
+}
+
+/// Parses lower- or upper-case hex; `None` for anything else.
+pub fn unhex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    let digit = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    };
+    text.as_bytes()
+        .chunks(2)
+        .map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: i64) -> FencingToken {
+        FencingToken::new(v).unwrap()
+    }
+
+    #[test]
+    fn a_proof_binds_key_and_token() {
+        let key = ProofKey::from_bytes(&[7; 32]);
+        let proof = key.sign("acct-B", t(42));
+        assert!(proof.starts_with("v1.") && proof.len() == 3 + 64, "{proof}");
+        assert!(key.verify("acct-B", t(42), &proof));
+        assert!(key.verify("acct-B", t(42), &proof.to_uppercase().replace("V1.", "v1.")));
+        assert!(!key.verify("acct-A", t(42), &proof), "another key");
+        assert!(!key.verify("acct-B", t(43), &proof), "another token");
+        assert!(
+            !key.verify("acct-B", t(4), &key.sign("acct-B2", t(4))),
+            "a longer key"
+        );
+        // The separator keeps (key, token) pairs apart that would concatenate alike.
+        assert_ne!(key.sign("a1", t(23)), key.sign("a", t(123)));
+        let other = ProofKey::from_bytes(&[8; 32]);
+        assert!(
+            !other.verify("acct-B", t(42), &proof),
+            "another railguard's key"
+        );
+    }
+
+    #[test]
+    fn malformed_proofs_are_refused() {
+        let key = ProofKey::from_bytes(&[7; 32]);
+        let good = key.sign("k", t(1));
+        for bad in [
+            "",
+            "v1.",
+            &good[3..],
+            &good[..good.len() - 1],
+            &format!("v2.{}", &good[3..]),
+            &format!("{good}00"),
+            "v1.zz",
+        ] {
+            assert!(!key.verify("k", t(1), bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        let bytes = random_bytes::<32>();
+        assert_eq!(unhex(&hex(&bytes)).unwrap(), bytes);
+        assert_eq!(unhex("0"), None);
+        assert_eq!(unhex("g0"), None);
+    }
+}

@@ -1,0 +1,406 @@
+//! The safety holes found under faults (issue 8), each as the scenario that reproduced it:
+//! real PostgreSQL, real railguard processes, the rail simulator, and a delaying TCP relay
+//! where the network has to be slow.
+
+mod support;
+
+use std::time::Duration;
+
+use http::StatusCode;
+use support::relay::Relay;
+use support::{Http, Pg, Rail, Railguard, Reply, init_tracing};
+
+/// A grant from the lock API, as a worker in another language would read it.
+struct WireGrant {
+    token: i64,
+    proof: Option<String>,
+    secret: Option<String>,
+}
+
+async fn acquire(http: &Http, rg: &Railguard, key: &str) -> WireGrant {
+    let reply = http
+        .send(
+            http::Request::post(format!("{}/v1/locks/{key}/acquire", rg.lock_url()))
+                .body(http_body_util::Full::new(bytes::Bytes::from(
+                    "{\"holder\":\"w\",\"ttl_ms\":30000}",
+                )))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let grant = reply.json();
+    WireGrant {
+        token: grant["token"].as_i64().unwrap(),
+        proof: grant["fencing_proof"].as_str().map(str::to_string),
+        secret: grant["lease_secret"].as_str().map(str::to_string),
+    }
+}
+
+async fn pay_raw(
+    http: &Http,
+    rg: &Railguard,
+    account: &str,
+    token: i64,
+    proof: Option<&str>,
+    key: Option<&str>,
+) -> Reply {
+    let token = token.to_string();
+    let mut headers = vec![
+        ("Fencing-Token", token.as_str()),
+        ("Fencing-Account", account),
+    ];
+    if let Some(proof) = proof {
+        headers.push(("Fencing-Proof", proof));
+    }
+    if let Some(key) = key {
+        headers.push(("Idempotency-Key", key));
+    }
+    http.pay(&rg.proxy_url("/payments"), &headers, "{\"amount\":1}")
+        .await
+}
+
+/// Hole 2: a token is only good for the account whose lock key it was granted on, and a
+/// token nobody was granted is good for nothing.
+#[tokio::test]
+async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_token() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = Http::new();
+    let b = acquire(&http, &rg, "acct-B").await;
+    let paid = pay_raw(&http, &rg, "acct-B", b.token, b.proof.as_deref(), None).await;
+    assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
+    // A later grant on another key has a larger token: it must not pass for acct-B.
+    let a = acquire(&http, &rg, "acct-A").await;
+    assert!(a.token > b.token);
+    let wrong = pay_raw(&http, &rg, "acct-B", a.token, a.proof.as_deref(), None).await;
+    assert_eq!(wrong.status, StatusCode::BAD_REQUEST, "{}", wrong.body);
+    assert_eq!(pg.mark("acct-B").await, Some(b.token), "mark unchanged");
+    // Never issued: the largest token there is, with no proof and with a made-up one.
+    for proof in [None, Some("v1.".to_string() + &"0".repeat(64))] {
+        let invented = pay_raw(&http, &rg, "acct-B", i64::MAX, proof.as_deref(), None).await;
+        assert_eq!(
+            invented.status,
+            StatusCode::BAD_REQUEST,
+            "{}",
+            invented.body
+        );
+    }
+    assert_eq!(pg.mark("acct-B").await, Some(b.token), "mark unchanged");
+    assert_eq!(pg.mark("acct-A").await, None, "no mark made");
+    // The right grant still passes.
+    let again = pay_raw(&http, &rg, "acct-B", b.token, b.proof.as_deref(), None).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
+    assert_eq!(
+        rail.ledger().len(),
+        2,
+        "only the two good payments reached the rail"
+    );
+}
+
+/// Hole 3(a): two railguards on one database with different request timeouts (a rolling
+/// config change). The owner's forward is slow on the network; the other process must not
+/// declare its record in doubt on the strength of its own, shorter, timeout.
+#[tokio::test]
+async fn mixed_request_timeouts_across_two_processes_never_pay_twice() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let owner = Railguard::start(
+        &pg.url(),
+        &slow_path.url(),
+        &[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000")],
+    )
+    .await;
+    let other = Railguard::start(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "1000")],
+    )
+    .await;
+    let http = Http::new();
+    let grant = acquire(&http, &owner, "acct-mixed").await;
+    slow_path.set_delay(Duration::from_millis(5000));
+    let original = {
+        let (http, owner) = (http.clone(), owner.proxy_url("/payments"));
+        let token = grant.token.to_string();
+        let proof = grant.proof.clone();
+        tokio::spawn(async move {
+            let mut headers = vec![
+                ("Fencing-Token", token.as_str()),
+                ("Fencing-Account", "acct-mixed"),
+                ("Idempotency-Key", "pay-1"),
+            ];
+            if let Some(proof) = proof.as_deref() {
+                headers.push(("Fencing-Proof", proof));
+            }
+            http.pay(&owner, &headers, "{\"amount\":1}").await
+        })
+    };
+    // The request is on the slow path; the answer will come back at once.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    slow_path.set_delay(Duration::ZERO);
+    // Past the other process's in-doubt threshold (its 1 s deadline + 1 s + 1 s).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(rail.ledger().is_empty(), "the original is still on its way");
+    // The operator follows the procedure through the other process: the rail shows nothing.
+    let forgot = forget(&other, "acct-mixed", "pay-1").await;
+    if forgot.status.success() {
+        let retry = pay_raw(
+            &http,
+            &other,
+            "acct-mixed",
+            grant.token,
+            grant.proof.as_deref(),
+            Some("pay-1"),
+        )
+        .await;
+        assert!(retry.status.is_success(), "{}", retry.body);
+    }
+    let first = original.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let paid: Vec<_> = rail
+        .ledger()
+        .into_iter()
+        .filter(|e| e.idempotency_key.as_deref() == Some("pay-1"))
+        .collect();
+    assert_eq!(paid.len(), 1, "one payment at the rail: {paid:?}");
+}
+
+/// Hole 4: an acquire answered 503 because PostgreSQL was slower than `database.timeout_ms`
+/// must not leave behind a grant nobody received, holding the key for its whole ttl.
+#[tokio::test]
+async fn an_acquire_slower_than_the_database_timeout_leaves_no_grant_behind() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_db = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
+    let rg = Railguard::start(&slow_db.postgres_url(&pg.url()), &rail.url(), &[]).await;
+    let http = Http::new();
+    let body = "{\"holder\":\"w1\",\"ttl_ms\":60000}";
+    let url = format!("{}/v1/locks/slow/acquire", rg.lock_url());
+    // Every pooled connection has the acquire prepared: the slow statement is the acquire.
+    for i in 0..16 {
+        acquire(&http, &rg, &format!("warm-{i}")).await;
+    }
+    slow_db.set_delay(Duration::from_millis(1500)); // the harness's database.timeout_ms is 1 s
+    let reply = http
+        .send(
+            http::Request::post(&url)
+                .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.body
+    );
+    assert!(reply.json().get("token").is_none());
+    slow_db.set_delay(Duration::ZERO);
+    // The slow statement reaches PostgreSQL 1.5 s after it was sent, and commits.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Whatever the slow statement committed is undone: the key is free again within a few
+    // seconds, not after the 60 s lease.
+    let mut free = false;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let held: bool = pg
+            .client()
+            .await
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM lock_entry WHERE key = 'slow'
+                     AND ended_at IS NULL AND expires_at > clock_timestamp())",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if !held {
+            free = true;
+            break;
+        }
+    }
+    assert!(free, "a grant nobody received still holds the key");
+    let second = http
+        .send(
+            http::Request::post(&url)
+                .body(http_body_util::Full::new(bytes::Bytes::from(
+                    "{\"holder\":\"w2\",\"ttl_ms\":5000}",
+                )))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(second.status, StatusCode::OK, "{}", second.body);
+}
+
+/// Hole 5: PostgreSQL dies after the rail answered and before the response was stored. The
+/// client got its 201; once the database is back the record must be complete and replayable,
+/// not in flight (and later in doubt) for a payment that succeeded.
+#[tokio::test]
+async fn a_completion_lost_to_a_database_crash_is_stored_when_it_returns() {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = Http::new();
+    let grant = acquire(&http, &rg, "acct-c").await;
+    let original = {
+        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
+        let token = grant.token.to_string();
+        let proof = grant.proof.clone();
+        tokio::spawn(async move {
+            let mut headers = vec![
+                ("Fencing-Token", token.as_str()),
+                ("Fencing-Account", "acct-c"),
+                ("Idempotency-Key", "pay-c"),
+            ];
+            if let Some(proof) = proof.as_deref() {
+                headers.push(("Fencing-Proof", proof));
+            }
+            http.pay(&url, &headers, "{\"amount\":1}").await
+        })
+    };
+    for _ in 0..100 {
+        if !rail.ledger().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+    tokio::time::sleep(Duration::from_millis(300)).await; // let the record's commit reach disk
+    pg.server.kill().await;
+    let first = original.await.unwrap();
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "the client hears the rail's answer"
+    );
+    pg.server.start().await.expect("postgres restarts");
+    let mut replayed = None;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let again = pay_raw(
+            &http,
+            &rg,
+            "acct-c",
+            grant.token,
+            grant.proof.as_deref(),
+            Some("pay-c"),
+        )
+        .await;
+        if again.status == StatusCode::CREATED {
+            replayed = Some(again);
+            break;
+        }
+    }
+    let replayed = replayed.expect("the completion was stored once the database was back");
+    assert_eq!(
+        replayed.headers.get("idempotency-replayed").unwrap(),
+        "true"
+    );
+    assert_eq!(replayed.body, first.body);
+    assert_eq!(rail.ledger().len(), 1);
+}
+
+/// Hole 6: across two railguard processes, a token superseded in the database before its
+/// forward starts must be refused (or counted), not delivered after the newer one.
+#[tokio::test]
+async fn a_token_superseded_in_another_process_before_its_forward_starts_is_refused() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
+    let a = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let b = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = Http::new();
+    let t0 = acquire(&http, &a, "acct-x").await;
+    release(&http, &a, "acct-x", &t0).await;
+    let t1 = acquire(&http, &a, "acct-x").await;
+    release(&http, &a, "acct-x", &t1).await;
+    let t2 = acquire(&http, &a, "acct-x").await;
+    let send = |rg: &Railguard, grant: &WireGrant, key: &'static str| {
+        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
+        let token = grant.token.to_string();
+        let proof = grant.proof.clone();
+        tokio::spawn(async move {
+            let mut headers = vec![
+                ("Fencing-Token", token.as_str()),
+                ("Fencing-Account", "acct-x"),
+                ("Idempotency-Key", key),
+            ];
+            if let Some(proof) = proof.as_deref() {
+                headers.push(("Fencing-Proof", proof));
+            }
+            http.pay(&url, &headers, "{\"amount\":1}").await
+        })
+    };
+    // t0's forward is at the (slow) rail; t1 passes its compare-and-set in A and waits there
+    // for t0's forward to end.
+    let first = send(&a, &t0, "p0");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = send(&a, &t1, "p1");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Meanwhile t2 is accepted by B and sent at once.
+    let third = send(&b, &t2, "p2");
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    let second = second.await.unwrap();
+    assert_eq!(third.await.unwrap().status, StatusCode::CREATED);
+    let order: Vec<String> = rail
+        .ledger()
+        .iter()
+        .filter_map(|e| e.token.clone())
+        .collect();
+    let t1_text = t1.token.to_string();
+    assert!(
+        !order.contains(&t1_text),
+        "t1 reached the rail after t2 ({order:?}); its sender got {} {}",
+        second.status,
+        second.body
+    );
+    assert_eq!(second.status, StatusCode::CONFLICT, "{}", second.body);
+    assert_eq!(second.json()["error"], "fenced_out");
+    let fenced = a.metrics().await.get("lock_fenced_out_total");
+    assert_eq!(fenced, 1.0, "the page fires");
+}
+
+/// Ends `grant` through the lock API, with its lease secret when the service issued one.
+async fn release(http: &Http, rg: &Railguard, key: &str, grant: &WireGrant) {
+    let mut body = serde_json::json!({ "token": grant.token });
+    if let Some(secret) = &grant.secret {
+        body["lease_secret"] = secret.clone().into();
+    }
+    let reply = http
+        .send(
+            http::Request::post(format!("{}/v1/locks/{key}/release", rg.lock_url()))
+                .body(http_body_util::Full::new(bytes::Bytes::from(
+                    body.to_string(),
+                )))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+}
+
+async fn forget(rg: &Railguard, account: &str, key: &str) -> std::process::Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_railguard"))
+        .args([
+            "idempotency-forget",
+            "--account",
+            account,
+            "--key",
+            key,
+            "--config",
+        ])
+        .arg(rg.config_path())
+        .output()
+        .await
+        .unwrap()
+}
