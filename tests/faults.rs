@@ -171,6 +171,121 @@ async fn mixed_request_timeouts_across_two_processes_never_pay_twice() {
     assert_eq!(paid.len(), 1, "one payment at the rail: {paid:?}");
 }
 
+/// Hole 3(b): a forward whose bytes are still in the network after its request timed out. The
+/// operator finds nothing at the rail, forgets, retries — and then the original arrives.
+/// Nothing railguard can check sees bytes already past it; what absorbs them is the rail's
+/// own deduplication by the `Idempotency-Key` that railguard forwards. (With a rail that does
+/// not deduplicate this pays twice: the residual risk the README's procedure spells out.)
+#[tokio::test]
+async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicates() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::deduplicating().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let rg = Railguard::start(&pg.url(), &slow_path.url(), &[]).await; // 3 s request timeout
+    let http = Http::new();
+    let grant = acquire(&http, &rg, "acct-net").await;
+    slow_path.set_delay(Duration::from_millis(4500));
+    let first = pay_raw(
+        &http,
+        &rg,
+        "acct-net",
+        grant.token,
+        grant.proof.as_deref(),
+        Some("pay-n"),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    slow_path.set_delay(Duration::ZERO);
+    // Its owner said at once that the forward ended without an answer: repeats are in doubt.
+    let mut repeat = None;
+    for _ in 0..20 {
+        let reply = pay_raw(
+            &http,
+            &rg,
+            "acct-net",
+            grant.token,
+            grant.proof.as_deref(),
+            Some("pay-n"),
+        )
+        .await;
+        if reply.status == StatusCode::CONFLICT && reply.json()["error"] == "in_doubt" {
+            repeat = Some(reply);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(repeat.is_some(), "the owner declared the record in doubt");
+    assert!(
+        rail.ledger().is_empty(),
+        "the operator finds nothing at the rail"
+    );
+    let forgot = forget(&rg, "acct-net", "pay-n").await;
+    assert!(
+        forgot.status.success(),
+        "{}",
+        String::from_utf8_lossy(&forgot.stderr)
+    );
+    let retry = pay_raw(
+        &http,
+        &rg,
+        "acct-net",
+        grant.token,
+        grant.proof.as_deref(),
+        Some("pay-n"),
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    // The original arrives after all, and the rail recognises its key.
+    for _ in 0..60 {
+        if rail.absorbed() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(rail.absorbed(), 1, "the delayed original reached the rail");
+    let ledger = rail.ledger();
+    assert_eq!(ledger.len(), 1, "one payment at the rail: {ledger:?}");
+    assert_eq!(
+        ledger[0].idempotency_key.as_deref(),
+        Some("pay-n"),
+        "the key reached the rail"
+    );
+}
+
+/// Item 7: a database outage is not railguard's error. 503s are logged once each at info by
+/// the proxy's own layer, never at ERROR by the trace layer.
+#[tokio::test]
+async fn a_database_outage_logs_no_error_lines() {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = rg.http();
+    assert_eq!(
+        http.pay_with(&rg, 3, "acct-o").await.status,
+        StatusCode::CREATED
+    );
+    pg.server.kill().await;
+    for _ in 0..20 {
+        let reply = http.pay_with(&rg, 3, "acct-o").await;
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            reply.body
+        );
+    }
+    pg.server.start().await.expect("postgres restarts");
+    let errors: Vec<String> = rg
+        .log()
+        .lines()
+        .filter(|l| l.contains("\"level\":\"ERROR\""))
+        .map(str::to_string)
+        .collect();
+    assert!(errors.is_empty(), "{errors:#?}");
+}
+
 /// Hole 4: an acquire answered 503 because PostgreSQL was slower than `database.timeout_ms`
 /// must not leave behind a grant nobody received, holding the key for its whole ttl.
 #[tokio::test]

@@ -112,6 +112,16 @@ impl Rail {
         Self::with_sim(RailSim::new(latency).with_jitter(jitter)).await
     }
 
+    /// A rail that deduplicates by `Idempotency-Key`, as most payment APIs do.
+    pub async fn deduplicating() -> Rail {
+        Self::with_sim(RailSim::new(Duration::ZERO).deduplicating()).await
+    }
+
+    /// Repeats of a seen idempotency key the rail answered without a new payment.
+    pub fn absorbed(&self) -> u64 {
+        self.sim.absorbed()
+    }
+
     async fn with_sim(sim: RailSim) -> Rail {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind rail");
         let addr = listener.local_addr().unwrap();

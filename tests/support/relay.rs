@@ -4,7 +4,8 @@
 //! Every chunk read from one side is written to the other `delay` after it was read, in order,
 //! so a delay models latency, not loss. The delay is read when a chunk arrives and can be
 //! changed at any time; it applies to both directions. Dropping the relay stops accepting;
-//! connections already open keep running until either side closes.
+//! connections already open keep running until either side closes; a close reaches the
+//! other side half a second after the last data.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -89,6 +90,9 @@ async fn pump(
                 return;
             }
         }
+        // The sender's FIN follows its data later, as across a real network: a server that
+        // sees a request and its connection's end in one read may drop the request.
+        tokio::time::sleep(Duration::from_millis(500)).await;
         let _ = to.shutdown().await;
     });
     let mut buf = vec![0u8; 64 * 1024];
