@@ -179,11 +179,39 @@ async fn worker(load: Arc<Load>, id: u64, budget: u64, deadline: Instant) -> Loa
     result
 }
 
+/// The grant-proof key of the benchmark's throwaway database: seeded before any proxy starts
+/// (a proxy keeps the key it finds), so that every payment carries the proof a worker's grant
+/// would, computed per request as a worker without a cached grant would.
+const BENCH_PROOF_KEY: [u8; 32] = *b"railguard-bench-grant-proof-key!";
+
+/// Migrates the database at `url` and stores [`BENCH_PROOF_KEY`] as its grant-proof key.
+pub async fn seed_proof_key(url: &str) -> Result<(), String> {
+    crate::db::migrate_url(url, Duration::from_secs(10))
+        .await
+        .map_err(|e| e.to_string())?;
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .map_err(|e| e.to_string())?;
+    let connection = tokio::spawn(connection);
+    client
+        .execute(
+            "INSERT INTO railguard_secret (name, value) VALUES ('grant_proof', $1)
+             ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
+            &[&BENCH_PROOF_KEY.as_slice()],
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    drop(client);
+    let _ = connection.await;
+    Ok(())
+}
+
 /// One keep-alive HTTP/1.1 connection, reopened after a failure.
 pub struct Connection {
     target: SocketAddr,
     host: String,
     sender: Option<SendRequest<Full<Bytes>>>,
+    proofs: crate::proof::ProofKey,
 }
 
 impl Connection {
@@ -192,6 +220,7 @@ impl Connection {
             target,
             host: target.to_string(),
             sender: None,
+            proofs: crate::proof::ProofKey::from_bytes(&BENCH_PROOF_KEY),
         }
     }
 
@@ -207,12 +236,20 @@ impl Connection {
         outcome
     }
 
+    fn proof(&self, account: &str, token: i64) -> String {
+        match crate::token::FencingToken::new(token) {
+            Some(token) => self.proofs.sign(account, token),
+            None => String::new(),
+        }
+    }
+
     async fn send_once(&mut self, account: &str, token: i64) -> Result<StatusCode, BoxError> {
         let request = Request::post("/payments")
             .header(header::HOST, &self.host)
             .header(header::CONTENT_TYPE, "application/json")
             .header("fencing-token", token)
             .header("fencing-account", account)
+            .header("fencing-proof", self.proof(account, token))
             .body(Full::new(Bytes::from_static(BODY)))?;
         let (status, _) = self.exchange(request).await?;
         Ok(status)

@@ -250,8 +250,13 @@ async fn with_postgres(
     let mut proxies = Vec::new();
     let mut etcd_node = None;
     let setup = async {
-        // One after the other: each migrates the same database on start.
+        // One after the other: each migrates the same database on start. Before any starts,
+        // the schema is made and the grant-proof key seeded with the benchmark's own, so that
+        // the load generator can send the proofs real workers get from their grants.
         let url = postgres.url();
+        load::seed_proof_key(&url)
+            .await
+            .map_err(|e| BenchError::Setup(format!("seeding the grant-proof key: {e}")))?;
         proxies.push(Proxy::start(rail.addr, &url, true, None, options.pool_size).await?);
         if options.runs(Suite::Proxy) {
             eprintln!(
