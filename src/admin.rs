@@ -125,7 +125,11 @@ impl Admin {
             ),
             Ok(Forgot::OwnerMayStillSend) => (
                 StatusCode::CONFLICT,
-                "the record is past its owner's deadline, but the railguard process that owns it is still running and has not said its forward ended (it may be paused or cut off from the database mid-send): it may still send it. Retry once that process has ended or the record is declared in doubt".into(),
+                "the railguard process that owns the record is still running (it may be paused, or still writing the request to the rail): it may still send it. Stop or restart that process, then retry".into(),
+            ),
+            Ok(Forgot::OwnerUnknown) => (
+                StatusCode::CONFLICT,
+                "PostgreSQL restarted since the record was made, so whether its owning railguard process still runs cannot be seen; the record is left as it is".into(),
             ),
             Ok(Forgot::NotFound) => (StatusCode::NOT_FOUND, "no record for this account and key".into()),
             Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),

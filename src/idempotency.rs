@@ -135,6 +135,8 @@ pub async fn hold_instance_lock(
                 .await
                 .map_err(|e| e.to_string())?;
             let connection = tokio::spawn(connection);
+            // A server-wide idle_session_timeout must not end this (idle) session.
+            let _ = client.batch_execute("SET idle_session_timeout = 0").await;
             client
                 .execute("SELECT pg_advisory_lock($1)", &[&instance.get()])
                 .await
@@ -280,7 +282,7 @@ impl IdempotencyStore {
         let body: Option<&[u8]> = response.body.as_deref();
         self.bounded(async {
             let client = self.client().await?;
-            client
+            let stored = client
                 .execute(
                     "UPDATE idempotency_record
                      SET state = 'done', status = $4, headers = $5::text::jsonb, body = $6,
@@ -298,6 +300,11 @@ impl IdempotencyStore {
                     ],
                 )
                 .await?;
+            if stored == 0 {
+                tracing::error!(account = %account, key,
+                    "the rail answered a request whose idempotency record is gone (forgotten by \
+                     an operator, or removed by retention): a retry of this key is a new payment");
+            }
             Ok(())
         })
         .await
@@ -403,7 +410,8 @@ impl IdempotencyStore {
             let tx = client.transaction().await?;
             let row = tx
                 .query_opt(
-                    "SELECT state, now() > COALESCE(in_doubt_at, created_at), owner_instance
+                    "SELECT state, now() > COALESCE(in_doubt_at, created_at), owner_instance,
+                            pg_postmaster_start_time() > created_at
                      FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2
                      FOR UPDATE",
                     &[&account.as_str(), &key],
@@ -412,12 +420,14 @@ impl IdempotencyStore {
             let Some(row) = row else {
                 return Ok(Forgot::NotFound);
             };
-            let (state, past_deadline, owner): (String, bool, Option<i64>) =
-                (row.get(0), row.get(1), row.get(2));
+            let (state, past_deadline, owner, restarted): (String, bool, Option<i64>, bool) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            // Even a forward its owner declared in doubt may still be on its way out of the
+            // owner's own connection (a large body written slowly to a slow rail): only an
+            // owner that is gone sends nothing more.
             let verdict = match state.as_str() {
                 "done" => Forgot::Completed,
-                "in_doubt" => Forgot::Forgotten,
-                _ if !past_deadline => Forgot::StillInFlight,
+                "in_flight" if !past_deadline => Forgot::StillInFlight,
                 _ => {
                     let alive = match owner {
                         Some(owner) => tx.query_one(OWNER_ALIVE_SQL, &[&owner]).await?.get(0),
@@ -425,6 +435,10 @@ impl IdempotencyStore {
                     };
                     if alive {
                         Forgot::OwnerMayStillSend
+                    } else if restarted && owner.is_some() {
+                        // The owner's session lock did not survive the restart whether or not
+                        // the owner did: its absence proves nothing.
+                        Forgot::OwnerUnknown
                     } else {
                         Forgot::Forgotten
                     }
@@ -474,9 +488,12 @@ pub enum Forgot {
     Completed,
     /// In flight and within its owner's own deadline: its forward may still be running.
     StillInFlight,
-    /// Past its owner's deadline, but the owning railguard process is still running and has
-    /// not said its forward ended (it may be paused mid-send).
+    /// The owning railguard process is still running (it may be paused mid-send, or still
+    /// writing the request to a slow rail).
     OwnerMayStillSend,
+    /// PostgreSQL restarted since the record was made, so whether its owner is still running
+    /// cannot be told from here.
+    OwnerUnknown,
     NotFound,
 }
 

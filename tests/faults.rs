@@ -60,6 +60,30 @@ async fn pay_raw(
         .await
 }
 
+/// Sends a payment for `account` under `grant` (with its proof, if any) in a task of its own.
+fn spawn_pay(
+    http: &Http,
+    rg: &Railguard,
+    account: &'static str,
+    grant: &WireGrant,
+    key: &'static str,
+) -> tokio::task::JoinHandle<Reply> {
+    let (http, url) = (http.clone(), rg.proxy_url("/payments"));
+    let token = grant.token.to_string();
+    let proof = grant.proof.clone();
+    tokio::spawn(async move {
+        let mut headers = vec![
+            ("Fencing-Token", token.as_str()),
+            ("Fencing-Account", account),
+            ("Idempotency-Key", key),
+        ];
+        if let Some(proof) = proof.as_deref() {
+            headers.push(("Fencing-Proof", proof));
+        }
+        http.pay(&url, &headers, "{\"amount\":1}").await
+    })
+}
+
 /// Hole 2: a token is only good for the account whose lock key it was granted on, and a
 /// token nobody was granted is good for nothing.
 #[tokio::test]
@@ -124,22 +148,7 @@ async fn mixed_request_timeouts_across_two_processes_never_pay_twice() {
     let http = Http::new();
     let grant = acquire(&http, &owner, "acct-mixed").await;
     slow_path.set_delay(Duration::from_millis(5000));
-    let original = {
-        let (http, owner) = (http.clone(), owner.proxy_url("/payments"));
-        let token = grant.token.to_string();
-        let proof = grant.proof.clone();
-        tokio::spawn(async move {
-            let mut headers = vec![
-                ("Fencing-Token", token.as_str()),
-                ("Fencing-Account", "acct-mixed"),
-                ("Idempotency-Key", "pay-1"),
-            ];
-            if let Some(proof) = proof.as_deref() {
-                headers.push(("Fencing-Proof", proof));
-            }
-            http.pay(&owner, &headers, "{\"amount\":1}").await
-        })
-    };
+    let original = spawn_pay(&http, &owner, "acct-mixed", &grant, "pay-1");
     // The request is on the slow path; the answer will come back at once.
     tokio::time::sleep(Duration::from_millis(1000)).await;
     slow_path.set_delay(Duration::ZERO);
@@ -147,7 +156,7 @@ async fn mixed_request_timeouts_across_two_processes_never_pay_twice() {
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(rail.ledger().is_empty(), "the original is still on its way");
     // The operator follows the procedure through the other process: the rail shows nothing.
-    let forgot = forget(&other, "acct-mixed", "pay-1").await;
+    let forgot = other.forget("acct-mixed", "pay-1").await;
     if forgot.status.success() {
         let retry = pay_raw(
             &http,
@@ -182,7 +191,7 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
     let pg = Pg::start().await;
     let rail = Rail::deduplicating().await;
     let slow_path = Relay::start(rail.addr).await;
-    let rg = Railguard::start(&pg.url(), &slow_path.url(), &[]).await; // 3 s request timeout
+    let mut rg = Railguard::start(&pg.url(), &slow_path.url(), &[]).await; // 3 s request timeout
     let http = Http::new();
     let grant = acquire(&http, &rg, "acct-net").await;
     slow_path.set_delay(Duration::from_millis(4500));
@@ -220,7 +229,13 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
         rail.ledger().is_empty(),
         "the operator finds nothing at the rail"
     );
-    let forgot = forget(&rg, "acct-net", "pay-n").await;
+    // While the owning process runs it may still be writing the request out: refused.
+    let early = rg.forget("acct-net", "pay-n").await;
+    assert!(!early.status.success(), "refused while the owner runs");
+    assert!(String::from_utf8_lossy(&early.stderr).contains("still running"));
+    // The procedure: restart (or stop) the owning railguard, then forget.
+    rg.restart().await;
+    let forgot = rg.forget("acct-net", "pay-n").await;
     assert!(
         forgot.status.success(),
         "{}",
@@ -367,22 +382,7 @@ async fn a_completion_lost_to_a_database_crash_is_stored_when_it_returns() {
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
     let http = Http::new();
     let grant = acquire(&http, &rg, "acct-c").await;
-    let original = {
-        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
-        let token = grant.token.to_string();
-        let proof = grant.proof.clone();
-        tokio::spawn(async move {
-            let mut headers = vec![
-                ("Fencing-Token", token.as_str()),
-                ("Fencing-Account", "acct-c"),
-                ("Idempotency-Key", "pay-c"),
-            ];
-            if let Some(proof) = proof.as_deref() {
-                headers.push(("Fencing-Proof", proof));
-            }
-            http.pay(&url, &headers, "{\"amount\":1}").await
-        })
-    };
+    let original = spawn_pay(&http, &rg, "acct-c", &grant, "pay-c");
     for _ in 0..100 {
         if !rail.ledger().is_empty() {
             break;
@@ -440,30 +440,14 @@ async fn a_token_superseded_in_another_process_before_its_forward_starts_is_refu
     let t1 = acquire(&http, &a, "acct-x").await;
     release(&http, &a, "acct-x", &t1).await;
     let t2 = acquire(&http, &a, "acct-x").await;
-    let send = |rg: &Railguard, grant: &WireGrant, key: &'static str| {
-        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
-        let token = grant.token.to_string();
-        let proof = grant.proof.clone();
-        tokio::spawn(async move {
-            let mut headers = vec![
-                ("Fencing-Token", token.as_str()),
-                ("Fencing-Account", "acct-x"),
-                ("Idempotency-Key", key),
-            ];
-            if let Some(proof) = proof.as_deref() {
-                headers.push(("Fencing-Proof", proof));
-            }
-            http.pay(&url, &headers, "{\"amount\":1}").await
-        })
-    };
     // t0's forward is at the (slow) rail; t1 passes its compare-and-set in A and waits there
     // for t0's forward to end.
-    let first = send(&a, &t0, "p0");
+    let first = spawn_pay(&http, &a, "acct-x", &t0, "p0");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let second = send(&a, &t1, "p1");
+    let second = spawn_pay(&http, &a, "acct-x", &t1, "p1");
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Meanwhile t2 is accepted by B and sent at once.
-    let third = send(&b, &t2, "p2");
+    let third = spawn_pay(&http, &b, "acct-x", &t2, "p2");
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     let second = second.await.unwrap();
     assert_eq!(third.await.unwrap().status, StatusCode::CREATED);
@@ -502,20 +486,4 @@ async fn release(http: &Http, rg: &Railguard, key: &str, grant: &WireGrant) {
         .await
         .unwrap();
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
-}
-
-async fn forget(rg: &Railguard, account: &str, key: &str) -> std::process::Output {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_railguard"))
-        .args([
-            "idempotency-forget",
-            "--account",
-            account,
-            "--key",
-            key,
-            "--config",
-        ])
-        .arg(rg.config_path())
-        .output()
-        .await
-        .unwrap()
 }

@@ -212,7 +212,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     assert_eq!(soon.status, StatusCode::CONFLICT, "{}", soon.body);
     assert_eq!(soon.json()["error"], "in_flight");
     // While its forward may still be running, the operator cannot forget it.
-    let early = forget(&rg, "a", "crash").await;
+    let early = rg.forget("a", "crash").await;
     assert!(!early.status.success(), "refused while it may be in flight");
     assert!(String::from_utf8_lossy(&early.stderr).contains("not yet in doubt"));
     // Past the longest a forward and its record's completion can take (the harness's 3 s
@@ -230,7 +230,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     assert_eq!(rail.ledger().len(), 1, "never forwarded twice");
 
     // The operator's way out, after checking the rail: asks the running railguard.
-    let out = forget(&rg, "a", "crash").await;
+    let out = rg.forget("a", "crash").await;
     assert!(
         out.status.success(),
         "{}",
@@ -248,22 +248,6 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
         2,
         "forwarded again only after the operator said so"
     );
-}
-
-async fn forget(rg: &Railguard, account: &str, key: &str) -> std::process::Output {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_railguard"))
-        .args([
-            "idempotency-forget",
-            "--account",
-            account,
-            "--key",
-            key,
-            "--config",
-        ])
-        .arg(rg.config_path())
-        .output()
-        .await
-        .unwrap()
 }
 
 /// A request whose record was made but which was superseded before its turn never reached the

@@ -154,7 +154,7 @@ impl EtcdLocks {
             if let Some(metrics) = &self.metrics {
                 metrics.rejected_secrets.inc();
             }
-            tracing::warn!(lock.key = %key, lock.token = token.get(),
+            tracing::warn!(lock.key = %key,
                 "a renew or release named the key's current grant with the wrong lease secret");
             return Err(LockError::Lost);
         }

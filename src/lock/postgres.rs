@@ -25,8 +25,8 @@
 //! received holding the key for its ttl. The attempt runs in a task of its own; unless its
 //! grant is handed to the caller, an [`Undelivered`] guard revokes whatever it may have
 //! committed, by the attempt's secret — which only that attempt's row can carry — once the
-//! statement has finished, and once more after the server's `statement_timeout` would have
-//! ended it.
+//! statement has finished (however long a paused server takes), and once more after the
+//! server's `statement_timeout` would have ended it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -178,7 +178,7 @@ impl PgLocks {
         }
         if row.get::<_, bool>(1) {
             self.metrics.rejected_secrets.inc();
-            tracing::warn!(lock.key = %key, lock.token = token.get(),
+            tracing::warn!(lock.key = %key,
                 "a renew or release named the key's current grant with the wrong lease secret");
         }
         Ok(row.get(2))
@@ -265,6 +265,8 @@ struct Undelivered {
     locks: PgLocks,
     key: LockKey,
     digest: [u8; 32],
+    /// The lease the attempt asked for: how long a late grant would hold the key.
+    ttl: Duration,
     attempt: Option<tokio::task::JoinHandle<Result<Attempt, (LockError, bool)>>>,
     armed: bool,
 }
@@ -274,16 +276,20 @@ impl Drop for Undelivered {
         if !self.armed {
             return;
         }
-        let (locks, key, digest) = (self.locks.clone(), self.key.clone(), self.digest);
+        let (locks, key, digest, ttl) =
+            (self.locks.clone(), self.key.clone(), self.digest, self.ttl);
         let attempt = self.attempt.take();
         tokio::spawn(async move {
-            // The statement ends by itself: the server cancels it at statement_timeout and the
-            // connection gives up on a silent server at tcp_user_timeout (both derived from the
-            // same timeout). Wait for that, then revoke; and once more a statement_timeout
-            // later, for a statement that was still on its way when the connection died.
+            // Whatever the statement commits, it commits before its task ends: a server that
+            // is paused (not gone) keeps the connection open and may commit minutes later, so
+            // there is no timeout here. Then revoke; and once more a statement_timeout later,
+            // for a statement that was still on its way when the connection died. A grant
+            // committed at the end of the task lasts `ttl` from then, so revoking is retried
+            // for that long before it is moot.
             if let Some(attempt) = attempt {
-                let _ = tokio::time::timeout(locks.timeout * 4, attempt).await;
+                let _ = attempt.await;
             }
+            let ended = tokio::time::Instant::now();
             for round in 0..2 {
                 if round == 1 {
                     tokio::time::sleep(locks.timeout * 2).await;
@@ -292,14 +298,14 @@ impl Drop for Undelivered {
                 let outcome = loop {
                     match locks.revoke(&key, &digest).await {
                         Ok(revoked) => break Some(revoked),
-                        Err(e) if pause > Duration::from_secs(20) => {
+                        Err(e) if ended.elapsed() > ttl + locks.timeout * 2 => {
                             tracing::error!(lock.key = %key, error = %e,
-                                "could not revoke a grant nobody received; it holds the key until its lease ends");
+                                "could not revoke a grant nobody received before its lease ran out");
                             break None;
                         }
                         Err(_) => {
                             tokio::time::sleep(pause).await;
-                            pause *= 2;
+                            pause = (pause * 2).min(Duration::from_secs(2));
                         }
                     }
                 };
@@ -354,6 +360,7 @@ impl LockBackend for PgLocks {
             locks: self.clone(),
             key: key.clone(),
             digest,
+            ttl,
             attempt: Some(attempt),
             armed: true,
         };

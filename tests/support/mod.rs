@@ -354,6 +354,23 @@ impl Railguard {
         self.spawn().await;
     }
 
+    /// `railguard idempotency-forget` against this railguard, as an operator runs it.
+    pub async fn forget(&self, account: &str, key: &str) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_railguard"))
+            .args([
+                "idempotency-forget",
+                "--account",
+                account,
+                "--key",
+                key,
+                "--config",
+            ])
+            .arg(self.config_path())
+            .output()
+            .await
+            .unwrap()
+    }
+
     pub fn lock_url(&self) -> String {
         format!("http://{}", self.lock)
     }
