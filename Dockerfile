@@ -4,9 +4,10 @@ FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src src
+COPY crates crates
 COPY migrations migrations
 COPY config config
-RUN cargo build --release --locked --bin railguard
+RUN cargo build --release --locked -p railguard --bin railguard
 
 FROM debian:bookworm-slim
 RUN apt-get update \

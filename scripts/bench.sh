@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds railguard in release mode and runs `railguard bench`, which prints a markdown table
+# Builds railguard and its benchmark (crates/railguard-bench) in release mode and runs the benchmark, which prints a markdown table
 # (the one in BENCHMARKS.md) on stdout; progress goes to stderr. Arguments are passed through:
 #
 #   scripts/bench.sh                                   # defaults: 5 s x 3 repetitions, 64 connections
@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/railguard-target}"
 
-cargo build --release --quiet --bin railguard
+cargo build --release --quiet --locked --bin railguard --bin railguard-bench
 
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if ! git diff --quiet HEAD -- 2>/dev/null; then
@@ -29,6 +29,6 @@ if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt 8192 ]; then
     ulimit -n 8192
 fi
 
-"$CARGO_TARGET_DIR/release/railguard" bench "$@"
+"$CARGO_TARGET_DIR/release/railguard-bench" "$@"
 echo
 echo "Commit: $commit. Regenerate with: \`scripts/bench.sh${*:+ $*}\`"

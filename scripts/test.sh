@@ -16,12 +16,12 @@ scripts/deps.sh --test
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy"
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "==> tests"
 if cargo nextest --version >/dev/null 2>&1; then
-    cargo nextest run --locked --no-fail-fast
+    cargo nextest run --workspace --locked --no-fail-fast
 else
-    cargo test --locked --no-fail-fast --all-targets
+    cargo test --workspace --locked --no-fail-fast --all-targets
 fi
 echo "==> doc tests"
-cargo test --locked --doc
+cargo test --workspace --locked --doc

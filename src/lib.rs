@@ -20,7 +20,6 @@
 //! value. No API here re-reads a token, and nothing stores one where a writer could pick it up.
 
 pub mod admin;
-pub mod bench;
 pub mod config;
 pub mod db;
 pub mod high_water;
@@ -28,11 +27,12 @@ pub mod http_server;
 pub mod idempotency;
 pub mod lock;
 pub mod metrics;
-pub mod net;
 pub mod proof;
 pub mod proxy;
 pub mod railsim;
-pub mod sdk;
 pub mod server;
 pub mod telemetry;
-pub mod token;
+
+/// The worker SDK, which also defines the values and wire types the server speaks.
+pub use railguard_sdk as sdk;
+pub use railguard_sdk::token;

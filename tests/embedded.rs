@@ -1,6 +1,6 @@
 //! `database.url = "embedded"`: railguard runs its own PostgreSQL, privately, and stops it.
 
-mod support;
+use railguard_testkit as support;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;

@@ -1,7 +1,7 @@
 //! Proves the etcd test harness: real etcd members start, serve the JSON gateway, elect a
 //! leader, and survive being stopped and restarted.
 
-mod support;
+use railguard_testkit as support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! real PostgreSQL, real railguard processes, the rail simulator, and a delaying TCP relay
 //! where the network has to be slow.
 
-mod support;
+use railguard_testkit as support;
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! Idempotency keys at the proxy (C3 §3.1), and group commit, end to end.
 
-mod support;
+use railguard_testkit as support;
 
 use std::time::Duration;
 
@@ -388,7 +388,7 @@ async fn large_responses_are_replayed_without_their_body_and_unreached_rails_lea
     );
     assert_eq!(rail.ledger().len(), 1);
 
-    let dead = format!("http://127.0.0.1:{}", railguard::net::free_loopback_port());
+    let dead = format!("http://127.0.0.1:{}", support::free_loopback_port());
     let rg2 = Railguard::start(&pg.url(), &dead, &[]).await;
     let reply = pay(&http, &rg2, 1, "b", "never-sent", "{}").await;
     assert_eq!(reply.status, StatusCode::BAD_GATEWAY);

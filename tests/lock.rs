@@ -2,7 +2,7 @@
 //! backends. Every case is a function of a [`LockWorld`]; the `suite!` macro instantiates all
 //! of them once per backend, so each backend must pass the same suite unchanged.
 
-mod support;
+use railguard_testkit as support;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The rail proxy end to end: real PostgreSQL, the rail simulator, and the `railguard`
 //! binary, all over real sockets.
 
-mod support;
+use railguard_testkit as support;
 
 use std::time::Duration;
 
@@ -566,7 +566,7 @@ async fn kill_switch_forwards_stale_tokens_and_counts_them() {
 async fn upstream_failures_are_502_and_504() {
     init_tracing();
     let pg = Pg::start().await;
-    let dead = format!("http://127.0.0.1:{}", railguard::net::free_loopback_port());
+    let dead = format!("http://127.0.0.1:{}", support::free_loopback_port());
     let rg = Railguard::start(&pg.url(), &dead, &[]).await;
     let reply = Http::new().pay_with(&rg, 5, "k").await;
     assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.body);
@@ -723,13 +723,13 @@ async fn bad_config_stops_start_up_naming_the_key_and_file() {
 async fn unreachable_database_url_fails_start_up_clearly() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("rg.toml");
-    let port = railguard::net::free_loopback_port();
+    let port = support::free_loopback_port();
     std::fs::write(
         &path,
         format!(
             "[proxy]\nlisten = \"127.0.0.1:{}\"\n[admin]\nlisten = \"127.0.0.1:{}\"\n[database]\nurl = \"postgres://rg:pw@127.0.0.1:{port}/x\"\ntimeout_ms = 500\n",
-            railguard::net::free_loopback_port(),
-            railguard::net::free_loopback_port()
+            support::free_loopback_port(),
+            support::free_loopback_port()
         ),
     )
     .unwrap();

@@ -32,7 +32,8 @@ use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use serde::{Deserialize, Serialize};
+use railguard_sdk::wire::{AcquireRequest, GrantResponse, RenewResponse, TokenRequest};
+use serde::Serialize;
 
 use super::service::LockService;
 use super::{LeaseSecret, LockBackend, LockError, LockKey, parse_holder};
@@ -42,52 +43,6 @@ use crate::token::FencingToken;
 
 /// Largest request body the API reads.
 const MAX_BODY: usize = 16 * 1024;
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AcquireRequest {
-    pub holder: String,
-    pub ttl_ms: u64,
-    #[serde(default)]
-    pub wait_ms: u64,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TokenRequest {
-    pub token: i64,
-    /// Absent from clients older than lease secrets: they get a 400 that says so.
-    #[serde(default)]
-    pub lease_secret: Option<String>,
-}
-
-/// A grant on the wire. The only place a token leaves the lock service.
-#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct GrantResponse {
-    pub key: String,
-    pub token: i64,
-    pub holder: String,
-    pub ttl_ms: u64,
-    /// The backend's clock, µs since the Unix epoch; for diagnosis only.
-    pub granted_at_us: i64,
-    pub expires_at_us: i64,
-    /// How long the service waited for the key after receiving the request (a client adds it
-    /// to the time it sent the request to bound when its lease began).
-    pub waited_ms: u64,
-    pub backend: String,
-    /// Authorises renew and release of this grant. Returned here only, never again.
-    pub lease_secret: String,
-    /// Sent to the proxy with the token: proves the token was granted for this key.
-    pub fencing_proof: String,
-}
-
-#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct RenewResponse {
-    pub key: String,
-    pub token: i64,
-    pub ttl_ms: u64,
-    pub expires_at_us: i64,
-}
 
 /// Why a request failed, before it is rendered (the one place that picks a status).
 #[derive(Debug, thiserror::Error)]

@@ -21,47 +21,12 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use serde::Serialize;
+pub use railguard_sdk::wire::{KeyStatus as Inspection, LockKey, MAX_KEY_LEN};
 
 use crate::token::FencingToken;
 
-/// Longest key, in bytes.
-pub const MAX_KEY_LEN: usize = 256;
 /// Longest holder name, in bytes.
 pub const MAX_HOLDER_LEN: usize = 256;
-
-/// A lock key: 1 to 256 bytes of `A-Z a-z 0-9 . _ : -` — safe in a URL path segment, an etcd
-/// key and a log line without escaping.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct LockKey(String);
-
-impl LockKey {
-    pub fn parse(text: &str) -> Result<Self, String> {
-        if text.is_empty() {
-            return Err("the key is empty".into());
-        }
-        if text.len() > MAX_KEY_LEN {
-            return Err(format!("the key is longer than {MAX_KEY_LEN} bytes"));
-        }
-        if !text
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
-        {
-            return Err("the key may only hold A-Z a-z 0-9 . _ : -".into());
-        }
-        Ok(Self(text.to_string()))
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for LockKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
 
 /// Who holds a grant, for diagnosis: 1 to 256 bytes of visible ASCII.
 pub fn parse_holder(text: &str) -> Result<String, String> {
@@ -156,20 +121,6 @@ pub struct Released {
     pub at_us: i64,
     /// etcd: the revision of the delete. Every later grant of the key has a larger token.
     pub revision: Option<i64>,
-}
-
-/// What `inspect` shows. Deliberately has no token: nothing read from here may be used to
-/// make a correctness decision (FR-07, ADR-002 §A2.3).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Inspection {
-    pub key: String,
-    pub held: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub holder: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub lease_remaining_ms: Option<i64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub grant_age_ms: Option<i64>,
 }
 
 /// Why a lock operation did not succeed.

@@ -24,14 +24,14 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, Request, header};
+use http::{HeaderMap, HeaderName, Request, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Body;
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
 use super::{BoxError, FencedRequest, IdempotencyKey, ProxyResponse};
-use crate::token::{AccountId, FencingToken, HeaderError, single_header};
+use crate::token::{AccountId, FencingToken};
 
 /// A request the proxy refuses to read.
 #[derive(Debug, thiserror::Error)]
@@ -316,5 +316,46 @@ where
                 })
                 .await
         })
+    }
+}
+
+/// Why a header could not be read as exactly one value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum HeaderError {
+    #[error("is missing")]
+    Missing,
+    #[error("appears more than once")]
+    Repeated,
+    #[error("is not visible ASCII")]
+    NotAscii,
+}
+
+/// Returns the single value of `name`, refusing a missing or repeated header: two tokens on one
+/// request would leave the proxy choosing which grant the request belongs to.
+pub fn single_header<'a>(
+    headers: &'a HeaderMap,
+    name: &HeaderName,
+) -> Result<&'a str, HeaderError> {
+    let mut values = headers.get_all(name).iter();
+    let first = values.next().ok_or(HeaderError::Missing)?;
+    if values.next().is_some() {
+        return Err(HeaderError::Repeated);
+    }
+    first.to_str().map_err(|_| HeaderError::NotAscii)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_header_refuses_missing_and_repeated() {
+        let name = HeaderName::from_static("fencing-token");
+        let mut headers = HeaderMap::new();
+        assert_eq!(single_header(&headers, &name), Err(HeaderError::Missing));
+        headers.append(&name, "1".parse().unwrap());
+        assert_eq!(single_header(&headers, &name), Ok("1"));
+        headers.append(&name, "2".parse().unwrap());
+        assert_eq!(single_header(&headers, &name), Err(HeaderError::Repeated));
     }
 }

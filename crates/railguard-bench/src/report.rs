@@ -7,14 +7,14 @@
 
 use std::fmt::Write as _;
 
-use super::cpu::CpuUse;
-use super::rss::RssResult;
-use super::{BenchOptions, Phase, Suite};
-use crate::config::Config;
+use crate::bench::{BenchOptions, Phase, Suite};
+use crate::cpu::CpuUse;
+use crate::rss::RssResult;
+use railguard::config::Config;
 
 /// One repetition of one phase.
 #[derive(Debug, Clone, Default)]
-pub struct Sample {
+pub(crate) struct Sample {
     /// Expected answers (or committed transactions) per second.
     pub rate: f64,
     pub p50_us: u32,
@@ -31,7 +31,7 @@ pub struct Sample {
 
 impl Sample {
     /// A repetition that could not be measured at all.
-    pub fn failed(why: String) -> Self {
+    pub(crate) fn failed(why: String) -> Self {
         Self {
             unexpected: 1,
             problems: vec![why],
@@ -42,7 +42,7 @@ impl Sample {
 
 /// Where and when the run happened.
 #[derive(Debug, Clone, Default)]
-pub struct Environment {
+pub(crate) struct Environment {
     pub date: String,
     pub cpus: usize,
     pub cpu_model: String,
@@ -54,7 +54,7 @@ pub struct Environment {
 
 /// Everything one `railguard bench` measured.
 #[derive(Debug)]
-pub struct Report {
+pub(crate) struct Report {
     pub environment: Environment,
     pub options: BenchOptions,
     /// What the proxies ran with (listeners and database aside).
@@ -68,7 +68,7 @@ pub struct Report {
 }
 
 /// The median of the values; the mean of the middle two for an even count.
-pub fn median(values: impl IntoIterator<Item = f64>) -> f64 {
+pub(crate) fn median(values: impl IntoIterator<Item = f64>) -> f64 {
     let mut values: Vec<f64> = values.into_iter().collect();
     if values.is_empty() {
         return 0.0;
@@ -145,7 +145,7 @@ impl Report {
             .map(|(_, s)| summarize(s))
     }
 
-    pub fn to_markdown(&self) -> String {
+    pub(crate) fn to_markdown(&self) -> String {
         let mut md = String::new();
         self.header(&mut md);
         if self.options.runs(Suite::Proxy) {
@@ -236,7 +236,7 @@ impl Report {
                 "- Lock phases: {} clients, each cycling on its own key (`bench-lock-<client>`): acquire \
                  (`ttl_ms` {}, `wait_ms` 0) then release of the returned token; one cycle = both",
                 o.lock_clients,
-                super::locks::LEASE_MS,
+                crate::locks::LEASE_MS,
             );
         }
         let c = &self.proxy_config;
@@ -255,9 +255,9 @@ impl Report {
                 "- Accepted phases send token {} on accounts `acct-1..N`: equal tokens are accepted, so every request \
                  is a real compare-and-set committed durably (grouped by the proxy, one per transaction by pgbench); \
                  the stale phase sends token 1 on {} accounts raised to {} beforehand",
-                super::TOKEN,
+                crate::bench::TOKEN,
                 self.stale_accounts,
-                super::STALE_MARK,
+                crate::bench::STALE_MARK,
             );
         }
         if let Some(kib) = self.peak_rss_kib {
@@ -456,7 +456,7 @@ impl Report {
                 Ok(r) => {
                     let bytes = r.open_kib * 1024;
                     let complete = r.accepted == r.connections;
-                    let ok = bytes < super::rss::TARGET_BYTES && complete;
+                    let ok = bytes < crate::rss::TARGET_BYTES && complete;
                     let why = if !complete {
                         format!(
                             "only {} of {} connections were accepted",

@@ -16,17 +16,17 @@ use http::StatusCode;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
-use super::load::Connection;
-use super::{ACCOUNT_PREFIX, TOKEN, proxy_config};
-use crate::net::free_loopback_port;
+use crate::bench::{ACCOUNT_PREFIX, TOKEN, proxy_config};
+use crate::load::Connection;
+use railguard_testkit::free_loopback_port;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// The target.
-pub const TARGET_BYTES: u64 = 100_000_000;
+pub(crate) const TARGET_BYTES: u64 = 100_000_000;
 
 /// What the child's memory was.
 #[derive(Debug, Clone, Default)]
-pub struct RssResult {
+pub(crate) struct RssResult {
     pub connections: usize,
     /// Connections whose payment was accepted (201).
     pub accepted: usize,
@@ -43,7 +43,7 @@ pub struct RssResult {
 }
 
 /// Runs the measurement; `Err` when the child could not be started or measured at all.
-pub async fn measure(
+pub(crate) async fn measure(
     work_dir: &Path,
     rail: SocketAddr,
     database_url: &str,
@@ -65,7 +65,7 @@ pub async fn measure(
     let log_path = work_dir.join("rss-serve.log");
     let log = std::fs::File::create(&log_path).map_err(|e| format!("serve log: {e}"))?;
     let log_err = log.try_clone().map_err(|e| format!("serve log: {e}"))?;
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+    let exe = railguard_testkit::railguard_binary();
     let mut child = Command::new(exe)
         .arg("serve")
         .arg("--config")

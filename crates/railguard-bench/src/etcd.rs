@@ -14,15 +14,15 @@ use http::StatusCode;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
-use super::BenchError;
-use super::load::Connection;
-use crate::net::free_loopback_port;
+use crate::bench::BenchError;
+use crate::load::Connection;
+use railguard_testkit::free_loopback_port;
 
 const ETCD: &str = "/usr/bin/etcd";
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A running member; killed when stopped or dropped.
-pub struct EtcdNode {
+pub(crate) struct EtcdNode {
     pub endpoint: String,
     child: Child,
     log: std::path::PathBuf,
@@ -30,7 +30,7 @@ pub struct EtcdNode {
 
 impl EtcdNode {
     /// Starts a member with its data and log in `dir` and waits until `/health` says so.
-    pub async fn start(dir: &Path) -> Result<Self, BenchError> {
+    pub(crate) async fn start(dir: &Path) -> Result<Self, BenchError> {
         let client_port = free_loopback_port();
         let peer_port = loop {
             let port = free_loopback_port();
@@ -98,7 +98,7 @@ impl EtcdNode {
         }
     }
 
-    pub fn pid(&self) -> Option<u32> {
+    pub(crate) fn pid(&self) -> Option<u32> {
         self.child.id()
     }
 
@@ -108,13 +108,13 @@ impl EtcdNode {
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
 
-    pub async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         let _ = self.child.kill().await;
     }
 }
 
 /// `3.4.23`, from `etcd --version`.
-pub async fn version() -> String {
+pub(crate) async fn version() -> String {
     match Command::new(ETCD).arg("--version").output().await {
         Ok(out) => String::from_utf8_lossy(&out.stdout)
             .lines()

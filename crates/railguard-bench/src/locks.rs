@@ -21,21 +21,21 @@ use etcd_client::{Client, ConnectOptions, LockOptions};
 use http::StatusCode;
 use tokio::time::Instant;
 
-use super::load::{self, Connection, LoadResult, REQUEST_TIMEOUT};
-use crate::lock::api::GrantResponse;
-use crate::lock::postgres::{ACQUIRE_SQL, RELEASE_SQL};
+use crate::load::{self, Connection, LoadResult, REQUEST_TIMEOUT};
+use railguard::lock::postgres::{ACQUIRE_SQL, RELEASE_SQL};
+use railguard_sdk::wire::GrantResponse;
 
 /// The lease every cycle asks for. Longer than any cycle, so a grant never expires under its
 /// holder; a cycle that fails after acquiring leaves its key held at most this long.
-pub const LEASE_MS: u64 = 10_000;
+pub(crate) const LEASE_MS: u64 = 10_000;
 /// Prefix of the keys; client `c` uses `{KEY_PREFIX}{c}`, counting from 0 like pgbench's
 /// `:client_id`.
-pub const KEY_PREFIX: &str = "bench-lock-";
+pub(crate) const KEY_PREFIX: &str = "bench-lock-";
 const HOLDER: &str = "railguard-bench";
 
 /// One run of cycles.
 #[derive(Debug, Clone, Copy)]
-pub struct CycleLoad {
+pub(crate) struct CycleLoad {
     pub clients: usize,
     pub duration: Duration,
     /// Cycles across all clients; a run stops at whichever of this and `duration` comes first.
@@ -44,7 +44,7 @@ pub struct CycleLoad {
 
 /// Cycles through the lock API at `target`. An answered cycle counts under the status of
 /// its release (200), or under the acquire's status when the acquire was refused.
-pub async fn run_api(target: SocketAddr, load: CycleLoad) -> LoadResult {
+pub(crate) async fn run_api(target: SocketAddr, load: CycleLoad) -> LoadResult {
     let started = Instant::now();
     let deadline = started + load.duration;
     let clients = load.clients.max(1);
@@ -70,7 +70,10 @@ pub async fn run_api(target: SocketAddr, load: CycleLoad) -> LoadResult {
 }
 
 /// One acquire and release of `key` through the HTTP API.
-pub async fn api_cycle(connection: &mut Connection, key: &str) -> Result<StatusCode, String> {
+pub(crate) async fn api_cycle(
+    connection: &mut Connection,
+    key: &str,
+) -> Result<StatusCode, String> {
     let acquire = Bytes::from(format!(
         r#"{{"holder":"{HOLDER}","ttl_ms":{LEASE_MS},"wait_ms":0}}"#
     ));
@@ -93,7 +96,7 @@ pub async fn api_cycle(connection: &mut Connection, key: &str) -> Result<StatusC
 
 /// How the native baseline connects: as the etcd backend does (`lock::etcd`), with its
 /// default timeouts, one client (one gRPC channel) shared by every task.
-pub async fn connect_etcd(endpoint: &str) -> Result<Client, String> {
+pub(crate) async fn connect_etcd(endpoint: &str) -> Result<Client, String> {
     let options = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
         .with_timeout(Duration::from_secs(2))
@@ -105,7 +108,7 @@ pub async fn connect_etcd(endpoint: &str) -> Result<Client, String> {
 }
 
 /// Cycles through etcd's own `Lock`/`Unlock` RPC; every completed cycle counts as a 200.
-pub async fn run_etcd_native(client: &Client, load: CycleLoad) -> LoadResult {
+pub(crate) async fn run_etcd_native(client: &Client, load: CycleLoad) -> LoadResult {
     let started = Instant::now();
     let deadline = started + load.duration;
     let clients = load.clients.max(1);
@@ -159,7 +162,7 @@ async fn native_cycle(client: &mut Client, name: &str) -> Result<StatusCode, Str
 /// The pgbench script of one cycle: the backend's acquire statement, its token captured with
 /// `\gset`, then the backend's release statement with that token. The parameters are written
 /// in (`$1` the key, `$2` the holder, `$3` the lease), nothing else is changed.
-pub fn pgbench_script() -> String {
+pub(crate) fn pgbench_script() -> String {
     let key = format!("'{KEY_PREFIX}' || :client_id");
     let acquire = ACQUIRE_SQL
         .replace("$1", &key)

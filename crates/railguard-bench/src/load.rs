@@ -22,25 +22,25 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::proxy::BoxError;
+use railguard::proxy::BoxError;
 
 /// No single request may take longer than this; one that does counts as a transport error.
 /// It also bounds how long a run can overstay its duration.
-pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The payment every request carries. Its content is irrelevant to the fence.
 const BODY: &[u8] = br#"{"amount_cents":100,"currency":"EUR"}"#;
 
 /// Which accounts requests name: `{prefix}{n}` with `n` uniform in `1..=count`.
 #[derive(Debug, Clone)]
-pub struct Accounts {
+pub(crate) struct Accounts {
     pub prefix: &'static str,
     pub count: u64,
 }
 
 /// One run of load.
 #[derive(Debug, Clone)]
-pub struct Load {
+pub(crate) struct Load {
     pub target: SocketAddr,
     pub connections: usize,
     pub duration: Duration,
@@ -53,7 +53,7 @@ pub struct Load {
 
 /// What a run saw.
 #[derive(Debug, Default)]
-pub struct LoadResult {
+pub(crate) struct LoadResult {
     /// From the first request sent to the last answer received.
     pub elapsed: Duration,
     /// Latency of every answered request, sorted ascending.
@@ -65,24 +65,24 @@ pub struct LoadResult {
 }
 
 impl LoadResult {
-    pub fn answered(&self) -> u64 {
+    pub(crate) fn answered(&self) -> u64 {
         self.latencies_us.len() as u64
     }
 
     /// Answers with `status`.
-    pub fn count(&self, status: StatusCode) -> u64 {
+    pub(crate) fn count(&self, status: StatusCode) -> u64 {
         self.statuses.get(&status.as_u16()).copied().unwrap_or(0)
     }
 
     /// Nearest-rank percentile, `q` in `0.0..=1.0`.
-    pub fn percentile_us(&self, q: f64) -> u32 {
+    pub(crate) fn percentile_us(&self, q: f64) -> u32 {
         percentile(&self.latencies_us, q)
     }
 
     /// Counts one request (or cycle) begun at `started`: its latency and status if it was
     /// answered, a transport error if not, after which it pauses briefly so that a dead
     /// target is not spun on (the run stays bounded by its budget and time either way).
-    pub async fn record(&mut self, started: Instant, outcome: Result<StatusCode, String>) {
+    pub(crate) async fn record(&mut self, started: Instant, outcome: Result<StatusCode, String>) {
         match outcome {
             Ok(status) => {
                 let micros = started.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
@@ -99,13 +99,13 @@ impl LoadResult {
 }
 
 /// Splits `total` into `parts` shares that add up to exactly `total`; share `id` of them.
-pub fn share(total: u64, parts: usize, id: usize) -> u64 {
+pub(crate) fn share(total: u64, parts: usize, id: usize) -> u64 {
     let parts = parts.max(1) as u64;
     total / parts + u64::from((id as u64) < total % parts)
 }
 
 /// Nearest-rank percentile of an ascending slice; 0 for an empty one.
-pub fn percentile(sorted: &[u32], q: f64) -> u32 {
+pub(crate) fn percentile(sorted: &[u32], q: f64) -> u32 {
     if sorted.is_empty() {
         return 0;
     }
@@ -114,7 +114,7 @@ pub fn percentile(sorted: &[u32], q: f64) -> u32 {
 }
 
 /// Runs `load` and waits for every connection to finish its last request.
-pub async fn run(load: &Load) -> LoadResult {
+pub(crate) async fn run(load: &Load) -> LoadResult {
     let load = Arc::new(load.clone());
     let connections = load.connections.max(1);
     let started = Instant::now();
@@ -129,7 +129,7 @@ pub async fn run(load: &Load) -> LoadResult {
 }
 
 /// Waits for every worker and merges what they saw; `started` is when the first was spawned.
-pub async fn collect(
+pub(crate) async fn collect(
     started: Instant,
     workers: Vec<tokio::task::JoinHandle<LoadResult>>,
 ) -> LoadResult {
@@ -185,8 +185,8 @@ async fn worker(load: Arc<Load>, id: u64, budget: u64, deadline: Instant) -> Loa
 const BENCH_PROOF_KEY: [u8; 32] = *b"railguard-bench-grant-proof-key!";
 
 /// Migrates the database at `url` and stores [`BENCH_PROOF_KEY`] as its grant-proof key.
-pub async fn seed_proof_key(url: &str) -> Result<(), String> {
-    crate::db::migrate_url(url, Duration::from_secs(10))
+pub(crate) async fn seed_proof_key(url: &str) -> Result<(), String> {
+    railguard::db::migrate_url(url, Duration::from_secs(10))
         .await
         .map_err(|e| e.to_string())?;
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
@@ -207,26 +207,26 @@ pub async fn seed_proof_key(url: &str) -> Result<(), String> {
 }
 
 /// One keep-alive HTTP/1.1 connection, reopened after a failure.
-pub struct Connection {
+pub(crate) struct Connection {
     target: SocketAddr,
     host: String,
     sender: Option<SendRequest<Full<Bytes>>>,
-    proofs: crate::proof::ProofKey,
+    proofs: railguard::proof::ProofKey,
 }
 
 impl Connection {
-    pub fn new(target: SocketAddr) -> Self {
+    pub(crate) fn new(target: SocketAddr) -> Self {
         Self {
             target,
             host: target.to_string(),
             sender: None,
-            proofs: crate::proof::ProofKey::from_bytes(&BENCH_PROOF_KEY),
+            proofs: railguard::proof::ProofKey::from_bytes(&BENCH_PROOF_KEY),
         }
     }
 
     /// Sends one payment naming `account` and `token` and reads the whole answer. Any failure
     /// drops the connection, so the next call starts on a fresh one.
-    pub async fn send(&mut self, account: &str, token: i64) -> Result<StatusCode, BoxError> {
+    pub(crate) async fn send(&mut self, account: &str, token: i64) -> Result<StatusCode, BoxError> {
         let outcome = tokio::time::timeout(REQUEST_TIMEOUT, self.send_once(account, token)).await;
         let outcome =
             outcome.unwrap_or_else(|_| Err(format!("no answer within {REQUEST_TIMEOUT:?}").into()));
@@ -237,7 +237,7 @@ impl Connection {
     }
 
     fn proof(&self, account: &str, token: i64) -> String {
-        match crate::token::FencingToken::new(token) {
+        match railguard::token::FencingToken::new(token) {
             Some(token) => self.proofs.sign(account, token),
             None => String::new(),
         }
@@ -259,7 +259,7 @@ impl Connection {
     /// reads the whole answer, under the same timeout and reconnect rules as [`send`].
     ///
     /// [`send`]: Self::send
-    pub async fn request(
+    pub(crate) async fn request(
         &mut self,
         path: &str,
         body: Option<Bytes>,

@@ -1,4 +1,4 @@
-//! `railguard bench`: what the fence costs, as ratios against baselines measured in the same
+//! The benchmark run: what the fence costs, as ratios against baselines measured in the same
 //! run on the same machine.
 //!
 //! One process starts everything on loopback: a throwaway *durable* PostgreSQL (fsync and
@@ -19,14 +19,6 @@
 //! the simulator, and PostgreSQL and pgbench share the machine: on a small machine every row
 //! is partly a measurement of the load generator. That is why only ratios are claimed.
 
-mod cpu;
-mod etcd;
-mod load;
-mod locks;
-mod pgbench;
-mod report;
-mod rss;
-
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
@@ -37,25 +29,25 @@ use http::StatusCode;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::config::Config;
-use crate::db::server::{PostgresServer, ServerError, ServerOptions};
-use crate::http_server;
-use crate::net::free_loopback_port;
-use crate::railsim::RailSim;
-use crate::server::{self, ServeError};
-use load::{Accounts, Connection, Load, LoadResult};
-use locks::CycleLoad;
-use pgbench::Pgbench;
-pub use report::{Environment, Report, Sample};
-pub use rss::RssResult;
+use crate::load::{Accounts, Connection, Load, LoadResult};
+use crate::locks::CycleLoad;
+use crate::pgbench::Pgbench;
+pub(crate) use crate::report::{Environment, Report, Sample};
+use crate::{cpu, etcd, load, locks, pgbench, rss};
+use railguard::config::Config;
+use railguard::db::server::{PostgresServer, ServerError, ServerOptions};
+use railguard::http_server;
+use railguard::railsim::RailSim;
+use railguard::server::{self, ServeError};
+use railguard_testkit::free_loopback_port;
 
 /// The token every accepted request carries. Equal tokens are accepted, so a fixed token per
 /// account keeps every request accepted while each still commits a real compare-and-set.
-pub const TOKEN: i64 = 1_000_000;
+pub(crate) const TOKEN: i64 = 1_000_000;
 /// The mark the stale phase's accounts are raised to before it hammers them with token 1.
-pub const STALE_MARK: i64 = 2_000_000;
+pub(crate) const STALE_MARK: i64 = 2_000_000;
 const STALE_TOKEN: i64 = 1;
-const ACCOUNT_PREFIX: &str = "acct-";
+pub(crate) const ACCOUNT_PREFIX: &str = "acct-";
 const STALE_PREFIX: &str = "stale-";
 /// How many accounts the stale phase uses (fewer if `accounts` is smaller). All of them stay
 /// in the proxy's mark cache, so the phase measures the cache path.
@@ -63,7 +55,7 @@ const STALE_ACCOUNTS: u64 = 1_000;
 
 /// A group of phases that can be run alone (`--suite`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Suite {
+pub(crate) enum Suite {
     /// The fenced proxy: direct, fencing off/on, stale, pgbench of the same CAS, and the RSS
     /// of a separate `railguard serve` holding many open connections.
     Proxy,
@@ -74,12 +66,12 @@ pub enum Suite {
 }
 
 impl Suite {
-    pub const ALL: [Suite; 3] = [Suite::Proxy, Suite::Locks, Suite::Etcd];
+    pub(crate) const ALL: [Suite; 3] = [Suite::Proxy, Suite::Locks, Suite::Etcd];
 }
 
 /// What `railguard bench` was asked to do.
 #[derive(Debug, Clone)]
-pub struct BenchOptions {
+pub(crate) struct BenchOptions {
     /// What to measure; the order does not matter.
     pub suites: Vec<Suite>,
     /// Measured time of each repetition of each phase.
@@ -102,14 +94,14 @@ pub struct BenchOptions {
 }
 
 impl BenchOptions {
-    pub fn runs(&self, suite: Suite) -> bool {
+    pub(crate) fn runs(&self, suite: Suite) -> bool {
         self.suites.contains(&suite)
     }
 }
 
 /// One thing measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
+pub(crate) enum Phase {
     /// Load straight at the rail simulator: the ceiling of the load generator + simulator.
     Direct,
     /// Through a proxy with `fencing.enforce = false`. It still runs the compare-and-set (to
@@ -138,7 +130,7 @@ pub enum Phase {
 
 impl Phase {
     /// Every phase of the suites asked for, in the order each round runs them.
-    pub fn all(options: &BenchOptions) -> Vec<Phase> {
+    pub(crate) fn all(options: &BenchOptions) -> Vec<Phase> {
         let mut phases = Vec::new();
         if options.runs(Suite::Proxy) {
             phases.extend([Phase::Direct, Phase::ProxyUnfenced, Phase::ProxyFenced]);
@@ -158,7 +150,7 @@ impl Phase {
         phases
     }
 
-    pub fn suite(self) -> Suite {
+    pub(crate) fn suite(self) -> Suite {
         match self {
             Phase::LockApiPostgres | Phase::PgbenchLocks => Suite::Locks,
             Phase::LockApiEtcd | Phase::EtcdNativeLocks => Suite::Etcd,
@@ -166,12 +158,12 @@ impl Phase {
         }
     }
 
-    pub fn label(self, options: &BenchOptions) -> String {
+    pub(crate) fn label(self, options: &BenchOptions) -> String {
         let accounts = |n: u64| {
             if n == 1 {
                 "1 account".to_string()
             } else {
-                format!("{} accounts", report::thousands(n as f64))
+                format!("{} accounts", crate::report::thousands(n as f64))
             }
         };
         match self {
@@ -197,7 +189,7 @@ const FEW_ACCOUNTS: [u64; 2] = [64, 1];
 
 /// The benchmark could not be set up.
 #[derive(Debug, thiserror::Error)]
-pub enum BenchError {
+pub(crate) enum BenchError {
     #[error("PostgreSQL: {0}")]
     Postgres(#[from] ServerError),
     #[error("{what}: {source}")]
@@ -211,7 +203,7 @@ pub enum BenchError {
 }
 
 /// Runs the whole benchmark and returns its report. Progress goes to stderr.
-pub async fn run(options: BenchOptions) -> Result<Report, BenchError> {
+pub(crate) async fn run(options: BenchOptions) -> Result<Report, BenchError> {
     // Under /var/tmp, not /tmp: /tmp may be a tmpfs, where fsync costs nothing.
     let temp_dir = |prefix: &str| {
         tempfile::Builder::new()
@@ -228,7 +220,7 @@ pub async fn run(options: BenchOptions) -> Result<Report, BenchError> {
         data_dir: pg_dir.path().join("data"),
         port: free_loopback_port(),
         durable: true,
-        access: crate::db::Access::Loopback,
+        access: railguard::db::Access::Loopback,
     };
     let mut postgres = PostgresServer::init(server_options).await?;
     eprintln!(

@@ -7,8 +7,6 @@
 
 use std::fmt;
 
-use http::{HeaderMap, HeaderName};
-
 /// A fencing token: an integer in `1..=i64::MAX`, fixed when its grant was made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(i64);
@@ -94,31 +92,6 @@ pub enum AccountError {
     NotVisibleAscii,
 }
 
-/// Why a header could not be read as exactly one value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum HeaderError {
-    #[error("is missing")]
-    Missing,
-    #[error("appears more than once")]
-    Repeated,
-    #[error("is not visible ASCII")]
-    NotAscii,
-}
-
-/// Returns the single value of `name`, refusing a missing or repeated header: two tokens on one
-/// request would leave the proxy choosing which grant the request belongs to.
-pub fn single_header<'a>(
-    headers: &'a HeaderMap,
-    name: &HeaderName,
-) -> Result<&'a str, HeaderError> {
-    let mut values = headers.get_all(name).iter();
-    let first = values.next().ok_or(HeaderError::Missing)?;
-    if values.next().is_some() {
-        return Err(HeaderError::Repeated);
-    }
-    first.to_str().map_err(|_| HeaderError::NotAscii)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,16 +154,5 @@ mod tests {
             AccountId::parse(&"a".repeat(129), 128),
             Err(AccountError::TooLong { max_len: 128 })
         );
-    }
-
-    #[test]
-    fn single_header_refuses_missing_and_repeated() {
-        let name = HeaderName::from_static("fencing-token");
-        let mut headers = HeaderMap::new();
-        assert_eq!(single_header(&headers, &name), Err(HeaderError::Missing));
-        headers.append(&name, "1".parse().unwrap());
-        assert_eq!(single_header(&headers, &name), Ok("1"));
-        headers.append(&name, "2".parse().unwrap());
-        assert_eq!(single_header(&headers, &name), Err(HeaderError::Repeated));
     }
 }

@@ -16,6 +16,8 @@
 pub mod keep_alive;
 pub mod paydb;
 pub mod rail;
+pub mod token;
+pub mod wire;
 
 use std::time::Duration;
 
@@ -25,13 +27,13 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use serde::Deserialize;
 
 pub use keep_alive::{KeepAlive, LeaseLost};
 pub use rail::{RailClient, RailResponse};
 
-use crate::lock::api::{GrantResponse, RenewResponse};
 use crate::token::FencingToken;
+pub use crate::wire::KeyStatus;
+use crate::wire::{ErrorBody, GrantResponse, LockKey, RenewResponse};
 
 /// Why an SDK call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -82,21 +84,21 @@ pub(crate) async fn exchange(
 /// The token cannot be changed — not assigned, not mutated, not replaced:
 ///
 /// ```compile_fail,E0616
-/// fn steal(handle: &mut railguard::sdk::LockHandle) {
-///     handle.token = railguard::token::FencingToken::new(57).unwrap(); // private field
+/// fn steal(handle: &mut railguard_sdk::LockHandle) {
+///     handle.token = railguard_sdk::token::FencingToken::new(57).unwrap(); // private field
 /// }
 /// ```
 ///
 /// ```compile_fail,E0599
-/// fn bump(handle: &mut railguard::sdk::LockHandle) {
-///     *handle.token_mut() = railguard::token::FencingToken::new(57).unwrap(); // no such method
+/// fn bump(handle: &mut railguard_sdk::LockHandle) {
+///     *handle.token_mut() = railguard_sdk::token::FencingToken::new(57).unwrap(); // no such method
 /// }
 /// ```
 ///
 /// It can only be read, as a value:
 ///
 /// ```
-/// fn present(handle: &railguard::sdk::LockHandle) -> i64 {
+/// fn present(handle: &railguard_sdk::LockHandle) -> i64 {
 ///     handle.token().get()
 /// }
 /// ```
@@ -165,23 +167,6 @@ pub struct LockClient {
     timeout: Duration,
 }
 
-#[derive(Deserialize)]
-struct ErrorBody {
-    error: String,
-    #[serde(default)]
-    message: String,
-}
-
-/// What `inspect` shows: diagnosis only. There is no token here, on purpose.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct KeyStatus {
-    pub key: String,
-    pub held: bool,
-    pub holder: Option<String>,
-    pub lease_remaining_ms: Option<i64>,
-    pub grant_age_ms: Option<i64>,
-}
-
 impl LockClient {
     /// `base` is the lock API's URL, e.g. `http://127.0.0.1:7070`.
     pub fn new(base: impl Into<String>) -> Self {
@@ -222,6 +207,7 @@ impl LockClient {
         let error: ErrorBody = serde_json::from_slice(&bytes).unwrap_or(ErrorBody {
             error: status.to_string(),
             message: String::from_utf8_lossy(&bytes).into(),
+            outcome: None,
         });
         Err(match (status, error.error.as_str()) {
             (StatusCode::CONFLICT, "held") => SdkError::Held,
@@ -234,7 +220,7 @@ impl LockClient {
 
     /// FR-01: a handle on `key`, waiting up to `wait` for it to be free.
     fn check_key(key: &str) -> Result<(), SdkError> {
-        crate::lock::LockKey::parse(key)
+        LockKey::parse(key)
             .map(|_| ())
             .map_err(SdkError::BadRequest)
     }

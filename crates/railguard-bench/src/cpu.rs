@@ -15,7 +15,7 @@ const TICKS_PER_SEC: f64 = 100.0;
 
 /// Cumulative counters at one instant.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     machine_busy: u64,
     machine_total: u64,
     own: u64,
@@ -26,7 +26,7 @@ pub struct Snapshot {
 
 /// CPU use between two snapshots, in seconds.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct CpuUse {
+pub(crate) struct CpuUse {
     /// Fraction of all CPUs' time that was not idle (0.0 to 1.0).
     pub machine_busy: f64,
     pub own_secs: f64,
@@ -43,7 +43,7 @@ pub struct CpuUse {
 impl Snapshot {
     /// Reads the counters; `postmaster` is the PostgreSQL server's pid, `etcd` the etcd
     /// member's. Whatever cannot be read counts as zero.
-    pub fn take(postmaster: Option<u32>, etcd: Option<u32>) -> Self {
+    pub(crate) fn take(postmaster: Option<u32>, etcd: Option<u32>) -> Self {
         let (machine_busy, machine_total) = machine_ticks().unwrap_or_default();
         let own = process_ticks(Path::new("/proc/self/stat")).unwrap_or_default();
         // A backend's time moves into the postmaster's cutime/cstime when it exits, so the
@@ -73,7 +73,7 @@ impl Snapshot {
     }
 
     /// What was used from `self` until `later`.
-    pub fn until(&self, later: &Snapshot) -> CpuUse {
+    pub(crate) fn until(&self, later: &Snapshot) -> CpuUse {
         let ticks = |a: u64, b: u64| b.saturating_sub(a);
         let secs = |a: u64, b: u64| ticks(a, b) as f64 / TICKS_PER_SEC;
         let total = ticks(self.machine_total, later.machine_total).max(1) as f64;

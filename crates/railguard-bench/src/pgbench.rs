@@ -12,13 +12,13 @@ use std::time::Duration;
 
 use tokio::process::Command;
 
-use super::load::percentile;
-use crate::db::server::SUPERUSER;
-use crate::high_water::ADVANCE_SQL;
+use crate::load::percentile;
+use railguard::db::server::SUPERUSER;
+use railguard::high_water::ADVANCE_SQL;
 
 /// A pgbench run.
 #[derive(Debug, Clone)]
-pub struct Pgbench {
+pub(crate) struct Pgbench {
     /// Directory holding the `pgbench` binary (the server's `bin_dir`).
     pub bin_dir: PathBuf,
     pub port: u16,
@@ -30,7 +30,7 @@ pub struct Pgbench {
 
 /// What pgbench reported.
 #[derive(Debug, Default)]
-pub struct PgbenchResult {
+pub(crate) struct PgbenchResult {
     /// pgbench's own figure, which leaves out connection set-up.
     pub tps: f64,
     pub transactions: u64,
@@ -40,14 +40,14 @@ pub struct PgbenchResult {
 }
 
 impl PgbenchResult {
-    pub fn percentile_us(&self, q: f64) -> u32 {
+    pub(crate) fn percentile_us(&self, q: f64) -> u32 {
         percentile(&self.latencies_us, q)
     }
 }
 
 /// The compare-and-set script: one [`ADVANCE_SQL`] on a uniformly drawn account of
 /// `{prefix}1..={accounts}` at `token`.
-pub fn cas_script(accounts: u64, prefix: &str, token: i64) -> String {
+pub(crate) fn cas_script(accounts: u64, prefix: &str, token: i64) -> String {
     let sql = ADVANCE_SQL
         .replace("$1", &format!("'{prefix}' || :aid"))
         .replace("$2", &token.to_string());
@@ -58,7 +58,7 @@ impl Pgbench {
     /// Runs pgbench with its files (script and transaction logs) in `work_dir`, which must
     /// be empty of earlier logs. Bounded by `-T` and, should pgbench hang, by a timeout that
     /// kills it.
-    pub async fn run(&self, work_dir: &Path) -> Result<PgbenchResult, String> {
+    pub(crate) async fn run(&self, work_dir: &Path) -> Result<PgbenchResult, String> {
         let script = work_dir.join("script.sql");
         std::fs::write(&script, &self.script)
             .map_err(|e| format!("cannot write {}: {e}", script.display()))?;

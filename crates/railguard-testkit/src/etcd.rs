@@ -13,16 +13,16 @@ use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::free_loopback_port;
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::Full;
-use railguard::net::free_loopback_port;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 use tokio::process::{Child, Command};
 use tokio::time::{Instant, sleep, timeout};
 
-use super::Http;
+use crate::Http;
 
 const ETCD: &str = "/usr/bin/etcd";
 /// How long a whole cluster (or a restarted member) may take to report healthy.

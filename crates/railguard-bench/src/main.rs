@@ -1,0 +1,126 @@
+//! `railguard-bench`: measures the proxy and the lock service against baselines taken in the
+//! same run, on loopback only. proxy: load straight at an in-process rail simulator, through
+//! the proxy with fencing off and on (over several account counts), a stale-token phase,
+//! pgbench running the same compare-and-set on the same throwaway durable PostgreSQL, and the
+//! RSS of a separate `railguard serve` holding many connections. locks: acquire+release cycles
+//! through the lock API on PostgreSQL against pgbench running the same statements. etcd: the
+//! same cycles on the etcd backend against etcd's own Lock/Unlock RPC (needs /usr/bin/etcd).
+//! Prints markdown tables (progress goes to stderr). `scripts/bench.sh` runs it.
+
+mod bench;
+mod cpu;
+mod etcd;
+mod load;
+mod locks;
+mod pgbench;
+mod report;
+mod rss;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use railguard::config::{Config, LogFormat};
+use railguard::telemetry;
+
+/// Measure the proxy and the lock service against baselines taken in the same run.
+#[derive(Parser)]
+#[command(name = "railguard-bench", version)]
+struct Cli {
+    /// What to measure.
+    #[arg(long, value_enum, default_value_t = BenchSuite::All)]
+    suite: BenchSuite,
+    /// Measured seconds of each repetition of each phase.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    duration_secs: u64,
+    /// Repetitions of each phase, interleaved round-robin; the table quotes medians.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    repeats: u32,
+    /// Concurrent keep-alive connections, and pgbench clients (at most 140: the throwaway
+    /// PostgreSQL allows 200 connections, shared with the pools of up to three in-process
+    /// railguards).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=140))]
+    connections: u64,
+    /// Accounts requests are spread over, uniformly.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    accounts: u64,
+    /// Unmeasured seconds of load before each repetition.
+    #[arg(long, default_value_t = 1)]
+    warmup_secs: u64,
+    /// Each proxy's PostgreSQL pool size (database.pool_size).
+    #[arg(long, default_value_t = Config::default().database.pool_size)]
+    pool_size: u64,
+    /// Upper bound on requests per repetition, across all connections.
+    #[arg(long, default_value_t = 5_000_000)]
+    max_requests: u64,
+    /// Concurrent clients of the lock phases, and pgbench clients there (at most 140, as
+    /// for --connections).
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=140))]
+    lock_clients: u64,
+    /// Open client connections for the proxy RSS measurement (0 skips it).
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    rss_connections: u64,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum BenchSuite {
+    Proxy,
+    Locks,
+    Etcd,
+    All,
+}
+
+fn main() -> ExitCode {
+    let Cli {
+        duration_secs,
+        repeats,
+        connections,
+        accounts,
+        warmup_secs,
+        pool_size,
+        max_requests,
+        suite,
+        lock_clients,
+        rss_connections,
+    } = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    runtime.block_on(async move {
+        use bench::Suite;
+        // Errors only: the stale phase would otherwise log a warning per request.
+        telemetry::init(LogFormat::Pretty, "error");
+        let suites = match suite {
+            BenchSuite::Proxy => vec![Suite::Proxy],
+            BenchSuite::Locks => vec![Suite::Locks],
+            BenchSuite::Etcd => vec![Suite::Etcd],
+            BenchSuite::All => Suite::ALL.to_vec(),
+        };
+        let options = bench::BenchOptions {
+            suites,
+            lock_clients: lock_clients as usize,
+            rss_connections: rss_connections as usize,
+            duration: Duration::from_secs(duration_secs),
+            warmup: Duration::from_secs(warmup_secs),
+            repeats,
+            connections: connections as usize,
+            accounts,
+            pool_size,
+            max_requests,
+        };
+        match bench::run(options).await {
+            Ok(report) => {
+                print!("{}", report.to_markdown());
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(&e),
+        }
+    })
+}
+
+fn fail(error: &dyn std::fmt::Display) -> ExitCode {
+    tracing::error!("{error}");
+    eprintln!("railguard-bench: {error}");
+    ExitCode::FAILURE
+}

@@ -1,0 +1,55 @@
+//! railguard's test kit: the real components a test needs, each throwaway and each killable,
+//! shared by the integration tests, the benchmark and the fault harness.
+//!
+//! - [`Pg`]: a PostgreSQL cluster initialised into a temp dir (run as the `postgres` user when
+//!   the tests run as root), which a test can stop, kill, pause and restart.
+//! - [`EtcdCluster`]: one or three real etcd members, each stoppable, killable and pausable.
+//! - [`Rail`]: the rail simulator, in-process, whose ledger a test reads directly.
+//! - [`Railguard`]: railguard itself, with a config written for the test and overrides on top.
+//! - [`Http`]: an HTTP client over real sockets; [`Metrics`]: a strict Prometheus text parser.
+//! - [`Relay`]: a TCP relay whose delay a test turns up, to make a slow network.
+
+pub mod etcd;
+mod http;
+mod pg;
+mod prometheus;
+mod rail;
+pub mod relay;
+mod serve;
+
+pub use etcd::EtcdCluster;
+pub use http::{Http, Reply};
+pub use pg::Pg;
+pub use prometheus::Metrics;
+pub use rail::Rail;
+pub use relay::Relay;
+pub use serve::{Railguard, binary as railguard_binary};
+
+/// Installs a test log subscriber once (RUST_LOG controls it).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+/// A loopback port that was free a moment ago, for the child processes (etcd members,
+/// PostgreSQL clusters) that must be told their port before they start; anything started in
+/// this process binds port 0 instead. Chosen at random below the kernel's ephemeral range
+/// (32768+) so that outgoing connections cannot take it between the check and the bind.
+pub fn free_loopback_port() -> u16 {
+    use std::hash::{BuildHasher, RandomState};
+    use std::net::{Ipv4Addr, TcpListener};
+    let state = RandomState::new();
+    for attempt in 0u32..10_000 {
+        let port = 20_000 + (state.hash_one(attempt) % 12_000) as u16;
+        if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+            return port;
+        }
+    }
+    // Everything below the ephemeral range is taken: let the kernel choose.
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free loopback port")
+}
