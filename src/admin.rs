@@ -15,10 +15,10 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use serde::Deserialize;
 
-use crate::high_water::HighWaterStore;
-use crate::idempotency::{Forgot, IdempotencyStore};
+use crate::http::{ResponseBody, full};
 use crate::metrics::Metrics;
-use crate::proxy::{ProxyBody, full};
+use crate::proxy::fence::HighWaterStore;
+use crate::proxy::idempotency::{Forgot, IdempotencyStore};
 use crate::token::AccountId;
 
 #[derive(Clone)]
@@ -36,7 +36,7 @@ struct ForgetRequest {
     key: String,
 }
 
-fn reply(status: StatusCode, content_type: &'static str, body: String) -> Response<ProxyBody> {
+fn reply(status: StatusCode, content_type: &'static str, body: String) -> Response<ResponseBody> {
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, content_type)
@@ -48,7 +48,7 @@ impl Admin {
     pub async fn handle(
         self,
         request: Request<Incoming>,
-    ) -> Result<Response<ProxyBody>, Infallible> {
+    ) -> Result<Response<ResponseBody>, Infallible> {
         let path = request.uri().path().to_string();
         Ok(match (request.method().clone(), path.as_str()) {
             (Method::GET, "/metrics") => reply(
@@ -79,7 +79,7 @@ impl Admin {
         })
     }
 
-    async fn forget(&self, request: Request<Incoming>) -> Response<ProxyBody> {
+    async fn forget(&self, request: Request<Incoming>) -> Response<ResponseBody> {
         let body = match Limited::new(request.into_body(), 4096).collect().await {
             Ok(body) => body.to_bytes(),
             Err(e) => {

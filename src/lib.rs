@@ -10,11 +10,11 @@
 //!   HTTP API; [`sdk`] is what a worker uses (`LockClient`, `LockHandle`, `RailClient`, the
 //!   paydb fenced UPDATE).
 //! - [`proof`] — grant proofs: a token is good only for the lock key it was granted on.
-//! - [`high_water`] — the compare-and-set on `rail_high_water` in PostgreSQL (FR-17).
 //! - [`db`] — the pool, migrations, and the embedded/throwaway PostgreSQL server.
 //! - [`admin`], [`metrics`], [`telemetry`] — what operators see.
 //! - [`railsim`] — a non-idempotent rail simulator for tests and demos.
-//! - [`config`], [`server`], [`http_server`] — how it is configured, started and stopped.
+//! - [`config`], [`server`] — how it is configured, started and stopped; [`http`] — the body
+//!   type and accept loop every listener shares.
 //!
 //! The design rests on ADR-002: a token is fixed when its grant is made and travels as a
 //! value. No API here re-reads a token, and nothing stores one where a writer could pick it up.
@@ -22,9 +22,7 @@
 pub mod admin;
 pub mod config;
 pub mod db;
-pub mod high_water;
-pub mod http_server;
-pub mod idempotency;
+pub mod http;
 pub mod lock;
 pub mod metrics;
 pub mod proof;

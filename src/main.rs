@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use railguard::config::{Config, LogFormat};
 use railguard::db::Database;
 use railguard::railsim::RailSim;
-use railguard::{http_server, server, telemetry};
+use railguard::{http, server, telemetry};
 
 #[derive(Parser)]
 #[command(
@@ -147,7 +147,7 @@ fn main() -> ExitCode {
                     sim = sim.deduplicating();
                 }
                 tracing::info!(%listen, latency_ms, jitter_ms, "rail simulator listening");
-                http_server::serve(
+                http::serve(
                     listener,
                     move |_peer| {
                         let sim = sim.clone();

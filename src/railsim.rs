@@ -21,7 +21,7 @@ use hyper::body::Incoming;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::proxy::{ProxyBody, full};
+use crate::http::{ResponseBody, full};
 
 /// One payment as the rail received it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -111,7 +111,7 @@ impl RailSim {
     pub async fn handle(
         self,
         request: Request<Incoming>,
-    ) -> Result<Response<ProxyBody>, Infallible> {
+    ) -> Result<Response<ResponseBody>, Infallible> {
         let json = |status: StatusCode, value: serde_json::Value| {
             Response::builder()
                 .status(status)
@@ -146,7 +146,7 @@ impl RailSim {
         }
     }
 
-    async fn pay(self, request: Request<Incoming>) -> Response<ProxyBody> {
+    async fn pay(self, request: Request<Incoming>) -> Response<ResponseBody> {
         let json = |status: StatusCode, value: serde_json::Value| {
             Response::builder()
                 .status(status)

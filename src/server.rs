@@ -18,11 +18,7 @@ use tower::ServiceExt;
 use crate::admin::Admin;
 use crate::config::Config;
 use crate::db::{Database, DatabaseError};
-use crate::high_water::{Batching, HighWaterStore};
-use crate::http_server::serve;
-use crate::idempotency::{
-    IdempotencyStore, InstanceId, OutcomeMetrics, hold_instance_lock, sweep_forever,
-};
+use crate::http::serve;
 use crate::lock::AnyBackend;
 use crate::lock::api::LockApi;
 use crate::lock::etcd::{EtcdLocks, EtcdSettings};
@@ -31,9 +27,13 @@ use crate::lock::service::{LockLimits, LockService};
 use crate::metrics::Metrics;
 use crate::proof::ProofKey;
 use crate::proxy::extract::{ExtractConfig, GrantCheck};
-use crate::proxy::fence::Fence;
+use crate::proxy::fence::{Batching, HighWaterStore};
+use crate::proxy::fence::{FenceLayer, FencePoint};
 use crate::proxy::forward::{Forward, Upstream};
 use crate::proxy::idempotency::{IdempotencyConfig as IdempotencyLayerConfig, IdempotencyLayer};
+use crate::proxy::idempotency::{
+    IdempotencyStore, InstanceId, OutcomeMetrics, Records, hold_instance_lock, sweep_forever,
+};
 use crate::proxy::{self, ClientAddr};
 
 #[derive(Debug, thiserror::Error)]
@@ -122,6 +122,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     metrics
         .fencing_proof_required
         .set(i64::from(config.fencing.require_proof));
+    let idempotency_store = IdempotencyStore::new(
+        database.pool.clone(),
+        config.database_timeout(),
+        OutcomeMetrics {
+            pending: metrics.outcomes_pending.clone(),
+            lost: metrics.outcomes_lost.clone(),
+        },
+    );
+    let records: Arc<dyn Records> = Arc::new(idempotency_store.clone());
     let store = HighWaterStore::new(
         database.pool.clone(),
         config.database_timeout(),
@@ -131,14 +140,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         },
         metrics.fence_batch_size.clone(),
         instance,
-    );
-    let idempotency_store = IdempotencyStore::new(
-        database.pool.clone(),
-        config.database_timeout(),
-        OutcomeMetrics {
-            pending: metrics.outcomes_pending.clone(),
-            lost: metrics.outcomes_lost.clone(),
-        },
+        records.clone(),
     );
     let sweeper = tokio::spawn(sweep_forever(
         idempotency_store.clone(),
@@ -147,17 +149,17 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     ));
     let idempotency_store_for_admin = idempotency_store.clone();
     let idempotency = IdempotencyLayer::new(
-        idempotency_store,
+        records,
         IdempotencyLayerConfig {
             max_response_bytes: config.idempotency.max_response_bytes as usize,
         },
     );
-    let fence = Arc::new(Fence::new(
+    let fence = FenceLayer::new(Arc::new(FencePoint::new(
         store.clone(),
         config.fencing.cache_capacity,
         metrics.clone(),
         config.fencing.enforce,
-    ));
+    )));
     let forward = Forward::new(
         upstream,
         Duration::from_millis(config.proxy.upstream_connect_timeout_ms),

@@ -15,6 +15,39 @@ use tokio_postgres::NoTls;
 use crate::config::{Config, DatabaseLocation};
 pub use server::{Access, PostgresServer, ServerError, ServerOptions};
 
+/// Why a statement gave no answer: what every store built on the pool returns, so that no
+/// store has to borrow another's error type. Whether a statement that timed out or lost its
+/// connection committed is unknown; each store says what that means for its callers.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DbError {
+    #[error("no database connection: {0}")]
+    Pool(String),
+    #[error("the database did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("the statement failed: {0}")]
+    Query(String),
+    #[error("the database connection closed: {0}")]
+    ConnectionClosed(String),
+}
+
+impl From<tokio_postgres::Error> for DbError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        if e.is_closed() {
+            return DbError::ConnectionClosed(e.to_string());
+        }
+        match e.as_db_error() {
+            Some(db) => DbError::Query(format!("{}: {}", db.code().code(), db.message())),
+            None => DbError::Query(e.to_string()),
+        }
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for DbError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        DbError::Pool(e.to_string())
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DatabaseError {
     #[error("embedded PostgreSQL: {0}")]

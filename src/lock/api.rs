@@ -37,8 +37,8 @@ use serde::Serialize;
 
 use super::service::LockService;
 use super::{LeaseSecret, LockBackend, LockError, LockKey, parse_holder};
+use crate::http::{ResponseBody, full};
 use crate::proof::ProofKey;
-use crate::proxy::{ProxyBody, full};
 use crate::token::FencingToken;
 
 /// Largest request body the API reads.
@@ -103,7 +103,7 @@ enum Operation {
 }
 
 impl ApiError {
-    fn into_response(self) -> Response<ProxyBody> {
+    fn into_response(self) -> Response<ResponseBody> {
         let (status, code) = match &self {
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
@@ -131,7 +131,7 @@ impl ApiError {
     }
 }
 
-fn json(status: StatusCode, value: &impl Serialize) -> Response<ProxyBody> {
+fn json(status: StatusCode, value: &impl Serialize) -> Response<ResponseBody> {
     let body = serde_json::to_vec(value).expect("serializable");
     Response::builder()
         .status(status)
@@ -165,14 +165,14 @@ impl<B: LockBackend> LockApi<B> {
     pub async fn handle(
         self,
         request: Request<Incoming>,
-    ) -> Result<Response<ProxyBody>, Infallible> {
+    ) -> Result<Response<ResponseBody>, Infallible> {
         Ok(match self.route(request).await {
             Ok(response) => response,
             Err(error) => error.into_response(),
         })
     }
 
-    async fn route(&self, request: Request<Incoming>) -> Result<Response<ProxyBody>, ApiError> {
+    async fn route(&self, request: Request<Incoming>) -> Result<Response<ResponseBody>, ApiError> {
         let path = request.uri().path().to_string();
         let rest = path.strip_prefix("/v1/locks/").ok_or(ApiError::NotFound)?;
         let (key, action) = match rest.split_once('/') {
@@ -237,7 +237,7 @@ impl<B: LockBackend> LockApi<B> {
         &self,
         key: LockKey,
         body: AcquireRequest,
-    ) -> Result<Response<ProxyBody>, ApiError> {
+    ) -> Result<Response<ResponseBody>, ApiError> {
         let limits = self.service.limits();
         let holder = parse_holder(&body.holder).map_err(ApiError::BadRequest)?;
         let ttl = Duration::from_millis(body.ttl_ms);

@@ -18,7 +18,7 @@ use super::extract::{BadProof, BadRequest, BodyTooLarge, ClientTimeout, MethodRe
 use super::fence::{FenceUnavailable, FencedOut};
 use super::forward::{UpstreamTimeout, UpstreamUnavailable};
 use super::idempotency::{IdempotencyConflict, IdempotencyUnavailable};
-use super::{BoxError, ProxyBody, full};
+use super::{BoxError, ResponseBody, full};
 use crate::metrics::Outcome;
 
 /// Who a failure is attributed to.
@@ -70,7 +70,7 @@ impl Rejection {
         }
     }
 
-    pub fn into_response(self) -> Response<ProxyBody> {
+    pub fn into_response(self) -> Response<ResponseBody> {
         let body = serde_json::to_vec(&self).expect("rejection serializes");
         let mut response = Response::new(full(Bytes::from(body)));
         *response.status_mut() = self.status;

@@ -225,7 +225,9 @@ impl ExtractConfig {
         match single_header(headers, name) {
             Err(HeaderError::Missing) if !self.idempotency_required => Ok(None),
             Err(e) => Err(bad(e.to_string())),
-            Ok(text) => crate::idempotency::parse_key(text).map(Some).map_err(bad),
+            Ok(text) => crate::proxy::idempotency::parse_key(text)
+                .map(Some)
+                .map_err(bad),
         }
     }
 }
@@ -296,13 +298,12 @@ where
                 let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
                 IdempotencyKey {
                     key,
-                    owner: crate::idempotency::new_owner(),
-                    fingerprint: crate::idempotency::fingerprint(
+                    owner: super::idempotency::new_owner(),
+                    fingerprint: super::idempotency::fingerprint(
                         parts.method.as_str(),
                         target,
                         &bytes,
                     ),
-                    recorded: false,
                 }
             });
             let request = Request::from_parts(parts, bytes);
@@ -313,6 +314,8 @@ where
                     request,
                     deadline,
                     idempotency,
+                    record: None,
+                    maybe_sent: Default::default(),
                 })
                 .await
         })

@@ -13,7 +13,6 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -29,6 +28,7 @@ use tokio::time::Instant;
 use tower::Service;
 use tracing::Instrument;
 
+use super::idempotency::MaybeSent;
 use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
 use crate::metrics::Metrics;
 
@@ -89,12 +89,13 @@ pub fn sent(error: &BoxError) -> Sent {
     Sent::Never
 }
 
-/// The request body as handed to the client, noting when a connection first asks for it:
-/// hyper asks for the body only after it has a connection and has encoded the request head,
-/// so a body never asked for means the rail cannot have received a complete request.
+/// The request body as handed to the client, marking the request [`MaybeSent`] when a
+/// connection first asks for it: hyper asks for the body only after it has a connection and
+/// has encoded the request head, so a body never asked for means the rail cannot have received
+/// a complete request.
 struct Tracked {
     body: Full<Bytes>,
-    asked: Arc<AtomicBool>,
+    asked: MaybeSent,
 }
 
 impl hyper::body::Body for Tracked {
@@ -105,7 +106,7 @@ impl hyper::body::Body for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
-        self.asked.store(true, Ordering::Release);
+        self.asked.set();
         Pin::new(&mut self.body).poll_frame(cx)
     }
 
@@ -177,14 +178,19 @@ impl Service<FencedRequest> for Forward {
         Box::pin(
             async move {
                 let deadline = fenced.deadline;
-                let (request, asked) = this.upstream_request(fenced.request)?;
-                // An empty body may never be asked for although the request went out whole.
+                let asked = fenced.maybe_sent;
+                let request = this.upstream_request(fenced.request, asked.clone())?;
+                // An empty body may never be asked for although the request went out whole:
+                // such a request may have been sent unless its connection was never made.
                 let empty = request.body().is_end_stream();
                 let sent = |connect_failed: bool| {
-                    if connect_failed || (!empty && !asked.load(Ordering::Acquire)) {
-                        Sent::Never
-                    } else {
+                    if empty && !connect_failed {
+                        asked.set();
+                    }
+                    if asked.is_set() {
                         Sent::Maybe
+                    } else {
+                        Sent::Never
                     }
                 };
                 let started = Instant::now();
@@ -198,7 +204,11 @@ impl Service<FencedRequest> for Forward {
                         let sent = sent(e.is_connect());
                         return Err(UpstreamUnavailable(e.into(), sent).into());
                     }
-                    Ok(Ok(response)) => response,
+                    Ok(Ok(response)) => {
+                        // The rail answered: it has seen the request, whatever its body.
+                        asked.set();
+                        response
+                    }
                 };
                 tracing::Span::current().record("status", response.status().as_u16());
                 let (mut parts, body) = response.into_parts();
@@ -217,7 +227,8 @@ impl Forward {
     fn upstream_request(
         &self,
         request: Request<Bytes>,
-    ) -> Result<(Request<Tracked>, Arc<AtomicBool>), BoxError> {
+        asked: MaybeSent,
+    ) -> Result<Request<Tracked>, BoxError> {
         let (mut parts, body) = request.into_parts();
         let path = parts
             .uri
@@ -262,12 +273,11 @@ impl Forward {
         if let Some(ClientAddr(addr)) = parts.extensions.get::<ClientAddr>().copied() {
             append_forwarded_for(headers, addr.ip());
         }
-        let asked = Arc::new(AtomicBool::new(false));
         let body = Tracked {
             body: Full::new(body),
-            asked: asked.clone(),
+            asked,
         };
-        Ok((Request::from_parts(parts, body), asked))
+        Ok(Request::from_parts(parts, body))
     }
 }
 

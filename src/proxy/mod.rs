@@ -18,8 +18,6 @@ pub mod extract;
 pub mod fence;
 pub mod forward;
 pub mod idempotency;
-pub mod mark_cache;
-pub mod ordering;
 pub mod respond;
 
 use std::net::SocketAddr;
@@ -28,8 +26,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
-use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
 use tower_http::request_id::{
@@ -39,9 +35,10 @@ use tower_http::trace::TraceLayer;
 
 use crate::token::{AccountId, FencingToken};
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
-pub type ProxyResponse = Response<ProxyBody>;
+pub use crate::http::{BoxError, ResponseBody, full};
+
+/// What every layer of the proxy answers with.
+pub type ProxyResponse = Response<ResponseBody>;
 
 /// A request whose token and account were read and whose body was read whole.
 pub struct FencedRequest {
@@ -52,30 +49,26 @@ pub struct FencedRequest {
     pub deadline: Instant,
     /// The request's idempotency key, if it has one.
     pub idempotency: Option<IdempotencyKey>,
+    /// Set by the fence when its compare-and-set created the key's record: this request is the
+    /// first with the key, may be forwarded, and owns the record (see `idempotency::record`).
+    pub record: Option<idempotency::RecordGuard>,
+    /// Set by the forward once the request may have reached the rail.
+    pub maybe_sent: idempotency::MaybeSent,
 }
 
 /// An idempotency key and what the fence did with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyKey {
     pub key: String,
-    /// Of method, path and query, and body: see `crate::idempotency::fingerprint`.
+    /// Of method, path and query, and body: see `idempotency::fingerprint`.
     pub fingerprint: String,
     /// This request's own random id, stored with the record it creates.
     pub owner: String,
-    /// Set by the fence: this request's compare-and-set created the record, so it is the
-    /// first with this key and may be forwarded.
-    pub recorded: bool,
 }
 
 /// The peer address of the client connection, for `X-Forwarded-For`.
 #[derive(Debug, Clone, Copy)]
 pub struct ClientAddr(pub SocketAddr);
-
-pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
-    Full::new(bytes.into())
-        .map_err(|never| match never {})
-        .boxed_unsync()
-}
 
 /// Request ids: a per-process random prefix and a counter — unique, cheap, and sortable
 /// within a process.
@@ -111,7 +104,7 @@ impl MakeRequestId for RequestIds {
 /// Builds the whole proxy stack around `fence` and `forward`.
 pub fn stack(
     extract: extract::ExtractConfig,
-    fence: Arc<fence::Fence>,
+    fence: fence::FenceLayer,
     idempotency: idempotency::IdempotencyLayer,
     forward: forward::Forward,
     metrics: Arc<crate::metrics::Metrics>,
@@ -147,7 +140,7 @@ pub fn stack(
         )
         .layer(respond::RespondLayer::new(metrics))
         .layer(extract::ExtractLayer::new(extract))
-        .layer(fence::FenceLayer::new(fence))
+        .layer(fence)
         .layer(idempotency)
         .service(forward)
 }

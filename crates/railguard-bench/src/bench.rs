@@ -36,7 +36,6 @@ pub(crate) use crate::report::{Environment, Report, Sample};
 use crate::{cpu, etcd, load, locks, pgbench, rss};
 use railguard::config::Config;
 use railguard::db::server::{PostgresServer, ServerError, ServerOptions};
-use railguard::http_server;
 use railguard::railsim::RailSim;
 use railguard::server::{self, ServeError};
 use railguard_testkit::free_loopback_port;
@@ -715,7 +714,7 @@ impl Rail {
         let current = Arc::new(Mutex::new(RailSim::new(Duration::ZERO)));
         let (stop, stopped) = oneshot::channel::<()>();
         let switch = current.clone();
-        let task = tokio::spawn(http_server::serve(
+        let task = tokio::spawn(railguard::http::serve(
             listener,
             move |_peer| {
                 let switch = switch.clone();

@@ -22,7 +22,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use railguard::proxy::BoxError;
+use railguard::http::BoxError;
 
 /// No single request may take longer than this; one that does counts as a transport error.
 /// It also bounds how long a run can overstay its duration.

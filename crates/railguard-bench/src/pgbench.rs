@@ -14,7 +14,7 @@ use tokio::process::Command;
 
 use crate::load::percentile;
 use railguard::db::server::SUPERUSER;
-use railguard::high_water::ADVANCE_SQL;
+use railguard::proxy::fence::ADVANCE_SQL;
 
 /// A pgbench run.
 #[derive(Debug, Clone)]

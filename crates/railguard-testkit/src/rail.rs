@@ -42,7 +42,7 @@ impl Rail {
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let served = sim.clone();
-        tokio::spawn(railguard::http_server::serve(
+        tokio::spawn(railguard::http::serve(
             listener,
             move |_| {
                 let sim = served.clone();

@@ -24,9 +24,19 @@
 //! argument covers a compare-and-set that committed but whose answer was lost to a timeout or
 //! a dropped connection: the outcome is a mark at most as high as a real grant's token.
 //!
+//! **Where the marks live** is behind [`HighWater`], the way the lock service's backends are
+//! behind `LockBackend`: the server's is PostgreSQL's [`HighWaterStore`] (one row per
+//! account, group-committed compare-and-sets); the layer's unit tests use marks in memory.
+//!
 //! **Kill switch** (`fencing.enforce = false`, C5 §5.2): the compare-and-set still runs and
 //! counts what it would have refused in `railguard_would_have_fenced_total`, but everything is
 //! forwarded, even when the database is unreachable.
+
+mod batch;
+mod mark_cache;
+mod ordering;
+mod recheck;
+mod store;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -37,12 +47,37 @@ use tokio::time::Instant;
 use tower::{Layer, Service};
 use tracing::Instrument;
 
-use super::mark_cache::MarkCache;
-use super::ordering::ForwardOrder;
+pub use self::store::{ADVANCE_SQL, Batching, HighWaterStore, StoreError, Verdict};
+
+use self::mark_cache::MarkCache;
+use self::ordering::{ForwardOrder, Ticket};
+use super::forward::UpstreamTimeout;
+use super::idempotency::NewRecord;
 use super::{BoxError, FencedRequest, ProxyResponse};
-use crate::high_water::{HighWaterStore, NewRecord, StoreError, Verdict};
 use crate::metrics::{FencePath, Metrics};
 use crate::token::{AccountId, FencingToken};
+
+/// Where the per-account high-water marks live (FR-17).
+pub trait HighWater: Send + Sync + 'static {
+    /// The compare-and-set: accepts `token` for `account` iff `token >= mark`, and then sets
+    /// `mark := token`; creates `record` in the same commit if accepted, and hands back its
+    /// guard in the verdict.
+    fn advance(
+        &self,
+        account: &AccountId,
+        token: FencingToken,
+        record: Option<NewRecord>,
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send;
+
+    /// The account's mark as the store has it now (0 when it has none).
+    fn current_mark(
+        &self,
+        account: &AccountId,
+    ) -> impl Future<Output = Result<i64, StoreError>> + Send;
+
+    /// How long a store operation may take; a record's in-doubt deadline includes it.
+    fn timeout(&self) -> std::time::Duration;
+}
 
 /// The token is below the account's mark. Deliberately holds no mark: the 409 body is built
 /// from this and must never reveal one.
@@ -58,25 +93,21 @@ pub struct FencedOut {
 #[error("the fence check could not be made: {0}")]
 pub struct FenceUnavailable(#[from] pub StoreError);
 
-/// Everything the fence check shares between requests.
-pub struct Fence {
-    store: HighWaterStore,
+/// The proxy's fencing point: what every request's fence check shares — the marks, this
+/// process's lower bounds of them, the per-account forwarding order, and the switch.
+pub struct FencePoint<H = HighWaterStore> {
+    marks: H,
     cache: MarkCache,
     order: Arc<ForwardOrder>,
     metrics: Arc<Metrics>,
     enforce: bool,
 }
 
-impl Fence {
-    pub fn new(
-        store: HighWaterStore,
-        cache_capacity: u64,
-        metrics: Arc<Metrics>,
-        enforce: bool,
-    ) -> Self {
+impl<H: HighWater> FencePoint<H> {
+    pub fn new(marks: H, cache_capacity: u64, metrics: Arc<Metrics>, enforce: bool) -> Self {
         metrics.fencing_enforced.set(i64::from(enforce));
         Self {
-            store,
+            marks,
             cache: MarkCache::new(cache_capacity),
             order: ForwardOrder::new(),
             metrics,
@@ -93,11 +124,11 @@ impl Fence {
         span: &tracing::Span,
     ) -> Result<Verdict, StoreError> {
         let verdict = self
-            .store
+            .marks
             .advance(
                 &request.account,
                 request.token,
-                new_record(request, self.store.timeout()),
+                new_record(request, self.marks.timeout()),
             )
             .instrument(span.clone())
             .await;
@@ -113,37 +144,55 @@ impl Fence {
     }
 }
 
-#[derive(Clone)]
-pub struct FenceLayer {
-    fence: Arc<Fence>,
+/// Makes [`Fence`] services around one [`FencePoint`].
+pub struct FenceLayer<H = HighWaterStore> {
+    point: Arc<FencePoint<H>>,
 }
 
-impl FenceLayer {
-    pub fn new(fence: Arc<Fence>) -> Self {
-        Self { fence }
-    }
-}
-
-impl<S> Layer<S> for FenceLayer {
-    type Service = FenceService<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        FenceService {
-            inner,
-            fence: self.fence.clone(),
+impl<H> Clone for FenceLayer<H> {
+    fn clone(&self) -> Self {
+        Self {
+            point: self.point.clone(),
         }
     }
 }
 
-#[derive(Clone)]
-pub struct FenceService<S> {
-    inner: S,
-    fence: Arc<Fence>,
+impl<H> FenceLayer<H> {
+    pub fn new(point: Arc<FencePoint<H>>) -> Self {
+        Self { point }
+    }
 }
 
-impl<S> Service<FencedRequest> for FenceService<S>
+impl<S, H> Layer<S> for FenceLayer<H> {
+    type Service = Fence<S, H>;
+    fn layer(&self, inner: S) -> Self::Service {
+        Fence {
+            inner,
+            point: self.point.clone(),
+        }
+    }
+}
+
+/// Forwards a request only if its token passes the account's mark; see the module docs.
+pub struct Fence<S, H = HighWaterStore> {
+    inner: S,
+    point: Arc<FencePoint<H>>,
+}
+
+impl<S: Clone, H> Clone for Fence<S, H> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            point: self.point.clone(),
+        }
+    }
+}
+
+impl<S, H> Service<FencedRequest> for Fence<S, H>
 where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
     S::Future: Send,
+    H: HighWater,
 {
     type Response = ProxyResponse;
     type Error = BoxError;
@@ -156,21 +205,21 @@ where
     fn call(&mut self, request: FencedRequest) -> Self::Future {
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let fence = self.fence.clone();
+        let point = self.point.clone();
         let span = tracing::info_span!("fence.check",
             lock.token = request.token.get(), account = %request.account, verdict = tracing::field::Empty);
         Box::pin(async move {
-            if fence.enforce {
-                enforce(fence, inner, request, span).await
+            if point.enforce {
+                enforce(point, inner, request, span).await
             } else {
-                observe_only(fence, inner, request, span).await
+                observe_only(point, inner, request, span).await
             }
         })
     }
 }
 
-async fn enforce<S>(
-    fence: Arc<Fence>,
+async fn enforce<S, H>(
+    point: Arc<FencePoint<H>>,
     inner: S,
     mut request: FencedRequest,
     span: tracing::Span,
@@ -178,117 +227,88 @@ async fn enforce<S>(
 where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError> + Send + 'static,
     S::Future: Send,
+    H: HighWater,
 {
     let (token, account) = (request.token, request.account.clone());
     let started = Instant::now();
-    if fence.cache.is_definitely_stale(&account, token) {
-        fence
+    if point.cache.is_definitely_stale(&account, token) {
+        point
             .metrics
             .observe_fence(FencePath::Cache, started.elapsed().as_secs_f64());
         span.record("verdict", "stale_cached");
-        return Err(fence.fenced_out(account, token, "below a mark already seen"));
+        return Err(point.fenced_out(account, token, "below a mark already seen"));
     }
 
     // Take our place before the compare-and-set, so that a higher token committed after ours
     // cannot lose track of us (see `ordering`).
-    let ticket = fence.order.enter(&account);
-    match fence
+    let ticket = point.order.enter(&account);
+    match point
         .check(&request, started, &span)
         .await
         .map_err(FenceUnavailable)?
     {
         Verdict::Stale => {
             span.record("verdict", "stale");
-            fence.cache.raise_past(&account, token);
-            Err(fence.fenced_out(account, token, "below the mark"))
+            point.cache.raise_past(&account, token);
+            Err(point.fenced_out(account, token, "below the mark"))
         }
-        Verdict::Accepted { recorded } => {
+        Verdict::Accepted { record } => {
             span.record("verdict", "accepted");
-            fence.cache.raise(&account, token.get());
-            if let Some(key) = request.idempotency.as_mut() {
-                key.recorded = recorded;
+            point.cache.raise(&account, token.get());
+            let owns_record = record.is_some();
+            request.record = record;
+            let proceed = admitted_forward(point, inner, request, ticket, account, token);
+            if owns_record {
+                // A request that owns a record keeps its turn until the rail has answered, and
+                // has that answer stored, even if its client goes away: it runs in a task of
+                // its own, which a dropped connection does not cancel. (Before its forward may
+                // have reached the rail, its record guard removes the record on any failure.)
+                tokio::spawn(proceed.instrument(tracing::Span::current()))
+                    .await
+                    .unwrap_or_else(|e| Err(e.into()))
+            } else {
+                proceed.await
             }
-            // From here a request that created an idempotency record must end with that
-            // record either forwarded or removed, even if its client goes away: it runs in a
-            // task of its own, which a dropped connection does not cancel.
-            let owner = request
-                .idempotency
-                .as_ref()
-                .filter(|k| k.recorded)
-                .map(|k| k.owner.clone());
-            let proceed = admit_and_forward(fence.clone(), inner, request, ticket, account, token);
-            match owner {
-                None => proceed.await,
-                Some(owner) => {
-                    let store = fence.store.clone();
-                    let task = tokio::spawn(
-                        async move {
-                            let result = proceed.await;
-                            if let Err(e) = &result
-                                && e.downcast_ref::<NotSent>().is_some()
-                            {
-                                store.forget_unsent(vec![owner]);
-                            }
-                            result
-                        }
-                        .instrument(tracing::Span::current()),
-                    );
-                    task.await.unwrap_or_else(|e| Err(e.into()))
-                }
-            }
-            .map_err(|e| match e.downcast::<NotSent>() {
-                Ok(not_sent) => not_sent.0,
-                Err(e) => e,
-            })
         }
     }
 }
 
-/// An error of a request that never left for the rail (its record may be removed).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-struct NotSent(BoxError);
-
-async fn admit_and_forward<S>(
-    fence: Arc<Fence>,
+/// Waits for the request's turn, takes the last look at the mark, and forwards. Every early
+/// return drops the request before it was sent, so its record guard (if any) removes its
+/// record.
+async fn admitted_forward<S, H>(
+    point: Arc<FencePoint<H>>,
     mut inner: S,
     request: FencedRequest,
-    mut ticket: super::ordering::Ticket,
+    mut ticket: Ticket,
     account: AccountId,
     token: FencingToken,
 ) -> Result<ProxyResponse, BoxError>
 where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
+    H: HighWater,
 {
     match tokio::time::timeout_at(request.deadline, ticket.admit(token)).await {
         Ok(Ok(())) => {}
         Ok(Err(_superseded)) => {
-            fence.cache.raise_past(&account, token);
-            let error = fence.fenced_out(account, token, "a higher token was admitted meanwhile");
-            return Err(NotSent(error).into());
+            point.cache.raise_past(&account, token);
+            return Err(point.fenced_out(account, token, "a higher token was admitted meanwhile"));
         }
-        Err(_) => {
-            let error: BoxError = super::forward::UpstreamTimeout::waiting_for_turn().into();
-            return Err(NotSent(error).into());
-        }
+        Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
     }
     // The last look: has another railguard accepted a higher token for this account since our
     // compare-and-set? Then ours must not reach the rail after it.
-    match tokio::time::timeout_at(request.deadline, fence.store.current_mark(&account)).await {
+    match tokio::time::timeout_at(request.deadline, point.marks.current_mark(&account)).await {
         Ok(Ok(mark)) if mark > token.get() => {
-            fence.cache.raise(&account, mark);
+            point.cache.raise(&account, mark);
             tracing::warn!(lock.token = token.get(), account = %account, mark,
                 "a token superseded in the database after its compare-and-set (another \
                  railguard accepted a newer grant) was refused before its forward started");
-            let error = fence.fenced_out(account, token, "superseded before its forward started");
-            return Err(NotSent(error).into());
+            return Err(point.fenced_out(account, token, "superseded before its forward started"));
         }
         Ok(Ok(_)) => {}
-        Ok(Err(e)) => return Err(NotSent(FenceUnavailable(e).into()).into()),
-        Err(_) => {
-            let error: BoxError = super::forward::UpstreamTimeout::waiting_for_turn().into();
-            return Err(NotSent(error).into());
-        }
+        Ok(Err(e)) => return Err(FenceUnavailable(e).into()),
+        Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
     }
     // The ticket is held until the rail has answered: only then may a higher token for this
     // account start its forward.
@@ -297,27 +317,26 @@ where
     response
 }
 
-async fn observe_only<S>(
-    fence: Arc<Fence>,
+async fn observe_only<S, H>(
+    point: Arc<FencePoint<H>>,
     mut inner: S,
     mut request: FencedRequest,
     span: tracing::Span,
 ) -> Result<ProxyResponse, BoxError>
 where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
+    H: HighWater,
 {
     let (token, account) = (request.token, request.account.clone());
-    let verdict = fence.check(&request, Instant::now(), &span).await;
+    let verdict = point.check(&request, Instant::now(), &span).await;
     match verdict {
-        Ok(Verdict::Accepted { recorded }) => {
+        Ok(Verdict::Accepted { record }) => {
             span.record("verdict", "accepted");
-            if let Some(key) = request.idempotency.as_mut() {
-                key.recorded = recorded;
-            }
+            request.record = record;
         }
         Ok(Verdict::Stale) => {
             span.record("verdict", "stale_forwarded");
-            fence.metrics.would_have_fenced.inc();
+            point.metrics.would_have_fenced.inc();
             tracing::warn!(lock.token = token.get(), account = %account,
                 "FENCING IS OFF: forwarding a stale token that would have been fenced out");
             // No record was made for it: forward it as if it had no key.
@@ -335,12 +354,13 @@ where
 
 /// The record a request creates with its compare-and-set. It is in doubt, unless completed,
 /// once the request's own deadline and the time to store its outcome have passed.
-fn new_record(request: &FencedRequest, database_timeout: std::time::Duration) -> Option<NewRecord> {
+fn new_record(request: &FencedRequest, store_timeout: std::time::Duration) -> Option<NewRecord> {
     let remaining = request.deadline.saturating_duration_since(Instant::now());
     request.idempotency.as_ref().map(|k| NewRecord {
         key: k.key.clone(),
         fingerprint: k.fingerprint.clone(),
         owner: k.owner.clone(),
-        in_doubt_after: remaining + database_timeout + std::time::Duration::from_secs(1),
+        in_doubt_after: remaining + store_timeout + std::time::Duration::from_secs(1),
+        maybe_sent: request.maybe_sent.clone(),
     })
 }

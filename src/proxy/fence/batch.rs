@@ -14,20 +14,21 @@
 //! running them one after the other would give. Rows are inserted in account order, so two
 //! batches in flight lock rows in the same order and cannot deadlock.
 //!
-//! **Callers that gave up.** A caller whose deadline passed has dropped its reply channel. If
-//! its request was accepted and created an idempotency record, nothing will forward it, so the
-//! record is deleted again (by its owner id): a retry must not be refused for a request that
-//! never left.
+//! **Callers that gave up.** A record a request's row created is handed to the caller as a
+//! [`RecordGuard`] inside its verdict. A caller whose deadline passed has dropped its reply
+//! channel, so the verdict — and the guard in it — is dropped undelivered, and the guard
+//! deletes the record: nothing forwarded that request, so a retry must not be refused.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use prometheus::Histogram;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use super::{Batching, NewRecord, StoreError, Verdict};
+use super::store::{Batching, StoreError, Verdict};
+use crate::db::DbError;
+use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, RecordId, Records};
 use crate::token::{AccountId, FencingToken};
 
 const BATCH_SQL: &str = "\
@@ -69,10 +70,10 @@ pub(super) struct Pending {
 /// The batcher: runs until every sender is gone.
 pub(super) async fn run(
     pool: Pool,
-    timeout: Duration,
     batching: Batching,
     sizes: Histogram,
-    instance: crate::idempotency::InstanceId,
+    instance: InstanceId,
+    records: Arc<dyn Records>,
     mut queue: mpsc::Receiver<Pending>,
 ) {
     let slots = Arc::new(Semaphore::new(batching.concurrency.max(1)));
@@ -101,9 +102,9 @@ pub(super) async fn run(
             continue;
         }
         sizes.observe(batch.len() as f64);
-        let pool = pool.clone();
+        let (pool, records) = (pool.clone(), records.clone());
         tokio::spawn(async move {
-            execute(&pool, timeout, instance, batch).await;
+            execute(&pool, instance, &records, batch).await;
             drop(slot);
         });
     }
@@ -143,8 +144,8 @@ fn take_batch(waiting: &mut VecDeque<Pending>, max: usize) -> Vec<Pending> {
 
 async fn execute(
     pool: &Pool,
-    timeout: Duration,
-    instance: crate::idempotency::InstanceId,
+    instance: InstanceId,
+    records_store: &Arc<dyn Records>,
     batch: Vec<Pending>,
 ) {
     let mut accounts: Vec<&str> = Vec::new();
@@ -175,10 +176,7 @@ async fn execute(
     let rows = loop {
         attempt += 1;
         let result = async {
-            let client = pool
-                .get()
-                .await
-                .map_err(|e| StoreError::Pool(e.to_string()))?;
+            let client = pool.get().await.map_err(DbError::from)?;
             let statement = client.prepare_cached(BATCH_SQL).await?;
             let rows = client
                 .query(
@@ -203,7 +201,7 @@ async fn execute(
             // A connection closed under us (the server restarted): one retry on a fresh one.
             // Safe: advancing to the same token twice is advancing once, and a record made by
             // the first attempt is recognised by its owner id.
-            Err(StoreError::ConnectionClosed(_)) if attempt == 1 => continue,
+            Err(StoreError::Db(DbError::ConnectionClosed(_))) if attempt == 1 => continue,
             Err(e) => return fail(batch, e),
             Ok(rows) => break rows,
         }
@@ -221,20 +219,26 @@ async fn execute(
             }
         }
     }
-    let mut orphans: Vec<String> = Vec::new();
     for pending in batch {
         let verdict = if fenced.contains(pending.account.as_str()) {
-            let made = pending.record.as_ref().is_some_and(|r| {
+            let record = pending.record.filter(|r| {
                 recorded.contains(&(pending.account.as_str().to_string(), r.key.clone()))
             });
-            Verdict::Accepted { recorded: made }
+            Verdict::Accepted {
+                record: record.map(|r| {
+                    let id = RecordId {
+                        account: pending.account.clone(),
+                        key: r.key,
+                        owner: r.owner,
+                    };
+                    RecordGuard::new(records_store.clone(), id, r.maybe_sent)
+                }),
+            }
         } else {
             Verdict::Stale
         };
-        deliver(pending, Ok(verdict), &mut orphans);
-    }
-    if !orphans.is_empty() {
-        forget_records(pool.clone(), orphans, timeout);
+        // A caller that is gone drops the verdict, and with it the guard of its record.
+        let _ = pending.reply.send(Ok(verdict));
     }
 }
 
@@ -249,20 +253,6 @@ struct RecordColumns<'a> {
     in_doubt_after_ms: Vec<i64>,
 }
 
-/// Sends a verdict. If the caller is gone and the request created a record, that record is
-/// an orphan: remember its owner for deletion.
-fn deliver(pending: Pending, verdict: Result<Verdict, StoreError>, orphans: &mut Vec<String>) {
-    let owner = match (&verdict, &pending.record) {
-        (Ok(Verdict::Accepted { recorded: true }), Some(r)) => Some(r.owner.clone()),
-        _ => None,
-    };
-    if pending.reply.send(verdict).is_err()
-        && let Some(owner) = owner
-    {
-        orphans.push(owner);
-    }
-}
-
 fn fail(batch: Vec<Pending>, error: StoreError) {
     tracing::warn!(error = %error, requests = batch.len(), "fence batch failed");
     for pending in batch {
@@ -270,40 +260,10 @@ fn fail(batch: Vec<Pending>, error: StoreError) {
     }
 }
 
-/// Removes, in the background and within `timeout`, the in-flight records of `owners`:
-/// requests known never to have reached the rail.
-pub(crate) fn forget_records(pool: Pool, owners: Vec<String>, timeout: Duration) {
-    tokio::spawn(async move {
-        let work = async {
-            let client = pool
-                .get()
-                .await
-                .map_err(|e| StoreError::Pool(e.to_string()))?;
-            let n = client
-                .execute(
-                    "DELETE FROM idempotency_record WHERE owner = ANY($1) AND state = 'in_flight'",
-                    &[&owners],
-                )
-                .await?;
-            Ok::<_, StoreError>(n)
-        };
-        match tokio::time::timeout(timeout, work).await {
-            Ok(Ok(n)) => tracing::info!(
-                records = n,
-                "removed idempotency records of requests that never reached the rail"
-            ),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "could not remove idempotency records of unsent requests; retries will find them in doubt")
-            }
-            Err(_) => tracing::warn!(
-                "removing idempotency records of unsent requests timed out; retries will find them in doubt"
-            ),
-        }
-    });
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn pending(
@@ -317,6 +277,7 @@ mod tests {
             fingerprint: "f".into(),
             owner: "o".into(),
             in_doubt_after: Duration::from_secs(5),
+            maybe_sent: Default::default(),
         });
         let p = Pending {
             account: AccountId::parse(account, 64).unwrap(),

@@ -17,7 +17,7 @@ use hyper_util::server::conn::auto::Builder;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 
-use crate::proxy::BoxError;
+use crate::http::BoxError;
 
 /// Serves HTTP/1.1 and cleartext HTTP/2 on `listener` until `shutdown` resolves, then drains.
 pub async fn serve<F, S, B>(

@@ -17,7 +17,7 @@
 //! next retry is forwarded — and refuses while its owner may still send it: a record is
 //! forgotten only when its owner declared it in doubt (its forward is over) or the owner's
 //! deadline passed *and* the owning railguard process is gone. Each process holds a session
-//! advisory lock named by its [`InstanceId`] for its whole life, so "gone" is PostgreSQL's own
+//! advisory lock named by its [`InstanceId`](super::InstanceId) for its whole life, so "gone" is PostgreSQL's own
 //! view of the owner's session, not a timer. What no check here can see — bytes already on
 //! their way in the network, or a rail that received a request and has not recorded it yet —
 //! is why the proxy forwards `Idempotency-Key` to the rail: a rail that deduplicates by it
@@ -31,47 +31,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use deadpool_postgres::Pool;
-use sha2::{Digest, Sha256};
 
-use crate::high_water::StoreError;
+use super::record::{BoxFuture, RecordId, Records};
+use crate::db::DbError;
 use crate::token::AccountId;
-
-/// What identifies "the same request" for one key: method, path and query, and body.
-pub fn fingerprint(method: &str, path_and_query: &str, body: &[u8]) -> String {
-    let mut hash = Sha256::new();
-    hash.update(method.as_bytes());
-    hash.update([0]);
-    hash.update(path_and_query.as_bytes());
-    hash.update([0]);
-    hash.update(body);
-    hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// A random id for the request that may create a record (128 bits, hex).
-pub fn new_owner() -> String {
-    use std::hash::{BuildHasher, RandomState};
-    let state = RandomState::new();
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    format!(
-        "{:016x}{:016x}",
-        state.hash_one(nanos),
-        state.hash_one((nanos, std::process::id()))
-    )
-}
-
-/// A key as received: 1 to 255 bytes of visible ASCII.
-pub fn parse_key(text: &str) -> Result<String, String> {
-    if text.is_empty() || text.len() > 255 {
-        return Err("must be 1 to 255 bytes".into());
-    }
-    if !text.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err("must be visible ASCII without spaces".into());
-    }
-    Ok(text.to_string())
-}
 
 /// A stored response.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,22 +55,6 @@ pub enum RecordState {
     Done(StoredResponse),
 }
 
-/// One railguard process as the owner of idempotency records: a random positive id, held as a
-/// session advisory lock for as long as the process lives (see [`hold_instance_lock`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct InstanceId(i64);
-
-impl InstanceId {
-    pub fn generate() -> Self {
-        let bytes = crate::proof::random_bytes::<8>();
-        Self((i64::from_be_bytes(bytes) & (i64::MAX >> 1)).max(1))
-    }
-
-    pub fn get(self) -> i64 {
-        self.0
-    }
-}
-
 /// Whether the process `instance` still holds its session in PostgreSQL.
 const OWNER_ALIVE_SQL: &str = "\
 SELECT EXISTS (
@@ -115,54 +62,6 @@ SELECT EXISTS (
     WHERE locktype = 'advisory' AND granted AND objsubid = 1
       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
       AND classid = ($1::bigint >> 32)::oid AND objid = ($1::bigint & 4294967295)::oid)";
-
-/// Holds `instance`'s advisory lock on a connection of its own for as long as the process
-/// runs; `held` is told once it is first held. Reconnects when the connection is lost (the
-/// database restarted): until then this process's records look ownerless.
-pub async fn hold_instance_lock(
-    url: String,
-    timeout: Duration,
-    instance: InstanceId,
-    held: tokio::sync::oneshot::Sender<()>,
-) {
-    let mut held = Some(held);
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        let attempt = async {
-            let config = crate::db::pg_config(&url, timeout).map_err(|e| e.to_string())?;
-            let (client, connection) = config
-                .connect(tokio_postgres::NoTls)
-                .await
-                .map_err(|e| e.to_string())?;
-            let connection = tokio::spawn(connection);
-            // A server-wide idle_session_timeout must not end this (idle) session.
-            let _ = client.batch_execute("SET idle_session_timeout = 0").await;
-            client
-                .execute("SELECT pg_advisory_lock($1)", &[&instance.get()])
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok::<_, String>((client, connection))
-        };
-        match attempt.await {
-            Ok((client, connection)) => {
-                backoff = Duration::from_millis(100);
-                if let Some(held) = held.take() {
-                    let _ = held.send(());
-                }
-                let _ = connection.await;
-                drop(client);
-                tracing::warn!(
-                    instance = instance.get(),
-                    "lost the session that marks this railguard's idempotency records as owned; \
-                     reconnecting"
-                );
-            }
-            Err(e) => tracing::warn!(error = %e, "cannot hold the instance lock; retrying"),
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
@@ -206,23 +105,23 @@ impl IdempotencyStore {
         }
     }
 
-    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+    async fn client(&self) -> Result<deadpool_postgres::Object, DbError> {
         self.pool
             .get()
             .await
-            .map_err(|e| StoreError::Pool(e.to_string()))
+            .map_err(|e| DbError::Pool(e.to_string()))
     }
 
     async fn bounded<T>(
         &self,
-        work: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
+        work: impl Future<Output = Result<T, DbError>>,
+    ) -> Result<T, DbError> {
         tokio::time::timeout(self.timeout, work)
             .await
-            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
+            .unwrap_or(Err(DbError::Timeout(self.timeout)))
     }
 
-    pub async fn find(&self, account: &AccountId, key: &str) -> Result<Option<Record>, StoreError> {
+    pub async fn find(&self, account: &AccountId, key: &str) -> Result<Option<Record>, DbError> {
         self.bounded(async {
             let client = self.client().await?;
             let row = client
@@ -277,7 +176,7 @@ impl IdempotencyStore {
         key: &str,
         owner: &str,
         response: &StoredResponse,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), DbError> {
         let headers = serde_json::to_string(&response.headers).expect("headers serialize");
         let body: Option<&[u8]> = response.body.as_deref();
         self.bounded(async {
@@ -317,7 +216,7 @@ impl IdempotencyStore {
         account: &AccountId,
         key: &str,
         owner: &str,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), DbError> {
         self.bounded(async {
             let client = self.client().await?;
             client
@@ -390,21 +289,40 @@ impl IdempotencyStore {
         });
     }
 
-    /// Removes, in the background, the in-flight records of requests known never to have
-    /// reached the rail, by owner id.
-    pub fn forget_unsent(&self, owners: Vec<String>) {
-        crate::high_water::forget_records(self.pool.clone(), owners, self.timeout);
+    /// Deletes, in the background and within the database timeout, a record whose request
+    /// is known never to have reached the rail. A failure only leaves the record to be in doubt
+    /// once its owner's deadline passes, which refuses a retry but never repeats a payment.
+    fn delete_unsent(&self, record: RecordId) {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let deleted = store
+                .bounded(async {
+                    let client = store.client().await?;
+                    Ok(client
+                        .execute(
+                            "DELETE FROM idempotency_record
+                             WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3
+                               AND state = 'in_flight'",
+                            &[&record.account.as_str(), &record.key, &record.owner],
+                        )
+                        .await?)
+                })
+                .await;
+            match deleted {
+                Ok(n) => tracing::info!(account = %record.account, records = n,
+                    "removed the idempotency record of a request that never reached the rail"),
+                Err(e) => tracing::warn!(account = %record.account, error = %e,
+                    "could not remove the idempotency record of an unsent request; a retry \
+                     will find it in doubt"),
+            }
+        });
     }
 
     /// The operator's way out of `in_doubt`: deletes the record only if nothing railguard
     /// does can still send it — its owner declared its forward over, or the owner's own
     /// deadline passed and the owning process is gone. See the module docs for what this
     /// cannot see.
-    pub async fn forget_in_doubt(
-        &self,
-        account: &AccountId,
-        key: &str,
-    ) -> Result<Forgot, StoreError> {
+    pub async fn forget_in_doubt(&self, account: &AccountId, key: &str) -> Result<Forgot, DbError> {
         self.bounded(async {
             let mut client = self.client().await?;
             let tx = client.transaction().await?;
@@ -460,7 +378,7 @@ impl IdempotencyStore {
     /// Deletes completed records older than `retention`, a bounded number at a time. Records
     /// still in flight are never removed here: a retry of one in doubt must not be forwarded
     /// just because time passed; an operator decides (`forget_in_doubt`).
-    pub async fn sweep(&self, retention: Duration) -> Result<u64, StoreError> {
+    pub async fn sweep(&self, retention: Duration) -> Result<u64, DbError> {
         let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
         self.bounded(async {
             let client = self.client().await?;
@@ -477,6 +395,42 @@ impl IdempotencyStore {
             Ok(deleted)
         })
         .await
+    }
+}
+
+impl Records for IdempotencyStore {
+    fn find<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, DbError>> {
+        Box::pin(IdempotencyStore::find(self, account, key))
+    }
+
+    fn complete(&self, record: RecordId, response: StoredResponse) -> BoxFuture<'static, ()> {
+        let store = self.clone();
+        Box::pin(async move {
+            let RecordId {
+                account,
+                key,
+                owner,
+            } = record;
+            if let Err(e) = store.complete(&account, &key, &owner, &response).await {
+                // The rail acted; the client hears its answer now, and the record is completed
+                // as soon as the database takes it (a repeat meanwhile gets in_flight).
+                tracing::warn!(error = %e, account = %account,
+                    "could not store the rail's response for replay yet; retrying in the background");
+                store.complete_eventually(account, key, owner, response);
+            }
+        })
+    }
+
+    fn declare_in_doubt(&self, record: RecordId) {
+        self.declare_in_doubt_eventually(record.account, record.key, record.owner);
+    }
+
+    fn forget_unsent(&self, record: RecordId) {
+        self.delete_unsent(record);
     }
 }
 
@@ -521,31 +475,5 @@ pub async fn sweep_forever(store: IdempotencyStore, retention: Duration, interva
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fingerprints_separate_method_path_and_body() {
-        let a = fingerprint("POST", "/pay", b"{}");
-        assert_eq!(a, fingerprint("POST", "/pay", b"{}"));
-        assert_ne!(a, fingerprint("PUT", "/pay", b"{}"));
-        assert_ne!(a, fingerprint("POST", "/pay?x=1", b"{}"));
-        assert_ne!(a, fingerprint("POST", "/pay", b"{ }"));
-        assert_ne!(
-            fingerprint("POST", "/a", b"b"),
-            fingerprint("POST", "/ab", b"")
-        );
-    }
-
-    #[test]
-    fn key_grammar() {
-        assert!(parse_key("pay-2026-12-02-0001").is_ok());
-        assert!(parse_key("").is_err());
-        assert!(parse_key("a b").is_err());
-        assert!(parse_key(&"k".repeat(256)).is_err());
     }
 }

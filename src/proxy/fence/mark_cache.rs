@@ -12,26 +12,26 @@ use moka::sync::Cache;
 
 use crate::token::{AccountId, FencingToken};
 
-pub struct MarkCache {
+pub(super) struct MarkCache {
     marks: Cache<AccountId, i64>,
 }
 
 impl MarkCache {
-    pub fn new(capacity: u64) -> Self {
+    pub(super) fn new(capacity: u64) -> Self {
         Self {
             marks: Cache::new(capacity),
         }
     }
 
     /// True when `token` is below a mark already known for `account`.
-    pub fn is_definitely_stale(&self, account: &AccountId, token: FencingToken) -> bool {
+    pub(super) fn is_definitely_stale(&self, account: &AccountId, token: FencingToken) -> bool {
         self.marks
             .get(account)
             .is_some_and(|mark| token.get() < mark)
     }
 
     /// Records that the mark for `account` is at least `lower_bound`. Never lowers an entry.
-    pub fn raise(&self, account: &AccountId, lower_bound: i64) {
+    pub(super) fn raise(&self, account: &AccountId, lower_bound: i64) {
         // The common case — a holder sending another payment under the same token — finds the
         // bound already known; a read is much cheaper than the cache's atomic upsert.
         if self
@@ -47,7 +47,7 @@ impl MarkCache {
     }
 
     /// Records that the compare-and-set refused `token`: the mark is above it.
-    pub fn raise_past(&self, account: &AccountId, token: FencingToken) {
+    pub(super) fn raise_past(&self, account: &AccountId, token: FencingToken) {
         self.raise(account, token.get().saturating_add(1));
     }
 }

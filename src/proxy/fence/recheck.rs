@@ -10,7 +10,8 @@ use std::sync::Arc;
 use deadpool_postgres::Pool;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use super::StoreError;
+use super::store::StoreError;
+use crate::db::DbError;
 use crate::token::AccountId;
 
 const READ_SQL: &str =
@@ -59,10 +60,7 @@ async fn answer(pool: &Pool, batch: Vec<Asked>) {
     accounts.sort_unstable();
     accounts.dedup();
     let result = async {
-        let client = pool
-            .get()
-            .await
-            .map_err(|e| StoreError::Pool(e.to_string()))?;
+        let client = pool.get().await.map_err(DbError::from)?;
         let statement = client.prepare_cached(READ_SQL).await?;
         let rows = client.query(&statement, &[&accounts]).await?;
         Ok::<_, StoreError>(

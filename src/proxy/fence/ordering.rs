@@ -45,7 +45,7 @@ use crate::token::{AccountId, FencingToken};
 const SHARDS: usize = 64;
 
 /// The per-account admission gates of one proxy.
-pub struct ForwardOrder {
+pub(super) struct ForwardOrder {
     shards: Box<[Mutex<HashMap<AccountId, Slot>>]>,
     hasher: RandomState,
 }
@@ -62,7 +62,7 @@ struct Slot {
 }
 
 /// A request's place in its account's order. Dropping it ends the forward (or the wait).
-pub struct Ticket {
+pub(super) struct Ticket {
     order: Arc<ForwardOrder>,
     account: AccountId,
     notify: Arc<Notify>,
@@ -72,10 +72,10 @@ pub struct Ticket {
 /// A higher token was admitted for the account after this request's compare-and-set: it is
 /// stale now and must not be forwarded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Superseded;
+pub(super) struct Superseded;
 
 impl ForwardOrder {
-    pub fn new() -> Arc<Self> {
+    pub(super) fn new() -> Arc<Self> {
         Arc::new(Self {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: RandomState::new(),
@@ -90,7 +90,7 @@ impl ForwardOrder {
     }
 
     /// Takes a ticket for `account`. Call before the compare-and-set.
-    pub fn enter(self: &Arc<Self>, account: &AccountId) -> Ticket {
+    pub(super) fn enter(self: &Arc<Self>, account: &AccountId) -> Ticket {
         let mut shard = self.shard(account);
         let slot = shard.entry(account.clone()).or_insert_with(|| Slot {
             tickets: 0,
@@ -110,7 +110,8 @@ impl ForwardOrder {
     }
 
     /// Accounts with a live ticket (for tests: slots must not leak).
-    pub fn live_accounts(&self) -> usize {
+    #[cfg(test)]
+    pub(super) fn live_accounts(&self) -> usize {
         self.shards
             .iter()
             .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
@@ -121,7 +122,7 @@ impl ForwardOrder {
 impl Ticket {
     /// Waits for this request's turn to be forwarded with `token`, whose compare-and-set has
     /// committed. Refuses when a higher token got there first.
-    pub async fn admit(&mut self, token: FencingToken) -> Result<(), Superseded> {
+    pub(super) async fn admit(&mut self, token: FencingToken) -> Result<(), Superseded> {
         assert!(!self.admitted, "a ticket is admitted once");
         let token = token.get();
         let notify = self.notify.clone();

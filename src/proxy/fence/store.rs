@@ -13,12 +13,10 @@
 //! are those of one compare-and-set per request, in some order.
 //!
 //! An advance may carry an idempotency record (C3 §3.1); it is inserted by the same statement,
-//! only for an accepted request, so the record exists if and only if the fence let it through.
+//! only for an accepted request, so the record exists if and only if the fence let it through,
+//! and it comes back inside the verdict as the [`RecordGuard`] that owns it.
 
-mod batch;
-mod recheck;
-
-pub(crate) use batch::forget_records;
+use super::{batch, recheck};
 
 use std::time::Duration;
 
@@ -26,6 +24,10 @@ use deadpool_postgres::Pool;
 use prometheus::Histogram;
 use tokio::sync::{mpsc, oneshot};
 
+use std::sync::Arc;
+
+use crate::db::DbError;
+use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, Records};
 use crate::token::{AccountId, FencingToken};
 
 /// The single-row compare-and-set, as one statement per request would run it. The proxy runs
@@ -36,25 +38,13 @@ ON CONFLICT (account_id) DO UPDATE
     SET highest_token = EXCLUDED.highest_token, updated_at = now()
     WHERE h.highest_token <= EXCLUDED.highest_token";
 
-/// An idempotency record to create if, and only if, the request is accepted.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NewRecord {
-    pub key: String,
-    pub fingerprint: String,
-    /// The request's own random id: see `idempotency_record.owner`.
-    pub owner: String,
-    /// How long after its creation the record is in doubt unless completed: the owning
-    /// request's own remaining time plus the time its completion may take. Decided by the
-    /// owner, so that no reader judges it by its own configuration.
-    pub in_doubt_after: Duration,
-}
-
 /// What the compare-and-set decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Verdict {
-    /// The token was at least the mark; the mark is now the token. `recorded`: the request's
-    /// idempotency record was created (false when it had none, or one already existed).
-    Accepted { recorded: bool },
+    /// The token was at least the mark; the mark is now the token. `record`: the request's
+    /// idempotency record was created, and is owned by this guard (`None` when the request had
+    /// no key, or a record for it already existed).
+    Accepted { record: Option<RecordGuard> },
     /// The mark is above the token; nothing changed and no record was made.
     Stale,
 }
@@ -63,14 +53,8 @@ pub enum Verdict {
 /// is unknown — which is safe either way (see `proxy::fence`).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
-    #[error("no database connection: {0}")]
-    Pool(String),
-    #[error("the fence compare-and-set did not finish within {0:?}")]
-    Timeout(Duration),
-    #[error("the fence compare-and-set failed: {0}")]
-    Query(String),
-    #[error("the database connection closed: {0}")]
-    ConnectionClosed(String),
+    #[error(transparent)]
+    Db(#[from] DbError),
     #[error("the fence store is shutting down")]
     Closed,
     #[error("too many fence checks are waiting for the database")]
@@ -79,13 +63,7 @@ pub enum StoreError {
 
 impl From<tokio_postgres::Error> for StoreError {
     fn from(e: tokio_postgres::Error) -> Self {
-        if e.is_closed() {
-            return StoreError::ConnectionClosed(e.to_string());
-        }
-        match e.as_db_error() {
-            Some(db) => StoreError::Query(format!("{}: {}", db.code().code(), db.message())),
-            None => StoreError::Query(e.to_string()),
-        }
+        StoreError::Db(e.into())
     }
 }
 
@@ -128,7 +106,8 @@ impl HighWaterStore {
         timeout: Duration,
         batching: Batching,
         batch_sizes: Histogram,
-        instance: crate::idempotency::InstanceId,
+        instance: InstanceId,
+        records: Arc<dyn Records>,
     ) -> Self {
         let (requests, queue) = mpsc::channel(QUEUE_LIMIT);
         let (rechecks, recheck_queue) = mpsc::channel(QUEUE_LIMIT);
@@ -139,10 +118,10 @@ impl HighWaterStore {
         ));
         tokio::spawn(batch::run(
             pool.clone(),
-            timeout,
             batching,
             batch_sizes,
             instance,
+            records,
             queue,
         ));
         Self {
@@ -176,7 +155,7 @@ impl HighWaterStore {
         match tokio::time::timeout(self.timeout, answer).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(StoreError::Closed),
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+            Err(_) => Err(DbError::Timeout(self.timeout).into()),
         }
     }
 
@@ -211,15 +190,9 @@ impl HighWaterStore {
             // the receiver tells the batch we are gone (see `batch::deliver`).
             Err(_) => match verdict.try_recv() {
                 Ok(result) => result,
-                Err(_) => Err(StoreError::Timeout(self.timeout)),
+                Err(_) => Err(DbError::Timeout(self.timeout).into()),
             },
         }
-    }
-
-    /// Removes, in the background, the in-flight idempotency records created by requests that
-    /// are known never to have reached the rail (by the records' owner ids).
-    pub fn forget_unsent(&self, owners: Vec<String>) {
-        batch::forget_records(self.pool.clone(), owners, self.timeout);
     }
 
     /// Whether PostgreSQL answers and the schema is the one this binary expects.
@@ -238,5 +211,27 @@ impl HighWaterStore {
         tokio::time::timeout(self.timeout, check)
             .await
             .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.timeout)))
+    }
+}
+
+impl super::HighWater for HighWaterStore {
+    fn advance(
+        &self,
+        account: &AccountId,
+        token: FencingToken,
+        record: Option<NewRecord>,
+    ) -> impl std::future::Future<Output = Result<Verdict, StoreError>> + Send {
+        HighWaterStore::advance(self, account, token, record)
+    }
+
+    fn current_mark(
+        &self,
+        account: &AccountId,
+    ) -> impl std::future::Future<Output = Result<i64, StoreError>> + Send {
+        HighWaterStore::current_mark(self, account)
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
     }
 }

@@ -1,0 +1,72 @@
+//! This railguard process as the owner of the idempotency records it creates.
+//!
+//! Forgetting a record in doubt is safe only when its owner can no longer send it. "The owner
+//! is gone" must be PostgreSQL's own view, not a timer: each process holds a session advisory
+//! lock named by its [`InstanceId`] for its whole life, on a connection of its own, and a
+//! record names the instance that made it (`idempotency_record.owner_instance`).
+
+use std::time::Duration;
+
+/// One railguard process as the owner of idempotency records: a random positive id, held as a
+/// session advisory lock for as long as the process lives (see [`hold_instance_lock`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InstanceId(i64);
+
+impl InstanceId {
+    pub fn generate() -> Self {
+        let bytes = crate::proof::random_bytes::<8>();
+        Self((i64::from_be_bytes(bytes) & (i64::MAX >> 1)).max(1))
+    }
+
+    pub fn get(self) -> i64 {
+        self.0
+    }
+}
+
+/// Holds `instance`'s advisory lock on a connection of its own for as long as the process
+/// runs; `held` is told once it is first held. Reconnects when the connection is lost (the
+/// database restarted): until then this process's records look ownerless.
+pub async fn hold_instance_lock(
+    url: String,
+    timeout: Duration,
+    instance: InstanceId,
+    held: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut held = Some(held);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let attempt = async {
+            let config = crate::db::pg_config(&url, timeout).map_err(|e| e.to_string())?;
+            let (client, connection) = config
+                .connect(tokio_postgres::NoTls)
+                .await
+                .map_err(|e| e.to_string())?;
+            let connection = tokio::spawn(connection);
+            // A server-wide idle_session_timeout must not end this (idle) session.
+            let _ = client.batch_execute("SET idle_session_timeout = 0").await;
+            client
+                .execute("SELECT pg_advisory_lock($1)", &[&instance.get()])
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>((client, connection))
+        };
+        match attempt.await {
+            Ok((client, connection)) => {
+                backoff = Duration::from_millis(100);
+                if let Some(held) = held.take() {
+                    let _ = held.send(());
+                }
+                let _ = connection.await;
+                drop(client);
+                tracing::warn!(
+                    instance = instance.get(),
+                    "lost the session that marks this railguard's idempotency records as owned; \
+                     reconnecting"
+                );
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot hold the instance lock; retrying"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}

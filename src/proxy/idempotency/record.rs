@@ -1,0 +1,250 @@
+//! The one owner of "a record this request created".
+//!
+//! The fence's compare-and-set creates a request's idempotency record in the same commit that
+//! accepts its token. From that commit on, exactly one value — the [`RecordGuard`] — stands for
+//! the record, and the record ends in exactly one of three ways:
+//!
+//! - **completed** ([`RecordGuard::complete`]): the rail answered; its answer is stored for
+//!   replay (now, or in the background once the database takes it);
+//! - **forgotten**: the guard is dropped before the forward may have reached the rail — the
+//!   caller gave up before the verdict arrived, a higher token was admitted first, the deadline
+//!   passed while waiting for a turn, the last look at the mark refused it, or the connection
+//!   to the rail was never made. The rail cannot have seen it, so a retry must not be refused:
+//!   the record is deleted;
+//! - **in doubt**: the guard is dropped after the forward may have reached the rail (a timeout,
+//!   a broken connection, a body that never arrived). Whether the rail acted is unknown, so the
+//!   record is declared in doubt at once and never forwarded again on its own.
+//!
+//! Which of the last two applies is decided by one flag, [`MaybeSent`], that the forward sets
+//! at the moment a request may have left for the rail — the moment the guard is "disarmed".
+//! There is no other path by which a record is removed for being unsent.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use super::store::{Record, StoredResponse};
+use crate::db::DbError;
+use crate::token::AccountId;
+
+/// Set once the forward of a request may have reached the rail, never cleared. The forward
+/// sets it when a connection first asks for the request's body (hyper asks only after the
+/// request head is on its way) or, for a request without a body, when the request is handed
+/// to the client — the earliest moment the rail can have seen anything.
+#[derive(Debug, Clone, Default)]
+pub struct MaybeSent(Arc<AtomicBool>);
+
+impl MaybeSent {
+    pub fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// A record to create with the compare-and-set if, and only if, the request is accepted.
+#[derive(Debug, Clone)]
+pub struct NewRecord {
+    pub key: String,
+    pub fingerprint: String,
+    /// The request's own random id: see `idempotency_record.owner`.
+    pub owner: String,
+    /// How long after its creation the record is in doubt unless completed: the owning
+    /// request's own remaining time plus the time its completion may take. Decided by the
+    /// owner, so that no reader judges it by its own configuration.
+    pub in_doubt_after: Duration,
+    /// The owning request's flag: see [`MaybeSent`].
+    pub maybe_sent: MaybeSent,
+}
+
+/// Which record: an account's key, as created by one request (its owner id).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordId {
+    pub account: AccountId,
+    pub key: String,
+    pub owner: String,
+}
+
+/// A boxed future, for the object-safe [`Records`].
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Where idempotency records live: PostgreSQL's `idempotency_record`
+/// ([`IdempotencyStore`](super::IdempotencyStore)) in the server, memory in unit tests.
+pub trait Records: Send + Sync + 'static {
+    /// The record of `key` on `account`, if there is one.
+    fn find<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, DbError>>;
+
+    /// Stores the rail's answer for the record's owner: at once if the database takes it,
+    /// otherwise in the background (a repeat meanwhile is told `in_flight`).
+    fn complete(&self, record: RecordId, response: StoredResponse) -> BoxFuture<'static, ()>;
+
+    /// Says, for the owner, that its forward ended without the rail's answer (in the
+    /// background, retried until the database takes it).
+    fn declare_in_doubt(&self, record: RecordId);
+
+    /// Deletes, in the background, a record whose request cannot have reached the rail.
+    fn forget_unsent(&self, record: RecordId);
+}
+
+/// Owns a record its request created; see the module docs.
+#[must_use = "dropping the guard forgets the record, or declares it in doubt"]
+pub struct RecordGuard {
+    records: Arc<dyn Records>,
+    /// `None` once the record's outcome has been handed over.
+    record: Option<RecordId>,
+    maybe_sent: MaybeSent,
+}
+
+impl RecordGuard {
+    /// Takes charge of a record that was just created for `record.owner`.
+    pub fn new(records: Arc<dyn Records>, record: RecordId, maybe_sent: MaybeSent) -> Self {
+        Self {
+            records,
+            record: Some(record),
+            maybe_sent,
+        }
+    }
+
+    pub fn id(&self) -> &RecordId {
+        self.record
+            .as_ref()
+            .expect("a guard holds its record until it is consumed")
+    }
+
+    /// The rail answered: store its answer for replay.
+    pub async fn complete(mut self, response: StoredResponse) {
+        if let Some(record) = self.record.take() {
+            self.records.complete(record, response).await;
+        }
+    }
+}
+
+impl Drop for RecordGuard {
+    fn drop(&mut self) {
+        let Some(record) = self.record.take() else {
+            return;
+        };
+        if self.maybe_sent.is_set() {
+            self.records.declare_in_doubt(record);
+        } else {
+            self.records.forget_unsent(record);
+        }
+    }
+}
+
+impl std::fmt::Debug for RecordGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecordGuard")
+            .field("record", &self.record)
+            .field("maybe_sent", &self.maybe_sent.is_set())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// What a guard did with its record.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub(crate) enum Ended {
+        Completed(RecordId, u16),
+        InDoubt(RecordId),
+        Forgotten(RecordId),
+    }
+
+    /// Records in memory, remembering how each record ended.
+    #[derive(Default)]
+    pub(crate) struct MemoryRecords {
+        pub(crate) found: Mutex<Option<Record>>,
+        pub(crate) ended: Mutex<Vec<Ended>>,
+    }
+
+    impl MemoryRecords {
+        pub(crate) fn ended(&self) -> Vec<Ended> {
+            self.ended.lock().unwrap().clone()
+        }
+    }
+
+    impl Records for MemoryRecords {
+        fn find<'a>(
+            &'a self,
+            _account: &'a AccountId,
+            _key: &'a str,
+        ) -> BoxFuture<'a, Result<Option<Record>, DbError>> {
+            let found = self.found.lock().unwrap().clone();
+            Box::pin(async move { Ok(found) })
+        }
+
+        fn complete(&self, record: RecordId, response: StoredResponse) -> BoxFuture<'static, ()> {
+            self.ended
+                .lock()
+                .unwrap()
+                .push(Ended::Completed(record, response.status));
+            Box::pin(async {})
+        }
+
+        fn declare_in_doubt(&self, record: RecordId) {
+            self.ended.lock().unwrap().push(Ended::InDoubt(record));
+        }
+
+        fn forget_unsent(&self, record: RecordId) {
+            self.ended.lock().unwrap().push(Ended::Forgotten(record));
+        }
+    }
+
+    pub(crate) fn record_id() -> RecordId {
+        RecordId {
+            account: AccountId::parse("acct-1", 64).unwrap(),
+            key: "pay-1".into(),
+            owner: "owner-1".into(),
+        }
+    }
+
+    #[test]
+    fn a_guard_dropped_before_the_send_forgets_its_record() {
+        let records = Arc::new(MemoryRecords::default());
+        drop(RecordGuard::new(
+            records.clone(),
+            record_id(),
+            MaybeSent::default(),
+        ));
+        assert_eq!(records.ended(), [Ended::Forgotten(record_id())]);
+    }
+
+    #[test]
+    fn a_guard_dropped_after_the_send_declares_its_record_in_doubt() {
+        let records = Arc::new(MemoryRecords::default());
+        let maybe_sent = MaybeSent::default();
+        let guard = RecordGuard::new(records.clone(), record_id(), maybe_sent.clone());
+        maybe_sent.set();
+        drop(guard);
+        assert_eq!(records.ended(), [Ended::InDoubt(record_id())]);
+    }
+
+    #[tokio::test]
+    async fn a_completed_guard_does_nothing_more_when_dropped() {
+        let records = Arc::new(MemoryRecords::default());
+        let maybe_sent = MaybeSent::default();
+        maybe_sent.set();
+        let guard = RecordGuard::new(records.clone(), record_id(), maybe_sent);
+        guard
+            .complete(StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: None,
+            })
+            .await;
+        assert_eq!(records.ended(), [Ended::Completed(record_id(), 201)]);
+    }
+}
