@@ -89,7 +89,13 @@ fn main() -> ExitCode {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
-                match server::run(config, server::shutdown_signal()).await {
+                // Installed before binding, so that a signal during start-up is not lost.
+                let shutdown = server::shutdown_signal();
+                let listeners = match server::Listeners::bind(&config).await {
+                    Ok(l) => l,
+                    Err(e) => return fail(&e),
+                };
+                match server::run(listeners, config, shutdown).await {
                     Ok(()) => ExitCode::SUCCESS,
                     Err(e) => fail(&e),
                 }
@@ -118,7 +124,7 @@ fn main() -> ExitCode {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
-                match Database::open(&config).await {
+                match Database::open(&config.database).await {
                     Ok(db) => {
                         tracing::info!(
                             version = railguard::db::migrate::latest_version(),
@@ -136,7 +142,7 @@ fn main() -> ExitCode {
                 jitter_ms,
                 dedupe_idempotency_keys,
             } => {
-                telemetry::init(LogFormat::Pretty, "info");
+                telemetry::init(LogFormat::Pretty, "info", rust_log().as_deref());
                 let listener = match tokio::net::TcpListener::bind(listen).await {
                     Ok(l) => l,
                     Err(e) => return fail(&format!("cannot listen on {listen}: {e}")),
@@ -163,10 +169,19 @@ fn main() -> ExitCode {
     })
 }
 
+/// `RUST_LOG`, which wins over `log.level` when set.
+fn rust_log() -> Option<String> {
+    std::env::var("RUST_LOG").ok()
+}
+
+/// Reads the config file with the process environment's `RAILGUARD__…` overrides, and starts
+/// logging as it says.
 fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
-    match Config::load(path) {
+    let loaded = railguard::config::overrides_from(std::env::vars_os())
+        .and_then(|env| Config::load(path, &env));
+    match loaded {
         Ok(config) => {
-            telemetry::init(config.log.format, &config.log.level);
+            telemetry::init(config.log.format, &config.log.level, rust_log().as_deref());
             Ok(config)
         }
         Err(e) => {

@@ -94,7 +94,7 @@ pub struct Metrics {
     pub fence_batch_size: Histogram,
 }
 
-const LATENCY_BUCKETS: &[f64] = &[
+pub(crate) const LATENCY_BUCKETS: &[f64] = &[
     0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
     5.0, 10.0,
 ];
@@ -228,81 +228,9 @@ impl Metrics {
             .observe(seconds);
     }
 
-    /// The lock service's metrics for `backend`, registered in this registry.
-    pub fn lock_metrics(
-        &self,
-        backend: &'static str,
-    ) -> std::sync::Arc<crate::lock::service::LockMetrics> {
-        let counter = |name: &str, help: &str| {
-            let vec =
-                IntCounterVec::new(Opts::new(name, help), &["backend"]).expect("valid metric");
-            self.registry
-                .register(Box::new(vec.clone()))
-                .expect("metric registered once");
-            vec.with_label_values(&[backend])
-        };
-        let grants = counter("lock_grants_total", "Grants made (including takeovers).");
-        let renewals = counter("lock_renewals_total", "Leases renewed.");
-        let releases = counter("lock_releases_total", "Grants ended by release.");
-        let expiries = counter(
-            "lock_expiries_total",
-            "Grants whose lease ran out, counted when noticed: at a takeover, or when the \
-             holder's late renew or release arrives.",
-        );
-        let takeovers = counter(
-            "lock_takeovers_total",
-            "Grants that took a key from an expired, unreleased grant.",
-        );
-        let lost = counter(
-            "lock_lost_total",
-            "Renewals and releases refused because the grant no longer held the key.",
-        );
-        let rejected_secrets = counter(
-            "lock_rejected_secrets_total",
-            "Renewals and releases that named the key's current grant with a lease secret that \
-             is not that grant's: a worker probing for another grant, or a bug. They are \
-             answered exactly like a grant that ended.",
-        );
-        let revoked_undelivered = counter(
-            "lock_undelivered_grants_revoked_total",
-            "Grants made by an acquire whose answer never reached the caller (a timeout, an \
-             error, a caller gone) and that were revoked so that they do not hold the key.",
-        );
-        let wait = HistogramVec::new(
-            HistogramOpts::new(
-                "lock_acquire_wait_duration_seconds",
-                "Time from acquire request to grant or give-up.",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-            &["backend"],
-        )
-        .expect("valid metric");
-        self.registry
-            .register(Box::new(wait.clone()))
-            .expect("metric registered once");
-        let waiters = prometheus::IntGaugeVec::new(
-            Opts::new(
-                "lock_waiters",
-                "Acquirers waiting for a key in this process.",
-            ),
-            &["backend"],
-        )
-        .expect("valid metric");
-        self.registry
-            .register(Box::new(waiters.clone()))
-            .expect("metric registered once");
-        std::sync::Arc::new(crate::lock::service::LockMetrics {
-            grants,
-            renewals,
-            releases,
-            expiries,
-            takeovers,
-            lost,
-            rejected_secrets,
-            revoked_undelivered,
-            wait_seconds: wait.with_label_values(&[backend]),
-            waiters: waiters.with_label_values(&[backend]),
-        })
+    /// The registry every metric of this process is in (other modules register their own).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// The Prometheus text exposition of every metric.

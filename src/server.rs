@@ -1,16 +1,19 @@
 //! `railguard serve`: wires configuration into running listeners and takes them down again.
 //!
-//! Start-up order: bind both listeners (an address in use fails before anything else is
-//! touched), open the database (start the embedded server, migrate, pool), then serve. On
-//! shutdown: stop accepting, drain in-flight requests within `shutdown.grace_ms`, and only then
-//! stop the embedded PostgreSQL, so no request loses its database mid-flight.
+//! The shape is mini-redis's: [`run`] takes listeners that are already bound, the validated
+//! configuration, and a shutdown future. `main` binds the configured addresses
+//! ([`Listeners::bind`], so an address in use fails before anything else is touched); tests
+//! bind `127.0.0.1:0` and run the server in their own process.
+//!
+//! Start-up order: open the database (start the embedded server, migrate, pool), take this
+//! process's instance lock, load the grant proof key, then serve. On shutdown: stop accepting,
+//! drain in-flight requests within `shutdown.grace_ms`, and only then stop the embedded
+//! PostgreSQL, so no request loses its database mid-flight.
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
-use http::HeaderName;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tower::ServiceExt;
@@ -19,20 +22,16 @@ use crate::admin::Admin;
 use crate::config::Config;
 use crate::db::{Database, DatabaseError};
 use crate::http::serve;
-use crate::lock::AnyBackend;
 use crate::lock::api::LockApi;
-use crate::lock::etcd::{EtcdLocks, EtcdSettings};
-use crate::lock::postgres::{PgLocks, listen_for_releases};
-use crate::lock::service::{LockLimits, LockService};
+use crate::lock::{LockDatabase, Locks};
 use crate::metrics::Metrics;
 use crate::proof::ProofKey;
-use crate::proxy::extract::{ExtractConfig, GrantCheck};
-use crate::proxy::fence::{Batching, HighWaterStore};
-use crate::proxy::fence::{FenceLayer, FencePoint};
-use crate::proxy::forward::{Forward, Upstream};
-use crate::proxy::idempotency::{IdempotencyConfig as IdempotencyLayerConfig, IdempotencyLayer};
+use crate::proxy::extract::{ExtractConfig, ExtractLayer, GrantCheck};
+use crate::proxy::fence::{Batching, FenceLayer, FencePoint, HighWaterStore};
+use crate::proxy::forward::Forward;
 use crate::proxy::idempotency::{
-    IdempotencyStore, InstanceId, OutcomeMetrics, Records, hold_instance_lock, sweep_forever,
+    IdempotencyConfig, IdempotencyLayer, IdempotencyStore, InstanceId, OutcomeMetrics, Records,
+    hold_instance_lock, sweep_forever,
 };
 use crate::proxy::{self, ClientAddr};
 
@@ -47,8 +46,6 @@ pub enum ServeError {
     },
     #[error("{0}")]
     Database(#[from] DatabaseError),
-    #[error("proxy.upstream: {0}")]
-    Upstream(String),
     #[error("cannot take this process's instance lock in PostgreSQL")]
     Instance,
     #[error("cannot read or create the grant proof key in PostgreSQL: {0}")]
@@ -57,14 +54,41 @@ pub enum ServeError {
     EmbeddedDied(String),
 }
 
-async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServeError::Bind { key, addr, source })
+/// The three listeners railguard serves on.
+pub struct Listeners {
+    pub proxy: TcpListener,
+    pub admin: TcpListener,
+    pub lock: TcpListener,
 }
 
-/// Runs railguard until `shutdown` resolves, then drains and stops.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+impl Listeners {
+    /// Binds `proxy.listen`, `admin.listen` and `lock.listen`; an error names the key.
+    pub async fn bind(config: &Config) -> Result<Self, ServeError> {
+        async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind { key, addr, source })
+        }
+        Ok(Self {
+            proxy: bind("proxy.listen", config.proxy.listen).await?,
+            admin: bind("admin.listen", config.admin.listen).await?,
+            lock: bind("lock.listen", config.lock.listen).await?,
+        })
+    }
+
+    fn addr(listener: &TcpListener) -> String {
+        listener
+            .local_addr()
+            .map_or_else(|e| e.to_string(), |a| a.to_string())
+    }
+}
+
+/// Runs railguard on `listeners` until `shutdown` resolves, then drains and stops.
+pub async fn run(
+    listeners: Listeners,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
     let metrics = Arc::new(Metrics::new());
     if !config.fencing.enforce {
         tracing::error!(
@@ -73,15 +97,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
              corruption. railguard_fencing_enforced is 0."
         );
     }
-    let proxy_listener = bind("proxy.listen", config.proxy.listen).await?;
-    let admin_listener = bind("admin.listen", config.admin.listen).await?;
-    let lock_listener = bind("lock.listen", config.lock.listen).await?;
-    let upstream =
-        Upstream::parse(&config.proxy.upstream).map_err(|e| ServeError::Upstream(e.to_string()))?;
-
     let mut shutdown = std::pin::pin!(shutdown);
     let mut database = tokio::select! {
-        database = Database::open(&config) => database?,
+        database = Database::open(&config.database) => database?,
         () = &mut shutdown => {
             tracing::info!("shutdown requested during start-up");
             return Ok(());
@@ -92,7 +110,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let (instance_held, instance_ready) = tokio::sync::oneshot::channel();
     let instance_task = tokio::spawn(hold_instance_lock(
         database.url.clone(),
-        config.database_timeout(),
+        config.database.timeout,
         instance,
         instance_held,
     ));
@@ -122,21 +140,22 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     metrics
         .fencing_proof_required
         .set(i64::from(config.fencing.require_proof));
+
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
-        config.database_timeout(),
+        config.database.timeout,
         OutcomeMetrics {
             pending: metrics.outcomes_pending.clone(),
             lost: metrics.outcomes_lost.clone(),
         },
     );
     let records: Arc<dyn Records> = Arc::new(idempotency_store.clone());
-    let store = HighWaterStore::new(
+    let marks = HighWaterStore::new(
         database.pool.clone(),
-        config.database_timeout(),
+        config.database.timeout,
         Batching {
-            max_batch: config.fencing.batch_max as usize,
-            concurrency: config.fencing.batch_concurrency as usize,
+            max_batch: config.fencing.batch_max,
+            concurrency: config.fencing.batch_concurrency,
         },
         metrics.fence_batch_size.clone(),
         instance,
@@ -144,123 +163,64 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     );
     let sweeper = tokio::spawn(sweep_forever(
         idempotency_store.clone(),
-        Duration::from_secs(config.idempotency.retention_secs),
-        Duration::from_secs(config.idempotency.sweep_interval_secs),
+        config.idempotency.retention,
+        config.idempotency.sweep_interval,
     ));
-    let idempotency_store_for_admin = idempotency_store.clone();
-    let idempotency = IdempotencyLayer::new(
-        records,
-        IdempotencyLayerConfig {
-            max_response_bytes: config.idempotency.max_response_bytes as usize,
-        },
-    );
-    let fence = FenceLayer::new(Arc::new(FencePoint::new(
-        store.clone(),
-        config.fencing.cache_capacity,
-        metrics.clone(),
-        config.fencing.enforce,
-    )));
-    let forward = Forward::new(
-        upstream,
-        Duration::from_millis(config.proxy.upstream_connect_timeout_ms),
-        metrics.clone(),
-    );
-    let extract = ExtractConfig {
-        token_header: HeaderName::from_bytes(config.proxy.token_header.as_bytes())
-            .expect("validated"),
-        account_header: HeaderName::from_bytes(config.proxy.account_header.as_bytes())
-            .expect("validated"),
-        idempotency_header: HeaderName::from_bytes(config.proxy.idempotency_header.as_bytes())
-            .expect("validated"),
-        idempotency_required: config.idempotency.required,
-        max_account_len: config.proxy.max_account_len as usize,
-        max_body_bytes: config.proxy.max_body_bytes,
-        request_timeout: config.request_timeout(),
-        proof_header: HeaderName::from_bytes(config.proxy.proof_header.as_bytes())
-            .expect("validated"),
-        grants: {
-            let (prefix, suffix) = config
-                .fencing
-                .lock_key_template
-                .split_once("{account}")
-                .expect("validated");
-            GrantCheck {
-                proofs: proofs.clone(),
-                required: config.fencing.require_proof,
-                lock_key_prefix: prefix.to_string(),
-                lock_key_suffix: suffix.to_string(),
-                unproven: metrics.unproven_tokens.clone(),
-            }
-        },
-    };
-    let stack = proxy::stack(extract, fence, idempotency, forward, metrics.clone());
-    let backend_name: &'static str = if config.lock.backend == "etcd" {
-        "etcd"
-    } else {
-        "postgres"
-    };
-    let lock_metrics = metrics.lock_metrics(backend_name);
-    let etcd_settings = EtcdSettings {
-        endpoints: config.etcd.endpoints.clone(),
-        dial_timeout: Duration::from_millis(config.etcd.dial_timeout_ms),
-        request_timeout: Duration::from_millis(config.etcd.request_timeout_ms),
-        key_prefix: config.etcd.key_prefix.clone(),
-        tls_ca_file: config.etcd.tls_ca_file.clone(),
-        tls_cert_file: config.etcd.tls_cert_file.clone(),
-        tls_key_file: config.etcd.tls_key_file.clone(),
-    };
-    let backend = match backend_name {
-        "etcd" => AnyBackend::Etcd(Box::new(EtcdLocks::new(
-            etcd_settings.clone(),
-            Some(lock_metrics.clone()),
+    let stack = proxy::stack(
+        ExtractLayer::new(extract_config(&config, proofs.clone(), &metrics)),
+        FenceLayer::new(Arc::new(FencePoint::new(
+            marks.clone(),
+            config.fencing.cache_capacity,
+            metrics.clone(),
+            config.fencing.enforce,
         ))),
-        _ => AnyBackend::Postgres(PgLocks::new(
-            database.pool.clone(),
-            config.database_timeout(),
-            lock_metrics.clone(),
-        )),
-    };
-    let lock_service = Arc::new(LockService::new(
-        backend,
-        lock_metrics,
-        LockLimits {
-            max_ttl: Duration::from_millis(config.lock.max_ttl_ms),
-            max_wait: Duration::from_millis(config.lock.max_wait_ms),
-            max_waiters: config.lock.max_waiters as usize,
-            poll_interval: Duration::from_millis(config.lock.poll_interval_ms),
-            ..LockLimits::default()
+        IdempotencyLayer::new(
+            records,
+            IdempotencyConfig {
+                max_response_bytes: config.idempotency.max_response_bytes,
+            },
+        ),
+        Forward::new(
+            config.proxy.upstream.clone(),
+            config.proxy.upstream_connect_timeout,
+            metrics.clone(),
+        ),
+        metrics.clone(),
+    );
+    let locks = Locks::start(
+        &config.lock,
+        &config.etcd,
+        LockDatabase {
+            pool: &database.pool,
+            url: &database.url,
+            timeout: config.database.timeout,
         },
-    ));
-    // Releases (and, for etcd, expiries) wake this process's waiters at once.
-    let queues = lock_service.queues();
-    let wake = {
-        let queues = queues.clone();
-        move |key: &str| queues.wake(key)
-    };
-    let wake_all = move || queues.wake_all();
-    let listener_task = match backend_name {
-        "etcd" => tokio::spawn(async move {
-            EtcdLocks::new(etcd_settings, None)
-                .watch_releases(wake, wake_all)
-                .await;
-        }),
-        _ => tokio::spawn(listen_for_releases(database.url.clone(), wake, wake_all)),
-    };
-    let lock_api = LockApi::new(lock_service, proofs);
+        metrics.registry(),
+    );
+    let lock_api = LockApi::new(locks.service.clone(), proofs);
     let admin = Admin {
         metrics,
-        store,
-        idempotency: idempotency_store_for_admin,
-        max_account_len: config.proxy.max_account_len as usize,
+        store: marks,
+        idempotency: idempotency_store,
+        max_account_len: config.proxy.max_account_len,
     };
 
-    let grace = Duration::from_millis(config.shutdown.grace_ms);
+    let grace = config.shutdown.grace;
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
+    tracing::info!(
+        proxy = %Listeners::addr(&listeners.proxy),
+        admin = %Listeners::addr(&listeners.admin),
+        lock = %Listeners::addr(&listeners.lock),
+        upstream = %config.proxy.upstream,
+        backend = config.lock.backend.name(),
+        enforce = config.fencing.enforce,
+        "railguard serving"
+    );
     let proxy_task = tokio::spawn(serve(
-        proxy_listener,
+        listeners.proxy,
         move |peer| {
             let stack = stack.clone();
             hyper::service::service_fn(move |mut request: http::Request<hyper::body::Incoming>| {
@@ -272,7 +232,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         grace,
     ));
     let lock_task = tokio::spawn(serve(
-        lock_listener,
+        listeners.lock,
         move |_peer| {
             let api = lock_api.clone();
             hyper::service::service_fn(move |request| api.clone().handle(request))
@@ -281,7 +241,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         grace,
     ));
     let admin_task = tokio::spawn(serve(
-        admin_listener,
+        listeners.admin,
         move |_peer| {
             let admin = admin.clone();
             hyper::service::service_fn(move |request| admin.clone().handle(request))
@@ -289,8 +249,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         stopped(stop_rx),
         grace,
     ));
-    tracing::info!(proxy = %config.proxy.listen, admin = %config.admin.listen, lock = %config.lock.listen,
-        upstream = %config.proxy.upstream, enforce = config.fencing.enforce, "railguard serving");
 
     let died = tokio::select! {
         () = &mut shutdown => None,
@@ -304,7 +262,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let _ = proxy_task.await;
     let _ = lock_task.await;
     let _ = admin_task.await;
-    listener_task.abort();
+    locks.stop();
     sweeper.abort();
     instance_task.abort();
     database.shutdown().await;
@@ -312,6 +270,27 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     match died {
         Some(status) => Err(ServeError::EmbeddedDied(status)),
         None => Ok(()),
+    }
+}
+
+/// The `[proxy]` and `[fencing]` settings the extract layer needs.
+fn extract_config(config: &Config, proofs: Arc<ProofKey>, metrics: &Metrics) -> ExtractConfig {
+    ExtractConfig {
+        token_header: config.proxy.token_header.clone(),
+        account_header: config.proxy.account_header.clone(),
+        idempotency_header: config.proxy.idempotency_header.clone(),
+        proof_header: config.proxy.proof_header.clone(),
+        idempotency_required: config.idempotency.required,
+        max_account_len: config.proxy.max_account_len,
+        max_body_bytes: config.proxy.max_body_bytes,
+        request_timeout: config.proxy.request_timeout,
+        grants: GrantCheck {
+            proofs,
+            required: config.fencing.require_proof,
+            lock_key_prefix: config.fencing.lock_key_template.prefix().to_string(),
+            lock_key_suffix: config.fencing.lock_key_template.suffix().to_string(),
+            unproven: metrics.unproven_tokens.clone(),
+        },
     }
 }
 

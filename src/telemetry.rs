@@ -7,9 +7,12 @@ use tracing_subscriber::EnvFilter;
 
 use crate::config::LogFormat;
 
-/// Installs the global subscriber. `RUST_LOG`, when set, wins over `level`.
-pub fn init(format: LogFormat, level: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+/// Installs the global subscriber. `rust_log` (the `RUST_LOG` variable, as `main` read it),
+/// when set and valid, wins over `level`.
+pub fn init(format: LogFormat, level: &str, rust_log: Option<&str>) {
+    let filter = rust_log
+        .and_then(|filter| EnvFilter::try_new(filter).ok())
+        .unwrap_or_else(|| EnvFilter::new(level));
     use std::io::IsTerminal;
     // Colours only for a person at a terminal, never into a file or a log pipeline.
     let builder = tracing_subscriber::fmt()

@@ -36,7 +36,7 @@ async fn embedded_postgres_is_private_survives_restarts_and_is_stopped_cleanly()
     let data_dir_text = data_dir.display().to_string();
     let env = [("RAILGUARD__DATABASE__DATA_DIR", data_dir_text.as_str())];
     let rail = Rail::start().await;
-    let mut rg = Railguard::start("embedded", &rail.url(), &env).await;
+    let mut rg = Railguard::start_process("embedded", &rail.url(), &env).await;
     let http = Http::new();
     assert_eq!(
         http.pay_with(&rg, 57, "k").await.status,

@@ -275,7 +275,7 @@ async fn a_database_outage_logs_no_error_lines() {
     init_tracing();
     let mut pg = Pg::start().await;
     let rail = Rail::start().await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
     let http = rg.http();
     assert_eq!(
         http.pay_with(&rg, 3, "acct-o").await.status,

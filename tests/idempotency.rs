@@ -175,7 +175,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_secs(2)).await;
-    let mut rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
     let http = rg.http();
     let in_flight = {
         let http = http.clone();

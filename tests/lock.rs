@@ -735,7 +735,7 @@ async fn auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(mut w:
     assert_eq!(keep.lost_reason(), None, "renewed past two ttls");
     assert!(lock.inspect("kept").await.unwrap().held);
 
-    w.rg.kill().await;
+    w.rg.stop().await;
     let started = Instant::now();
     let reason = tokio::time::timeout(Duration::from_secs(5), keep.lost())
         .await

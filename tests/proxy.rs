@@ -521,7 +521,7 @@ async fn kill_switch_forwards_stale_tokens_and_counts_them() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;
-    let rg = Railguard::start(
+    let rg = Railguard::start_process(
         &pg.url(),
         &rail.url(),
         &[("RAILGUARD__FENCING__ENFORCE", "false")],
@@ -656,7 +656,7 @@ async fn sigterm_drains_in_flight_requests() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_millis(500)).await;
-    let mut rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
     let http = rg.http();
     let in_flight = {
         let http = http.clone();

@@ -12,7 +12,7 @@ use std::time::Duration;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::NoTls;
 
-use crate::config::{Config, DatabaseLocation};
+use crate::config::{DatabaseConfig, DatabaseUrl};
 pub use server::{Access, PostgresServer, ServerError, ServerOptions};
 
 /// Why a statement gave no answer: what every store built on the pool returns, so that no
@@ -76,12 +76,12 @@ pub struct Database {
 
 impl Database {
     /// Starts the embedded server if configured, migrates, and builds the pool.
-    pub async fn open(config: &Config) -> Result<Self, DatabaseError> {
-        let (url, server) = match config.database_location() {
-            DatabaseLocation::Url(url) => (url, None),
-            DatabaseLocation::Embedded { data_dir } => {
+    pub async fn open(config: &DatabaseConfig) -> Result<Self, DatabaseError> {
+        let (url, server) = match &config.url {
+            DatabaseUrl::Postgres(url) => (url.clone(), None),
+            DatabaseUrl::Embedded => {
                 let options = ServerOptions {
-                    data_dir,
+                    data_dir: config.data_dir.clone(),
                     // The socket file is named after the port; no TCP port is opened.
                     port: 5432,
                     durable: true,
@@ -94,14 +94,14 @@ impl Database {
                 (server.url(), Some(server))
             }
         };
-        let timeout = config.database_timeout();
+        let timeout = config.timeout;
         if let Err(e) = migrate_url(&url, timeout).await {
             if let Some(mut server) = server {
                 server.stop().await;
             }
             return Err(e);
         }
-        let pool = build_pool(&url, config.database.pool_size as usize, timeout)?;
+        let pool = build_pool(&url, config.pool_size, timeout)?;
         Ok(Self { pool, url, server })
     }
 

@@ -13,9 +13,13 @@
 
 pub mod api;
 pub mod etcd;
+mod metrics;
 pub mod postgres;
 pub mod service;
+mod start;
 pub mod wait;
+
+pub use start::{LockDatabase, Locks};
 
 use std::fmt;
 use std::future::Future;
@@ -179,7 +183,7 @@ pub trait LockBackend: Send + Sync + 'static {
 /// The backend chosen in the config file (FR-09): same interface, same token semantics.
 pub enum AnyBackend {
     Postgres(postgres::PgLocks),
-    Etcd(Box<etcd::EtcdLocks>),
+    Etcd(std::sync::Arc<etcd::EtcdLocks>),
 }
 
 impl LockBackend for AnyBackend {

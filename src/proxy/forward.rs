@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::uri::{Authority, PathAndQuery, Scheme};
+use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Uri, Version, header};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Body as _;
@@ -30,6 +30,7 @@ use tracing::Instrument;
 
 use super::idempotency::MaybeSent;
 use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
+use crate::config::Upstream;
 use crate::metrics::Metrics;
 
 /// The rail could not be reached, or broke off its answer.
@@ -76,19 +77,6 @@ impl UpstreamTimeout {
     }
 }
 
-/// Whether the request whose forward failed with `error` may have reached the rail. Errors
-/// that are neither of the two kinds above happen before anything is sent (building the
-/// upstream request).
-pub fn sent(error: &BoxError) -> Sent {
-    if let Some(e) = error.downcast_ref::<UpstreamUnavailable>() {
-        return e.1;
-    }
-    if let Some(e) = error.downcast_ref::<UpstreamTimeout>() {
-        return e.sent;
-    }
-    Sent::Never
-}
-
 /// The request body as handed to the client, marking the request [`MaybeSent`] when a
 /// connection first asks for it: hyper asks for the body only after it has a connection and
 /// has encoded the request head, so a body never asked for means the rail cannot have received
@@ -116,24 +104,6 @@ impl hyper::body::Body for Tracked {
 
     fn size_hint(&self) -> hyper::body::SizeHint {
         self.body.size_hint()
-    }
-}
-
-/// Where the rail is.
-#[derive(Debug, Clone)]
-pub struct Upstream {
-    scheme: Scheme,
-    authority: Authority,
-}
-
-impl Upstream {
-    /// From a validated `http://host:port` URL.
-    pub fn parse(url: &str) -> Result<Self, BoxError> {
-        let uri: Uri = url.parse()?;
-        Ok(Self {
-            scheme: uri.scheme().cloned().ok_or("upstream URL has no scheme")?,
-            authority: uri.authority().cloned().ok_or("upstream URL has no host")?,
-        })
     }
 }
 

@@ -103,7 +103,7 @@ impl MakeRequestId for RequestIds {
 
 /// Builds the whole proxy stack around `fence` and `forward`.
 pub fn stack(
-    extract: extract::ExtractConfig,
+    extract: extract::ExtractLayer,
     fence: fence::FenceLayer,
     idempotency: idempotency::IdempotencyLayer,
     forward: forward::Forward,
@@ -139,7 +139,7 @@ pub fn stack(
                 }),
         )
         .layer(respond::RespondLayer::new(metrics))
-        .layer(extract::ExtractLayer::new(extract))
+        .layer(extract)
         .layer(fence)
         .layer(idempotency)
         .service(forward)

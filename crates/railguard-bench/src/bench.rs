@@ -34,7 +34,7 @@ use crate::locks::CycleLoad;
 use crate::pgbench::Pgbench;
 pub(crate) use crate::report::{Environment, Report, Sample};
 use crate::{cpu, etcd, load, locks, pgbench, rss};
-use railguard::config::Config;
+use railguard::config::{Config, DatabaseUrl, LockBackendKind, Upstream};
 use railguard::db::server::{PostgresServer, ServerError, ServerOptions};
 use railguard::railsim::RailSim;
 use railguard::server::{self, ServeError};
@@ -83,7 +83,7 @@ pub(crate) struct BenchOptions {
     /// Accounts drawn from, uniformly.
     pub accounts: u64,
     /// Each proxy's PostgreSQL pool size.
-    pub pool_size: u64,
+    pub pool_size: usize,
     /// Upper bound on requests per repetition, across all connections.
     pub max_requests: u64,
     /// Concurrent clients of the lock phases (pgbench: clients).
@@ -749,7 +749,7 @@ impl Rail {
 }
 
 /// The defaults, with the pool size asked for; the caller sets addresses and the database.
-pub(crate) fn proxy_config(pool_size: u64) -> Config {
+pub(crate) fn proxy_config(pool_size: usize) -> Config {
     let mut config = Config::default();
     config.database.pool_size = pool_size;
     config.fencing.batch_concurrency = config.fencing.batch_concurrency.min(pool_size);
@@ -773,25 +773,36 @@ impl Proxy {
         database_url: &str,
         enforce: bool,
         etcd: Option<String>,
-        pool_size: u64,
+        pool_size: usize,
     ) -> Result<Self, BenchError> {
         let mut config = proxy_config(pool_size);
-        config.proxy.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, free_loopback_port()));
-        config.lock.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, free_loopback_port()));
-        // A listener the benchmark does not use: any free loopback port.
-        config.admin.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
         if let Some(endpoint) = etcd {
-            config.lock.backend = "etcd".into();
+            config.lock.backend = LockBackendKind::Etcd;
             config.etcd.endpoints = vec![endpoint];
         }
-        config.proxy.upstream = format!("http://{rail}");
-        config.database.url = database_url.to_string();
+        config.proxy.upstream = Upstream::parse(&format!("http://{rail}"))
+            .map_err(|e| BenchError::Setup(format!("the rail's address: {e}")))?;
+        config.database.url = DatabaseUrl::Postgres(database_url.to_string());
         config.fencing.enforce = enforce;
-        config.shutdown.grace_ms = 2_000;
-        let addr = config.proxy.listen;
-        let lock_addr = config.lock.listen;
+        config.shutdown.grace = Duration::from_secs(2);
+        let bind = || tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0));
+        let bound = |what| move |source| BenchError::Io { what, source };
+        let listeners = server::Listeners {
+            proxy: bind()
+                .await
+                .map_err(bound("cannot bind a proxy listener"))?,
+            admin: bind()
+                .await
+                .map_err(bound("cannot bind an admin listener"))?,
+            lock: bind().await.map_err(bound("cannot bind a lock listener"))?,
+        };
+        let addr = listeners
+            .proxy
+            .local_addr()
+            .map_err(bound("proxy address"))?;
+        let lock_addr = listeners.lock.local_addr().map_err(bound("lock address"))?;
         let (stop, stopped) = oneshot::channel::<()>();
-        let mut task = tokio::spawn(server::run(config, async move {
+        let mut task = tokio::spawn(server::run(listeners, config, async move {
             let _ = stopped.await;
         }));
 

@@ -49,7 +49,7 @@ struct Cli {
     warmup_secs: u64,
     /// Each proxy's PostgreSQL pool size (database.pool_size).
     #[arg(long, default_value_t = Config::default().database.pool_size)]
-    pool_size: u64,
+    pool_size: usize,
     /// Upper bound on requests per repetition, across all connections.
     #[arg(long, default_value_t = 5_000_000)]
     max_requests: u64,
@@ -90,7 +90,11 @@ fn main() -> ExitCode {
     runtime.block_on(async move {
         use bench::Suite;
         // Errors only: the stale phase would otherwise log a warning per request.
-        telemetry::init(LogFormat::Pretty, "error");
+        telemetry::init(
+            LogFormat::Pretty,
+            "error",
+            std::env::var("RUST_LOG").ok().as_deref(),
+        );
         let suites = match suite {
             BenchSuite::Proxy => vec![Suite::Proxy],
             BenchSuite::Locks => vec![Suite::Locks],

@@ -47,7 +47,7 @@ pub(crate) async fn measure(
     work_dir: &Path,
     rail: SocketAddr,
     database_url: &str,
-    pool_size: u64,
+    pool_size: usize,
     connections: usize,
 ) -> Result<RssResult, String> {
     let mut config = proxy_config(pool_size);
@@ -55,8 +55,8 @@ pub(crate) async fn measure(
     config.proxy.listen = port();
     config.admin.listen = port();
     config.lock.listen = port();
-    config.proxy.upstream = format!("http://{rail}");
-    config.database.url = database_url.to_string();
+    config.proxy.upstream = railguard::config::Upstream::parse(&format!("http://{rail}"))?;
+    config.database.url = railguard::config::DatabaseUrl::Postgres(database_url.to_string());
     config.log.level = "error".into();
     let text = toml::to_string(&config).map_err(|e| format!("cannot write the config: {e}"))?;
     let config_path = work_dir.join("rss-serve.toml");

@@ -1,27 +1,51 @@
-//! railguard itself, as a test starts it: `railguard serve` with a config file written for the
-//! test and `RAILGUARD__…` overrides on top.
+//! railguard itself, as a test starts it, with a config file written for the test and
+//! `RAILGUARD__…` overrides on top — in one of two forms:
+//!
+//! - [`Railguard::start`]: in this process, through `railguard::server::run` on listeners
+//!   bound to `127.0.0.1:0` — no free-port guessing, no binary to find, quick to start;
+//! - [`Railguard::start_process`]: the real `railguard serve` binary as a child process, for
+//!   what needs a process — SIGTERM draining, a crash (SIGKILL), the embedded PostgreSQL,
+//!   signals, and its log.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::Stdio;
+use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
+use railguard::config::Config;
 use railguard::proof::ProofKey;
+use railguard::server::{self, Listeners, ServeError};
 use tempfile::TempDir;
+use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 use crate::{Http, Metrics, free_loopback_port};
 
-/// `railguard serve`, as a child process.
+/// How this railguard runs.
+enum Running {
+    Process(Child),
+    InProcess {
+        stop: oneshot::Sender<()>,
+        task: JoinHandle<Result<(), ServeError>>,
+    },
+}
+
+/// A railguard for a test; see the module docs.
 pub struct Railguard {
     pub proxy: SocketAddr,
     pub admin: SocketAddr,
     pub lock: SocketAddr,
-    child: Option<Child>,
+    running: Option<Running>,
+    /// Whether it runs as a child process (and restarts as one).
+    process: bool,
     dir: TempDir,
+    upstream: String,
     env: BTreeMap<String, String>,
     database_url: String,
     /// The database's grant-proof key, so that a test can present tokens as the lock service
@@ -30,22 +54,57 @@ pub struct Railguard {
 }
 
 impl Railguard {
-    /// Starts railguard against `database_url` and `upstream`, with extra `RAILGUARD__…`
-    /// overrides, and waits until /readyz says ready.
+    /// Starts railguard in this process against `database_url` and `upstream`, with extra
+    /// `RAILGUARD__…` overrides, and waits until /readyz says ready.
     pub async fn start(database_url: &str, upstream: &str, env: &[(&str, &str)]) -> Railguard {
+        Self::launch(database_url, upstream, env, false).await
+    }
+
+    /// The same, as a `railguard serve` child process.
+    pub async fn start_process(
+        database_url: &str,
+        upstream: &str,
+        env: &[(&str, &str)],
+    ) -> Railguard {
+        Self::launch(database_url, upstream, env, true).await
+    }
+
+    async fn launch(
+        database_url: &str,
+        upstream: &str,
+        env: &[(&str, &str)],
+        process: bool,
+    ) -> Railguard {
         let dir = tempfile::Builder::new()
             .prefix("railguard-rg-")
             .tempdir()
             .expect("temp dir");
-        let proxy: SocketAddr = format!("127.0.0.1:{}", free_loopback_port())
-            .parse()
-            .unwrap();
-        let admin: SocketAddr = format!("127.0.0.1:{}", free_loopback_port())
-            .parse()
-            .unwrap();
-        let lock: SocketAddr = format!("127.0.0.1:{}", free_loopback_port())
-            .parse()
-            .unwrap();
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let unbound = SocketAddr::from(([127, 0, 0, 1], 0));
+        let mut rg = Railguard {
+            proxy: unbound,
+            admin: unbound,
+            lock: unbound,
+            running: None,
+            process,
+            dir,
+            upstream: upstream.to_string(),
+            env,
+            database_url: database_url.to_string(),
+            proofs: None,
+        };
+        rg.run().await;
+        rg.proofs = rg.read_proof_key().await;
+        rg
+    }
+
+    /// Writes the config for the current addresses.
+    fn write_config(&self) {
+        let (proxy, admin, lock) = (self.proxy, self.admin, self.lock);
+        let (upstream, database_url) = (&self.upstream, &self.database_url);
         let config = format!(
             "[proxy]\nlisten = \"{proxy}\"\nupstream = \"{upstream}\"\nrequest_timeout_ms = 3000\n\
              [admin]\nlisten = \"{admin}\"\n\
@@ -54,24 +113,57 @@ impl Railguard {
              [log]\nformat = \"json\"\nlevel = \"info\"\n\
              [shutdown]\ngrace_ms = 3000\n"
         );
-        std::fs::write(dir.path().join("railguard.toml"), config).unwrap();
-        let env = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let mut rg = Railguard {
-            proxy,
-            admin,
-            lock,
-            child: None,
-            dir,
-            env,
-            database_url: database_url.to_string(),
-            proofs: None,
+        std::fs::write(self.config_path(), config).unwrap();
+    }
+
+    /// Starts it (again): a child process keeps its ports; in this process, new listeners on
+    /// port 0 are bound each time.
+    async fn run(&mut self) {
+        if self.process {
+            if self.proxy.port() == 0 {
+                let port = || SocketAddr::from(([127, 0, 0, 1], free_loopback_port()));
+                (self.proxy, self.admin, self.lock) = (port(), port(), port());
+            }
+            self.write_config();
+            self.spawn().await;
+        } else {
+            self.serve_in_process().await;
+        }
+    }
+
+    async fn serve_in_process(&mut self) {
+        let bind = || TcpListener::bind("127.0.0.1:0");
+        let listeners = Listeners {
+            proxy: bind().await.expect("bind proxy"),
+            admin: bind().await.expect("bind admin"),
+            lock: bind().await.expect("bind lock"),
         };
-        rg.spawn().await;
-        rg.proofs = rg.read_proof_key().await;
-        rg
+        self.proxy = listeners.proxy.local_addr().unwrap();
+        self.admin = listeners.admin.local_addr().unwrap();
+        self.lock = listeners.lock.local_addr().unwrap();
+        self.write_config();
+        let text = std::fs::read_to_string(self.config_path()).unwrap();
+        let config = Config::parse(&text, "railguard.toml", &self.env)
+            .unwrap_or_else(|e| panic!("the test's config is invalid: {e}"));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let mut task = tokio::spawn(server::run(listeners, config, async move {
+            let _ = stopped.await;
+        }));
+        let http = Http::new();
+        for _ in 0..300 {
+            if task.is_finished() {
+                let result = (&mut task).await;
+                panic!("railguard stopped during start-up: {result:?}");
+            }
+            if let Ok((StatusCode::OK, _)) =
+                http.get(&format!("http://{}/readyz", self.admin)).await
+            {
+                self.running = Some(Running::InProcess { stop, task });
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("railguard did not become ready");
     }
 
     async fn read_proof_key(&self) -> Option<Arc<ProofKey>> {
@@ -127,7 +219,14 @@ impl Railguard {
         self.dir.path().join("railguard.log")
     }
 
+    /// The child process's log (stdout and stderr, JSON lines). A railguard in this process
+    /// logs into the test's own output instead, and has none of its own.
     pub fn log(&self) -> String {
+        if !self.process {
+            return "(railguard ran in the test process: its log is the test's output; a test \
+                    that reads the log needs start_process)"
+                .into();
+        }
         std::fs::read_to_string(self.log_path()).unwrap_or_default()
     }
 
@@ -149,10 +248,13 @@ impl Railguard {
             .kill_on_drop(true)
             .spawn()
             .expect("spawn railguard");
-        self.child = Some(child);
+        self.running = Some(Running::Process(child));
         let http = Http::new();
         for _ in 0..300 {
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+            let Some(Running::Process(child)) = self.running.as_mut() else {
+                unreachable!("just spawned")
+            };
+            if let Some(status) = child.try_wait().unwrap() {
                 panic!(
                     "railguard exited during start-up ({status}):\n{}",
                     self.log()
@@ -168,43 +270,59 @@ impl Railguard {
         panic!("railguard did not become ready:\n{}", self.log());
     }
 
-    /// SIGTERM, then wait for a clean exit.
-    pub async fn stop(&mut self) -> std::process::ExitStatus {
-        let mut child = self.child.take().expect("running");
-        let pid = child.id().unwrap();
-        Command::new("kill")
-            .arg("-TERM")
-            .arg(pid.to_string())
-            .status()
-            .await
-            .unwrap();
-        tokio::time::timeout(Duration::from_secs(20), child.wait())
-            .await
-            .expect("railguard exits after SIGTERM")
-            .unwrap()
+    /// Stops it as an operator would: SIGTERM for a process (then waits for its exit), the
+    /// shutdown future in this process. Either way in-flight requests drain first.
+    pub async fn stop(&mut self) -> ExitStatus {
+        match self.running.take().expect("running") {
+            Running::Process(mut child) => {
+                let pid = child.id().unwrap();
+                Command::new("kill")
+                    .arg("-TERM")
+                    .arg(pid.to_string())
+                    .status()
+                    .await
+                    .unwrap();
+                tokio::time::timeout(Duration::from_secs(20), child.wait())
+                    .await
+                    .expect("railguard exits after SIGTERM")
+                    .unwrap()
+            }
+            Running::InProcess { stop, task } => {
+                let _ = stop.send(());
+                let result = tokio::time::timeout(Duration::from_secs(20), task)
+                    .await
+                    .expect("railguard stops after shutdown")
+                    .expect("the server task did not panic");
+                match result {
+                    Ok(()) => ExitStatus::from_raw(0),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "railguard stopped with an error");
+                        ExitStatus::from_raw(1 << 8)
+                    }
+                }
+            }
+        }
     }
 
+    /// Stops cleanly and starts again.
     pub async fn restart(&mut self) {
         let status = self.stop().await;
-        assert!(
-            status.success(),
-            "railguard stopped cleanly: {status}\n{}",
-            self.log()
-        );
-        self.spawn().await;
+        assert!(status.success(), "railguard stopped cleanly: {status}");
+        self.run().await;
     }
 
-    /// SIGKILL: a crash, no draining.
+    /// SIGKILL: a crash, no draining. Only a process can crash.
     pub async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
+        assert!(self.process, "a crash needs start_process");
+        if let Some(Running::Process(mut child)) = self.running.take() {
             let _ = child.kill().await;
         }
     }
 
-    /// Starts again after `stop` or `kill`, on the same ports and config.
+    /// Starts again after `stop` or `kill`, with the same config.
     pub async fn start_again(&mut self) {
-        assert!(self.child.is_none(), "railguard is still running");
-        self.spawn().await;
+        assert!(self.running.is_none(), "railguard is still running");
+        self.run().await;
     }
 
     /// `railguard idempotency-forget` against this railguard, as an operator runs it.

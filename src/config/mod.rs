@@ -1,24 +1,39 @@
 //! Configuration: one TOML file, overridable key by key from the environment.
 //!
 //! Parsing is separate from reading: [`Config::parse`] takes the file's text, the file's name
-//! (for error messages) and the environment as a map, so tests never touch the real process
-//! environment. Every error names the key and where its value came from — the file, or the
-//! `RAILGUARD__SECTION__KEY` variable that overrode it — because a deployer reading a
-//! start-up failure should not have to guess which of the two was wrong.
+//! (for error messages) and the environment as a map, and [`Config::load`] reads the file but
+//! is handed the environment too — only `main` reads the process environment. Every error
+//! names the key and where its value came from — the file, or the `RAILGUARD__SECTION__KEY`
+//! variable that overrode it — because a deployer reading a start-up failure should not have
+//! to guess which of the two was wrong.
+//!
+//! Values are typed when they are read ([`values`]): headers are `HeaderName`s, the rail a
+//! parsed [`Upstream`], durations `Duration`s, the lock backend and the database location
+//! enums. Each section checks what types alone cannot in its own `validate`; [`Config`] adds
+//! the rules that span sections.
 //!
 //! Environment values are typed by the key they override: a key whose default is an integer
 //! takes an integer, a boolean takes `true`/`false`, a string takes the text as it is. An
 //! override for a key that does not exist is an error, like an unknown key in the file.
+
+mod values;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use http::HeaderName;
 use serde::{Deserialize, Serialize};
+
+pub use values::{DatabaseUrl, LockBackendKind, LockKeyTemplate, Upstream};
+use values::{header, millis, secs};
 
 /// Prefix of environment variables that override config keys: `RAILGUARD__PROXY__LISTEN`.
 pub const ENV_PREFIX: &str = "RAILGUARD__";
+
+/// What a section's check returns: the offending key and why.
+type Invalid = (&'static str, String);
 
 /// The whole configuration of one railguard process.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -35,137 +50,80 @@ pub struct Config {
     pub etcd: EtcdConfig,
 }
 
-/// `[etcd]`: the etcd lock backend (`lock.backend = "etcd"`).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct EtcdConfig {
-    /// Client URLs of the cluster's members. From the environment: a comma-separated list.
-    pub endpoints: Vec<String>,
-    /// Deadline for connecting to an endpoint.
-    pub dial_timeout_ms: u64,
-    /// Deadline for one request.
-    pub request_timeout_ms: u64,
-    /// Prefix of lock keys.
-    pub key_prefix: String,
-    /// PEM CA certificate for `https://` endpoints.
-    pub tls_ca_file: String,
-    /// PEM client certificate and key, when etcd requires client authentication.
-    pub tls_cert_file: String,
-    pub tls_key_file: String,
-}
-
-impl Default for EtcdConfig {
-    fn default() -> Self {
-        Self {
-            endpoints: vec!["http://127.0.0.1:2379".into()],
-            dial_timeout_ms: 2_000,
-            request_timeout_ms: 2_000,
-            key_prefix: "/railguard/locks/".into(),
-            tls_ca_file: String::new(),
-            tls_cert_file: String::new(),
-            tls_key_file: String::new(),
-        }
-    }
-}
-
-/// `[idempotency]`: C3 §3.1 at the proxy.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct IdempotencyConfig {
-    /// Refuse (400) requests without an idempotency key.
-    pub required: bool,
-    /// How long a record is kept; a repeat after that is a new request.
-    pub retention_secs: u64,
-    /// Largest response body stored for replay; a larger one is replayed without its body.
-    pub max_response_bytes: u64,
-    /// How often expired records are removed.
-    pub sweep_interval_secs: u64,
-}
-
-impl Default for IdempotencyConfig {
-    fn default() -> Self {
-        Self {
-            required: false,
-            retention_secs: 86_400,
-            max_response_bytes: 65_536,
-            sweep_interval_secs: 60,
-        }
-    }
-}
-
 /// `[proxy]`: the listener payment workers talk to and the rail behind it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProxyConfig {
     /// Address the proxy listens on (HTTP/1.1 and cleartext HTTP/2).
     pub listen: SocketAddr,
-    /// Base URL of the rail, `http://host:port`. Request paths are appended to it.
-    pub upstream: String,
+    /// The rail, `http://host:port`. Request paths are appended to it.
+    pub upstream: Upstream,
     /// Deadline for a whole request: body, fence check and the rail's response headers.
-    pub request_timeout_ms: u64,
+    #[serde(rename = "request_timeout_ms", with = "millis")]
+    pub request_timeout: Duration,
     /// Deadline for opening a TCP connection to the rail.
-    pub upstream_connect_timeout_ms: u64,
+    #[serde(rename = "upstream_connect_timeout_ms", with = "millis")]
+    pub upstream_connect_timeout: Duration,
     /// Largest request body accepted; larger bodies get 413 and are never forwarded.
     pub max_body_bytes: u64,
     /// Header that carries the fencing token (C2 §2.2).
-    pub token_header: String,
+    #[serde(with = "header")]
+    pub token_header: HeaderName,
     /// Header that names the account the request moves money on (C2 §2.2).
-    pub account_header: String,
+    #[serde(with = "header")]
+    pub account_header: HeaderName,
     /// Header that carries the idempotency key (C3 §3.1); recorded, and passed through to the
     /// rail so that a rail which deduplicates by it absorbs a retry the proxy cannot judge.
-    pub idempotency_header: String,
+    #[serde(with = "header")]
+    pub idempotency_header: HeaderName,
     /// Header that carries the grant's proof that the token was granted for the account's
     /// lock key (C2 §2.3).
-    pub proof_header: String,
+    #[serde(with = "header")]
+    pub proof_header: HeaderName,
     /// Longest account id accepted, in bytes.
-    pub max_account_len: u64,
+    pub max_account_len: usize,
 }
 
 impl Default for ProxyConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
-            upstream: "http://127.0.0.1:9090".into(),
-            request_timeout_ms: 10_000,
-            upstream_connect_timeout_ms: 2_000,
+            upstream: Upstream::parse("http://127.0.0.1:9090").expect("valid default"),
+            request_timeout: Duration::from_secs(10),
+            upstream_connect_timeout: Duration::from_secs(2),
             max_body_bytes: 1024 * 1024,
-            token_header: "Fencing-Token".into(),
-            account_header: "Fencing-Account".into(),
-            idempotency_header: "Idempotency-Key".into(),
-            proof_header: "Fencing-Proof".into(),
+            token_header: HeaderName::from_static("fencing-token"),
+            account_header: HeaderName::from_static("fencing-account"),
+            idempotency_header: HeaderName::from_static("idempotency-key"),
+            proof_header: HeaderName::from_static("fencing-proof"),
             max_account_len: 128,
         }
     }
 }
 
-/// `[lock]`: the lock service's HTTP API.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct LockConfig {
-    /// Address of the lock API.
-    pub listen: SocketAddr,
-    /// Where grants and tokens live: `postgres` (the `[database]` above).
-    pub backend: String,
-    /// Largest lease a caller may ask for.
-    pub max_ttl_ms: u64,
-    /// Longest a blocking acquire may wait.
-    pub max_wait_ms: u64,
-    /// Acquirers that may wait at once in this process; more are refused with 429.
-    pub max_waiters: u64,
-    /// Longest sleep between attempts of a waiter, should a release notification be lost.
-    pub poll_interval_ms: u64,
-}
-
-impl Default for LockConfig {
-    fn default() -> Self {
-        Self {
-            listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
-            backend: "postgres".into(),
-            max_ttl_ms: 3_600_000,
-            max_wait_ms: 300_000,
-            max_waiters: 10_000,
-            poll_interval_ms: 500,
+impl ProxyConfig {
+    fn validate(&self) -> Result<(), Invalid> {
+        positive("proxy.request_timeout_ms", self.request_timeout)?;
+        positive(
+            "proxy.upstream_connect_timeout_ms",
+            self.upstream_connect_timeout,
+        )?;
+        nonzero("proxy.max_body_bytes", self.max_body_bytes)?;
+        nonzero("proxy.max_account_len", self.max_account_len as u64)?;
+        // Each header carries one thing: two roles on one header would let one value be read
+        // as another.
+        let headers = [
+            ("proxy.token_header", &self.token_header),
+            ("proxy.account_header", &self.account_header),
+            ("proxy.idempotency_header", &self.idempotency_header),
+            ("proxy.proof_header", &self.proof_header),
+        ];
+        for (i, (key, name)) in headers.iter().enumerate() {
+            if let Some((other, _)) = headers[..i].iter().find(|(_, n)| n == name) {
+                return Err((key, format!("must differ from {other}")));
+            }
         }
+        Ok(())
     }
 }
 
@@ -184,29 +142,180 @@ impl Default for AdminConfig {
     }
 }
 
-/// `[database]`: where the high-water marks live.
+/// `[lock]`: the lock service's HTTP API.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LockConfig {
+    /// Address of the lock API.
+    pub listen: SocketAddr,
+    /// Where grants and tokens live.
+    pub backend: LockBackendKind,
+    /// Largest lease a caller may ask for.
+    #[serde(rename = "max_ttl_ms", with = "millis")]
+    pub max_ttl: Duration,
+    /// Longest a blocking acquire may wait.
+    #[serde(rename = "max_wait_ms", with = "millis")]
+    pub max_wait: Duration,
+    /// Acquirers that may wait at once in this process; more are refused with 429.
+    pub max_waiters: usize,
+    /// Longest sleep between attempts of a waiter, should a release notification be lost.
+    #[serde(rename = "poll_interval_ms", with = "millis")]
+    pub poll_interval: Duration,
+}
+
+impl Default for LockConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            backend: LockBackendKind::Postgres,
+            max_ttl: Duration::from_secs(3600),
+            max_wait: Duration::from_secs(300),
+            max_waiters: 10_000,
+            poll_interval: Duration::from_millis(500),
+        }
+    }
+}
+
+impl LockConfig {
+    fn validate(&self) -> Result<(), Invalid> {
+        if !(Duration::from_millis(10)..=Duration::from_secs(86_400)).contains(&self.max_ttl) {
+            return Err((
+                "lock.max_ttl_ms",
+                "must be between 10 ms and one day".into(),
+            ));
+        }
+        nonzero("lock.max_waiters", self.max_waiters as u64)?;
+        positive("lock.poll_interval_ms", self.poll_interval)
+    }
+}
+
+/// `[etcd]`: the etcd lock backend (`lock.backend = "etcd"`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EtcdConfig {
+    /// Client URLs of the cluster's members. From the environment: a comma-separated list.
+    pub endpoints: Vec<String>,
+    /// Deadline for connecting to an endpoint.
+    #[serde(rename = "dial_timeout_ms", with = "millis")]
+    pub dial_timeout: Duration,
+    /// Deadline for one request.
+    #[serde(rename = "request_timeout_ms", with = "millis")]
+    pub request_timeout: Duration,
+    /// Prefix of lock keys.
+    pub key_prefix: String,
+    /// PEM CA certificate for `https://` endpoints.
+    pub tls_ca_file: String,
+    /// PEM client certificate and key, when etcd requires client authentication.
+    pub tls_cert_file: String,
+    pub tls_key_file: String,
+}
+
+impl Default for EtcdConfig {
+    fn default() -> Self {
+        Self {
+            endpoints: vec!["http://127.0.0.1:2379".into()],
+            dial_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(2),
+            key_prefix: "/railguard/locks/".into(),
+            tls_ca_file: String::new(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
+        }
+    }
+}
+
+impl EtcdConfig {
+    /// Checked only when etcd is the backend: an unused section may hold anything.
+    fn validate(&self) -> Result<(), Invalid> {
+        if self.endpoints.is_empty() {
+            return Err(("etcd.endpoints", "needs at least one endpoint".into()));
+        }
+        for endpoint in &self.endpoints {
+            let uri: http::Uri = endpoint
+                .parse()
+                .map_err(|e| ("etcd.endpoints", format!("{endpoint:?} is not a URL: {e}")))?;
+            match uri.scheme_str() {
+                Some("http") => {}
+                Some("https") if !self.tls_ca_file.is_empty() => {}
+                Some("https") => {
+                    return Err((
+                        "etcd.tls_ca_file",
+                        "https:// endpoints need a CA certificate file".into(),
+                    ));
+                }
+                _ => {
+                    return Err((
+                        "etcd.endpoints",
+                        format!("{endpoint:?} must be http:// or https://"),
+                    ));
+                }
+            }
+        }
+        if self.tls_cert_file.is_empty() != self.tls_key_file.is_empty() {
+            return Err((
+                "etcd.tls_key_file",
+                "tls_cert_file and tls_key_file go together".into(),
+            ));
+        }
+        positive("etcd.dial_timeout_ms", self.dial_timeout)?;
+        positive("etcd.request_timeout_ms", self.request_timeout)?;
+        if !self.key_prefix.starts_with('/') || !self.key_prefix.ends_with('/') {
+            return Err(("etcd.key_prefix", "must start and end with /".into()));
+        }
+        let tls = !self.tls_ca_file.is_empty() || !self.tls_cert_file.is_empty();
+        if tls && self.endpoints.iter().any(|e| e.starts_with("http://")) {
+            return Err((
+                "etcd.endpoints",
+                "TLS files are set: every endpoint must be https://".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `[database]`: where the high-water marks (and, for `lock.backend = "postgres"`, the
+/// grants) live.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DatabaseConfig {
     /// `embedded` to run a private PostgreSQL from the installed server binaries, or a
     /// `postgres://` URL.
-    pub url: String,
+    pub url: DatabaseUrl,
     /// Data directory of the embedded PostgreSQL (ignored for a URL).
     pub data_dir: PathBuf,
     /// Connections in the pool.
-    pub pool_size: u64,
-    /// Deadline for opening a connection, and for a fence compare-and-set.
-    pub timeout_ms: u64,
+    pub pool_size: usize,
+    /// Deadline for opening a connection, and for one statement such as a fence
+    /// compare-and-set.
+    #[serde(rename = "timeout_ms", with = "millis")]
+    pub timeout: Duration,
 }
 
 impl Default for DatabaseConfig {
     fn default() -> Self {
         Self {
-            url: "embedded".into(),
+            url: DatabaseUrl::Embedded,
             data_dir: PathBuf::from("/var/tmp/railguard/pg"),
             pool_size: 16,
-            timeout_ms: 2_000,
+            timeout: Duration::from_secs(2),
         }
+    }
+}
+
+impl DatabaseConfig {
+    fn validate(&self) -> Result<(), Invalid> {
+        nonzero("database.pool_size", self.pool_size as u64)?;
+        if self.pool_size > 1024 {
+            return Err(("database.pool_size", "must be at most 1024".into()));
+        }
+        positive("database.timeout_ms", self.timeout)?;
+        if self.url == DatabaseUrl::Embedded && self.data_dir.as_os_str().is_empty() {
+            return Err((
+                "database.data_dir",
+                "must be set when database.url is \"embedded\"".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -220,16 +329,16 @@ pub struct FencingConfig {
     /// Accounts whose last-known mark is kept in memory to reject stale tokens early.
     pub cache_capacity: u64,
     /// Most compare-and-sets grouped into one statement and one commit.
-    pub batch_max: u64,
+    pub batch_max: usize,
     /// Fence statements in flight at once (at most `database.pool_size`).
-    pub batch_concurrency: u64,
+    pub batch_concurrency: usize,
     /// Refuse (400) a token without a grant proof. `false` is a migration switch for workers
     /// that cannot send the proof yet: it logs a loud error at start, exports
     /// `railguard_fencing_proof_required 0`, and counts unproven tokens; a proof that is sent
     /// and wrong is still refused.
     pub require_proof: bool,
     /// The lock key whose grants fence an account: `{account}` is replaced by the account id.
-    pub lock_key_template: String,
+    pub lock_key_template: LockKeyTemplate,
 }
 
 impl Default for FencingConfig {
@@ -240,8 +349,60 @@ impl Default for FencingConfig {
             batch_max: 512,
             batch_concurrency: 4,
             require_proof: true,
-            lock_key_template: "{account}".into(),
+            lock_key_template: LockKeyTemplate::default(),
         }
+    }
+}
+
+impl FencingConfig {
+    fn validate(&self) -> Result<(), Invalid> {
+        nonzero("fencing.cache_capacity", self.cache_capacity)?;
+        nonzero("fencing.batch_max", self.batch_max as u64)?;
+        if self.batch_max > 10_000 {
+            return Err(("fencing.batch_max", "must be at most 10000".into()));
+        }
+        nonzero("fencing.batch_concurrency", self.batch_concurrency as u64)
+    }
+}
+
+/// `[idempotency]`: C3 §3.1 at the proxy.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct IdempotencyConfig {
+    /// Refuse (400) requests without an idempotency key.
+    pub required: bool,
+    /// How long a record is kept; a repeat after that is a new request.
+    #[serde(rename = "retention_secs", with = "secs")]
+    pub retention: Duration,
+    /// Largest response body stored for replay; a larger one is replayed without its body.
+    pub max_response_bytes: usize,
+    /// How often expired records are removed.
+    #[serde(rename = "sweep_interval_secs", with = "secs")]
+    pub sweep_interval: Duration,
+}
+
+impl Default for IdempotencyConfig {
+    fn default() -> Self {
+        Self {
+            required: false,
+            retention: Duration::from_secs(86_400),
+            max_response_bytes: 65_536,
+            sweep_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+impl IdempotencyConfig {
+    fn validate(&self) -> Result<(), Invalid> {
+        positive("idempotency.retention_secs", self.retention)?;
+        positive("idempotency.sweep_interval_secs", self.sweep_interval)?;
+        if self.max_response_bytes > 16 * 1024 * 1024 {
+            return Err((
+                "idempotency.max_response_bytes",
+                "must be at most 16 MiB".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -264,6 +425,19 @@ impl Default for LogConfig {
     }
 }
 
+impl LogConfig {
+    fn validate(&self) -> Result<(), Invalid> {
+        tracing_subscriber::EnvFilter::try_new(&self.level)
+            .map(|_| ())
+            .map_err(|e| {
+                (
+                    "log.level",
+                    format!("{:?} is not a tracing filter: {e}", self.level),
+                )
+            })
+    }
+}
+
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -276,64 +450,42 @@ pub enum LogFormat {
 #[serde(deny_unknown_fields, default)]
 pub struct ShutdownConfig {
     /// How long in-flight requests may take to finish after SIGTERM/SIGINT.
-    pub grace_ms: u64,
+    #[serde(rename = "grace_ms", with = "millis")]
+    pub grace: Duration,
 }
 
 impl Default for ShutdownConfig {
     fn default() -> Self {
-        Self { grace_ms: 10_000 }
+        Self {
+            grace: Duration::from_secs(10),
+        }
     }
 }
 
-/// Where the database lives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DatabaseLocation {
-    Embedded { data_dir: PathBuf },
-    Url(String),
+fn nonzero(key: &'static str, value: u64) -> Result<(), Invalid> {
+    if value == 0 {
+        return Err((key, "must be greater than zero".into()));
+    }
+    Ok(())
+}
+
+fn positive(key: &'static str, value: Duration) -> Result<(), Invalid> {
+    if value.is_zero() {
+        return Err((key, "must be greater than zero".into()));
+    }
+    Ok(())
 }
 
 impl Config {
-    pub fn database_location(&self) -> DatabaseLocation {
-        if self.database.url == "embedded" {
-            DatabaseLocation::Embedded {
-                data_dir: self.database.data_dir.clone(),
-            }
-        } else {
-            DatabaseLocation::Url(self.database.url.clone())
-        }
-    }
-
-    pub fn request_timeout(&self) -> Duration {
-        Duration::from_millis(self.proxy.request_timeout_ms)
-    }
-
-    pub fn database_timeout(&self) -> Duration {
-        Duration::from_millis(self.database.timeout_ms)
-    }
-
-    /// Reads and parses `path`, applying overrides from the process environment.
-    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    /// Reads and parses `path`, applying the `RAILGUARD__…` overrides found in `env` (the
+    /// process environment, as `main` read it).
+    pub fn load(path: &Path, env: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
             origin: path.display().to_string(),
             key: None,
             message: format!("cannot read the file: {e}"),
         })?;
-        // Variables that are not UTF-8 cannot be ours unless their name says so; those that
-        // claim to be ours must be readable.
-        let mut env = BTreeMap::new();
-        for (name, value) in std::env::vars_os() {
-            let Some(name) = name.to_str() else { continue };
-            if !name.starts_with(ENV_PREFIX) {
-                continue;
-            }
-            let value = value.into_string().map_err(|_| ConfigError {
-                origin: format!("environment variable {name}"),
-                key: None,
-                message: "value is not valid UTF-8".into(),
-            })?;
-            env.insert(name.to_string(), value);
-        }
-        Config::parse(&text, &path.display().to_string(), &env)
+        Config::parse(&text, &path.display().to_string(), env)
     }
 
     /// Parses `text` (named `file` in errors), then applies every `RAILGUARD__SECTION__KEY`
@@ -380,206 +532,23 @@ impl Config {
         Ok(config)
     }
 
-    /// Checks what types alone cannot: returns the offending key and why.
-    fn validate(&self) -> Result<(), (&'static str, String)> {
-        let upstream: http::Uri = self
-            .proxy
-            .upstream
-            .parse()
-            .map_err(|e| ("proxy.upstream", format!("not a URL: {e}")))?;
-        if upstream.scheme_str() != Some("http") || upstream.authority().is_none() {
-            return Err((
-                "proxy.upstream",
-                "must be an http://host:port URL (TLS to the rail is terminated elsewhere)".into(),
-            ));
+    /// Each section's own checks, then the rules that span sections.
+    fn validate(&self) -> Result<(), Invalid> {
+        self.proxy.validate()?;
+        self.lock.validate()?;
+        if self.lock.backend == LockBackendKind::Etcd {
+            self.etcd.validate()?;
         }
-        if upstream.path_and_query().is_some_and(|p| p.as_str() != "/") {
-            return Err(("proxy.upstream", "must not have a path or query".into()));
-        }
-        for (key, value) in [
-            ("proxy.request_timeout_ms", self.proxy.request_timeout_ms),
-            (
-                "proxy.upstream_connect_timeout_ms",
-                self.proxy.upstream_connect_timeout_ms,
-            ),
-            ("proxy.max_body_bytes", self.proxy.max_body_bytes),
-            ("proxy.max_account_len", self.proxy.max_account_len),
-            ("database.pool_size", self.database.pool_size),
-            ("database.timeout_ms", self.database.timeout_ms),
-            ("fencing.cache_capacity", self.fencing.cache_capacity),
-            ("lock.max_ttl_ms", self.lock.max_ttl_ms),
-            ("fencing.batch_max", self.fencing.batch_max),
-            ("fencing.batch_concurrency", self.fencing.batch_concurrency),
-            (
-                "idempotency.retention_secs",
-                self.idempotency.retention_secs,
-            ),
-            (
-                "idempotency.sweep_interval_secs",
-                self.idempotency.sweep_interval_secs,
-            ),
-            ("lock.max_waiters", self.lock.max_waiters),
-            ("lock.poll_interval_ms", self.lock.poll_interval_ms),
-        ] {
-            if value == 0 {
-                return Err((key, "must be greater than zero".into()));
-            }
-        }
-        for (key, value) in [
-            ("proxy.token_header", &self.proxy.token_header),
-            ("proxy.account_header", &self.proxy.account_header),
-            ("proxy.idempotency_header", &self.proxy.idempotency_header),
-            ("proxy.proof_header", &self.proxy.proof_header),
-        ] {
-            http::HeaderName::from_bytes(value.as_bytes())
-                .map_err(|_| (key, format!("{value:?} is not a valid HTTP header name")))?;
-        }
-        if self
-            .proxy
-            .token_header
-            .eq_ignore_ascii_case(&self.proxy.account_header)
-        {
-            return Err((
-                "proxy.account_header",
-                "must differ from proxy.token_header".into(),
-            ));
-        }
+        self.database.validate()?;
+        self.fencing.validate()?;
+        self.idempotency.validate()?;
+        self.log.validate()?;
+        positive("shutdown.grace_ms", self.shutdown.grace)?;
         if self.fencing.batch_concurrency > self.database.pool_size {
             return Err((
                 "fencing.batch_concurrency",
                 "must be at most database.pool_size".into(),
             ));
-        }
-        if self.fencing.batch_max > 10_000 {
-            return Err(("fencing.batch_max", "must be at most 10000".into()));
-        }
-        if self.idempotency.max_response_bytes > 16 * 1024 * 1024 {
-            return Err((
-                "idempotency.max_response_bytes",
-                "must be at most 16 MiB".into(),
-            ));
-        }
-        if [&self.proxy.token_header, &self.proxy.account_header]
-            .iter()
-            .any(|h| h.eq_ignore_ascii_case(&self.proxy.idempotency_header))
-        {
-            return Err((
-                "proxy.idempotency_header",
-                "must differ from the token and account headers".into(),
-            ));
-        }
-        if [
-            &self.proxy.token_header,
-            &self.proxy.account_header,
-            &self.proxy.idempotency_header,
-        ]
-        .iter()
-        .any(|h| h.eq_ignore_ascii_case(&self.proxy.proof_header))
-        {
-            return Err((
-                "proxy.proof_header",
-                "must differ from the token, account and idempotency headers".into(),
-            ));
-        }
-        if self.fencing.lock_key_template.matches("{account}").count() != 1 {
-            return Err((
-                "fencing.lock_key_template",
-                "must contain `{account}` exactly once".into(),
-            ));
-        }
-        let sample = self.fencing.lock_key_template.replace("{account}", "a");
-        crate::lock::LockKey::parse(&sample).map_err(|e| {
-            (
-                "fencing.lock_key_template",
-                format!("does not make a valid lock key: {e}"),
-            )
-        })?;
-        if self.database.pool_size > 1024 {
-            return Err(("database.pool_size", "must be at most 1024".into()));
-        }
-        if self.database.url != "embedded"
-            && !(self.database.url.starts_with("postgres://")
-                || self.database.url.starts_with("postgresql://"))
-        {
-            return Err((
-                "database.url",
-                "must be \"embedded\" or a postgres:// URL".into(),
-            ));
-        }
-        if self.database.url == "embedded" && self.database.data_dir.as_os_str().is_empty() {
-            return Err((
-                "database.data_dir",
-                "must be set when database.url is \"embedded\"".into(),
-            ));
-        }
-        tracing_subscriber::EnvFilter::try_new(&self.log.level).map_err(|e| {
-            (
-                "log.level",
-                format!("{:?} is not a tracing filter: {e}", self.log.level),
-            )
-        })?;
-        if !["postgres", "etcd"].contains(&self.lock.backend.as_str()) {
-            return Err((
-                "lock.backend",
-                format!(
-                    "{:?} is not a backend; use \"postgres\" or \"etcd\"",
-                    self.lock.backend
-                ),
-            ));
-        }
-        if !(10..=86_400_000).contains(&self.lock.max_ttl_ms) {
-            return Err((
-                "lock.max_ttl_ms",
-                "must be between 10 ms and one day".into(),
-            ));
-        }
-        if self.lock.backend == "etcd" {
-            if self.etcd.endpoints.is_empty() {
-                return Err(("etcd.endpoints", "needs at least one endpoint".into()));
-            }
-            for endpoint in &self.etcd.endpoints {
-                let uri: http::Uri = endpoint
-                    .parse()
-                    .map_err(|e| ("etcd.endpoints", format!("{endpoint:?} is not a URL: {e}")))?;
-                match uri.scheme_str() {
-                    Some("http") => {}
-                    Some("https") if !self.etcd.tls_ca_file.is_empty() => {}
-                    Some("https") => {
-                        return Err((
-                            "etcd.tls_ca_file",
-                            "https:// endpoints need a CA certificate file".into(),
-                        ));
-                    }
-                    _ => {
-                        return Err((
-                            "etcd.endpoints",
-                            format!("{endpoint:?} must be http:// or https://"),
-                        ));
-                    }
-                }
-            }
-            if self.etcd.tls_cert_file.is_empty() != self.etcd.tls_key_file.is_empty() {
-                return Err((
-                    "etcd.tls_key_file",
-                    "tls_cert_file and tls_key_file go together".into(),
-                ));
-            }
-            if self.etcd.dial_timeout_ms == 0 || self.etcd.request_timeout_ms == 0 {
-                return Err((
-                    "etcd.request_timeout_ms",
-                    "timeouts must be greater than zero".into(),
-                ));
-            }
-            if !self.etcd.key_prefix.starts_with('/') || !self.etcd.key_prefix.ends_with('/') {
-                return Err(("etcd.key_prefix", "must start and end with /".into()));
-            }
-            let tls = !self.etcd.tls_ca_file.is_empty() || !self.etcd.tls_cert_file.is_empty();
-            if tls && self.etcd.endpoints.iter().any(|e| e.starts_with("http://")) {
-                return Err((
-                    "etcd.endpoints",
-                    "TLS files are set: every endpoint must be https://".into(),
-                ));
-            }
         }
         let listeners = [
             ("proxy.listen", self.proxy.listen),
@@ -593,6 +562,28 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// The `RAILGUARD__…` variables of an environment, as `main` hands them to [`Config::load`]:
+/// a variable that claims to be ours must be readable text.
+pub fn overrides_from(
+    vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Result<BTreeMap<String, String>, ConfigError> {
+    let mut env = BTreeMap::new();
+    for (name, value) in vars {
+        // Variables that are not UTF-8 cannot be ours unless their name says so.
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with(ENV_PREFIX) {
+            continue;
+        }
+        let value = value.into_string().map_err(|_| ConfigError {
+            origin: format!("environment variable {name}"),
+            key: None,
+            message: "value is not valid UTF-8".into(),
+        })?;
+        env.insert(name.to_string(), value);
+    }
+    Ok(env)
 }
 
 /// Applies `RAILGUARD__SECTION__KEY` overrides to `table`, typed by the default value of the
@@ -686,18 +677,17 @@ mod tests {
 
     #[test]
     fn the_shipped_example_parses_to_the_defaults_it_documents() {
-        let text = include_str!("../config/railguard.toml");
+        let text = include_str!("../../config/railguard.toml");
         let config = parse(text, &[]).expect("config/railguard.toml parses");
         assert_eq!(
             config,
             Config::default(),
             "the example documents exactly the defaults"
         );
+        assert_eq!(config.database.url, DatabaseUrl::Embedded);
         assert_eq!(
-            config.database_location(),
-            DatabaseLocation::Embedded {
-                data_dir: "/var/tmp/railguard/pg".into()
-            }
+            config.database.data_dir,
+            PathBuf::from("/var/tmp/railguard/pg")
         );
     }
 
@@ -745,6 +735,44 @@ mod tests {
         assert_eq!(config.proxy.listen, "127.0.0.1:8081".parse().unwrap());
         assert!(!config.fencing.enforce);
         assert_eq!(config.database.pool_size, 4);
+    }
+
+    #[test]
+    fn values_are_typed_when_read() {
+        let config = parse(
+            "[proxy]\ntoken_header = \"X-Token\"\nrequest_timeout_ms = 1500\n\
+             [lock]\nbackend = \"etcd\"\n[database]\nurl = \"postgres://rg@db/rg\"\n",
+            &[("RAILGUARD__IDEMPOTENCY__RETENTION_SECS", "60")],
+        )
+        .unwrap();
+        assert_eq!(
+            config.proxy.token_header,
+            HeaderName::from_static("x-token")
+        );
+        assert_eq!(config.proxy.request_timeout, Duration::from_millis(1500));
+        assert_eq!(config.lock.backend, LockBackendKind::Etcd);
+        assert_eq!(
+            config.database.url,
+            DatabaseUrl::Postgres("postgres://rg@db/rg".into())
+        );
+        assert_eq!(config.idempotency.retention, Duration::from_secs(60));
+        let err = parse("[lock]\nbackend = \"zookeeper\"\n", &[]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("lock.backend"));
+    }
+
+    #[test]
+    fn only_variables_that_claim_to_be_ours_must_be_text() {
+        use std::os::unix::ffi::OsStringExt;
+        let junk = std::ffi::OsString::from_vec(vec![0xff]);
+        let env = overrides_from([
+            ("PATH".into(), "/bin".into()),
+            ("OTHER".into(), junk.clone()),
+            ("RAILGUARD__PROXY__LISTEN".into(), "127.0.0.1:1".into()),
+        ])
+        .unwrap();
+        assert_eq!(env.len(), 1);
+        let err = overrides_from([("RAILGUARD__PROXY__LISTEN".into(), junk)]).unwrap_err();
+        assert!(err.origin.contains("RAILGUARD__PROXY__LISTEN"), "{err}");
     }
 
     #[test]

@@ -1,0 +1,246 @@
+//! Typed values of the configuration: each is parsed once, when the file is read, into the
+//! type its user needs, so that nothing downstream parses a config string again.
+//!
+//! Each keeps the wire form the file has always had (a header as a string, a duration as
+//! integer milliseconds or seconds, a URL as a string), so the shipped `config/railguard.toml`
+//! and every `RAILGUARD__…` override read the same as before.
+
+use std::fmt;
+use std::time::Duration;
+
+use http::HeaderName;
+use http::uri::{Authority, Scheme};
+use railguard_sdk::wire::LockKey;
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// `#[serde(with = "millis")]`: a [`Duration`] written as integer milliseconds.
+pub(crate) mod millis {
+    use super::*;
+
+    pub(crate) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_millis)
+    }
+}
+
+/// `#[serde(with = "secs")]`: a [`Duration`] written as integer seconds.
+pub(crate) mod secs {
+    use super::*;
+
+    pub(crate) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_secs())
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_secs)
+    }
+}
+
+/// `#[serde(with = "header")]`: an HTTP header name written as a string.
+pub(crate) mod header {
+    use super::*;
+
+    pub(crate) fn serialize<S: Serializer>(h: &HeaderName, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(h.as_str())
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<HeaderName, D::Error> {
+        let text = String::deserialize(d)?;
+        HeaderName::from_bytes(text.as_bytes())
+            .map_err(|_| D::Error::custom(format!("{text:?} is not a valid HTTP header name")))
+    }
+}
+
+/// Where the rail is: `http://host:port`, no path (request paths are appended), no TLS (it is
+/// terminated elsewhere).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    pub scheme: Scheme,
+    pub authority: Authority,
+}
+
+impl Upstream {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let uri: http::Uri = text.parse().map_err(|e| format!("not a URL: {e}"))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(
+                "must be an http://host:port URL (TLS to the rail is terminated elsewhere)".into(),
+            );
+        }
+        let Some(authority) = uri.authority().cloned() else {
+            return Err("must be an http://host:port URL".into());
+        };
+        if uri.path_and_query().is_some_and(|p| p.as_str() != "/") {
+            return Err("must not have a path or query".into());
+        }
+        Ok(Self {
+            scheme: Scheme::HTTP,
+            authority,
+        })
+    }
+}
+
+impl fmt::Display for Upstream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}://{}", self.scheme, self.authority)
+    }
+}
+
+impl Serialize for Upstream {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Upstream {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        Upstream::parse(&text).map_err(D::Error::custom)
+    }
+}
+
+/// Where the database is: `embedded` (a private PostgreSQL in `database.data_dir`) or a
+/// `postgres://` URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DatabaseUrl {
+    Embedded,
+    Postgres(String),
+}
+
+impl fmt::Display for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DatabaseUrl::Embedded => f.write_str("embedded"),
+            DatabaseUrl::Postgres(url) => f.write_str(url),
+        }
+    }
+}
+
+impl Serialize for DatabaseUrl {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for DatabaseUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        if text == "embedded" {
+            Ok(DatabaseUrl::Embedded)
+        } else if text.starts_with("postgres://") || text.starts_with("postgresql://") {
+            Ok(DatabaseUrl::Postgres(text))
+        } else {
+            Err(D::Error::custom(
+                "must be \"embedded\" or a postgres:// URL",
+            ))
+        }
+    }
+}
+
+/// Where grants and their tokens live (`lock.backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LockBackendKind {
+    /// The `[database]`; tokens from the sequence `fencing_token_seq`.
+    Postgres,
+    /// The `[etcd]` cluster; a token is the lock key's ModRevision at grant time.
+    Etcd,
+}
+
+impl LockBackendKind {
+    /// The `backend` label of the lock metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            LockBackendKind::Postgres => "postgres",
+            LockBackendKind::Etcd => "etcd",
+        }
+    }
+}
+
+/// The lock key whose grants fence an account: the template with `{account}` in it once,
+/// kept as the text around it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockKeyTemplate {
+    prefix: String,
+    suffix: String,
+}
+
+impl LockKeyTemplate {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text.matches("{account}").count() != 1 {
+            return Err("must contain `{account}` exactly once".into());
+        }
+        let (prefix, suffix) = text.split_once("{account}").expect("counted above");
+        LockKey::parse(&format!("{prefix}a{suffix}"))
+            .map_err(|e| format!("does not make a valid lock key: {e}"))?;
+        Ok(Self {
+            prefix: prefix.into(),
+            suffix: suffix.into(),
+        })
+    }
+
+    /// The text before `{account}`.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The text after `{account}`.
+    pub fn suffix(&self) -> &str {
+        &self.suffix
+    }
+}
+
+impl Default for LockKeyTemplate {
+    fn default() -> Self {
+        Self::parse("{account}").expect("the default template is valid")
+    }
+}
+
+impl fmt::Display for LockKeyTemplate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{{account}}{}", self.prefix, self.suffix)
+    }
+}
+
+impl Serialize for LockKeyTemplate {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for LockKeyTemplate {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        LockKeyTemplate::parse(&text).map_err(D::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upstream_is_http_host_port_only() {
+        let up = Upstream::parse("http://127.0.0.1:9090").unwrap();
+        assert_eq!(up.to_string(), "http://127.0.0.1:9090");
+        assert!(Upstream::parse("http://rail:1/").is_ok());
+        assert!(Upstream::parse("https://rail:443").is_err());
+        assert!(Upstream::parse("http://rail:1/pay").is_err());
+        assert!(Upstream::parse("http:///x").is_err());
+        assert!(Upstream::parse("nowhere").is_err());
+    }
+
+    #[test]
+    fn lock_key_templates_keep_the_text_around_the_account() {
+        let t = LockKeyTemplate::parse("pay:{account}:v1").unwrap();
+        assert_eq!((t.prefix(), t.suffix()), ("pay:", ":v1"));
+        assert_eq!(t.to_string(), "pay:{account}:v1");
+        assert!(LockKeyTemplate::parse("acct").is_err());
+        assert!(LockKeyTemplate::parse("{account}{account}").is_err());
+        assert!(LockKeyTemplate::parse("a/{account}").is_err());
+    }
+}

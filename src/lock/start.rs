@@ -1,0 +1,99 @@
+//! The lock service as the configuration asks for it: which backend (`lock.backend`), its
+//! limits, its metrics, and the watcher that wakes this process's waiters the moment a key is
+//! released (PostgreSQL's LISTEN/NOTIFY, or an etcd watch on the key prefix). The server asks
+//! for "the lock service" and never matches on the backend itself.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::Registry;
+use tokio::task::JoinHandle;
+
+use super::AnyBackend;
+use super::etcd::{EtcdLocks, EtcdSettings};
+use super::postgres::{PgLocks, listen_for_releases};
+use super::service::{LockLimits, LockMetrics, LockService};
+use crate::config::{EtcdConfig, LockBackendKind, LockConfig};
+
+/// A running lock service and its release watcher.
+pub struct Locks {
+    pub service: Arc<LockService<AnyBackend>>,
+    watcher: JoinHandle<()>,
+}
+
+/// What the PostgreSQL backend needs: the pool, and the URL for its LISTEN connection.
+pub struct LockDatabase<'a> {
+    pub pool: &'a deadpool_postgres::Pool,
+    pub url: &'a str,
+    pub timeout: Duration,
+}
+
+impl Locks {
+    /// Builds the configured backend and starts its release watcher.
+    pub fn start(
+        config: &LockConfig,
+        etcd: &EtcdConfig,
+        database: LockDatabase<'_>,
+        registry: &Registry,
+    ) -> Self {
+        let metrics = LockMetrics::register(registry, config.backend.name());
+        let limits = LockLimits {
+            max_ttl: config.max_ttl,
+            max_wait: config.max_wait,
+            max_waiters: config.max_waiters,
+            poll_interval: config.poll_interval,
+            ..LockLimits::default()
+        };
+        let (backend, watch): (AnyBackend, Watch) = match config.backend {
+            LockBackendKind::Postgres => (
+                AnyBackend::Postgres(PgLocks::new(
+                    database.pool.clone(),
+                    database.timeout,
+                    metrics.clone(),
+                )),
+                Watch::Postgres(database.url.to_string()),
+            ),
+            LockBackendKind::Etcd => {
+                let locks = Arc::new(EtcdLocks::new(
+                    EtcdSettings {
+                        endpoints: etcd.endpoints.clone(),
+                        dial_timeout: etcd.dial_timeout,
+                        request_timeout: etcd.request_timeout,
+                        key_prefix: etcd.key_prefix.clone(),
+                        tls_ca_file: etcd.tls_ca_file.clone(),
+                        tls_cert_file: etcd.tls_cert_file.clone(),
+                        tls_key_file: etcd.tls_key_file.clone(),
+                    },
+                    Some(metrics.clone()),
+                ));
+                (AnyBackend::Etcd(locks.clone()), Watch::Etcd(locks))
+            }
+        };
+        let service = Arc::new(LockService::new(backend, metrics, limits));
+        // Releases (and, for etcd, expiries) wake this process's waiters at once; a watcher
+        // that reconnects wakes them all, since events may have been missed meanwhile.
+        let queues = service.queues();
+        let wake = {
+            let queues = queues.clone();
+            move |key: &str| queues.wake(key)
+        };
+        let wake_all = move || queues.wake_all();
+        let watcher = match watch {
+            Watch::Postgres(url) => tokio::spawn(listen_for_releases(url, wake, wake_all)),
+            Watch::Etcd(locks) => tokio::spawn(async move {
+                locks.watch_releases(wake, wake_all).await;
+            }),
+        };
+        Self { service, watcher }
+    }
+
+    /// Stops the release watcher (the service itself ends with its last user).
+    pub fn stop(self) {
+        self.watcher.abort();
+    }
+}
+
+enum Watch {
+    Postgres(String),
+    Etcd(Arc<EtcdLocks>),
+}
