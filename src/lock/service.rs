@@ -139,11 +139,20 @@ impl<B: LockBackend> LockService<B> {
             if !place.reach_head(deadline).await {
                 return Err(LockError::Held);
             }
+            // One session for all of this acquire's attempts (for etcd: one lease, kept alive
+            // while waiting). However this block ends without a grant — wait over, error, or
+            // this future dropped with its caller — dropping the session gives back what it
+            // holds; a grant has already taken it over.
+            let mut session = self.backend.session();
             loop {
                 let mut woken = pin!(place.notify().notified());
                 woken.as_mut().enable();
                 let attempt_started = Instant::now();
-                let retry_in = match self.backend.try_acquire(key, holder, ttl).await {
+                let attempt = self
+                    .backend
+                    .try_acquire(&mut session, key, holder, ttl)
+                    .await;
+                let retry_in = match attempt {
                     Ok(Attempt::Granted(grant)) => return Ok((grant, attempt_started - called)),
                     Ok(Attempt::Held { retry_in }) => retry_in,
                     // A waiter rides out a short backend outage (a restart, an election) for
