@@ -410,6 +410,17 @@ impl EtcdCluster {
         uint(&reply["header"]["revision"]).expect("put reply has a revision")
     }
 
+    /// Writes `key` = `value` attached to lease `lease`; returns the revision of the write.
+    pub async fn put_with_lease(&self, key: &str, value: &str, lease: i64) -> i64 {
+        let body = json!({
+            "key": base64_encode(key.as_bytes()),
+            "value": base64_encode(value.as_bytes()),
+            "lease": lease.to_string(),
+        });
+        let reply = self.kv(None, "/v3/kv/put", body).await;
+        uint(&reply["header"]["revision"]).expect("put reply has a revision")
+    }
+
     /// The cluster's current revision (1 on a fresh cluster).
     pub async fn revision(&self) -> i64 {
         let probe = base64_encode(b"railguard-test-revision-probe");
@@ -430,7 +441,8 @@ impl EtcdCluster {
     }
 
     /// Lease `id`'s `(remaining, granted)` TTL in seconds from `/v3/lease/timetolive`, or `None`
-    /// when it does not exist. etcd rounds the remaining TTL down to whole seconds.
+    /// when it does not exist. etcd rounds the remaining TTL down to whole seconds, so a
+    /// live lease may have 0 left.
     pub async fn lease_ttl(&self, id: i64) -> Option<(i64, i64)> {
         let reply = self
             .kv(
@@ -439,9 +451,14 @@ impl EtcdCluster {
                 json!({ "ID": id.to_string() }),
             )
             .await;
-        // A lease that is gone has TTL -1, which is not a uint.
-        let remaining = uint(&reply["TTL"])?;
-        Some((remaining, uint(&reply["grantedTTL"]).unwrap_or(0)))
+        // A lease that is gone has TTL -1; one in its last second has TTL 0, which the
+        // gateway omits like every zero.
+        let remaining = match &reply["TTL"] {
+            Value::Null => 0,
+            Value::String(s) => s.parse::<i64>().expect("TTL is a decimal string"),
+            other => other.as_i64().expect("TTL is a number"),
+        };
+        (remaining >= 0).then(|| (remaining, uint(&reply["grantedTTL"]).unwrap_or(0)))
     }
 
     /// Grants a lease of `ttl_secs` seconds (etcd may raise it to its minimum); returns its id.
