@@ -87,7 +87,7 @@ pub struct EtcdLocks {
 /// acquirer would grant and revoke a lease on every retry.
 ///
 /// The attempt that wins puts the key with this lease and hands it over to the grant
-/// ([`hand_over`](Self::hand_over)). Dropped while it still holds a lease — the wait ran out,
+/// (`hand_over`). Dropped while it still holds a lease — the wait ran out,
 /// an error, the request dropped — the session revokes it, once: a lease whose grant nobody
 /// received must not hold the key until it expires, and revoking also deletes the key if an
 /// attempt's put landed but its answer was lost.

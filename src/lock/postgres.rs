@@ -260,7 +260,7 @@ impl PgLocks {
 }
 
 /// The PostgreSQL backend's acquire session: empty. Nothing outlives an attempt here — each
-/// attempt's possible grant is guarded by its own [`Undelivered`], and there is no lease to
+/// attempt's possible grant is guarded by its own `Undelivered`, and there is no lease to
 /// carry from one attempt to the next.
 #[derive(Debug, Default)]
 pub struct PgSession;

@@ -5,6 +5,10 @@
 //! at the head of its key's queue tries, and if the key is held it sleeps until the key is
 //! released (a notification), the holder's lease should have run out (the backend's hint), or
 //! a fallback interval passes — whichever is first — and tries again, until its `wait` is over.
+//! All attempts of one acquire share one backend session ([`LockBackend::Session`]: for etcd,
+//! the one lease its attempts put with), so a long wait costs the backend nothing per retry
+//! beyond the attempt itself, and whatever the session holds is given back when the acquire
+//! ends without a grant.
 
 use std::pin::pin;
 use std::sync::Arc;
