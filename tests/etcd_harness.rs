@@ -5,7 +5,7 @@ use railguard_testkit as support;
 
 use std::time::Duration;
 
-use support::etcd::{EtcdCluster, MemberState, base64_decode, base64_encode};
+use support::etcd::{EtcdCluster, LeaseCounts, MemberState, base64_decode, base64_encode};
 use tokio::time::Instant;
 
 #[test]
@@ -119,5 +119,46 @@ async fn killed_and_paused_members_are_handled() {
     assert_eq!(
         etcd.get("k").await.map(|(_, _, v, _)| v).as_deref(),
         Some("v")
+    );
+}
+
+#[tokio::test]
+async fn leases_are_listed_timed_revoked_and_counted() {
+    support::init_tracing();
+    let etcd = EtcdCluster::single().await;
+    assert!(
+        etcd.leases().await.is_empty(),
+        "a fresh cluster has no lease"
+    );
+    let fresh = etcd.lease_counts(0).await;
+    assert_eq!(
+        fresh,
+        LeaseCounts {
+            granted: 0,
+            revoked: 0,
+            renewed: 0
+        }
+    );
+
+    let a = etcd.grant_lease(30).await;
+    let b = etcd.grant_lease(30).await;
+    let mut both = vec![a, b];
+    both.sort_unstable();
+    assert_eq!(etcd.leases().await, both);
+    let (remaining, granted) = etcd.lease_ttl(a).await.expect("lease a exists");
+    assert_eq!(granted, 30);
+    assert!((28..=30).contains(&remaining), "{remaining}");
+
+    assert!(etcd.revoke_lease(a).await);
+    assert!(!etcd.revoke_lease(a).await, "a revoked lease is gone");
+    assert_eq!(etcd.lease_ttl(a).await, None);
+    assert_eq!(etcd.leases().await, [b]);
+    assert_eq!(
+        etcd.lease_counts(0).await,
+        LeaseCounts {
+            granted: 2,
+            revoked: 1,
+            renewed: 0
+        }
     );
 }

@@ -1290,3 +1290,385 @@ async fn etcd_leader_loss_during_a_stream_of_acquires() {
         }
     }
 }
+
+/// Wall-clock microseconds since the Unix epoch: the clock the etcd backend's `expires_at_us`
+/// is reported in (etcd exposes none).
+fn wall_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64
+}
+
+/// Starts a waiting acquire over the HTTP API, for the whole grant response (its ttl and
+/// `expires_at_us` included).
+fn spawn_waiter(
+    w: &LockWorld,
+    key: &str,
+    ttl: Duration,
+    wait: Duration,
+) -> tokio::task::JoinHandle<support::Reply> {
+    let (http, url) = (
+        Http::new(),
+        format!("{}/v1/locks/{key}/acquire", w.rg.lock_url()),
+    );
+    let body = format!(
+        "{{\"holder\":\"waiter\",\"ttl_ms\":{},\"wait_ms\":{}}}",
+        ttl.as_millis(),
+        wait.as_millis()
+    );
+    tokio::spawn(async move { post(&http, &url, &body).await })
+}
+
+/// Every lease etcd has, sampled every 50 ms for `period`.
+async fn leases_seen(etcd: &EtcdCluster, period: Duration) -> BTreeSet<i64> {
+    let mut seen = BTreeSet::new();
+    let until = Instant::now() + period;
+    while Instant::now() < until {
+        seen.extend(etcd.leases().await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    seen
+}
+
+/// Issue 9 item 6: a waiting acquire uses one lease, like etcd's `concurrency.Session`: its
+/// first attempt grants it, the many retries while the key is held reuse it, and the grant
+/// gets it — with its whole ttl from the winning attempt on, not from the first attempt.
+#[tokio::test]
+async fn etcd_a_waiting_acquire_uses_one_lease_and_its_grant_has_the_full_ttl() {
+    // A retry at least every 100 ms while the key is held.
+    let w = LockWorld::start(
+        Backend::Etcd,
+        &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
+    )
+    .await;
+    let etcd = w.etcd();
+    let lock = w.client();
+    let path = "/railguard/locks/session";
+    let holder = lock
+        .acquire("session", "holder", Duration::from_secs(60), NOW)
+        .await
+        .unwrap();
+    let holder_lease = etcd.get(path).await.unwrap().3;
+    assert_eq!(etcd.leases().await, [holder_lease]);
+    let before = etcd.lease_counts(0).await;
+
+    // Waits 4.6 s — about 45 attempts, and longer than its own 3 s ttl.
+    let ttl = Duration::from_secs(3);
+    let waiter = spawn_waiter(&w, "session", ttl, Duration::from_secs(20));
+    let spawned = Instant::now();
+    let mut seen = leases_seen(etcd, Duration::from_secs(4)).await;
+    assert!(!waiter.is_finished(), "the key is still held");
+    seen.remove(&holder_lease);
+    assert_eq!(
+        seen.len(),
+        1,
+        "one lease for the whole wait, not one per retry: {seen:?}"
+    );
+    let session_lease = *seen.first().unwrap();
+    let during = etcd.lease_counts(0).await;
+    assert_eq!(
+        during.granted - before.granted,
+        1,
+        "granted once: {during:?}"
+    );
+    assert_eq!(
+        during.revoked, before.revoked,
+        "nothing given back while waiting"
+    );
+    assert!(
+        during.renewed - before.renewed >= 20,
+        "the retries kept the one lease alive instead of granting others: {during:?}"
+    );
+
+    // Released between two of the session keeper's keep-alives (one a second for a 3 s
+    // lease, from the first attempt on): a grant whose lease the winning attempt did not
+    // keep alive itself would end about 0.6 s before its ttl says.
+    tokio::time::sleep_until(spawned + Duration::from_millis(4600)).await;
+    // The winning attempt starts after this instant, so its lease must last until at least
+    // `released_us` + ttl, and the reported expiry must not be earlier than that either.
+    let released_us = wall_us();
+    lock.release(holder).await.unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the release wakes the waiter")
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let grant = reply.json();
+    assert_eq!(grant["ttl_ms"], 3000);
+    let token = grant["token"].as_i64().unwrap();
+    let expires_us = grant["expires_at_us"].as_i64().unwrap();
+    assert!(
+        expires_us >= released_us + ttl.as_micros() as i64,
+        "expires_at is counted from the winning attempt ({expires_us} < {released_us} + ttl)"
+    );
+    let (_, mod_revision, _, lease) = etcd.get(path).await.expect("the waiter holds the key");
+    assert_eq!(mod_revision, token);
+    assert_eq!(
+        lease, session_lease,
+        "the grant carries the session's lease"
+    );
+    let (remaining, granted) = etcd.lease_ttl(lease).await.expect("the lease is alive");
+    assert_eq!(granted, 3);
+    assert!(
+        remaining >= 2,
+        "{remaining} s left of 3 right after the grant"
+    );
+    let after = etcd.lease_counts(0).await;
+    assert_eq!(
+        after.granted - before.granted,
+        1,
+        "one lease for the acquire: {after:?}"
+    );
+    assert_eq!(
+        after.revoked - before.revoked,
+        1,
+        "only the holder's lease, by its release: {after:?}"
+    );
+
+    // Nobody renews the grant. Its key must outlive the expiry the grant reported (and the
+    // release instant + ttl); once handed over, nothing keeps the lease alive any more, so it
+    // does end, a little after.
+    let gone_us = loop {
+        let present = etcd.get(path).await.is_some();
+        let now = wall_us();
+        if !present {
+            break now;
+        }
+        assert!(
+            now < expires_us + 5_000_000,
+            "the handed-over lease is still being kept alive"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        gone_us >= expires_us && gone_us >= released_us + ttl.as_micros() as i64,
+        "the grant's lease ended {} ms before its reported expiry",
+        (expires_us - gone_us) / 1000
+    );
+    assert!(etcd.leases().await.is_empty(), "no lease left behind");
+}
+
+/// A waiter whose wait runs out, and one whose caller goes away, each give their one lease
+/// back at once — long before it would have expired.
+#[tokio::test]
+async fn etcd_a_waiter_that_gives_up_leaves_no_lease_behind() {
+    let w = LockWorld::start(
+        Backend::Etcd,
+        &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
+    )
+    .await;
+    let etcd = w.etcd();
+    let lock = w.client();
+    let _holder = lock
+        .acquire("giveup", "holder", Duration::from_secs(60), NOW)
+        .await
+        .unwrap();
+    let holder_lease = etcd.get("/railguard/locks/giveup").await.unwrap().3;
+    let before = etcd.lease_counts(0).await;
+
+    // A 30 s lease: gone within a few seconds means revoked, not expired.
+    let ttl = Duration::from_secs(30);
+    let reply = spawn_waiter(&w, "giveup", ttl, Duration::from_millis(1500))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.body);
+    let left = wait_for_leases(etcd, &[holder_lease]).await;
+    assert_eq!(left, [holder_lease], "the waiter's lease was given back");
+    let after = etcd.lease_counts(0).await;
+    assert_eq!(
+        (
+            after.granted - before.granted,
+            after.revoked - before.revoked
+        ),
+        (1, 1),
+        "one lease for the whole wait, revoked once: {after:?}"
+    );
+
+    // The caller goes away mid-wait: the request is dropped, and with it the acquire.
+    let waiter = spawn_waiter(&w, "giveup", ttl, Duration::from_secs(20));
+    let seen = leases_seen(etcd, Duration::from_secs(1)).await;
+    assert_eq!(
+        seen.len(),
+        2,
+        "the holder's and the waiter's session lease: {seen:?}"
+    );
+    waiter.abort();
+    let left = wait_for_leases(etcd, &[holder_lease]).await;
+    assert_eq!(
+        left,
+        [holder_lease],
+        "a dropped acquire gives its lease back"
+    );
+    let after = etcd.lease_counts(0).await;
+    assert_eq!(
+        (
+            after.granted - before.granted,
+            after.revoked - before.revoked
+        ),
+        (2, 2),
+        "{after:?}"
+    );
+}
+
+/// Polls etcd's leases for up to 3 s until they are exactly `expected`; returns the last seen.
+async fn wait_for_leases(etcd: &EtcdCluster, expected: &[i64]) -> Vec<i64> {
+    let until = Instant::now() + Duration::from_secs(3);
+    loop {
+        let leases = etcd.leases().await;
+        if leases == expected || Instant::now() >= until {
+            return leases;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// No attempt is made while waiting (the fallback poll is 30 s, the holder's lease 60 s), for
+/// four times the waiter's 1 s ttl: the session's keeper alone keeps its lease alive, and the
+/// grant that follows the release carries that same, live lease.
+#[tokio::test]
+async fn etcd_a_waiter_waiting_longer_than_its_ttl_gets_a_live_lease() {
+    let w = LockWorld::start(Backend::Etcd, SLOW_POLL).await;
+    let etcd = w.etcd();
+    let lock = w.client();
+    let path = "/railguard/locks/long-wait";
+    let holder = lock
+        .acquire("long-wait", "holder", Duration::from_secs(60), NOW)
+        .await
+        .unwrap();
+    let holder_lease = etcd.get(path).await.unwrap().3;
+    let before = etcd.lease_counts(0).await;
+
+    let waiter = spawn_waiter(
+        &w,
+        "long-wait",
+        Duration::from_secs(1),
+        Duration::from_secs(20),
+    );
+    let mut seen = leases_seen(etcd, Duration::from_secs(4)).await;
+    seen.remove(&holder_lease);
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    let session_lease = *seen.first().unwrap();
+    assert!(
+        etcd.lease_ttl(session_lease).await.is_some(),
+        "alive after 4 s, four times its ttl"
+    );
+
+    lock.release(holder).await.unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the release wakes the waiter")
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let (_, mod_revision, _, lease) = etcd.get(path).await.expect("the waiter holds the key");
+    assert_eq!(mod_revision, reply.json()["token"].as_i64().unwrap());
+    assert_eq!(lease, session_lease, "the lease the keeper kept alive");
+    let (_, granted) = etcd
+        .lease_ttl(lease)
+        .await
+        .expect("the grant's lease is alive");
+    assert_eq!(granted, 1);
+    let after = etcd.lease_counts(0).await;
+    assert_eq!(after.granted - before.granted, 1, "{after:?}");
+}
+
+/// A session's lease that is gone by the next attempt (here revoked behind railguard's back,
+/// as an expiry during a long stall would end it) is replaced, never put with.
+#[tokio::test]
+async fn etcd_a_waiter_whose_lease_is_gone_takes_a_new_one() {
+    let w = LockWorld::start(
+        Backend::Etcd,
+        &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
+    )
+    .await;
+    let etcd = w.etcd();
+    let lock = w.client();
+    let path = "/railguard/locks/gone";
+    let holder = lock
+        .acquire("gone", "holder", Duration::from_secs(60), NOW)
+        .await
+        .unwrap();
+    let holder_lease = etcd.get(path).await.unwrap().3;
+    let before = etcd.lease_counts(0).await;
+
+    let waiter = spawn_waiter(&w, "gone", Duration::from_secs(10), Duration::from_secs(20));
+    let mut first = leases_seen(etcd, Duration::from_millis(500)).await;
+    first.remove(&holder_lease);
+    assert_eq!(first.len(), 1, "{first:?}");
+    let lost = *first.first().unwrap();
+    assert!(etcd.revoke_lease(lost).await);
+
+    let mut next = leases_seen(etcd, Duration::from_secs(1)).await;
+    next.remove(&holder_lease);
+    assert_eq!(next.len(), 1, "a new lease replaced the lost one: {next:?}");
+    let replacement = *next.first().unwrap();
+    assert_ne!(replacement, lost);
+
+    lock.release(holder).await.unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the release wakes the waiter")
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let (_, _, _, lease) = etcd.get(path).await.expect("the waiter holds the key");
+    assert_eq!(
+        lease, replacement,
+        "put with the live lease, not the lost one"
+    );
+    assert!(etcd.lease_ttl(lease).await.is_some());
+    let after = etcd.lease_counts(0).await;
+    assert_eq!(after.granted - before.granted, 2, "{after:?}");
+}
+
+/// The state an attempt leaves when etcd applied its put but the answer was lost (a timeout,
+/// a dropped connection): the key carries the waiting acquire's own session lease, a grant
+/// nobody received. Made here by writing the key with that lease behind railguard's back. The
+/// next attempt must not wait on itself: it revokes that lease (deleting the key) and wins
+/// with a new one.
+#[tokio::test]
+async fn etcd_a_waiter_finding_its_own_lost_put_revokes_it_and_starts_over() {
+    let w = LockWorld::start(
+        Backend::Etcd,
+        &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
+    )
+    .await;
+    let etcd = w.etcd();
+    let lock = w.client();
+    let path = "/railguard/locks/lost-put";
+    let _holder = lock
+        .acquire("lost-put", "holder", Duration::from_secs(60), NOW)
+        .await
+        .unwrap();
+    let holder_lease = etcd.get(path).await.unwrap().3;
+    let waiter = spawn_waiter(&w, "lost-put", TTL, Duration::from_secs(20));
+    let mut seen = leases_seen(etcd, Duration::from_millis(500)).await;
+    seen.remove(&holder_lease);
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    let session_lease = *seen.first().unwrap();
+
+    // An overwrite, not a delete: no release notification, only the next poll finds it.
+    let lost = etcd
+        .put_with_lease(
+            path,
+            "{\"holder\":\"waiter\",\"ttl_ms\":10000,\"granted_unix_ms\":0}",
+            session_lease,
+        )
+        .await;
+    let reply = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter does not wait on its own grant")
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let token = reply.json()["token"].as_i64().unwrap();
+    assert!(token > lost, "a new grant, not the lost one");
+    let (_, mod_revision, _, lease) = etcd.get(path).await.expect("the waiter holds the key");
+    assert_eq!(mod_revision, token);
+    assert_ne!(
+        lease, session_lease,
+        "the lost grant's lease was given back"
+    );
+    assert_eq!(etcd.lease_ttl(session_lease).await, None);
+    let mut left = etcd.leases().await;
+    left.retain(|l| *l != holder_lease);
+    assert_eq!(left, [lease], "only the new grant's lease");
+}

@@ -4,8 +4,15 @@
 //! Layout: one key per lock, `<key_prefix><key>`, attached to one lease per grant, holding a
 //! small JSON value (holder, ttl, grant time) for diagnosis.
 //!
+//! **Leases come from the acquire's session** ([`EtcdSession`]), as in etcd's `concurrency`
+//! package: one lease per acquire, granted by its first attempt, reused by every retry while
+//! it waits and kept alive meanwhile, then handed over to the grant or revoked once if the
+//! acquire ends without one. Each attempt keeps the lease alive just before its transaction,
+//! so the grant's lease starts its whole ttl no earlier than the `expires_at` it reports
+//! assumes, however long the wait was; a lease found gone by then is replaced.
+//!
 //! **Acquire** is one transaction: if the key does not exist (`create_revision == 0`), put it
-//! with the new grant's lease. The response header's revision is the key's new ModRevision:
+//! with the session's lease. The response header's revision is the key's new ModRevision:
 //! the token. If the key exists, it is held — unless the lease it is attached to no longer
 //! exists. etcd deletes a key when its lease expires, so normally an expired grant's key is
 //! simply gone; a key *without a live lease* (written without one, or left by a restore) can
@@ -74,29 +81,84 @@ pub struct EtcdLocks {
     metrics: Option<Arc<LockMetrics>>,
 }
 
-/// Revokes a lease granted for an attempt unless the attempt returned it as a grant: a lease
-/// whose grant nobody received (an error, a timeout, a dropped request) must not hold the key
-/// until it expires. Revoking also deletes the key if the lost grant had been put.
-struct LeaseGuard {
-    client: Client,
-    lease: Option<i64>,
+/// One acquire's lease, like the session of etcd's own `concurrency` package: the first
+/// attempt grants it, every later attempt of the same acquire reuses it, and a keeper task
+/// keeps it alive in between, since a wait may last longer than the ttl. Without it a waiting
+/// acquirer would grant and revoke a lease on every retry.
+///
+/// The attempt that wins puts the key with this lease and hands it over to the grant
+/// (`hand_over`). Dropped while it still holds a lease — the wait ran out,
+/// an error, the request dropped — the session revokes it, once: a lease whose grant nobody
+/// received must not hold the key until it expires, and revoking also deletes the key if an
+/// attempt's put landed but its answer was lost.
+#[derive(Default)]
+pub struct EtcdSession {
+    /// Boxed: an etcd client is large, and a session without a lease should be small.
+    lease: Option<Box<SessionLease>>,
 }
 
-impl LeaseGuard {
-    fn keep(mut self) {
-        self.lease = None;
+struct SessionLease {
+    client: Client,
+    id: i64,
+    /// The ttl asked for, in etcd's whole seconds: a later attempt asking for another one
+    /// (not what the service does) gets a lease of its own.
+    asked_secs: i64,
+    /// The ttl etcd granted, which may be above the one asked for (its minimum TTL).
+    granted: Duration,
+    /// Keeps the lease alive between attempts; stopped when the lease leaves the session.
+    keeper: tokio::task::JoinHandle<()>,
+}
+
+impl EtcdSession {
+    /// The lease is a grant's now, the grant's holder renews it: stop keeping it alive, and
+    /// never revoke it. A keep-alive the keeper still has in flight can only lengthen it.
+    fn hand_over(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lease.keeper.abort();
+        }
+    }
+
+    /// Stops using the lease and revokes it in the background (harmless if it is gone).
+    fn give_back(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lease.keeper.abort();
+            revoke_in_background(lease.client, lease.id);
+        }
     }
 }
 
-impl Drop for LeaseGuard {
+impl Drop for EtcdSession {
     fn drop(&mut self) {
-        if let Some(lease) = self.lease.take() {
-            let mut client = self.client.clone();
-            tokio::spawn(async move {
-                if let Err(e) = client.lease_revoke(lease).await {
-                    tracing::debug!(error = %e, lease, "could not revoke an unused lease; it will expire");
-                }
-            });
+        self.give_back();
+    }
+}
+
+fn revoke_in_background(mut client: Client, lease: i64) {
+    // Dropped outside a runtime (a process tearing down): the lease simply expires.
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        if let Err(e) = client.lease_revoke(lease).await {
+            tracing::debug!(error = %e, lease, "could not revoke an unused lease; it will expire");
+        }
+    });
+}
+
+/// A session's keeper: one keep-alive every third of the ttl (etcd's own client's cadence),
+/// until aborted. Failures are only logged and retried at the next tick: the attempt before
+/// a put checks the lease for itself, so the keeper's only job is to keep it from running
+/// out while the acquire sleeps.
+async fn keep_alive_while_waiting(mut client: Client, lease: i64, ttl: Duration, limit: Duration) {
+    let every = (ttl / 3).max(Duration::from_millis(100));
+    loop {
+        tokio::time::sleep(every).await;
+        match tokio::time::timeout(limit, client.lease_keep_alive(lease)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, lease, "keep-alive of a waiting acquire's lease failed")
+            }
+            Err(_) => tracing::debug!(lease, "keep-alive of a waiting acquire's lease unanswered"),
         }
     }
 }
@@ -227,6 +289,55 @@ impl EtcdLocks {
             .unwrap_or_else(|_| Err(unavailable(format!("no answer within {limit:?}"))))
     }
 
+    /// The lease this attempt puts with, and the instant (µs since the Unix epoch) from which
+    /// it has its whole ttl: taken just before the session's lease was kept alive, or before a
+    /// new one was granted. So a grant's lease is never shorter than its ttl says, however
+    /// long the acquire waited. A lease the keep-alive finds gone (expired while the acquire
+    /// stalled) is replaced: no put ever carries a dead lease.
+    async fn attempt_lease(
+        &self,
+        client: &mut Client,
+        session: &mut EtcdSession,
+        ttl_secs: i64,
+    ) -> Result<(i64, Duration, i64), LockError> {
+        if let Some(lease) = &session.lease {
+            if lease.asked_secs == ttl_secs {
+                let since_us = now_us();
+                match client.lease_keep_alive(lease.id).await {
+                    Ok(_) => return Ok((lease.id, lease.granted, since_us)),
+                    // etcd answered TTL 0 (the lease is gone), or the keep-alive got no
+                    // answer on its stream: either way not known to be alive. Replace it.
+                    Err(etcd_client::Error::LeaseKeepAliveError(e)) => {
+                        tracing::debug!(error = %e, lease = lease.id,
+                            "a waiting acquire's lease is gone; granting a new one");
+                    }
+                    Err(e) => return Err(unavailable(e)),
+                }
+            }
+            session.give_back();
+        }
+        let since_us = now_us();
+        let granted = client
+            .lease_grant(ttl_secs, None)
+            .await
+            .map_err(unavailable)?;
+        let ttl = Duration::from_secs(granted.ttl().max(1) as u64);
+        let keeper = tokio::spawn(keep_alive_while_waiting(
+            client.clone(),
+            granted.id(),
+            ttl,
+            self.settings.request_timeout,
+        ));
+        session.lease = Some(Box::new(SessionLease {
+            client: client.clone(),
+            id: granted.id(),
+            asked_secs: ttl_secs,
+            granted: ttl,
+            keeper,
+        }));
+        Ok((granted.id(), ttl, since_us))
+    }
+
     /// An upper bound of the time `lease` has left, or `None` when it does not exist (expired
     /// or revoked). etcd answers whole seconds, rounded down ("expires in under TTL+1
     /// seconds"), and -1 for a lease that is gone: 0 is a live lease in its last second.
@@ -295,12 +406,19 @@ impl EtcdLocks {
 }
 
 impl LockBackend for EtcdLocks {
+    type Session = EtcdSession;
+
     fn name(&self) -> &'static str {
         "etcd"
     }
 
+    fn session(&self) -> EtcdSession {
+        EtcdSession::default()
+    }
+
     async fn try_acquire(
         &self,
+        session: &mut EtcdSession,
         key: &LockKey,
         holder: &str,
         ttl: Duration,
@@ -310,26 +428,29 @@ impl LockBackend for EtcdLocks {
             let path = self.path(key);
             // etcd leases are whole seconds: round up, never down.
             let ttl_secs = ttl.as_millis().div_ceil(1000).max(1) as i64;
-            let before_lease_us = now_us();
-            let lease = client.lease_grant(ttl_secs, None).await.map_err(unavailable)?;
-            let guard = LeaseGuard { client: client.clone(), lease: Some(lease.id()) };
-            let granted_ttl = Duration::from_secs(lease.ttl().max(1) as u64);
+            let (lease, granted_ttl, full_since_us) =
+                self.attempt_lease(&mut client, session, ttl_secs).await?;
             let secret = LeaseSecret::generate();
             let value = serde_json::to_string(&Entry {
                 holder: holder.to_string(),
                 ttl_ms: granted_ttl.as_millis() as u64,
-                granted_unix_ms: (before_lease_us / 1000) as u64,
+                granted_unix_ms: (full_since_us / 1000) as u64,
                 secret_sha256: crate::proof::hex(&secret.digest()),
             })
-            .expect("entry serializes");
-            let put = TxnOp::put(path.as_str(), value.as_str(), Some(PutOptions::new().with_lease(lease.id())));
+            .map_err(|e| unavailable(format!("cannot encode the entry: {e}")))?;
+            let put = TxnOp::put(
+                path.as_str(),
+                value.as_str(),
+                Some(PutOptions::new().with_lease(lease)),
+            );
             let create = Txn::new()
                 .when([Compare::create_revision(path.as_str(), CompareOp::Equal, 0)])
                 .and_then([put.clone()])
                 .or_else([TxnOp::get(path.as_str(), None)]);
             let response = client.txn(create).await.map_err(unavailable)?;
             let grant = |revision: i64, took_over: bool| {
-                let token = FencingToken::new(revision).ok_or_else(|| unavailable("non-positive revision"))?;
+                let token = FencingToken::new(revision)
+                    .ok_or_else(|| unavailable("non-positive revision"))?;
                 Ok::<_, LockError>(Attempt::Granted(Grant {
                     key: key.clone(),
                     holder: holder.to_string(),
@@ -338,46 +459,77 @@ impl LockBackend for EtcdLocks {
                     ttl: granted_ttl,
                     granted_at_us: now_us(),
                     // Not etcd's clock (it exposes none): a lower bound on when the lease can
-                    // end, since the lease was granted after this instant. Diagnosis only.
-                    expires_at_us: before_lease_us + granted_ttl.as_micros() as i64,
+                    // end, since it was granted or kept alive after this instant. Diagnosis
+                    // only.
+                    expires_at_us: full_since_us + granted_ttl.as_micros() as i64,
                     took_over,
                 }))
             };
             if response.succeeded() {
-                let revision = response.header().map(|h| h.revision()).ok_or_else(|| unavailable("no header"))?;
+                let revision = response
+                    .header()
+                    .map(|h| h.revision())
+                    .ok_or_else(|| unavailable("no header"))?;
                 let granted = grant(revision, false)?;
-                guard.keep();
+                session.hand_over();
                 return Ok(granted);
             }
-            let current = response.op_responses().into_iter().find_map(|op| match op {
-                TxnOpResponse::Get(get) => get.kvs().first().map(|kv| (kv.mod_revision(), kv.lease())),
-                _ => None,
-            });
-            let outcome = match current {
+            let current = response
+                .op_responses()
+                .into_iter()
+                .find_map(|op| match op {
+                    TxnOpResponse::Get(get) => get
+                        .kvs()
+                        .first()
+                        .map(|kv| (kv.mod_revision(), kv.lease())),
+                    _ => None,
+                });
+            let Some((mod_revision, holder_lease)) = current else {
                 // Deleted between the compare and the get: free now; the waiter tries again.
-                None => Ok(Attempt::Held { retry_in: Some(Duration::ZERO) }),
-                Some((mod_revision, holder_lease)) => match Self::lease_remaining(&mut client, holder_lease).await? {
-                    Some(remaining) => Ok(Attempt::Held { retry_in: Some(remaining) }),
-                    None => {
-                        let takeover = Txn::new()
-                            .when([Compare::mod_revision(path.as_str(), CompareOp::Equal, mod_revision)])
-                            .and_then([put]);
-                        let response = client.txn(takeover).await.map_err(unavailable)?;
-                        match (response.succeeded(), response.header()) {
-                            (true, Some(header)) => {
-                                tracing::warn!(lock.key = %key, "took over an entry whose lease no longer exists");
-                                let granted = grant(header.revision(), true)?;
-                                guard.keep();
-                                return Ok(granted);
-                            }
-                            _ => Ok(Attempt::Held { retry_in: Some(Duration::ZERO) }),
-                        }
-                    }
-                },
+                return Ok(Attempt::Held {
+                    retry_in: Some(Duration::ZERO),
+                });
             };
-            // Not granted: the guard gives the new lease back.
-            drop(guard);
-            outcome
+            if holder_lease == lease {
+                // This acquire's own put, by an earlier attempt whose answer was lost (it
+                // failed or timed out after etcd applied it): a grant nobody received.
+                // Revoking the lease deletes it; the next attempt starts over with a new
+                // lease. If the revoke fails, the session still holds the lease, so the next
+                // attempt or the session's end tries again.
+                tracing::warn!(lock.key = %key,
+                    "revoking a grant this acquire made but whose answer it never received");
+                client.lease_revoke(lease).await.map_err(unavailable)?;
+                if let Some(gone) = session.lease.take() {
+                    gone.keeper.abort();
+                }
+                return Ok(Attempt::Held {
+                    retry_in: Some(Duration::ZERO),
+                });
+            }
+            if let Some(remaining) = Self::lease_remaining(&mut client, holder_lease).await? {
+                return Ok(Attempt::Held {
+                    retry_in: Some(remaining),
+                });
+            }
+            let takeover = Txn::new()
+                .when([Compare::mod_revision(
+                    path.as_str(),
+                    CompareOp::Equal,
+                    mod_revision,
+                )])
+                .and_then([put]);
+            let response = client.txn(takeover).await.map_err(unavailable)?;
+            match (response.succeeded(), response.header()) {
+                (true, Some(header)) => {
+                    tracing::warn!(lock.key = %key, "took over an entry whose lease no longer exists");
+                    let granted = grant(header.revision(), true)?;
+                    session.hand_over();
+                    Ok(granted)
+                }
+                _ => Ok(Attempt::Held {
+                    retry_in: Some(Duration::ZERO),
+                }),
+            }
         })
         .await
     }

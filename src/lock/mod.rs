@@ -143,13 +143,29 @@ pub enum LockError {
 /// One backend's mechanics. Implementations decide nothing about waiting or fairness; they
 /// make single attempts, atomically, in the backend's own clock.
 pub trait LockBackend: Send + Sync + 'static {
+    /// What one acquire carries from each of its attempts to the next, made by
+    /// [`session`](Self::session) when the acquire starts and dropped when it ends.
+    ///
+    /// It exists for etcd, where an attempt needs a lease before it can put the key: one lease
+    /// per acquire, kept alive while the acquire waits, as etcd's own `concurrency.Session`
+    /// does, instead of a lease granted and revoked on every retry. The rule for every
+    /// backend: an attempt that returns [`Attempt::Granted`] hands what the session held over
+    /// to the grant; dropping a session that holds anything else (the acquire timed out,
+    /// failed, or its caller went away) gives it back, once.
+    type Session: Send;
+
     /// `"postgres"` or `"etcd"`: the `backend` label of metrics.
     fn name(&self) -> &'static str;
 
-    /// One atomic attempt: create the key, or take it over if its grant has expired, with a
-    /// new token; otherwise report it held.
+    /// A session for one acquire. No I/O: a session costs nothing until its first attempt.
+    fn session(&self) -> Self::Session;
+
+    /// One atomic attempt of the acquire `session` belongs to (the same `key`, `holder` and
+    /// `ttl` on every attempt): create the key, or take it over if its grant has expired, with
+    /// a new token; otherwise report it held.
     fn try_acquire(
         &self,
+        session: &mut Self::Session,
         key: &LockKey,
         holder: &str,
         ttl: Duration,
@@ -186,7 +202,15 @@ pub enum AnyBackend {
     Etcd(std::sync::Arc<etcd::EtcdLocks>),
 }
 
+/// The session of the backend an [`AnyBackend`] chose.
+pub enum AnySession {
+    Postgres(postgres::PgSession),
+    Etcd(etcd::EtcdSession),
+}
+
 impl LockBackend for AnyBackend {
+    type Session = AnySession;
+
     fn name(&self) -> &'static str {
         match self {
             AnyBackend::Postgres(b) => b.name(),
@@ -194,15 +218,29 @@ impl LockBackend for AnyBackend {
         }
     }
 
+    fn session(&self) -> AnySession {
+        match self {
+            AnyBackend::Postgres(b) => AnySession::Postgres(b.session()),
+            AnyBackend::Etcd(b) => AnySession::Etcd(b.session()),
+        }
+    }
+
     async fn try_acquire(
         &self,
+        session: &mut AnySession,
         key: &LockKey,
         holder: &str,
         ttl: Duration,
     ) -> Result<Attempt, LockError> {
-        match self {
-            AnyBackend::Postgres(b) => b.try_acquire(key, holder, ttl).await,
-            AnyBackend::Etcd(b) => b.try_acquire(key, holder, ttl).await,
+        match (self, session) {
+            (AnyBackend::Postgres(b), AnySession::Postgres(s)) => {
+                b.try_acquire(s, key, holder, ttl).await
+            }
+            (AnyBackend::Etcd(b), AnySession::Etcd(s)) => b.try_acquire(s, key, holder, ttl).await,
+            // Only a caller mixing up two backends gets here: refused, and nothing granted.
+            _ => Err(LockError::Unavailable(
+                "an acquire session made by another backend".into(),
+            )),
         }
     }
 

@@ -259,6 +259,12 @@ impl PgLocks {
     }
 }
 
+/// The PostgreSQL backend's acquire session: empty. Nothing outlives an attempt here — each
+/// attempt's possible grant is guarded by its own `Undelivered`, and there is no lease to
+/// carry from one attempt to the next.
+#[derive(Debug, Default)]
+pub struct PgSession;
+
 /// Revokes, when dropped armed, whatever grant one acquire attempt may have committed: its
 /// answer did not reach the caller (timeout, error, or the caller gone), so nobody holds it.
 struct Undelivered {
@@ -340,12 +346,19 @@ fn db(e: tokio_postgres::Error) -> LockError {
 use std::future::Future;
 
 impl LockBackend for PgLocks {
+    type Session = PgSession;
+
     fn name(&self) -> &'static str {
         "postgres"
     }
 
+    fn session(&self) -> PgSession {
+        PgSession
+    }
+
     async fn try_acquire(
         &self,
+        _session: &mut PgSession,
         key: &LockKey,
         holder: &str,
         ttl: Duration,

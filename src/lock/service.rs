@@ -5,6 +5,10 @@
 //! at the head of its key's queue tries, and if the key is held it sleeps until the key is
 //! released (a notification), the holder's lease should have run out (the backend's hint), or
 //! a fallback interval passes — whichever is first — and tries again, until its `wait` is over.
+//! All attempts of one acquire share one backend session ([`LockBackend::Session`]: for etcd,
+//! the one lease its attempts put with), so a long wait costs the backend nothing per retry
+//! beyond the attempt itself, and whatever the session holds is given back when the acquire
+//! ends without a grant.
 
 use std::pin::pin;
 use std::sync::Arc;
@@ -139,11 +143,20 @@ impl<B: LockBackend> LockService<B> {
             if !place.reach_head(deadline).await {
                 return Err(LockError::Held);
             }
+            // One session for all of this acquire's attempts (for etcd: one lease, kept alive
+            // while waiting). However this block ends without a grant — wait over, error, or
+            // this future dropped with its caller — dropping the session gives back what it
+            // holds; a grant has already taken it over.
+            let mut session = self.backend.session();
             loop {
                 let mut woken = pin!(place.notify().notified());
                 woken.as_mut().enable();
                 let attempt_started = Instant::now();
-                let retry_in = match self.backend.try_acquire(key, holder, ttl).await {
+                let attempt = self
+                    .backend
+                    .try_acquire(&mut session, key, holder, ttl)
+                    .await;
+                let retry_in = match attempt {
                     Ok(Attempt::Granted(grant)) => return Ok((grant, attempt_started - called)),
                     Ok(Attempt::Held { retry_in }) => retry_in,
                     // A waiter rides out a short backend outage (a restart, an election) for

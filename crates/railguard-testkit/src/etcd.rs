@@ -7,6 +7,8 @@
 //!
 //! Tests talk to the cluster through etcd's v3 JSON gateway on the client URL: bytes travel as
 //! base64 and 64-bit integers as decimal strings, and fields with zero values are omitted.
+//! Leases are read the same way, and counted from a member's own `/metrics`, so that a test
+//! can tell how many leases railguard granted and revoked, not only which exist now.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -39,6 +41,15 @@ pub struct EtcdCluster {
     members: Vec<Member>,
     token: String,
     http: Http,
+}
+
+/// Lease operations one etcd member has counted (`etcd_debugging_lease_*_total`). `revoked`
+/// includes leases revoked because they expired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseCounts {
+    pub granted: u64,
+    pub revoked: u64,
+    pub renewed: u64,
 }
 
 /// What one member is doing, as far as the harness has made it.
@@ -399,11 +410,112 @@ impl EtcdCluster {
         uint(&reply["header"]["revision"]).expect("put reply has a revision")
     }
 
+    /// Writes `key` = `value` attached to lease `lease`; returns the revision of the write.
+    pub async fn put_with_lease(&self, key: &str, value: &str, lease: i64) -> i64 {
+        let body = json!({
+            "key": base64_encode(key.as_bytes()),
+            "value": base64_encode(value.as_bytes()),
+            "lease": lease.to_string(),
+        });
+        let reply = self.kv(None, "/v3/kv/put", body).await;
+        uint(&reply["header"]["revision"]).expect("put reply has a revision")
+    }
+
     /// The cluster's current revision (1 on a fresh cluster).
     pub async fn revision(&self) -> i64 {
         let probe = base64_encode(b"railguard-test-revision-probe");
         let reply = self.kv(None, "/v3/kv/range", json!({ "key": probe })).await;
         uint(&reply["header"]["revision"]).expect("range reply has a revision")
+    }
+
+    /// The ids of every lease that exists now (granted, neither revoked nor expired), from
+    /// `/v3/lease/leases`, sorted.
+    pub async fn leases(&self) -> Vec<i64> {
+        let reply = self.kv(None, "/v3/lease/leases", json!({})).await;
+        let mut ids: Vec<i64> = reply["leases"]
+            .as_array()
+            .map(|leases| leases.iter().filter_map(|l| uint(&l["ID"])).collect())
+            .unwrap_or_default();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Lease `id`'s `(remaining, granted)` TTL in seconds from `/v3/lease/timetolive`, or `None`
+    /// when it does not exist. etcd rounds the remaining TTL down to whole seconds, so a
+    /// live lease may have 0 left.
+    pub async fn lease_ttl(&self, id: i64) -> Option<(i64, i64)> {
+        let reply = self
+            .kv(
+                None,
+                "/v3/lease/timetolive",
+                json!({ "ID": id.to_string() }),
+            )
+            .await;
+        // A lease that is gone has TTL -1; one in its last second has TTL 0, which the
+        // gateway omits like every zero.
+        let remaining = match &reply["TTL"] {
+            Value::Null => 0,
+            Value::String(s) => s.parse::<i64>().expect("TTL is a decimal string"),
+            other => other.as_i64().expect("TTL is a number"),
+        };
+        (remaining >= 0).then(|| (remaining, uint(&reply["grantedTTL"]).unwrap_or(0)))
+    }
+
+    /// Grants a lease of `ttl_secs` seconds (etcd may raise it to its minimum); returns its id.
+    pub async fn grant_lease(&self, ttl_secs: i64) -> i64 {
+        let body = json!({ "TTL": ttl_secs.to_string() });
+        let reply = self.kv(None, "/v3/lease/grant", body).await;
+        uint(&reply["ID"]).expect("grant reply has an ID")
+    }
+
+    /// Revokes lease `id` (deleting its keys), as its expiry would; true if it existed.
+    pub async fn revoke_lease(&self, id: i64) -> bool {
+        let body = json!({ "ID": id.to_string() });
+        // The gateway answers a missing lease with a non-200 error, which `kv` would retry.
+        for i in 0..self.members.len() {
+            if self.state(i) != MemberState::Running {
+                continue;
+            }
+            let url = format!("{}/v3/lease/revoke", self.members[i].endpoint());
+            match self.post(&url, body.clone()).await {
+                Ok(_) => return true,
+                Err(e) if e.contains("requested lease not found") => return false,
+                Err(_) => continue,
+            }
+        }
+        panic!("no running etcd member revoked lease {id}");
+    }
+
+    /// Member `i`'s lease counters since it started, from its `/metrics`. Grants and revokes
+    /// are counted by every member as it applies them; keep-alives only by the leader, so on
+    /// a three-member cluster `renewed` is the leader's share.
+    pub async fn lease_counts(&self, i: usize) -> LeaseCounts {
+        let url = format!("{}/metrics", self.members[i].endpoint());
+        let request = Request::get(url).body(Full::new(Bytes::new())).unwrap();
+        let reply = timeout(REQUEST_TIMEOUT, self.http.send(request))
+            .await
+            .unwrap_or_else(|_| panic!("etcd member {i} /metrics within {REQUEST_TIMEOUT:?}"))
+            .unwrap_or_else(|e| panic!("etcd member {i} /metrics: {e}"));
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+        // Read line by line: etcd also exposes summaries, which the strict
+        // `Metrics` parser (made for railguard's own exposition) does not take.
+        let count = |name: &str| {
+            let name = format!("etcd_debugging_lease_{name}_total ");
+            let value = reply
+                .body
+                .lines()
+                .find_map(|line| line.strip_prefix(name.as_str()))
+                .unwrap_or_else(|| panic!("etcd member {i} exposes no {name}"));
+            value
+                .trim()
+                .parse::<f64>()
+                .unwrap_or_else(|_| panic!("{name}: not a number: {value}")) as u64
+        };
+        LeaseCounts {
+            granted: count("granted"),
+            revoked: count("revoked"),
+            renewed: count("renewed"),
+        }
     }
 
     /// Sends a KV request to the first running member (or only to member `only`) that answers
