@@ -35,11 +35,10 @@ use crate::pgbench::Pgbench;
 pub(crate) use crate::report::{Environment, Report, Sample};
 use crate::{cpu, etcd, load, locks, pgbench, rss};
 use railguard::config::Config;
-use railguard::db::server::{PostgresServer, ServerError, ServerOptions};
 use railguard::http_server;
 use railguard::railsim::RailSim;
 use railguard::server::{self, ServeError};
-use railguard_testkit::free_loopback_port;
+use railguard_testkit::{LaunchError, Pg, free_loopback_port};
 
 /// The token every accepted request carries. Equal tokens are accepted, so a fixed token per
 /// account keeps every request accepted while each still commits a real compare-and-set.
@@ -190,8 +189,8 @@ const FEW_ACCOUNTS: [u64; 2] = [64, 1];
 /// The benchmark could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum BenchError {
-    #[error("PostgreSQL: {0}")]
-    Postgres(#[from] ServerError),
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
     #[error("{what}: {source}")]
     Io {
         what: &'static str,
@@ -214,28 +213,25 @@ pub(crate) async fn run(options: BenchOptions) -> Result<Report, BenchError> {
                 source,
             })
     };
-    let pg_dir = temp_dir("railguard-bench-pg-")?;
     let work_dir = temp_dir("railguard-bench-")?;
-    let server_options = ServerOptions {
-        data_dir: pg_dir.path().join("data"),
-        port: free_loopback_port(),
-        durable: true,
-        access: railguard::db::Access::Loopback,
-    };
-    let mut postgres = PostgresServer::init(server_options).await?;
+    eprintln!("bench: starting PostgreSQL (durable) under /var/tmp");
+    let mut postgres = Pg::builder()
+        .durable(true)
+        .temp_dir_in("/var/tmp")
+        .start()
+        .await?;
     eprintln!(
-        "bench: starting PostgreSQL (durable) in {}",
-        pg_dir.path().display()
+        "bench: PostgreSQL (durable) runs in {}",
+        postgres.server.data_dir().display()
     );
-    postgres.start().await?;
     let result = with_postgres(&options, &postgres, work_dir.path()).await;
-    postgres.stop().await;
+    postgres.server.stop().await;
     result
 }
 
 async fn with_postgres(
     options: &BenchOptions,
-    postgres: &PostgresServer,
+    postgres: &Pg,
     work_dir: &Path,
 ) -> Result<Report, BenchError> {
     let rail = Rail::start().await?;
@@ -315,7 +311,7 @@ async fn with_postgres(
     }
     rail.stop().await;
     let mut report = result?;
-    report.environment.postgres = postgres_version(postgres.bin_dir()).await;
+    report.environment.postgres = postgres.version().await;
     if options.runs(Suite::Etcd) {
         report.environment.etcd = etcd::version().await;
     }
@@ -360,7 +356,7 @@ struct Bench<'a> {
     unfenced: Option<&'a Proxy>,
     /// Only with the etcd suite.
     etcd: Option<EtcdSetup>,
-    postgres: &'a PostgresServer,
+    postgres: &'a Pg,
     work_dir: &'a Path,
 }
 
@@ -574,8 +570,8 @@ impl Bench<'_> {
     async fn measure_pgbench(&self, script: String, clients: usize) -> Sample {
         let o = self.options;
         let pgbench = |duration| Pgbench {
-            bin_dir: self.postgres.bin_dir().to_path_buf(),
-            port: self.postgres.port(),
+            bin_dir: self.postgres.server.bin_dir().to_path_buf(),
+            port: self.postgres.server.port(),
             clients,
             duration,
             script: script.clone(),
@@ -865,20 +861,6 @@ impl Environment {
             postgres: String::new(),
             etcd: String::new(),
         }
-    }
-}
-
-async fn postgres_version(bin_dir: &Path) -> String {
-    match tokio::process::Command::new(bin_dir.join("postgres"))
-        .arg("--version")
-        .output()
-        .await
-    {
-        Ok(out) => String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .trim_start_matches("postgres (PostgreSQL) ")
-            .to_string(),
-        Err(_) => "unknown".into(),
     }
 }
 
