@@ -11,9 +11,9 @@
 //! so that a noisy stretch of time lands on every phase rather than on one, each after a short
 //! warm-up. Every load is bounded both in time and in number of requests.
 //!
-//! The rail simulator records every payment in memory. It is swapped for an empty one around
-//! each measured run, which keeps memory bounded and lets the run check what the rail saw: a
-//! forwarded phase must deliver exactly its successful answers, the stale phase nothing.
+//! The rail simulator records every payment in memory. Its ledger is swapped for an empty one
+//! around each measured run, which keeps memory bounded and lets the run check what the rail
+//! saw: a forwarded phase must deliver exactly its successful answers, the stale phase nothing.
 //!
 //! The load generator shares the process, the tokio runtime and the CPUs with the proxies and
 //! the simulator, and PostgreSQL and pgbench share the machine: on a small machine every row
@@ -22,7 +22,6 @@
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::StatusCode;
@@ -35,10 +34,8 @@ use crate::pgbench::Pgbench;
 pub(crate) use crate::report::{Environment, Report, Sample};
 use crate::{cpu, etcd, load, locks, pgbench, rss};
 use railguard::config::Config;
-use railguard::http_server;
-use railguard::railsim::RailSim;
 use railguard::server::{self, ServeError};
-use railguard_testkit::{LaunchError, Pg, free_loopback_port};
+use railguard_testkit::{LaunchError, Pg, Rail, free_loopback_port};
 
 /// The token every accepted request carries. Equal tokens are accepted, so a fixed token per
 /// account keeps every request accepted while each still commits a real compare-and-set.
@@ -234,7 +231,7 @@ async fn with_postgres(
     postgres: &Pg,
     work_dir: &Path,
 ) -> Result<Report, BenchError> {
-    let rail = Rail::start().await?;
+    let rail = Rail::try_start().await?;
     let mut proxies = Vec::new();
     let mut etcd_node = None;
     let setup = async {
@@ -377,7 +374,7 @@ impl Bench<'_> {
                 o.connections,
             )
             .await?;
-            self.rail.reset();
+            self.rail.clear_ledger();
         }
 
         let mut samples: Vec<(Phase, Vec<Sample>)> =
@@ -415,7 +412,7 @@ impl Bench<'_> {
                 o.rss_connections,
             )
             .await;
-            self.rail.reset();
+            self.rail.clear_ledger();
             match &rss {
                 Ok(r) => eprintln!(
                     "bench: RSS idle {:.1} MiB, with {} of {} connections open {:.1} MiB, peak {:.1} MiB",
@@ -519,11 +516,11 @@ impl Bench<'_> {
         if !o.warmup.is_zero() {
             load::run(&load(target, accounts.clone(), token, o.warmup)).await;
         }
-        self.rail.reset();
+        self.rail.clear_ledger();
         let before = self.snapshot();
         let result = load::run(&load(target, accounts, token, o.duration)).await;
         let cpu = before.until(&self.snapshot());
-        let delivered = self.rail.reset();
+        let delivered = self.rail.clear_ledger();
         let should_deliver = if expect == StatusCode::CONFLICT {
             0
         } else {
@@ -686,63 +683,6 @@ async fn advance_all(
             .map_err(BenchError::Setup)?;
     }
     Ok(())
-}
-
-/// The rail simulator on a port-0 listener, behind a switch that swaps in an empty simulator.
-struct Rail {
-    addr: SocketAddr,
-    current: Arc<Mutex<RailSim>>,
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<()>,
-}
-
-impl Rail {
-    async fn start() -> Result<Self, BenchError> {
-        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .await
-            .map_err(|source| BenchError::Io {
-                what: "cannot bind the rail simulator",
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| BenchError::Io {
-            what: "rail simulator address",
-            source,
-        })?;
-        let current = Arc::new(Mutex::new(RailSim::new(Duration::ZERO)));
-        let (stop, stopped) = oneshot::channel::<()>();
-        let switch = current.clone();
-        let task = tokio::spawn(http_server::serve(
-            listener,
-            move |_peer| {
-                let switch = switch.clone();
-                hyper::service::service_fn(move |request| {
-                    let sim = switch.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                    sim.handle(request)
-                })
-            },
-            async move {
-                let _ = stopped.await;
-            },
-            Duration::from_secs(2),
-        ));
-        Ok(Self {
-            addr,
-            current,
-            stop,
-            task,
-        })
-    }
-
-    /// Swaps in an empty simulator and returns how many payments the old one received.
-    fn reset(&self) -> usize {
-        let old = std::mem::take(&mut *self.current.lock().unwrap_or_else(|p| p.into_inner()));
-        old.ledger().len()
-    }
-
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        let _ = self.task.await;
-    }
 }
 
 /// The defaults, with the pool size asked for; the caller sets addresses and the database.
