@@ -1,11 +1,14 @@
 //! The benchmark run: what the fence costs, as ratios against baselines measured in the same
 //! run on the same machine.
 //!
-//! One process starts everything on loopback: a throwaway *durable* PostgreSQL (fsync and
-//! synchronous_commit on, as in production), the rail simulator, and two proxies through
-//! [`server::run`] — one enforcing, one with `fencing.enforce = false` — both on that
-//! PostgreSQL. Two instances rather than a restart, so that switching phases never waits for
-//! a restart and each proxy's caches and pools stay warm across repetitions.
+//! One process starts everything on loopback, with the test kit's launchers: a throwaway
+//! *durable* PostgreSQL ([`Pg`], fsync and synchronous_commit on, as in production), the rail
+//! simulator ([`Rail`]), and two proxies through [`server::run`] — one enforcing, one with
+//! `fencing.enforce = false` — both on that PostgreSQL; for the etcd suite also a one-member
+//! etcd ([`EtcdCluster`]) and a third proxy whose lock backend it is. Two proxy instances
+//! rather than a restart, so that switching phases never waits for a restart and each proxy's
+//! caches and pools stay warm across repetitions. PostgreSQL's and etcd's data live under
+//! /var/tmp, not /tmp: /tmp may be a tmpfs, where fsync costs nothing.
 //!
 //! Phases (see [`Phase`]) run `repeats` times, interleaved round-robin (A1 B1 C1 … A2 B2 C2 …)
 //! so that a noisy stretch of time lands on every phase rather than on one, each after a short
@@ -32,10 +35,11 @@ use crate::load::{Accounts, Connection, Load, LoadResult};
 use crate::locks::CycleLoad;
 use crate::pgbench::Pgbench;
 pub(crate) use crate::report::{Environment, Report, Sample};
-use crate::{cpu, etcd, load, locks, pgbench, rss};
+use crate::{cpu, load, locks, pgbench, rss};
 use railguard::config::Config;
 use railguard::server::{self, ServeError};
-use railguard_testkit::{LaunchError, Pg, Rail, free_loopback_port};
+use railguard_testkit::etcd::MemberState;
+use railguard_testkit::{EtcdCluster, LaunchError, Pg, Rail, free_loopback_port};
 
 /// The token every accepted request carries. Equal tokens are accepted, so a fixed token per
 /// account keeps every request accepted while each still commits a real compare-and-set.
@@ -233,7 +237,7 @@ async fn with_postgres(
 ) -> Result<Report, BenchError> {
     let rail = Rail::try_start().await?;
     let mut proxies = Vec::new();
-    let mut etcd_node = None;
+    let mut etcd_cluster = None;
     let setup = async {
         // One after the other: each migrates the same database on start. Before any starts,
         // the schema is made and the grant-proof key seeded with the benchmark's own, so that
@@ -255,14 +259,16 @@ async fn with_postgres(
         }
         let mut etcd = None;
         if options.runs(Suite::Etcd) {
-            let dir = work_dir.join("etcd");
-            std::fs::create_dir_all(&dir).map_err(|source| BenchError::Io {
-                what: "cannot create the etcd directory",
-                source,
-            })?;
-            eprintln!("bench: starting etcd in {}", dir.display());
-            let node = etcd_node.insert(etcd::EtcdNode::start(&dir).await?);
-            let endpoint = node.endpoint.clone();
+            eprintln!("bench: starting etcd (one member) under /var/tmp");
+            // Its data on a disk, so its fsyncs cost what they do in production; etcd's own
+            // quota, as the run writes without compacting.
+            let cluster = EtcdCluster::builder()
+                .temp_dir_in("/var/tmp")
+                .quota_backend_bytes(None)
+                .start()
+                .await?;
+            let (endpoint, pid) = (cluster.endpoint(0), cluster.pid(0));
+            etcd_cluster = Some(cluster);
             let proxy = Proxy::start(
                 rail.addr,
                 &url,
@@ -280,7 +286,7 @@ async fn with_postgres(
             etcd = Some(EtcdSetup {
                 lock_addr,
                 client,
-                pid: etcd_node.as_ref().and_then(etcd::EtcdNode::pid),
+                pid,
             });
         }
         Ok::<_, BenchError>(etcd)
@@ -303,14 +309,16 @@ async fn with_postgres(
     for proxy in proxies {
         proxy.stop().await;
     }
-    if let Some(node) = etcd_node {
-        node.stop().await;
+    if let Some(mut cluster) = etcd_cluster
+        && cluster.state(0) != MemberState::Stopped
+    {
+        cluster.kill(0).await;
     }
     rail.stop().await;
     let mut report = result?;
     report.environment.postgres = postgres.version().await;
     if options.runs(Suite::Etcd) {
-        report.environment.etcd = etcd::version().await;
+        report.environment.etcd = EtcdCluster::version().await;
     }
     Ok(report)
 }

@@ -23,7 +23,7 @@ mod rail;
 pub mod relay;
 mod serve;
 
-pub use etcd::EtcdCluster;
+pub use etcd::{EtcdBuilder, EtcdCluster};
 pub use http::{Http, Reply};
 pub use pg::{Pg, PgBuilder};
 pub use process::children_of;
