@@ -281,7 +281,7 @@ async fn a_database_outage_logs_no_error_lines() {
         http.pay_with(&rg, 3, "acct-o").await.status,
         StatusCode::CREATED
     );
-    pg.server.kill().await;
+    pg.kill().await;
     for _ in 0..20 {
         let reply = http.pay_with(&rg, 3, "acct-o").await;
         assert_eq!(
@@ -391,7 +391,7 @@ async fn a_completion_lost_to_a_database_crash_is_stored_when_it_returns() {
     }
     assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
     tokio::time::sleep(Duration::from_millis(300)).await; // let the record's commit reach disk
-    pg.server.kill().await;
+    pg.kill().await;
     let first = original.await.unwrap();
     assert_eq!(
         first.status,

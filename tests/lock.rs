@@ -120,7 +120,7 @@ impl LockWorld {
 
     async fn stop_backend(&mut self) {
         match self.backend {
-            Backend::Postgres => self.pg.server.kill().await,
+            Backend::Postgres => self.pg.kill().await,
             Backend::Etcd => self.etcd.as_mut().unwrap().kill(0).await,
         }
     }

@@ -437,7 +437,7 @@ async fn postgres_down_means_503_and_nothing_forwarded_then_recovery() {
     );
 
     // A crash: connections die, nothing answers.
-    pg.server.kill().await;
+    pg.kill().await;
     for token in [11, 12] {
         let reply = http.pay_with(&rg, token, "k").await;
         assert_eq!(
@@ -496,9 +496,9 @@ async fn postgres_that_stops_answering_gets_503_within_the_database_timeout() {
         http.pay_with(&rg, 10, "k").await.status,
         StatusCode::CREATED
     );
-    pg.server.pause().await;
+    pg.pause().await;
     let reply = http.pay_with(&rg, 11, "k").await;
-    pg.server.resume().await;
+    pg.resume().await;
     assert_eq!(
         reply.status,
         StatusCode::SERVICE_UNAVAILABLE,

@@ -84,8 +84,9 @@ impl Database {
                     data_dir: config.data_dir.clone(),
                     // The socket file is named after the port; no TCP port is opened.
                     port: 5432,
-                    durable: true,
                     access: Access::Socket,
+                    settings: Vec::new(),
+                    initdb_args: Vec::new(),
                 };
                 let mut server = PostgresServer::init(options).await?;
                 server.start().await?;

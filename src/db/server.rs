@@ -1,10 +1,15 @@
-//! A private PostgreSQL server run from the installed server binaries.
+//! A private PostgreSQL server run from the installed server binaries, for
+//! `database.url = "embedded"`: railguard owns a cluster in its data directory for its whole
+//! life, so nobody has to install, configure and secure a PostgreSQL to try it or to run a
+//! single instance.
 //!
-//! Two users: `database.url = "embedded"`, where railguard owns a cluster in its data
-//! directory for its whole life, and the test harness, which needs throwaway clusters it can
-//! stop, kill, pause and restart. Both need the same things done right: find the binaries,
-//! `initdb` once, run the server as an unprivileged user when we are root (PostgreSQL refuses
-//! root), listen on loopback only, and notice when the server dies during start-up.
+//! What that needs done right lives here: find the binaries, `initdb` once, run the server as
+//! an unprivileged user when we are root (PostgreSQL refuses root), let no other local user
+//! reach it, and notice when the server dies, during start-up or later. The test kit
+//! (`crates/railguard-testkit`) starts its throwaway clusters through this same type, so the
+//! tests run this code; what only tests want stays there: it passes its own server settings
+//! ([`ServerOptions::settings`], e.g. fsync off) and listens on loopback ([`Access::Loopback`]),
+//! and it kills and pauses a cluster itself, by signalling [`PostgresServer::pid`].
 //!
 //! The server is our child process, started with `postgres -D` rather than `pg_ctl`, so that
 //! we hold its pid and can signal it directly. It runs in its own process group, so a Ctrl-C
@@ -72,10 +77,14 @@ pub struct ServerOptions {
     pub data_dir: PathBuf,
     /// Loopback TCP port to listen on.
     pub port: u16,
-    /// Turn off fsync: only for throwaway test clusters. A killed server still loses nothing
-    /// (the OS keeps the writes); only a machine crash would.
-    pub durable: bool,
     pub access: Access,
+    /// Extra server settings, `(name, value)`, passed as `-c name=value` after railguard's
+    /// own so that they win. The embedded server has none; the test kit turns fsync off for
+    /// its throwaway clusters.
+    pub settings: Vec<(String, String)>,
+    /// Extra `initdb` arguments (the test kit's throwaway clusters skip its fsync with
+    /// `--no-sync`). The embedded server has none.
+    pub initdb_args: Vec<String>,
 }
 
 /// A PostgreSQL server child process. Dropping it kills the server.
@@ -150,7 +159,8 @@ impl PostgresServer {
         &self.bin_dir
     }
 
-    /// The server's pid while it runs.
+    /// The postmaster's pid while it runs (its backends are its children): for whoever must
+    /// signal the server itself, such as the test kit's kill and pause.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().and_then(|c| c.id())
     }
@@ -192,9 +202,7 @@ impl PostgresServer {
             "UTF8",
             "--locale=C",
         ]);
-        if !self.options.durable {
-            initdb.arg("--no-sync");
-        }
+        initdb.args(&self.options.initdb_args);
         let out = initdb.output().await.map_err(|e| ServerError::Command {
             program: "initdb".into(),
             message: e.to_string(),
@@ -269,8 +277,8 @@ impl PostgresServer {
             .stderr(log2)
             .kill_on_drop(true)
             .process_group(0);
-        if !self.options.durable {
-            cmd.args(["-c", "fsync=off", "-c", "full_page_writes=off"]);
+        for (name, value) in &self.options.settings {
+            cmd.arg("-c").arg(format!("{name}={value}"));
         }
         let child = cmd.spawn().map_err(|e| ServerError::Command {
             program: "postgres".into(),
@@ -355,8 +363,8 @@ impl PostgresServer {
         signal(pid, "KILL").await;
     }
 
-    /// Resolves when the running server exits on its own (it crashed, or was killed). Pending
-    /// forever when it is not running.
+    /// Resolves when the running server exits on its own (it crashed, or was killed), after
+    /// which [`start`](Self::start) starts a new one. Pending forever when it is not running.
     pub async fn exited(&mut self) -> String {
         match self.child.as_mut() {
             Some(child) => {
@@ -386,45 +394,6 @@ impl PostgresServer {
         }
     }
 
-    /// SIGKILL: a crash. The next start runs crash recovery.
-    pub async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let backends = child.id().map(children_of).unwrap_or_default();
-            let _ = child.kill().await;
-            // Orphaned backends notice the postmaster is gone and exit; until they have, the
-            // shared memory is attached and a new server would refuse to start.
-            for _ in 0..200 {
-                if !backends
-                    .iter()
-                    .any(|pid| Path::new(&format!("/proc/{pid}")).exists())
-                {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-
-    /// SIGSTOP / SIGCONT to the postmaster and every backend: a server that stops answering
-    /// without closing its sockets (a VM pause, a partition that drops packets).
-    pub async fn pause(&self) {
-        if let Some(pid) = self.pid() {
-            for backend in children_of(pid) {
-                signal(backend, "STOP").await;
-            }
-            signal(pid, "STOP").await;
-        }
-    }
-
-    pub async fn resume(&self) {
-        if let Some(pid) = self.pid() {
-            signal(pid, "CONT").await;
-            for backend in children_of(pid) {
-                signal(backend, "CONT").await;
-            }
-        }
-    }
-
     /// The last lines of the server's log, for error messages.
     pub fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
@@ -449,24 +418,6 @@ async fn signal(pid: u32, name: &str) {
         .stderr(Stdio::null())
         .status()
         .await;
-}
-
-/// Pids whose parent is `pid`, from /proc.
-fn children_of(pid: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
-            // `pid (comm) state ppid ...`; comm may hold spaces, so split after the last ')'.
-            let after = &stat[stat.rfind(')')? + 1..];
-            let ppid: u32 = after.split_whitespace().nth(1)?.parse().ok()?;
-            (ppid == pid)
-                .then(|| e.file_name().to_string_lossy().parse().ok())
-                .flatten()
-        })
-        .collect()
 }
 
 /// Takes the data directory's lock file (`<data_dir>.lock`, beside it), or says who has it.

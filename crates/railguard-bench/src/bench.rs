@@ -1,19 +1,22 @@
 //! The benchmark run: what the fence costs, as ratios against baselines measured in the same
 //! run on the same machine.
 //!
-//! One process starts everything on loopback: a throwaway *durable* PostgreSQL (fsync and
-//! synchronous_commit on, as in production), the rail simulator, and two proxies through
-//! [`server::run`] — one enforcing, one with `fencing.enforce = false` — both on that
-//! PostgreSQL. Two instances rather than a restart, so that switching phases never waits for
-//! a restart and each proxy's caches and pools stay warm across repetitions.
+//! One process starts everything on loopback, with the test kit's launchers: a throwaway
+//! *durable* PostgreSQL ([`Pg`], fsync and synchronous_commit on, as in production), the rail
+//! simulator ([`Rail`]), and two proxies through [`server::run`] — one enforcing, one with
+//! `fencing.enforce = false` — both on that PostgreSQL; for the etcd suite also a one-member
+//! etcd ([`EtcdCluster`]) and a third proxy whose lock backend it is. Two proxy instances
+//! rather than a restart, so that switching phases never waits for a restart and each proxy's
+//! caches and pools stay warm across repetitions. PostgreSQL's and etcd's data live under
+//! /var/tmp, not /tmp: /tmp may be a tmpfs, where fsync costs nothing.
 //!
 //! Phases (see [`Phase`]) run `repeats` times, interleaved round-robin (A1 B1 C1 … A2 B2 C2 …)
 //! so that a noisy stretch of time lands on every phase rather than on one, each after a short
 //! warm-up. Every load is bounded both in time and in number of requests.
 //!
-//! The rail simulator records every payment in memory. It is swapped for an empty one around
-//! each measured run, which keeps memory bounded and lets the run check what the rail saw: a
-//! forwarded phase must deliver exactly its successful answers, the stale phase nothing.
+//! The rail simulator records every payment in memory. Its ledger is swapped for an empty one
+//! around each measured run, which keeps memory bounded and lets the run check what the rail
+//! saw: a forwarded phase must deliver exactly its successful answers, the stale phase nothing.
 //!
 //! The load generator shares the process, the tokio runtime and the CPUs with the proxies and
 //! the simulator, and PostgreSQL and pgbench share the machine: on a small machine every row
@@ -22,7 +25,6 @@
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::StatusCode;
@@ -33,12 +35,11 @@ use crate::load::{Accounts, Connection, Load, LoadResult};
 use crate::locks::CycleLoad;
 use crate::pgbench::Pgbench;
 pub(crate) use crate::report::{Environment, Report, Sample};
-use crate::{cpu, etcd, load, locks, pgbench, rss};
+use crate::{cpu, load, locks, pgbench, rss};
 use railguard::config::{Config, DatabaseUrl, LockBackendKind, Upstream};
-use railguard::db::server::{PostgresServer, ServerError, ServerOptions};
-use railguard::railsim::RailSim;
 use railguard::server::{self, ServeError};
-use railguard_testkit::free_loopback_port;
+use railguard_testkit::etcd::MemberState;
+use railguard_testkit::{EtcdCluster, LaunchError, Pg, Rail};
 
 /// The token every accepted request carries. Equal tokens are accepted, so a fixed token per
 /// account keeps every request accepted while each still commits a real compare-and-set.
@@ -189,8 +190,8 @@ const FEW_ACCOUNTS: [u64; 2] = [64, 1];
 /// The benchmark could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum BenchError {
-    #[error("PostgreSQL: {0}")]
-    Postgres(#[from] ServerError),
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
     #[error("{what}: {source}")]
     Io {
         what: &'static str,
@@ -213,33 +214,30 @@ pub(crate) async fn run(options: BenchOptions) -> Result<Report, BenchError> {
                 source,
             })
     };
-    let pg_dir = temp_dir("railguard-bench-pg-")?;
     let work_dir = temp_dir("railguard-bench-")?;
-    let server_options = ServerOptions {
-        data_dir: pg_dir.path().join("data"),
-        port: free_loopback_port(),
-        durable: true,
-        access: railguard::db::Access::Loopback,
-    };
-    let mut postgres = PostgresServer::init(server_options).await?;
+    eprintln!("bench: starting PostgreSQL (durable) under /var/tmp");
+    let mut postgres = Pg::builder()
+        .durable(true)
+        .temp_dir_in("/var/tmp")
+        .start()
+        .await?;
     eprintln!(
-        "bench: starting PostgreSQL (durable) in {}",
-        pg_dir.path().display()
+        "bench: PostgreSQL (durable) runs in {}",
+        postgres.server.data_dir().display()
     );
-    postgres.start().await?;
     let result = with_postgres(&options, &postgres, work_dir.path()).await;
-    postgres.stop().await;
+    postgres.server.stop().await;
     result
 }
 
 async fn with_postgres(
     options: &BenchOptions,
-    postgres: &PostgresServer,
+    postgres: &Pg,
     work_dir: &Path,
 ) -> Result<Report, BenchError> {
-    let rail = Rail::start().await?;
+    let rail = Rail::try_start().await?;
     let mut proxies = Vec::new();
-    let mut etcd_node = None;
+    let mut etcd_cluster = None;
     let setup = async {
         // One after the other: each migrates the same database on start. Before any starts,
         // the schema is made and the grant-proof key seeded with the benchmark's own, so that
@@ -261,14 +259,16 @@ async fn with_postgres(
         }
         let mut etcd = None;
         if options.runs(Suite::Etcd) {
-            let dir = work_dir.join("etcd");
-            std::fs::create_dir_all(&dir).map_err(|source| BenchError::Io {
-                what: "cannot create the etcd directory",
-                source,
-            })?;
-            eprintln!("bench: starting etcd in {}", dir.display());
-            let node = etcd_node.insert(etcd::EtcdNode::start(&dir).await?);
-            let endpoint = node.endpoint.clone();
+            eprintln!("bench: starting etcd (one member) under /var/tmp");
+            // Its data on a disk, so its fsyncs cost what they do in production; etcd's own
+            // quota, as the run writes without compacting.
+            let cluster = EtcdCluster::builder()
+                .temp_dir_in("/var/tmp")
+                .quota_backend_bytes(None)
+                .start()
+                .await?;
+            let (endpoint, pid) = (cluster.endpoint(0), cluster.pid(0));
+            etcd_cluster = Some(cluster);
             let proxy = Proxy::start(
                 rail.addr,
                 &url,
@@ -286,7 +286,7 @@ async fn with_postgres(
             etcd = Some(EtcdSetup {
                 lock_addr,
                 client,
-                pid: etcd_node.as_ref().and_then(etcd::EtcdNode::pid),
+                pid,
             });
         }
         Ok::<_, BenchError>(etcd)
@@ -309,14 +309,16 @@ async fn with_postgres(
     for proxy in proxies {
         proxy.stop().await;
     }
-    if let Some(node) = etcd_node {
-        node.stop().await;
+    if let Some(mut cluster) = etcd_cluster
+        && cluster.state(0) != MemberState::Stopped
+    {
+        cluster.kill(0).await;
     }
     rail.stop().await;
     let mut report = result?;
-    report.environment.postgres = postgres_version(postgres.bin_dir()).await;
+    report.environment.postgres = postgres.version().await;
     if options.runs(Suite::Etcd) {
-        report.environment.etcd = etcd::version().await;
+        report.environment.etcd = EtcdCluster::version().await;
     }
     Ok(report)
 }
@@ -359,7 +361,7 @@ struct Bench<'a> {
     unfenced: Option<&'a Proxy>,
     /// Only with the etcd suite.
     etcd: Option<EtcdSetup>,
-    postgres: &'a PostgresServer,
+    postgres: &'a Pg,
     work_dir: &'a Path,
 }
 
@@ -380,7 +382,7 @@ impl Bench<'_> {
                 o.connections,
             )
             .await?;
-            self.rail.reset();
+            self.rail.clear_ledger();
         }
 
         let mut samples: Vec<(Phase, Vec<Sample>)> =
@@ -418,7 +420,7 @@ impl Bench<'_> {
                 o.rss_connections,
             )
             .await;
-            self.rail.reset();
+            self.rail.clear_ledger();
             match &rss {
                 Ok(r) => eprintln!(
                     "bench: RSS idle {:.1} MiB, with {} of {} connections open {:.1} MiB, peak {:.1} MiB",
@@ -522,11 +524,11 @@ impl Bench<'_> {
         if !o.warmup.is_zero() {
             load::run(&load(target, accounts.clone(), token, o.warmup)).await;
         }
-        self.rail.reset();
+        self.rail.clear_ledger();
         let before = self.snapshot();
         let result = load::run(&load(target, accounts, token, o.duration)).await;
         let cpu = before.until(&self.snapshot());
-        let delivered = self.rail.reset();
+        let delivered = self.rail.clear_ledger();
         let should_deliver = if expect == StatusCode::CONFLICT {
             0
         } else {
@@ -573,8 +575,8 @@ impl Bench<'_> {
     async fn measure_pgbench(&self, script: String, clients: usize) -> Sample {
         let o = self.options;
         let pgbench = |duration| Pgbench {
-            bin_dir: self.postgres.bin_dir().to_path_buf(),
-            port: self.postgres.port(),
+            bin_dir: self.postgres.server.bin_dir().to_path_buf(),
+            port: self.postgres.server.port(),
             clients,
             duration,
             script: script.clone(),
@@ -689,63 +691,6 @@ async fn advance_all(
             .map_err(BenchError::Setup)?;
     }
     Ok(())
-}
-
-/// The rail simulator on a port-0 listener, behind a switch that swaps in an empty simulator.
-struct Rail {
-    addr: SocketAddr,
-    current: Arc<Mutex<RailSim>>,
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<()>,
-}
-
-impl Rail {
-    async fn start() -> Result<Self, BenchError> {
-        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .await
-            .map_err(|source| BenchError::Io {
-                what: "cannot bind the rail simulator",
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| BenchError::Io {
-            what: "rail simulator address",
-            source,
-        })?;
-        let current = Arc::new(Mutex::new(RailSim::new(Duration::ZERO)));
-        let (stop, stopped) = oneshot::channel::<()>();
-        let switch = current.clone();
-        let task = tokio::spawn(railguard::http::serve(
-            listener,
-            move |_peer| {
-                let switch = switch.clone();
-                hyper::service::service_fn(move |request| {
-                    let sim = switch.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                    sim.handle(request)
-                })
-            },
-            async move {
-                let _ = stopped.await;
-            },
-            Duration::from_secs(2),
-        ));
-        Ok(Self {
-            addr,
-            current,
-            stop,
-            task,
-        })
-    }
-
-    /// Swaps in an empty simulator and returns how many payments the old one received.
-    fn reset(&self) -> usize {
-        let old = std::mem::take(&mut *self.current.lock().unwrap_or_else(|p| p.into_inner()));
-        old.ledger().len()
-    }
-
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        let _ = self.task.await;
-    }
 }
 
 /// The defaults, with the pool size asked for; the caller sets addresses and the database.
@@ -875,20 +820,6 @@ impl Environment {
             postgres: String::new(),
             etcd: String::new(),
         }
-    }
-}
-
-async fn postgres_version(bin_dir: &Path) -> String {
-    match tokio::process::Command::new(bin_dir.join("postgres"))
-        .arg("--version")
-        .output()
-        .await
-    {
-        Ok(out) => String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .trim_start_matches("postgres (PostgreSQL) ")
-            .to_string(),
-        Err(_) => "unknown".into(),
     }
 }
 

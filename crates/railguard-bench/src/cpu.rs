@@ -7,7 +7,9 @@
 //! disk or ran out of CPU; CPU time per request can, and comparing a proxied phase with the
 //! direct one estimates what the proxy itself costs per request.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use railguard_testkit::children_of;
 
 /// `/proc` reports process times in USER_HZ, which is 100 on every Linux architecture
 /// regardless of the kernel's internal tick rate.
@@ -49,18 +51,17 @@ impl Snapshot {
         // A backend's time moves into the postmaster's cutime/cstime when it exits, so the
         // postmaster's own and reaped time plus its live children's time only ever grows.
         let postgres = postmaster.map_or(0, |pid| {
-            let root = process_ticks(&Path::new("/proc").join(pid.to_string()).join("stat"));
+            let root = process_ticks(&stat_of(pid));
             let (own, reaped) = root.unwrap_or_default();
             own + reaped
                 + children_of(pid)
-                    .iter()
-                    .filter_map(|c| process_ticks(&c.join("stat")))
+                    .into_iter()
+                    .filter_map(|c| process_ticks(&stat_of(c)))
                     .map(|t| t.0)
                     .sum::<u64>()
         });
         let etcd = etcd.map_or(0, |pid| {
-            let stat = Path::new("/proc").join(pid.to_string()).join("stat");
-            process_ticks(&stat).map_or(0, |(own, reaped)| own + reaped)
+            process_ticks(&stat_of(pid)).map_or(0, |(own, reaped)| own + reaped)
         });
         Self {
             machine_busy,
@@ -108,6 +109,11 @@ fn machine_ticks() -> Option<(u64, u64)> {
     Some((total - idle, total))
 }
 
+/// `/proc/<pid>/stat`.
+fn stat_of(pid: u32) -> PathBuf {
+    Path::new("/proc").join(pid.to_string()).join("stat")
+}
+
 /// (utime + stime, cutime + cstime) of a process, from its `stat` file.
 fn process_ticks(stat: &Path) -> Option<(u64, u64)> {
     let text = std::fs::read_to_string(stat).ok()?;
@@ -116,32 +122,6 @@ fn process_ticks(stat: &Path) -> Option<(u64, u64)> {
     // After the comm: state is field 0, utime 11, stime 12, cutime 13, cstime 14.
     let field = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
     Some((field(11)? + field(12)?, field(13)? + field(14)?))
-}
-
-/// `/proc/<pid>` directories of the processes whose parent is `pid`.
-fn children_of(pid: u32) -> Vec<std::path::PathBuf> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .filter(|e| {
-            std::fs::read_to_string(e.path().join("stat"))
-                .ok()
-                .and_then(|stat| {
-                    let after = stat[stat.rfind(')')? + 1..].to_string();
-                    after.split_whitespace().nth(1)?.parse::<u32>().ok()
-                })
-                == Some(pid)
-        })
-        .map(|e| e.path())
-        .collect()
 }
 
 #[cfg(test)]

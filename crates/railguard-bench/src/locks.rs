@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use crate::load::{self, Connection, LoadResult, REQUEST_TIMEOUT};
 use railguard::lock::postgres::{ACQUIRE_SQL, RELEASE_SQL};
-use railguard_sdk::wire::GrantResponse;
+use railguard_sdk::wire::{GrantResponse, TokenRequest};
 
 /// The lease every cycle asks for. Longer than any cycle, so a grant never expires under its
 /// holder; a cycle that fails after acquiring leaves its key held at most this long.
@@ -86,7 +86,13 @@ pub(crate) async fn api_cycle(
     }
     let grant: GrantResponse =
         serde_json::from_slice(&body).map_err(|e| format!("acquire answer: {e}"))?;
-    let release = Bytes::from(format!(r#"{{"token":{}}}"#, grant.token));
+    // Release is authorised by the grant's lease secret, as a worker's is.
+    let release = TokenRequest {
+        token: grant.token,
+        lease_secret: Some(grant.lease_secret),
+    };
+    let release = serde_json::to_vec(&release).map_err(|e| format!("release request: {e}"))?;
+    let release = Bytes::from(release);
     let (status, _) = connection
         .request(&format!("/v1/locks/{key}/release"), Some(release))
         .await

@@ -9,7 +9,6 @@
 
 mod bench;
 mod cpu;
-mod etcd;
 mod load;
 mod locks;
 mod pgbench;

@@ -1,9 +1,11 @@
 //! Throwaway etcd clusters from Debian's `etcd-server` binary (3.4), for tests that must kill,
-//! stop, pause and restart members.
+//! stop, pause and restart members, and for the benchmark's etcd suite.
 //!
 //! Every member listens on free loopback ports and keeps its data and its log in its own temp
 //! dir. Timings are small (25 ms heartbeat, 250 ms election timeout) so elections take well
-//! under a second and the minimum lease TTL is one second.
+//! under a second and the minimum lease TTL is one second. etcd 3.4 has no switch to turn its
+//! fsyncs off: a member whose temp dir is on a disk ([`EtcdBuilder::temp_dir_in`]) pays them
+//! as in production.
 //!
 //! Tests talk to the cluster through etcd's v3 JSON gateway on the client URL: bytes travel as
 //! base64 and 64-bit integers as decimal strings, and fields with zero values are omitted.
@@ -24,7 +26,8 @@ use tempfile::TempDir;
 use tokio::process::{Child, Command};
 use tokio::time::{Instant, sleep, timeout};
 
-use crate::Http;
+use crate::process::signal;
+use crate::{Http, LaunchError};
 
 const ETCD: &str = "/usr/bin/etcd";
 /// How long a whole cluster (or a restarted member) may take to report healthy.
@@ -35,11 +38,14 @@ const LEADER_TIMEOUT: Duration = Duration::from_secs(10);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long `get`, `put_raw` and `revision` keep retrying across members (elections).
 const KV_TIMEOUT: Duration = Duration::from_secs(10);
+/// The backend quota of a test cluster: a runaway test fills its disk no further.
+const TEST_QUOTA_BACKEND_BYTES: u64 = 256 << 20;
 
 /// A running etcd cluster of one or three members.
 pub struct EtcdCluster {
     members: Vec<Member>,
     token: String,
+    quota_backend_bytes: Option<u64>,
     http: Http,
 }
 
@@ -50,6 +56,96 @@ pub struct LeaseCounts {
     pub granted: u64,
     pub revoked: u64,
     pub renewed: u64,
+}
+
+/// How to start an [`EtcdCluster`]; [`EtcdCluster::single`] and [`EtcdCluster::three`] are
+/// the defaults for one and three members.
+#[derive(Debug, Clone)]
+pub struct EtcdBuilder {
+    members: usize,
+    temp_dir_in: Option<PathBuf>,
+    quota_backend_bytes: Option<u64>,
+}
+
+impl Default for EtcdBuilder {
+    fn default() -> Self {
+        EtcdBuilder {
+            members: 1,
+            temp_dir_in: None,
+            quota_backend_bytes: Some(TEST_QUOTA_BACKEND_BYTES),
+        }
+    }
+}
+
+impl EtcdBuilder {
+    /// How many members (default 1).
+    pub fn members(mut self, members: usize) -> Self {
+        self.members = members;
+        self
+    }
+
+    /// Makes the members' temp dirs under `dir` rather than the system temp dir (which may be
+    /// a tmpfs, where fsync costs nothing).
+    pub fn temp_dir_in(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.temp_dir_in = Some(dir.into());
+        self
+    }
+
+    /// `--quota-backend-bytes`: 256 MiB unless set; `None` leaves etcd's own default (2 GiB),
+    /// for a long run that writes without ever compacting, like the benchmark's.
+    pub fn quota_backend_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.quota_backend_bytes = bytes;
+        self
+    }
+
+    /// Starts every member and waits until all are healthy (so a leader has been elected).
+    pub async fn start(self) -> Result<EtcdCluster, LaunchError> {
+        if self.members == 0 {
+            return Err(LaunchError::Etcd("a cluster needs a member".into()));
+        }
+        // Ports must differ within a cluster; free_loopback_port only promises "free now".
+        let mut ports: Vec<u16> = Vec::new();
+        while ports.len() < 2 * self.members {
+            let port = free_loopback_port();
+            if !ports.contains(&port) {
+                ports.push(port);
+            }
+        }
+        let mut members = Vec::new();
+        for (i, pair) in ports.chunks(2).enumerate() {
+            let mut temp = tempfile::Builder::new();
+            temp.prefix("railguard-etcd-");
+            let dir = match &self.temp_dir_in {
+                Some(parent) => temp.tempdir_in(parent),
+                None => temp.tempdir(),
+            }
+            .map_err(|source| LaunchError::Io {
+                what: "cannot create an etcd member's temp dir".into(),
+                source,
+            })?;
+            members.push(Member {
+                name: format!("m{i}"),
+                client_port: pair[0],
+                peer_port: pair[1],
+                child: None,
+                paused: false,
+                dir,
+            });
+        }
+        let mut cluster = EtcdCluster {
+            members,
+            token: cluster_token(),
+            quota_backend_bytes: self.quota_backend_bytes,
+            http: Http::new(),
+        };
+        for i in 0..self.members {
+            cluster.spawn(i, "new").map_err(LaunchError::Etcd)?;
+        }
+        for i in 0..self.members {
+            cluster.wait_healthy(i).await.map_err(LaunchError::Etcd)?;
+        }
+        Ok(cluster)
+    }
 }
 
 /// What one member is doing, as far as the harness has made it.
@@ -104,52 +200,35 @@ impl Member {
 }
 
 impl EtcdCluster {
-    /// One member, healthy.
+    /// One member, healthy. Panics if it cannot start.
     pub async fn single() -> EtcdCluster {
-        EtcdCluster::launch(1).await
+        EtcdCluster::launch(EtcdCluster::builder()).await
     }
 
-    /// Three members, all healthy (so a leader has been elected).
+    /// Three members, all healthy (so a leader has been elected). Panics if they cannot start.
     pub async fn three() -> EtcdCluster {
-        EtcdCluster::launch(3).await
+        EtcdCluster::launch(EtcdCluster::builder().members(3)).await
     }
 
-    async fn launch(size: usize) -> EtcdCluster {
-        // Ports must differ within a cluster; free_loopback_port only promises "free now".
-        let mut ports: Vec<u16> = Vec::new();
-        while ports.len() < 2 * size {
-            let port = free_loopback_port();
-            if !ports.contains(&port) {
-                ports.push(port);
-            }
+    pub fn builder() -> EtcdBuilder {
+        EtcdBuilder::default()
+    }
+
+    async fn launch(builder: EtcdBuilder) -> EtcdCluster {
+        builder.start().await.unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// `3.4.23`, from `etcd --version`; `unknown` if it cannot be run.
+    pub async fn version() -> String {
+        match Command::new(ETCD).arg("--version").output().await {
+            Ok(out) => String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .find_map(|l| l.strip_prefix("etcd Version: "))
+                .unwrap_or("unknown")
+                .trim()
+                .to_string(),
+            Err(_) => "unknown".into(),
         }
-        let mut members = Vec::new();
-        for (i, pair) in ports.chunks(2).enumerate() {
-            let dir = tempfile::Builder::new()
-                .prefix("railguard-etcd-")
-                .tempdir()
-                .expect("temp dir");
-            members.push(Member {
-                name: format!("m{i}"),
-                client_port: pair[0],
-                peer_port: pair[1],
-                child: None,
-                paused: false,
-                dir,
-            });
-        }
-        let mut cluster = EtcdCluster {
-            members,
-            token: cluster_token(),
-            http: Http::new(),
-        };
-        for i in 0..size {
-            cluster.spawn(i, "new");
-        }
-        for i in 0..size {
-            cluster.wait_healthy(i).await;
-        }
-        cluster
     }
 
     fn initial_cluster(&self) -> String {
@@ -160,19 +239,24 @@ impl EtcdCluster {
             .join(",")
     }
 
-    fn spawn(&mut self, i: usize, state: &str) {
+    fn spawn(&mut self, i: usize, state: &str) -> Result<(), String> {
         let initial_cluster = self.initial_cluster();
         let token = self.token.clone();
+        let quota = self.quota_backend_bytes;
         let member = &mut self.members[i];
-        assert!(member.child.is_none(), "member {i} is already running");
+        if member.child.is_some() {
+            return Err(format!("member {i} is already running"));
+        }
+        let log_error = |e: std::io::Error| format!("member {i}'s log file: {e}");
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(member.log_path())
-            .expect("etcd log file");
+            .map_err(log_error)?;
         let endpoint = member.endpoint();
         let peer = member.peer_url();
-        let child = Command::new(ETCD)
+        let mut command = Command::new(ETCD);
+        command
             .arg("--name")
             .arg(&member.name)
             .arg("--data-dir")
@@ -187,40 +271,46 @@ impl EtcdCluster {
             // etcd requires election-timeout >= 5 × heartbeat-interval. The minimum lease TTL
             // is 1.5 election timeouts rounded up to a second: 1 s here.
             .args(["--heartbeat-interval", "25", "--election-timeout", "250"])
-            .args(["--logger", "zap", "--log-level", "warn"])
-            .args(["--quota-backend-bytes", &(256u64 << 20).to_string()])
+            .args(["--logger", "zap", "--log-level", "warn"]);
+        if let Some(bytes) = quota {
+            command.args(["--quota-backend-bytes", &bytes.to_string()]);
+        }
+        let child = command
             .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("etcd log file"))
+            .stdout(log.try_clone().map_err(log_error)?)
             .stderr(log)
             .kill_on_drop(true)
             .spawn()
-            .expect("spawn /usr/bin/etcd (Debian package etcd-server)");
+            .map_err(|e| format!("cannot start {ETCD} (Debian package etcd-server): {e}"))?;
         member.child = Some(child);
         member.paused = false;
+        Ok(())
     }
 
-    /// Polls `/health` on member `i` until it says `{"health":"true"}`; panics with the
+    /// Polls `/health` on member `i` until it says `{"health":"true"}`; fails with the
     /// member's log tail if it exits or the timeout passes.
-    async fn wait_healthy(&mut self, i: usize) {
+    async fn wait_healthy(&mut self, i: usize) -> Result<(), String> {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             let member = &mut self.members[i];
-            let child = member.child.as_mut().expect("member is running");
-            if let Some(status) = child.try_wait().expect("try_wait") {
+            let Some(child) = member.child.as_mut() else {
+                return Err(format!("member {i} is not running"));
+            };
+            if let Ok(Some(status)) = child.try_wait() {
                 member.child = None;
-                panic!(
-                    "etcd member {i} exited during start-up ({status}):\n{}",
+                return Err(format!(
+                    "member {i} exited during start-up ({status}):\n{}",
                     member.log_tail()
-                );
+                ));
             }
             if self.healthy(i).await {
-                return;
+                return Ok(());
             }
             if Instant::now() >= deadline {
-                panic!(
-                    "etcd member {i} not healthy after {READY_TIMEOUT:?}:\n{}",
+                return Err(format!(
+                    "member {i} not healthy after {READY_TIMEOUT:?}:\n{}",
                     self.members[i].log_tail()
-                );
+                ));
             }
             sleep(Duration::from_millis(50)).await;
         }
@@ -272,11 +362,11 @@ impl EtcdCluster {
     pub async fn stop(&mut self, i: usize) -> std::process::ExitStatus {
         let member = &mut self.members[i];
         let mut child = member.child.take().expect("member is running");
-        let pid = child.id().expect("child pid").to_string();
-        signal(&pid, "-TERM").await;
+        let pid = child.id().expect("child pid");
+        must_signal(pid, "TERM").await;
         if member.paused {
             // A stopped process only acts on SIGTERM once it is continued.
-            signal(&pid, "-CONT").await;
+            must_signal(pid, "CONT").await;
             member.paused = false;
         }
         timeout(Duration::from_secs(20), child.wait())
@@ -297,8 +387,18 @@ impl EtcdCluster {
     /// until it is healthy again (in a three-member cluster: rejoined and sees a leader).
     pub async fn start(&mut self, i: usize) {
         // With an existing data dir etcd ignores the initial-cluster flags.
-        self.spawn(i, "existing");
-        self.wait_healthy(i).await;
+        let started = match self.spawn(i, "existing") {
+            Ok(()) => self.wait_healthy(i).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = started {
+            panic!("etcd: {e}");
+        }
+    }
+
+    /// Member `i`'s pid while it runs (paused included), e.g. to sample its CPU time.
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.members[i].pid()
     }
 
     /// SIGSTOP: the member is frozen and its connections hang, as in a GC pause or a partition.
@@ -306,7 +406,7 @@ impl EtcdCluster {
         let member = &mut self.members[i];
         assert!(!member.paused, "member {i} is already paused");
         let pid = member.pid().expect("member is running");
-        signal(&pid, "-STOP").await;
+        must_signal(pid, "STOP").await;
         member.paused = true;
     }
 
@@ -315,7 +415,7 @@ impl EtcdCluster {
         let member = &mut self.members[i];
         assert!(member.paused, "member {i} is not paused");
         let pid = member.pid().expect("member is running");
-        signal(&pid, "-CONT").await;
+        must_signal(pid, "CONT").await;
         member.paused = false;
     }
 
@@ -560,8 +660,8 @@ impl EtcdCluster {
 }
 
 impl Member {
-    fn pid(&self) -> Option<String> {
-        self.child.as_ref()?.id().map(|pid| pid.to_string())
+    fn pid(&self) -> Option<u32> {
+        self.child.as_ref()?.id()
     }
 }
 
@@ -575,14 +675,9 @@ fn cluster_token() -> String {
     )
 }
 
-async fn signal(pid: &str, signal: &str) {
-    let status = Command::new("kill")
-        .arg(signal)
-        .arg(pid)
-        .status()
-        .await
-        .expect("run kill");
-    assert!(status.success(), "kill {signal} {pid}: {status}");
+/// [`signal`], which must reach the member.
+async fn must_signal(pid: u32, name: &str) {
+    assert!(signal(pid, name).await, "kill -{name} {pid} failed");
 }
 
 /// The gateway writes 64-bit integers as decimal strings; accept numbers too.

@@ -2,28 +2,50 @@
 //! shared by the integration tests, the benchmark and the fault harness.
 //!
 //! - [`Pg`]: a PostgreSQL cluster initialised into a temp dir (run as the `postgres` user when
-//!   the tests run as root), which a test can stop, kill, pause and restart.
+//!   the tests run as root), which a test can stop, kill, pause and restart; durable for the
+//!   benchmark.
 //! - [`EtcdCluster`]: one or three real etcd members, each stoppable, killable and pausable.
 //! - [`Rail`]: the rail simulator, in-process, whose ledger a test reads directly.
 //! - [`Railguard`]: railguard itself, with a config written for the test and overrides on top.
 //! - [`Http`]: an HTTP client over real sockets; [`Metrics`]: a strict Prometheus text parser.
 //! - [`Relay`]: a TCP relay whose delay a test turns up, to make a slow network.
+//!
+//! Tests use the shorthands, which panic when something cannot start (`Pg::start`,
+//! `EtcdCluster::single`, ...); the benchmark uses the builders, which return a
+//! [`LaunchError`] it can report.
 
 pub mod etcd;
 mod http;
 mod pg;
+mod process;
 mod prometheus;
 mod rail;
 pub mod relay;
 mod serve;
 
-pub use etcd::EtcdCluster;
+pub use etcd::{EtcdBuilder, EtcdCluster};
 pub use http::{Http, Reply};
-pub use pg::Pg;
+pub use pg::{Pg, PgBuilder};
+pub use process::children_of;
 pub use prometheus::Metrics;
 pub use rail::Rail;
 pub use relay::Relay;
 pub use serve::{Railguard, binary as railguard_binary};
+
+/// Why a launcher could not start what it launches.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("PostgreSQL: {0}")]
+    Postgres(#[from] railguard::db::ServerError),
+    #[error("etcd: {0}")]
+    Etcd(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
 
 /// Installs a test log subscriber once (RUST_LOG controls it).
 pub fn init_tracing() {

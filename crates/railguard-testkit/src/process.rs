@@ -1,0 +1,35 @@
+//! Signals and `/proc`, for the launchers that kill and pause the processes they started. The
+//! workspace forbids unsafe code, so signals go through the `kill` command.
+
+use std::process::Stdio;
+
+use tokio::process::Command;
+
+/// Sends `SIG<name>` to `pid` with the `kill` command; whether it was delivered.
+pub(crate) async fn signal(pid: u32, name: &str) -> bool {
+    Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await
+        .is_ok_and(|status| status.success())
+}
+
+/// Pids whose parent is `pid`, from /proc: a PostgreSQL postmaster's backends, say.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let child: u32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // `pid (comm) state ppid ...`; comm may hold spaces, so split after the last ')'.
+            let after = &stat[stat.rfind(')')? + 1..];
+            let ppid: u32 = after.split_whitespace().nth(1)?.parse().ok()?;
+            (ppid == pid).then_some(child)
+        })
+        .collect()
+}
