@@ -10,6 +10,8 @@
 //! The 409 body names the account and the presented token and never the current high-water
 //! mark (C2 §2.2): a client that learned the mark could present it, which is ADR-002 §A2.3.
 
+use std::error::Error;
+
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde::Serialize;
@@ -87,133 +89,298 @@ impl Rejection {
     }
 }
 
-/// Decides the response for `error`.
+/// Decides the response for `error`: the first error in its cause chain that has a response
+/// of its own, one line per error type.
 pub fn rejection(error: &BoxError) -> Rejection {
-    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error.as_ref());
+    let mut cause: Option<&(dyn Error + 'static)> = Some(error.as_ref());
     while let Some(e) = cause {
-        if let Some(e) = e.downcast_ref::<FencedOut>() {
-            let mut r = Rejection::new(
-                StatusCode::CONFLICT,
-                Outcome::FencedOut,
-                "fenced_out",
-                Origin::Client,
-                "the fencing token is below the account's high-water mark: this grant has been \
-                 superseded and must stop; do not retry with another token"
-                    .into(),
-            );
-            r.account = Some(e.account.to_string());
-            r.token = Some(e.token.get());
-            return r;
-        }
-        if let Some(e) = e.downcast_ref::<BadRequest>() {
-            return Rejection::new(
-                StatusCode::BAD_REQUEST,
-                Outcome::BadRequest,
-                "bad_request",
-                Origin::Client,
-                e.to_string(),
-            );
-        }
-        if let Some(e) = e.downcast_ref::<BadProof>() {
-            return Rejection::new(
-                StatusCode::BAD_REQUEST,
-                Outcome::BadProof,
-                "invalid_fencing_proof",
-                Origin::Client,
-                e.to_string(),
-            );
-        }
-        if let Some(e) = e.downcast_ref::<MethodRefused>() {
-            return Rejection::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                Outcome::BadRequest,
-                "method_not_allowed",
-                Origin::Client,
-                e.to_string(),
-            );
-        }
-        if let Some(e) = e.downcast_ref::<BodyTooLarge>() {
-            return Rejection::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                Outcome::BodyTooLarge,
-                "body_too_large",
-                Origin::Client,
-                e.to_string(),
-            );
-        }
-        if let Some(e) = e.downcast_ref::<ClientTimeout>() {
-            return Rejection::new(
-                StatusCode::REQUEST_TIMEOUT,
-                Outcome::Timeout,
-                "request_timeout",
-                Origin::Client,
-                e.to_string(),
-            );
-        }
-        if let Some(e) = e.downcast_ref::<FenceUnavailable>() {
-            // The database's own words stay in the log: they describe our infrastructure.
-            tracing::warn!(error = %e, "fence check unavailable");
-            return Rejection::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                Outcome::DatabaseUnavailable,
-                "database_unavailable",
-                Origin::Database,
-                "the fence check could not be made; nothing was forwarded, retry later".into(),
-            );
-        }
-        if let Some(e) = e.downcast_ref::<IdempotencyConflict>() {
-            let (status, code) = match e {
-                IdempotencyConflict::InFlight => (StatusCode::CONFLICT, "in_flight"),
-                IdempotencyConflict::InDoubt => (StatusCode::CONFLICT, "in_doubt"),
-                IdempotencyConflict::Mismatch => {
-                    (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
-                }
-            };
-            return Rejection::new(
-                status,
-                Outcome::IdempotentRefused,
-                code,
-                Origin::Client,
-                e.to_string(),
-            );
-        }
-        if let Some(e) = e.downcast_ref::<IdempotencyUnavailable>() {
-            tracing::warn!(error = %e, "idempotency record unavailable");
-            return Rejection::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                Outcome::DatabaseUnavailable,
-                "database_unavailable",
-                Origin::Database,
-                "the idempotency record could not be read; nothing was forwarded, retry later"
-                    .into(),
-            );
-        }
-        if let Some(e) = e.downcast_ref::<UpstreamUnavailable>() {
-            return Rejection::new(
-                StatusCode::BAD_GATEWAY,
-                Outcome::UpstreamUnavailable,
-                "upstream_unavailable",
-                Origin::Upstream,
-                e.to_string(),
-            );
-        }
-        if let Some(e) = e.downcast_ref::<UpstreamTimeout>() {
-            return Rejection::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                Outcome::UpstreamTimeout,
-                "upstream_timeout",
-                Origin::Upstream,
-                e.to_string(),
-            );
+        let found = rescue(e, Rejection::fenced_out)
+            .or_else(|| rescue(e, Rejection::bad_request))
+            .or_else(|| rescue(e, Rejection::bad_proof))
+            .or_else(|| rescue(e, Rejection::method_refused))
+            .or_else(|| rescue(e, Rejection::body_too_large))
+            .or_else(|| rescue(e, Rejection::client_timeout))
+            .or_else(|| rescue(e, Rejection::fence_unavailable))
+            .or_else(|| rescue(e, Rejection::idempotency_conflict))
+            .or_else(|| rescue(e, Rejection::idempotency_unavailable))
+            .or_else(|| rescue(e, Rejection::upstream_unavailable))
+            .or_else(|| rescue(e, Rejection::upstream_timeout));
+        if let Some(rejection) = found {
+            return rejection;
         }
         cause = e.source();
     }
-    tracing::error!(error = %error, debug = ?error, "unexpected error in the proxy stack");
-    Rejection::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        Outcome::Internal,
-        "internal",
-        Origin::Proxy,
-        "internal error".into(),
-    )
+    Rejection::internal(error)
+}
+
+/// `respond(e)` if `e` is a `T`.
+fn rescue<T: Error + 'static>(
+    e: &(dyn Error + 'static),
+    respond: fn(&T) -> Rejection,
+) -> Option<Rejection> {
+    e.downcast_ref::<T>().map(respond)
+}
+
+/// The response of each error type.
+impl Rejection {
+    fn fenced_out(e: &FencedOut) -> Self {
+        let mut r = Self::new(
+            StatusCode::CONFLICT,
+            Outcome::FencedOut,
+            "fenced_out",
+            Origin::Client,
+            "the fencing token is below the account's high-water mark: this grant has been \
+             superseded and must stop; do not retry with another token"
+                .into(),
+        );
+        r.account = Some(e.account.to_string());
+        r.token = Some(e.token.get());
+        r
+    }
+
+    fn bad_request(e: &BadRequest) -> Self {
+        let message = e.to_string();
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            Outcome::BadRequest,
+            "bad_request",
+            Origin::Client,
+            message,
+        )
+    }
+
+    fn bad_proof(e: &BadProof) -> Self {
+        let message = e.to_string();
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            Outcome::BadProof,
+            "invalid_fencing_proof",
+            Origin::Client,
+            message,
+        )
+    }
+
+    fn method_refused(e: &MethodRefused) -> Self {
+        let message = e.to_string();
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            Outcome::BadRequest,
+            "method_not_allowed",
+            Origin::Client,
+            message,
+        )
+    }
+
+    fn body_too_large(e: &BodyTooLarge) -> Self {
+        let message = e.to_string();
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            Outcome::BodyTooLarge,
+            "body_too_large",
+            Origin::Client,
+            message,
+        )
+    }
+
+    fn client_timeout(e: &ClientTimeout) -> Self {
+        let message = e.to_string();
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            Outcome::Timeout,
+            "request_timeout",
+            Origin::Client,
+            message,
+        )
+    }
+
+    fn fence_unavailable(e: &FenceUnavailable) -> Self {
+        // The database's own words stay in the log: they describe our infrastructure.
+        tracing::warn!(error = %e, "fence check unavailable");
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Outcome::DatabaseUnavailable,
+            "database_unavailable",
+            Origin::Database,
+            "the fence check could not be made; nothing was forwarded, retry later".into(),
+        )
+    }
+
+    fn idempotency_conflict(e: &IdempotencyConflict) -> Self {
+        let (status, code) = match e {
+            IdempotencyConflict::InFlight => (StatusCode::CONFLICT, "in_flight"),
+            IdempotencyConflict::InDoubt => (StatusCode::CONFLICT, "in_doubt"),
+            IdempotencyConflict::Mismatch => {
+                (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
+            }
+        };
+        Self::new(
+            status,
+            Outcome::IdempotentRefused,
+            code,
+            Origin::Client,
+            e.to_string(),
+        )
+    }
+
+    fn idempotency_unavailable(e: &IdempotencyUnavailable) -> Self {
+        tracing::warn!(error = %e, "idempotency record unavailable");
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Outcome::DatabaseUnavailable,
+            "database_unavailable",
+            Origin::Database,
+            "the idempotency record could not be read; nothing was forwarded, retry later".into(),
+        )
+    }
+
+    fn upstream_unavailable(e: &UpstreamUnavailable) -> Self {
+        let message = e.to_string();
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            Outcome::UpstreamUnavailable,
+            "upstream_unavailable",
+            Origin::Upstream,
+            message,
+        )
+    }
+
+    fn upstream_timeout(e: &UpstreamTimeout) -> Self {
+        let message = e.to_string();
+        Self::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            Outcome::UpstreamTimeout,
+            "upstream_timeout",
+            Origin::Upstream,
+            message,
+        )
+    }
+
+    /// An error nobody recognises is a bug: logged once, in full; the client learns nothing.
+    fn internal(error: &BoxError) -> Self {
+        tracing::error!(error = %error, debug = ?error, "unexpected error in the proxy stack");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Outcome::Internal,
+            "internal",
+            Origin::Proxy,
+            "internal error".into(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token::{AccountId, FencingToken};
+
+    fn boxed(e: impl Error + Send + Sync + 'static) -> BoxError {
+        Box::new(e)
+    }
+
+    /// An error that wraps another, as layers above may.
+    #[derive(Debug, thiserror::Error)]
+    #[error("while forwarding: {0}")]
+    struct Wrapped(#[source] BoxError);
+
+    #[test]
+    fn a_fenced_out_token_is_a_409_that_names_the_token_and_never_a_mark() {
+        let r = rejection(&boxed(FencedOut {
+            account: AccountId::parse("acct-1", 64).unwrap(),
+            token: FencingToken::new(41).unwrap(),
+        }));
+        assert_eq!(r.status, StatusCode::CONFLICT);
+        assert_eq!(r.error, "fenced_out");
+        assert_eq!(r.outcome, Outcome::FencedOut);
+        let body = serde_json::to_value(&r).unwrap();
+        assert_eq!(body["token"], 41);
+        assert_eq!(body["account"], "acct-1");
+        let text = body.to_string();
+        assert!(!text.contains("mark\":"), "no mark field: {text}");
+        let keys: Vec<&String> = body.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["account", "error", "message", "origin", "token"]);
+    }
+
+    #[test]
+    fn a_cause_deeper_in_the_chain_is_found() {
+        let r = rejection(&boxed(Wrapped(boxed(UpstreamTimeout::waiting_for_turn()))));
+        assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(r.origin, Origin::Upstream);
+    }
+
+    #[test]
+    fn each_kind_of_failure_has_its_status_and_origin() {
+        let cases: Vec<(BoxError, StatusCode, &str, Origin)> = vec![
+            (
+                boxed(IdempotencyConflict::InFlight),
+                StatusCode::CONFLICT,
+                "in_flight",
+                Origin::Client,
+            ),
+            (
+                boxed(IdempotencyConflict::InDoubt),
+                StatusCode::CONFLICT,
+                "in_doubt",
+                Origin::Client,
+            ),
+            (
+                boxed(IdempotencyConflict::Mismatch),
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency_key_reused",
+                Origin::Client,
+            ),
+            (
+                boxed(FenceUnavailable(
+                    crate::proxy::fence::StoreError::Overloaded,
+                )),
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database_unavailable",
+                Origin::Database,
+            ),
+            (
+                boxed(IdempotencyUnavailable(crate::db::DbError::Pool(
+                    "down".into(),
+                ))),
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database_unavailable",
+                Origin::Database,
+            ),
+            (
+                boxed(UpstreamUnavailable(
+                    "refused".into(),
+                    crate::proxy::forward::Sent::Never,
+                )),
+                StatusCode::BAD_GATEWAY,
+                "upstream_unavailable",
+                Origin::Upstream,
+            ),
+        ];
+        for (error, status, code, origin) in cases {
+            let r = rejection(&error);
+            assert_eq!(
+                (r.status, r.error, r.origin),
+                (status, code, origin),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_database_outage_never_reaches_the_client_in_the_database_s_words() {
+        let r = rejection(&boxed(FenceUnavailable(
+            crate::proxy::fence::StoreError::Db(crate::db::DbError::Query(
+                "42P01: relation secret_table does not exist".into(),
+            )),
+        )));
+        assert!(!r.message.contains("secret_table"), "{}", r.message);
+        let response = r.into_response();
+        assert_eq!(response.headers()["retry-after"], "1");
+    }
+
+    #[test]
+    fn an_unknown_error_is_a_generic_500() {
+        let r = rejection(&"something odd".into());
+        assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(r.message, "internal error");
+        assert_eq!(r.origin, Origin::Proxy);
+    }
 }
