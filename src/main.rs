@@ -170,12 +170,14 @@ fn main() -> ExitCode {
 }
 
 /// `RUST_LOG`, which wins over `log.level` when set.
+#[allow(clippy::disallowed_methods)] // main reads the environment
 fn rust_log() -> Option<String> {
     std::env::var("RUST_LOG").ok()
 }
 
 /// Reads the config file with the process environment's `RAILGUARD__…` overrides, and starts
 /// logging as it says.
+#[allow(clippy::disallowed_methods)] // main reads the environment
 fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
     let loaded = railguard::config::overrides_from(std::env::vars_os())
         .and_then(|env| Config::load(path, &env));

@@ -69,6 +69,7 @@ enum BenchSuite {
     All,
 }
 
+#[allow(clippy::disallowed_methods)] // main reads the environment
 fn main() -> ExitCode {
     let Cli {
         duration_secs,

@@ -48,6 +48,7 @@ pub enum LaunchError {
 }
 
 /// Installs a test log subscriber once (RUST_LOG controls it).
+#[allow(clippy::disallowed_methods)] // the tests' own log filter
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())

@@ -367,6 +367,7 @@ impl Railguard {
 /// The `railguard` binary next to the running executable: an integration test runs from
 /// `target/<profile>/deps/`, the benchmark from `target/<profile>/`, and cargo builds the
 /// binary into `target/<profile>/` for both. `RAILGUARD_BIN` overrides.
+#[allow(clippy::disallowed_methods)] // a test harness finds the binary it runs
 pub fn binary() -> PathBuf {
     if let Some(path) = std::env::var_os("RAILGUARD_BIN") {
         return PathBuf::from(path);
