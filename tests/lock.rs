@@ -1,5 +1,5 @@
 //! The lock service's behavioural suite, over its HTTP API and the worker SDK, against real
-//! backends. Every case is a function of a [`LockWorld`]; the `suite!` macro instantiates all
+//! backends. Every case is a function of a [`World`]; the `suite!` macro instantiates all
 //! of them once per backend, so each backend must pass the same suite unchanged.
 
 use railguard_testkit as support;
@@ -10,126 +10,13 @@ use std::time::Duration;
 use http::StatusCode;
 use railguard::sdk::{LeaseLost, LockClient, SdkError};
 use support::etcd::EtcdCluster;
-use support::{Http, Pg, Rail, Railguard, init_tracing};
+use support::{Backend, Http, World};
 use tokio::time::Instant;
-
-/// Which backend a world runs.
-#[derive(Debug, Clone, Copy)]
-enum Backend {
-    Postgres,
-    Etcd,
-}
-
-/// PostgreSQL (always: it holds the rail's marks), etcd for the etcd backend, and one
-/// railguard serving the lock API from the chosen backend.
-struct LockWorld {
-    backend: Backend,
-    pg: Pg,
-    etcd: Option<EtcdCluster>,
-    rail: Rail,
-    rg: Railguard,
-}
-
-impl LockWorld {
-    async fn start(backend: Backend, env: &[(&str, &str)]) -> LockWorld {
-        let etcd = match backend {
-            Backend::Postgres => None,
-            Backend::Etcd => Some(EtcdCluster::single().await),
-        };
-        Self::start_with(backend, etcd, env).await
-    }
-
-    async fn start_with(
-        backend: Backend,
-        etcd: Option<EtcdCluster>,
-        env: &[(&str, &str)],
-    ) -> LockWorld {
-        init_tracing();
-        let pg = Pg::start().await;
-        let rail = Rail::start().await;
-        let mut env: Vec<(&str, &str)> = env.to_vec();
-        let endpoints = etcd.as_ref().map(|e| e.endpoints_csv()).unwrap_or_default();
-        if etcd.is_some() {
-            env.push(("RAILGUARD__LOCK__BACKEND", "etcd"));
-            env.push(("RAILGUARD__ETCD__ENDPOINTS", &endpoints));
-            env.push(("RAILGUARD__ETCD__REQUEST_TIMEOUT_MS", "1000"));
-            env.push(("RAILGUARD__ETCD__DIAL_TIMEOUT_MS", "1000"));
-        }
-        let rg = Railguard::start(&pg.url(), &rail.url(), &env).await;
-        LockWorld {
-            backend,
-            pg,
-            etcd,
-            rail,
-            rg,
-        }
-    }
-
-    fn client(&self) -> LockClient {
-        self.rg.lock_client()
-    }
-
-    /// A second railguard on the same backend (and the same PostgreSQL).
-    async fn another_railguard(&self, env: &[(&str, &str)]) -> Railguard {
-        let mut env: Vec<(&str, &str)> = env.to_vec();
-        let endpoints = self
-            .etcd
-            .as_ref()
-            .map(|e| e.endpoints_csv())
-            .unwrap_or_default();
-        if self.etcd.is_some() {
-            env.push(("RAILGUARD__LOCK__BACKEND", "etcd"));
-            env.push(("RAILGUARD__ETCD__ENDPOINTS", &endpoints));
-        }
-        Railguard::start(&self.pg.url(), &self.rail.url(), &env).await
-    }
-
-    /// The shortest lease the backend grants as asked: etcd leases are whole seconds.
-    fn short_ttl(&self) -> Duration {
-        match self.backend {
-            Backend::Postgres => Duration::from_millis(100),
-            Backend::Etcd => Duration::from_secs(1),
-        }
-    }
-
-    fn etcd(&self) -> &EtcdCluster {
-        self.etcd.as_ref().expect("an etcd world")
-    }
-
-    /// Restarts whatever holds the grants, keeping its data.
-    async fn restart_backend(&mut self) {
-        match self.backend {
-            Backend::Postgres => {
-                self.pg.server.stop().await;
-                self.pg.server.start().await.expect("postgres restarts");
-            }
-            Backend::Etcd => {
-                let etcd = self.etcd.as_mut().unwrap();
-                etcd.stop(0).await;
-                etcd.start(0).await;
-            }
-        }
-    }
-
-    async fn start_backend(&mut self) {
-        match self.backend {
-            Backend::Postgres => self.pg.server.start().await.expect("postgres starts"),
-            Backend::Etcd => self.etcd.as_mut().unwrap().start(0).await,
-        }
-    }
-
-    async fn stop_backend(&mut self) {
-        match self.backend {
-            Backend::Postgres => self.pg.kill().await,
-            Backend::Etcd => self.etcd.as_mut().unwrap().kill(0).await,
-        }
-    }
-}
 
 const TTL: Duration = Duration::from_secs(10);
 const NOW: Duration = Duration::ZERO;
 
-async fn inv04_tokens_strictly_increase_across_cycles_restarts_and_recreation(mut w: LockWorld) {
+async fn inv04_tokens_strictly_increase_across_cycles_restarts_and_recreation(mut w: World) {
     let lock = w.client();
     let mut last = 0;
     let mut check = |token: i64, when: &str| {
@@ -193,7 +80,7 @@ struct Held {
     ended_us: i64,
 }
 
-async fn inv06_concurrent_acquirers_never_overlap(w: LockWorld) {
+async fn inv06_concurrent_acquirers_never_overlap(w: World) {
     let http = Http::new();
     // Two railguards on one backend, so that acquires really race in the backend and not only
     // in one process's queue.
@@ -323,7 +210,7 @@ async fn post(http: &Http, url: &str, body: &str) -> support::Reply {
     .expect("lock API answers")
 }
 
-async fn expired_grant_is_taken_over_and_the_old_holder_is_lost(w: LockWorld) {
+async fn expired_grant_is_taken_over_and_the_old_holder_is_lost(w: World) {
     let lock = w.client();
     let old = lock
         .acquire("takeover", "w1", w.short_ttl(), NOW)
@@ -375,7 +262,7 @@ fn backend_label(backend: Backend) -> &'static str {
     }
 }
 
-async fn a_hundred_renewals_keep_the_token(w: LockWorld) {
+async fn a_hundred_renewals_keep_the_token(w: World) {
     let http = Http::new();
     let url = w.rg.lock_url();
     let reply = post(
@@ -434,7 +321,7 @@ async fn a_hundred_renewals_keep_the_token(w: LockWorld) {
     assert_eq!(reply.status, StatusCode::OK);
 }
 
-async fn waiters_are_served_in_arrival_order(w: LockWorld) {
+async fn waiters_are_served_in_arrival_order(w: World) {
     let lock = w.client();
     let holder = lock.acquire("fifo", "holder", TTL, NOW).await.unwrap();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -470,7 +357,7 @@ async fn waiters_are_served_in_arrival_order(w: LockWorld) {
 /// wake a waiter in time.
 const SLOW_POLL: &[(&str, &str)] = &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "30000")];
 
-async fn a_waiter_is_woken_by_release(w: LockWorld) {
+async fn a_waiter_is_woken_by_release(w: World) {
     let lock = w.client();
     let holder = lock
         .acquire("wake", "holder", Duration::from_secs(60), NOW)
@@ -493,7 +380,7 @@ async fn a_waiter_is_woken_by_release(w: LockWorld) {
     );
 }
 
-async fn a_waiter_is_woken_by_a_release_made_through_another_railguard(w: LockWorld) {
+async fn a_waiter_is_woken_by_a_release_made_through_another_railguard(w: World) {
     let other = w.another_railguard(SLOW_POLL).await;
     let lock = w.client();
     let holder = other
@@ -517,7 +404,7 @@ async fn a_waiter_is_woken_by_a_release_made_through_another_railguard(w: LockWo
     );
 }
 
-async fn a_waiter_is_woken_by_expiry(w: LockWorld) {
+async fn a_waiter_is_woken_by_expiry(w: World) {
     let lock = w.client();
     let _abandoned = lock
         .acquire("expire", "holder", w.short_ttl() * 3, NOW)
@@ -535,7 +422,7 @@ async fn a_waiter_is_woken_by_expiry(w: LockWorld) {
     lock.release(handle).await.unwrap();
 }
 
-async fn a_waiter_gives_up_when_its_wait_runs_out(w: LockWorld) {
+async fn a_waiter_gives_up_when_its_wait_runs_out(w: World) {
     let lock = w.client();
     let _holder = lock.acquire("busy", "holder", TTL, NOW).await.unwrap();
     let started = Instant::now();
@@ -554,7 +441,7 @@ async fn a_waiter_gives_up_when_its_wait_runs_out(w: LockWorld) {
     );
 }
 
-async fn too_many_waiters_get_429(w: LockWorld) {
+async fn too_many_waiters_get_429(w: World) {
     let lock = w.client();
     let _holder = lock.acquire("crowd", "holder", TTL, NOW).await.unwrap();
     let mut waiters = Vec::new();
@@ -576,7 +463,7 @@ async fn too_many_waiters_get_429(w: LockWorld) {
     }
 }
 
-async fn a_held_key_reveals_no_token_and_inspect_never_shows_one(w: LockWorld) {
+async fn a_held_key_reveals_no_token_and_inspect_never_shows_one(w: World) {
     let http = Http::new();
     let url = w.rg.lock_url();
     let reply = post(
@@ -607,7 +494,7 @@ async fn a_held_key_reveals_no_token_and_inspect_never_shows_one(w: LockWorld) {
     assert!(inspection.get("token").is_none(), "{body}");
 }
 
-async fn bad_input_gets_400_with_a_clear_message(w: LockWorld) {
+async fn bad_input_gets_400_with_a_clear_message(w: World) {
     let http = Http::new();
     let url = w.rg.lock_url();
     let long_key = "k".repeat(300);
@@ -726,7 +613,7 @@ async fn bad_input_gets_400_with_a_clear_message(w: LockWorld) {
     );
 }
 
-async fn auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(mut w: LockWorld) {
+async fn auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(mut w: World) {
     let lock = w.client();
     let ttl = w.short_ttl().max(Duration::from_millis(600));
     let handle = lock.acquire("kept", "w", ttl, NOW).await.unwrap();
@@ -748,7 +635,7 @@ async fn auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(mut w:
     w.rg.start_again().await;
 }
 
-async fn auto_renew_reports_loss_when_the_backend_stops(mut w: LockWorld) {
+async fn auto_renew_reports_loss_when_the_backend_stops(mut w: World) {
     let lock = w.client();
     let ttl = w.short_ttl().max(Duration::from_millis(600));
     let handle = lock.acquire("kept2", "w", ttl, NOW).await.unwrap();
@@ -761,7 +648,7 @@ async fn auto_renew_reports_loss_when_the_backend_stops(mut w: LockWorld) {
     assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
 }
 
-async fn auto_renew_reports_revocation(w: LockWorld) {
+async fn auto_renew_reports_revocation(w: World) {
     let lock = w.client();
     let handle = lock
         .acquire(
@@ -781,7 +668,7 @@ async fn auto_renew_reports_revocation(w: LockWorld) {
     assert_eq!(reason, LeaseLost::Revoked);
 }
 
-async fn grants_fence_the_rail_through_the_sdk(w: LockWorld) {
+async fn grants_fence_the_rail_through_the_sdk(w: World) {
     // T-042 with the real lock service: the stalled survivor's token is fenced at the proxy.
     let lock = w.client();
     let rail = railguard::sdk::RailClient::new(w.rg.proxy_url(""));
@@ -831,7 +718,7 @@ async fn grants_fence_the_rail_through_the_sdk(w: LockWorld) {
     assert_eq!(w.rg.metrics().await.get("lock_fenced_out_total"), 1.0);
 }
 
-async fn backend_down_means_503_and_no_token(mut w: LockWorld) {
+async fn backend_down_means_503_and_no_token(mut w: World) {
     let lock = w.client();
     let held = lock.acquire("down", "w", TTL, NOW).await.unwrap();
     w.stop_backend().await;
@@ -887,7 +774,7 @@ async fn backend_down_means_503_and_no_token(mut w: LockWorld) {
 /// release with every token near its own and near the current one. No answer may differ
 /// between guesses (a yes/no to a guess is a read path that returns the token), and the
 /// current grant must survive every attempt.
-async fn a_superseded_holder_can_neither_learn_nor_end_the_current_grant(w: LockWorld) {
+async fn a_superseded_holder_can_neither_learn_nor_end_the_current_grant(w: World) {
     let http = Http::new();
     let url = w.rg.lock_url();
     let acquire = |holder: &str, ttl: Duration, wait: Duration| {
@@ -993,109 +880,32 @@ async fn a_superseded_holder_can_neither_learn_nor_end_the_current_grant(w: Lock
     assert_eq!(released.status, StatusCode::OK, "{}", released.body);
 }
 
-macro_rules! suite {
-    ($module:ident, $backend:expr) => {
-        mod $module {
-            use super::*;
-
-            async fn world() -> LockWorld {
-                LockWorld::start($backend, &[]).await
-            }
-
-            #[tokio::test]
-            async fn inv04_tokens_strictly_increase() {
-                inv04_tokens_strictly_increase_across_cycles_restarts_and_recreation(world().await)
-                    .await
-            }
-            #[tokio::test]
-            async fn inv06_no_overlapping_grants() {
-                inv06_concurrent_acquirers_never_overlap(world().await).await
-            }
-            #[tokio::test]
-            async fn takeover_of_an_expired_grant() {
-                expired_grant_is_taken_over_and_the_old_holder_is_lost(world().await).await
-            }
-            #[tokio::test]
-            async fn renewals_keep_the_token() {
-                a_hundred_renewals_keep_the_token(world().await).await
-            }
-            #[tokio::test]
-            async fn fifo_waiters() {
-                waiters_are_served_in_arrival_order(world().await).await
-            }
-            #[tokio::test]
-            async fn woken_by_release() {
-                a_waiter_is_woken_by_release(LockWorld::start($backend, SLOW_POLL).await).await
-            }
-            #[tokio::test]
-            async fn woken_by_release_elsewhere() {
-                a_waiter_is_woken_by_a_release_made_through_another_railguard(
-                    LockWorld::start($backend, SLOW_POLL).await,
-                )
-                .await
-            }
-            #[tokio::test]
-            async fn woken_by_expiry() {
-                a_waiter_is_woken_by_expiry(LockWorld::start($backend, SLOW_POLL).await).await
-            }
-            #[tokio::test]
-            async fn wait_runs_out() {
-                a_waiter_gives_up_when_its_wait_runs_out(world().await).await
-            }
-            #[tokio::test]
-            async fn waiters_are_bounded() {
-                too_many_waiters_get_429(
-                    LockWorld::start($backend, &[("RAILGUARD__LOCK__MAX_WAITERS", "2")]).await,
-                )
-                .await
-            }
-            #[tokio::test]
-            async fn no_token_leaks() {
-                a_held_key_reveals_no_token_and_inspect_never_shows_one(world().await).await
-            }
-            #[tokio::test]
-            async fn bad_input() {
-                bad_input_gets_400_with_a_clear_message(world().await).await
-            }
-            #[tokio::test]
-            async fn auto_renew_and_service_loss() {
-                auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(world().await)
-                    .await
-            }
-            #[tokio::test]
-            async fn auto_renew_and_backend_loss() {
-                auto_renew_reports_loss_when_the_backend_stops(world().await).await
-            }
-            #[tokio::test]
-            async fn auto_renew_and_revocation() {
-                auto_renew_reports_revocation(world().await).await
-            }
-            #[tokio::test]
-            async fn backend_down() {
-                backend_down_means_503_and_no_token(world().await).await
-            }
-            #[tokio::test]
-            async fn superseded_holder_learns_nothing() {
-                a_superseded_holder_can_neither_learn_nor_end_the_current_grant(world().await)
-                    .await;
-            }
-
-            #[tokio::test]
-            async fn t042_through_the_sdk() {
-                grants_fence_the_rail_through_the_sdk(world().await).await
-            }
-        }
-    };
-}
-
-suite!(postgres, Backend::Postgres);
-suite!(etcd, Backend::Etcd);
+support::suite!([postgres => Backend::Postgres, etcd => Backend::Etcd] {
+    inv04_tokens_strictly_increase => inv04_tokens_strictly_increase_across_cycles_restarts_and_recreation,
+    inv06_no_overlapping_grants => inv06_concurrent_acquirers_never_overlap,
+    takeover_of_an_expired_grant => expired_grant_is_taken_over_and_the_old_holder_is_lost,
+    renewals_keep_the_token => a_hundred_renewals_keep_the_token,
+    fifo_waiters => waiters_are_served_in_arrival_order,
+    woken_by_release => a_waiter_is_woken_by_release with SLOW_POLL,
+    woken_by_release_elsewhere => a_waiter_is_woken_by_a_release_made_through_another_railguard with SLOW_POLL,
+    woken_by_expiry => a_waiter_is_woken_by_expiry with SLOW_POLL,
+    wait_runs_out => a_waiter_gives_up_when_its_wait_runs_out,
+    waiters_are_bounded => too_many_waiters_get_429 with &[("RAILGUARD__LOCK__MAX_WAITERS", "2")],
+    no_token_leaks => a_held_key_reveals_no_token_and_inspect_never_shows_one,
+    bad_input => bad_input_gets_400_with_a_clear_message,
+    auto_renew_and_service_loss => auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops,
+    auto_renew_and_backend_loss => auto_renew_reports_loss_when_the_backend_stops,
+    auto_renew_and_revocation => auto_renew_reports_revocation,
+    backend_down => backend_down_means_503_and_no_token,
+    superseded_holder_learns_nothing => a_superseded_holder_can_neither_learn_nor_end_the_current_grant,
+    t042_through_the_sdk => grants_fence_the_rail_through_the_sdk,
+});
 
 /// C1 §1.6 through the SDK: the paydb row remembers the newest grant that wrote it.
 #[tokio::test]
 async fn paydb_fenced_update_refuses_a_superseded_grant() {
     use railguard::sdk::paydb::{FencedUpdate, Fencing, PayDbError};
-    let w = LockWorld::start(Backend::Postgres, &[]).await;
+    let w = World::start(Backend::Postgres, &[]).await;
     let db = w.pg.client().await;
     db.batch_execute(
         "CREATE TABLE account (id text PRIMARY KEY, balance bigint NOT NULL, fence bigint NOT NULL DEFAULT 0);
@@ -1166,7 +976,7 @@ async fn paydb_fenced_update_refuses_a_superseded_grant() {
 /// CreateRevision would give two consecutive holders the same token. ModRevision grows.
 #[tokio::test]
 async fn etcd_takeover_in_place_keeps_create_revision_while_the_token_grows() {
-    let w = LockWorld::start(Backend::Etcd, &[]).await;
+    let w = World::start(Backend::Etcd, &[]).await;
     let etcd = w.etcd();
     // An entry whose lease does not exist: written without one (as a restore or a tool might).
     let path = "/railguard/locks/in-place";
@@ -1215,7 +1025,7 @@ async fn etcd_takeover_in_place_keeps_create_revision_while_the_token_grows() {
 #[tokio::test]
 async fn etcd_leader_loss_during_a_stream_of_acquires() {
     let cluster = EtcdCluster::three().await;
-    let mut w = LockWorld::start_with(Backend::Etcd, Some(cluster), &[]).await;
+    let mut w = World::start_with(Backend::Etcd, Some(cluster), &[]).await;
     let url = w.rg.lock_url();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut workers = Vec::new();
@@ -1303,7 +1113,7 @@ fn wall_us() -> i64 {
 /// Starts a waiting acquire over the HTTP API, for the whole grant response (its ttl and
 /// `expires_at_us` included).
 fn spawn_waiter(
-    w: &LockWorld,
+    w: &World,
     key: &str,
     ttl: Duration,
     wait: Duration,
@@ -1337,7 +1147,7 @@ async fn leases_seen(etcd: &EtcdCluster, period: Duration) -> BTreeSet<i64> {
 #[tokio::test]
 async fn etcd_a_waiting_acquire_uses_one_lease_and_its_grant_has_the_full_ttl() {
     // A retry at least every 100 ms while the key is held.
-    let w = LockWorld::start(
+    let w = World::start(
         Backend::Etcd,
         &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
     )
@@ -1453,7 +1263,7 @@ async fn etcd_a_waiting_acquire_uses_one_lease_and_its_grant_has_the_full_ttl() 
 /// back at once — long before it would have expired.
 #[tokio::test]
 async fn etcd_a_waiter_that_gives_up_leaves_no_lease_behind() {
-    let w = LockWorld::start(
+    let w = World::start(
         Backend::Etcd,
         &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
     )
@@ -1528,7 +1338,7 @@ async fn wait_for_leases(etcd: &EtcdCluster, expected: &[i64]) -> Vec<i64> {
 /// grant that follows the release carries that same, live lease.
 #[tokio::test]
 async fn etcd_a_waiter_waiting_longer_than_its_ttl_gets_a_live_lease() {
-    let w = LockWorld::start(Backend::Etcd, SLOW_POLL).await;
+    let w = World::start(Backend::Etcd, SLOW_POLL).await;
     let etcd = w.etcd();
     let lock = w.client();
     let path = "/railguard/locks/long-wait";
@@ -1576,7 +1386,7 @@ async fn etcd_a_waiter_waiting_longer_than_its_ttl_gets_a_live_lease() {
 /// as an expiry during a long stall would end it) is replaced, never put with.
 #[tokio::test]
 async fn etcd_a_waiter_whose_lease_is_gone_takes_a_new_one() {
-    let w = LockWorld::start(
+    let w = World::start(
         Backend::Etcd,
         &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
     )
@@ -1627,7 +1437,7 @@ async fn etcd_a_waiter_whose_lease_is_gone_takes_a_new_one() {
 /// with a new one.
 #[tokio::test]
 async fn etcd_a_waiter_finding_its_own_lost_put_revokes_it_and_starts_over() {
-    let w = LockWorld::start(
+    let w = World::start(
         Backend::Etcd,
         &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
     )

@@ -9,6 +9,8 @@
 //! - [`Railguard`]: railguard itself, with a config written for the test and overrides on top.
 //! - [`Http`]: an HTTP client over real sockets; [`Metrics`]: a strict Prometheus text parser.
 //! - [`Relay`]: a TCP relay whose delay a test turns up, to make a slow network.
+//! - [`World`]: all of the above for one lock backend, and [`suite!`] to run the same
+//!   behavioural cases on every backend.
 //!
 //! Tests use the shorthands, which panic when something cannot start (`Pg::start`,
 //! `EtcdCluster::single`, ...); the benchmark uses the builders, which return a
@@ -22,6 +24,7 @@ mod prometheus;
 mod rail;
 pub mod relay;
 mod serve;
+mod world;
 
 pub use etcd::{EtcdBuilder, EtcdCluster};
 pub use http::{Http, Reply};
@@ -31,6 +34,7 @@ pub use prometheus::Metrics;
 pub use rail::Rail;
 pub use relay::Relay;
 pub use serve::{Railguard, binary as railguard_binary};
+pub use world::{Backend, World};
 
 /// Why a launcher could not start what it launches.
 #[derive(Debug, thiserror::Error)]
