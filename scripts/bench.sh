@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/railguard-target}"
 
-cargo build --release --quiet --locked --bin railguard --bin railguard-bench
+cargo build --release --quiet --locked -p railguard --bin railguard -p railguard-bench --bin railguard-bench
 
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if ! git diff --quiet HEAD -- 2>/dev/null; then
