@@ -25,3 +25,5 @@ else
 fi
 echo "==> doc tests"
 cargo test --workspace --locked --doc
+echo "==> docs (broken links are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --locked --no-deps --quiet

@@ -7,7 +7,7 @@
 //! variable that overrode it — because a deployer reading a start-up failure should not have
 //! to guess which of the two was wrong.
 //!
-//! Values are typed when they are read ([`values`]): headers are `HeaderName`s, the rail a
+//! Values are typed when they are read (`values`): headers are `HeaderName`s, the rail a
 //! parsed [`Upstream`], durations `Duration`s, the lock backend and the database location
 //! enums. Each section checks what types alone cannot in its own `validate`; [`Config`] adds
 //! the rules that span sections.

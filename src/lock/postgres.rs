@@ -23,7 +23,7 @@
 //! **An acquire whose answer is lost** (the database slower than `database.timeout_ms`, the
 //! connection dropped after the commit, the caller gone) must not leave a grant nobody
 //! received holding the key for its ttl. The attempt runs in a task of its own; unless its
-//! grant is handed to the caller, an [`Undelivered`] guard revokes whatever it may have
+//! grant is handed to the caller, an `Undelivered` guard revokes whatever it may have
 //! committed, by the attempt's secret — which only that attempt's row can carry — once the
 //! statement has finished (however long a paused server takes), and once more after the
 //! server's `statement_timeout` would have ended it.

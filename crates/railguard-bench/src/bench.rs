@@ -69,7 +69,7 @@ impl Suite {
     pub(crate) const ALL: [Suite; 3] = [Suite::Proxy, Suite::Locks, Suite::Etcd];
 }
 
-/// What `railguard bench` was asked to do.
+/// What `railguard-bench` was asked to do.
 #[derive(Debug, Clone)]
 pub(crate) struct BenchOptions {
     /// What to measure; the order does not matter.

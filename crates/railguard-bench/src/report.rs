@@ -52,7 +52,7 @@ pub(crate) struct Environment {
     pub etcd: String,
 }
 
-/// Everything one `railguard bench` measured.
+/// Everything one `railguard-bench` measured.
 #[derive(Debug)]
 pub(crate) struct Report {
     pub environment: Environment,
@@ -184,7 +184,7 @@ impl Report {
     fn header(&self, md: &mut String) {
         let env = &self.environment;
         let o = &self.options;
-        let _ = writeln!(md, "### railguard bench, {}\n", env.date);
+        let _ = writeln!(md, "### railguard-bench, {}\n", env.date);
         let _ = writeln!(
             md,
             "- Machine: {} CPUs ({}), {} RAM, Linux {}",

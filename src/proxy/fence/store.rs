@@ -31,7 +31,7 @@ use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, Records};
 use crate::token::{AccountId, FencingToken};
 
 /// The single-row compare-and-set, as one statement per request would run it. The proxy runs
-/// the batched form in [`batch`]; benchmarks run this one with `pgbench` as the baseline.
+/// the batched form in `batch`; benchmarks run this one with `pgbench` as the baseline.
 pub const ADVANCE_SQL: &str = "\
 INSERT INTO rail_high_water AS h (account_id, highest_token) VALUES ($1, $2)
 ON CONFLICT (account_id) DO UPDATE

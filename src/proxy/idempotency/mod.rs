@@ -11,7 +11,7 @@
 //! - its record already existed: it is a repeat, and never reaches the rail. The same key with
 //!   a different request is 422; a repeat while the first is in flight is 409 `in_flight`; a
 //!   record in doubt is 409 `in_doubt` (see [`store`]); a completed one is replayed, marked
-//!   `Idempotency-Replayed: true` ([`replay`]).
+//!   `Idempotency-Replayed: true` (`replay`).
 //!
 //! Where the records live is behind [`Records`], so that this layer's logic is unit-tested with
 //! records in memory; the server's are PostgreSQL's ([`IdempotencyStore`]).

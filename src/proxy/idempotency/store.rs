@@ -2,7 +2,7 @@
 //! forwarded with an `Idempotency-Key`, so that a repeat gets the same answer without the rail
 //! seeing the payment twice.
 //!
-//! A record is created by the fence's compare-and-set statement (`high_water::batch`), in the
+//! A record is created by the fence's compare-and-set statement (`proxy::fence`'s group commit), in the
 //! same transaction, as `in_flight`; it becomes `done` with the rail's response. Keys are
 //! scoped per account.
 //!
