@@ -364,3 +364,164 @@ fn new_record(request: &FencedRequest, store_timeout: std::time::Duration) -> Op
         maybe_sent: request.maybe_sent.clone(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    //! The fence layer with marks in memory and a `service_fn` rail: its decisions, not
+    //! PostgreSQL's (the end-to-end tests in `tests/proxy.rs` run it on real PostgreSQL).
+
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use tower::{ServiceExt, service_fn};
+
+    use super::*;
+    use crate::proxy::IdempotencyKey;
+    use crate::proxy::idempotency::record::tests::{Ended, MemoryRecords};
+    use crate::proxy::idempotency::{RecordGuard, RecordId};
+
+    /// Marks in memory: `>=` accepts and raises, `<` is stale; `current_mark` may be told to
+    /// report a higher mark, as if another railguard had accepted a newer grant.
+    #[derive(Default)]
+    struct MemoryMarks {
+        marks: Mutex<HashMap<String, i64>>,
+        elsewhere: Mutex<Option<i64>>,
+        records: Arc<MemoryRecords>,
+    }
+
+    impl HighWater for Arc<MemoryMarks> {
+        async fn advance(
+            &self,
+            account: &AccountId,
+            token: FencingToken,
+            record: Option<NewRecord>,
+        ) -> Result<Verdict, StoreError> {
+            let mut marks = self.marks.lock().unwrap();
+            let mark = marks.entry(account.to_string()).or_insert(0);
+            if token.get() < *mark {
+                return Ok(Verdict::Stale);
+            }
+            *mark = token.get();
+            let records: Arc<dyn crate::proxy::idempotency::Records> = self.records.clone();
+            Ok(Verdict::Accepted {
+                record: record.map(|r| {
+                    let id = RecordId {
+                        account: account.clone(),
+                        key: r.key,
+                        owner: r.owner,
+                    };
+                    RecordGuard::new(records, id, r.maybe_sent)
+                }),
+            })
+        }
+
+        async fn current_mark(&self, account: &AccountId) -> Result<i64, StoreError> {
+            let own = self.marks.lock().unwrap().get(account.as_str()).copied();
+            Ok(self.elsewhere.lock().unwrap().or(own).unwrap_or(0))
+        }
+
+        fn timeout(&self) -> Duration {
+            Duration::from_secs(1)
+        }
+    }
+
+    fn request(token: i64, key: Option<&str>) -> FencedRequest {
+        FencedRequest {
+            token: FencingToken::new(token).unwrap(),
+            account: AccountId::parse("acct-1", 64).unwrap(),
+            request: http::Request::new(Bytes::from_static(b"{}")),
+            deadline: Instant::now() + Duration::from_secs(5),
+            idempotency: key.map(|k| IdempotencyKey {
+                key: k.into(),
+                fingerprint: "f".into(),
+                owner: "owner-1".into(),
+            }),
+            record: None,
+            maybe_sent: Default::default(),
+        }
+    }
+
+    /// A fence over `marks` in front of a rail that counts what reached it.
+    fn fence(
+        marks: &Arc<MemoryMarks>,
+        enforce: bool,
+        forwarded: &Arc<AtomicUsize>,
+    ) -> impl Service<FencedRequest, Response = ProxyResponse, Error = BoxError> {
+        let point = Arc::new(FencePoint::new(
+            marks.clone(),
+            100,
+            Arc::new(Metrics::new()),
+            enforce,
+        ));
+        let forwarded = forwarded.clone();
+        FenceLayer::new(point).layer(service_fn(move |_request: FencedRequest| {
+            forwarded.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, BoxError>(ProxyResponse::new(crate::http::full("ok"))) }
+        }))
+    }
+
+    #[tokio::test]
+    async fn a_current_token_is_forwarded_and_raises_the_mark() {
+        let marks = Arc::new(MemoryMarks::default());
+        let forwarded = Arc::new(AtomicUsize::new(0));
+        fence(&marks, true, &forwarded)
+            .oneshot(request(7, None))
+            .await
+            .unwrap();
+        assert_eq!(forwarded.load(Ordering::SeqCst), 1);
+        assert_eq!(marks.marks.lock().unwrap()["acct-1"], 7);
+    }
+
+    #[tokio::test]
+    async fn a_stale_token_is_fenced_out_and_never_reaches_the_rail() {
+        let marks = Arc::new(MemoryMarks::default());
+        marks.marks.lock().unwrap().insert("acct-1".into(), 9);
+        let forwarded = Arc::new(AtomicUsize::new(0));
+        let error = fence(&marks, true, &forwarded)
+            .oneshot(request(8, Some("pay-1")))
+            .await
+            .unwrap_err();
+        assert!(error.downcast_ref::<FencedOut>().is_some(), "{error}");
+        assert_eq!(forwarded.load(Ordering::SeqCst), 0);
+        assert_eq!(
+            marks.marks.lock().unwrap()["acct-1"],
+            9,
+            "the mark never goes down"
+        );
+        assert!(marks.records.ended().is_empty(), "no record was made");
+    }
+
+    #[tokio::test]
+    async fn a_token_superseded_elsewhere_is_refused_before_the_forward_and_its_record_forgotten() {
+        let marks = Arc::new(MemoryMarks::default());
+        *marks.elsewhere.lock().unwrap() = Some(12);
+        let forwarded = Arc::new(AtomicUsize::new(0));
+        let error = fence(&marks, true, &forwarded)
+            .oneshot(request(10, Some("pay-1")))
+            .await
+            .unwrap_err();
+        assert!(error.downcast_ref::<FencedOut>().is_some(), "{error}");
+        assert_eq!(forwarded.load(Ordering::SeqCst), 0);
+        let ended = marks.records.ended();
+        assert!(
+            matches!(ended.as_slice(), [Ended::Forgotten(id)] if id.key == "pay-1"),
+            "{ended:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn with_the_kill_switch_a_stale_token_is_forwarded_without_its_key() {
+        let marks = Arc::new(MemoryMarks::default());
+        marks.marks.lock().unwrap().insert("acct-1".into(), 9);
+        let forwarded = Arc::new(AtomicUsize::new(0));
+        fence(&marks, false, &forwarded)
+            .oneshot(request(8, Some("pay-1")))
+            .await
+            .unwrap();
+        assert_eq!(forwarded.load(Ordering::SeqCst), 1);
+        assert!(marks.records.ended().is_empty());
+    }
+}

@@ -170,3 +170,133 @@ async fn repeat(
         RecordState::Done(stored) => Ok(replay::replay(stored)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The layer with records in memory and a `service_fn` rail.
+
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use tokio::time::Instant;
+    use tower::{ServiceExt, service_fn};
+
+    use super::record::tests::{Ended, MemoryRecords, record_id};
+    use super::*;
+    use crate::proxy::IdempotencyKey;
+    use crate::token::{AccountId, FencingToken};
+
+    /// A first request with key `pay-1` that owns its record, and the flag its forward sets.
+    fn first(records: &Arc<MemoryRecords>) -> FencedRequest {
+        let mut request = repeat_of("f");
+        let guard = RecordGuard::new(records.clone(), record_id(), request.maybe_sent.clone());
+        request.record = Some(guard);
+        request
+    }
+
+    fn repeat_of(fingerprint: &str) -> FencedRequest {
+        FencedRequest {
+            token: FencingToken::new(3).unwrap(),
+            account: AccountId::parse("acct-1", 64).unwrap(),
+            request: http::Request::new(Bytes::from_static(b"{}")),
+            deadline: Instant::now() + Duration::from_secs(5),
+            idempotency: Some(IdempotencyKey {
+                key: "pay-1".into(),
+                fingerprint: fingerprint.into(),
+                owner: "owner-1".into(),
+            }),
+            record: None,
+            maybe_sent: Default::default(),
+        }
+    }
+
+    fn layer(records: &Arc<MemoryRecords>) -> IdempotencyLayer {
+        IdempotencyLayer::new(
+            records.clone(),
+            IdempotencyConfig {
+                max_response_bytes: 1024,
+            },
+        )
+    }
+
+    #[tokio::test]
+    async fn an_answered_first_request_completes_its_record() {
+        let records = Arc::new(MemoryRecords::default());
+        let rail = service_fn(|request: FencedRequest| async move {
+            request.maybe_sent.set();
+            let mut response = ProxyResponse::new(crate::http::full("paid"));
+            *response.status_mut() = http::StatusCode::CREATED;
+            Ok::<_, BoxError>(response)
+        });
+        let response = layer(&records)
+            .layer(rail)
+            .oneshot(first(&records))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), http::StatusCode::CREATED);
+        assert_eq!(records.ended(), [Ended::Completed(record_id(), 201)]);
+    }
+
+    #[tokio::test]
+    async fn a_forward_that_failed_before_sending_forgets_the_record() {
+        let records = Arc::new(MemoryRecords::default());
+        let rail = service_fn(|_request: FencedRequest| async {
+            Err::<ProxyResponse, BoxError>("connection refused".into())
+        });
+        let result = layer(&records).layer(rail).oneshot(first(&records)).await;
+        assert!(result.is_err());
+        assert_eq!(records.ended(), [Ended::Forgotten(record_id())]);
+    }
+
+    #[tokio::test]
+    async fn a_forward_that_failed_after_sending_leaves_the_record_in_doubt() {
+        let records = Arc::new(MemoryRecords::default());
+        let rail = service_fn(|request: FencedRequest| async move {
+            request.maybe_sent.set();
+            Err::<ProxyResponse, BoxError>("connection reset".into())
+        });
+        let result = layer(&records).layer(rail).oneshot(first(&records)).await;
+        assert!(result.is_err());
+        assert_eq!(records.ended(), [Ended::InDoubt(record_id())]);
+    }
+
+    #[tokio::test]
+    async fn repeats_never_reach_the_rail() {
+        let records = Arc::new(MemoryRecords::default());
+        let rail = service_fn(|_request: FencedRequest| async {
+            panic!("a repeat reached the rail");
+            #[allow(unreachable_code)]
+            Ok::<ProxyResponse, BoxError>(ProxyResponse::new(crate::http::full("")))
+        });
+        let service = layer(&records).layer(rail);
+        *records.found.lock().unwrap() = Some(Record {
+            fingerprint: "f".into(),
+            state: RecordState::Done(StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: Some(Bytes::from_static(b"paid")),
+            }),
+        });
+        let replayed = service.clone().oneshot(repeat_of("f")).await.unwrap();
+        assert_eq!(replayed.status(), http::StatusCode::CREATED);
+        assert_eq!(replayed.headers()["idempotency-replayed"], "true");
+        let mismatch = service.clone().oneshot(repeat_of("g")).await.unwrap_err();
+        assert!(matches!(
+            mismatch.downcast_ref::<IdempotencyConflict>(),
+            Some(IdempotencyConflict::Mismatch)
+        ));
+        for (state, want) in [
+            (RecordState::InFlight, "InFlight"),
+            (RecordState::InDoubt, "InDoubt"),
+        ] {
+            *records.found.lock().unwrap() = Some(Record {
+                fingerprint: "f".into(),
+                state,
+            });
+            let error = service.clone().oneshot(repeat_of("f")).await.unwrap_err();
+            let conflict = error.downcast_ref::<IdempotencyConflict>().unwrap();
+            assert_eq!(format!("{conflict:?}"), want);
+        }
+        assert!(records.ended().is_empty());
+    }
+}
