@@ -150,13 +150,16 @@ impl Service<FencedRequest> for Forward {
                 let deadline = fenced.deadline;
                 let asked = fenced.maybe_sent;
                 let request = this.upstream_request(fenced.request, asked.clone())?;
-                // An empty body may never be asked for although the request went out whole:
-                // such a request may have been sent unless its connection was never made.
-                let empty = request.body().is_end_stream();
-                let sent = |connect_failed: bool| {
-                    if empty && !connect_failed {
-                        asked.set();
-                    }
+                // An empty body is never asked for although the request goes out whole, so
+                // such a request may have been sent from the moment it is handed to the client.
+                // Marked now, not when the client returns: a forward whose future is dropped
+                // mid-way (its client hung up, with the kill switch on) must not leave its
+                // record looking unsent. A connect failure is then "maybe sent" too — the safe
+                // side: the record is in doubt rather than forgotten.
+                if request.body().is_end_stream() {
+                    asked.set();
+                }
+                let sent = |_connect_failed: bool| {
                     if asked.is_set() {
                         Sent::Maybe
                     } else {

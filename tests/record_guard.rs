@@ -1,0 +1,393 @@
+//! Found by a hostile review of the issue-9 re-cut: the RecordGuard under client hang-ups,
+//! resets and HTTP/2, the in-process test server, and every environment override —
+//! over real sockets, real PostgreSQL and the rail simulator.
+
+use railguard_testkit as support;
+
+use std::time::Duration;
+
+use http::StatusCode;
+use support::{Http, Pg, Rail, Railguard, Reply, init_tracing};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// A payment with `Idempotency-Key: key` and an EMPTY body, over a raw HTTP/1.1 socket that
+/// is closed `after` the request was written (the client gives up mid-forward).
+async fn pay_empty_then_hang_up(
+    rg: &Railguard,
+    token: i64,
+    account: &str,
+    key: &str,
+    after: Duration,
+) {
+    let proof = rg.proof(account, token);
+    let mut s = TcpStream::connect(rg.proxy).await.unwrap();
+    let req = format!(
+        "POST /payments HTTP/1.1\r\nHost: rail\r\nFencing-Token: {token}\r\n\
+         Fencing-Account: {account}\r\nFencing-Proof: {proof}\r\nIdempotency-Key: {key}\r\n\
+         Content-Length: 0\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    tokio::time::sleep(after).await;
+    drop(s); // the client is gone; the rail has (or has not) the payment already
+}
+
+async fn pay_empty(http: &Http, rg: &Railguard, token: i64, account: &str, key: &str) -> Reply {
+    let token = token.to_string();
+    http.pay(
+        &rg.proxy_url("/payments"),
+        &[
+            ("Fencing-Token", &token),
+            ("Fencing-Account", account),
+            ("Idempotency-Key", key),
+        ],
+        "",
+    )
+    .await
+}
+
+async fn wait_for_ledger(rail: &Rail, n: usize) {
+    for _ in 0..200 {
+        if rail.ledger().len() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn record_state(pg: &Pg, account: &str, key: &str) -> Option<String> {
+    pg.client()
+        .await
+        .query_opt(
+            "SELECT state FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2",
+            &[&account, &key],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+/// The scenario for both modes: an empty-body payment reaches a slow rail, its client hangs up
+/// while the rail is still working on it, and the client retries with the same key later.
+async fn empty_body_client_gone_mid_forward(env: &[(&str, &str)]) {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), env).await;
+    let http = rg.http();
+    let rail_probe = async {
+        wait_for_ledger(&rail, 1).await;
+    };
+    tokio::join!(
+        pay_empty_then_hang_up(&rg, 5, "acct-e", "pay-e", Duration::from_millis(500)),
+        rail_probe
+    );
+    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+    // Let the rail answer (or not), and the proxy do what it does with the record.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let state = record_state(&pg, "acct-e", "pay-e").await;
+    let retry = pay_empty(&http, &rg, 5, "acct-e", "pay-e").await;
+    assert_eq!(
+        rail.ledger().len(),
+        1,
+        "the retry of a payment that reached the rail was forwarded again (paid twice); \
+         record state before the retry: {state:?}; retry answer {} {}",
+        retry.status,
+        retry.body
+    );
+}
+
+/// Enforcing: the owner's forward runs in a task of its own, so a client that hangs up does not
+/// cancel it; its record is completed and the retry is replayed.
+#[tokio::test]
+async fn review_enforced_empty_body_client_gone_mid_forward_is_not_paid_twice() {
+    empty_body_client_gone_mid_forward(&[]).await;
+}
+
+/// Kill switch off (C5 §5.2): fencing is off, but idempotency keys are still honoured (records
+/// are still made by the compare-and-set). The forward runs in the connection's task; a client
+/// that hangs up drops it, the RecordGuard sees MaybeSent unset (an empty body is never asked
+/// for), and forgets the record of a payment the rail has received.
+#[tokio::test]
+async fn review_kill_switch_empty_body_client_gone_mid_forward_is_not_paid_twice() {
+    empty_body_client_gone_mid_forward(&[("RAILGUARD__FENCING__ENFORCE", "false")]).await;
+}
+
+/// A stopped in-process railguard must stop serving: its listeners refuse connections and a
+/// keep-alive connection opened before the stop no longer gets answers.
+#[tokio::test]
+async fn review_in_process_stop_refuses_connections() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let mut rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let (proxy, admin, lock) = (rg.proxy, rg.admin, rg.lock);
+    // An idle keep-alive connection open across the stop.
+    let mut kept = TcpStream::connect(admin).await.unwrap();
+    kept.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = kept.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    assert!(rg.stop().await.success());
+    for addr in [proxy, admin, lock] {
+        assert!(
+            TcpStream::connect(addr).await.is_err(),
+            "{addr} still accepts after stop()"
+        );
+    }
+    let _ = kept
+        .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await;
+    let n = tokio::time::timeout(Duration::from_secs(2), kept.read(&mut buf))
+        .await
+        .expect("the kept connection is closed, not left hanging")
+        .unwrap_or(0);
+    assert_eq!(
+        n,
+        0,
+        "a kept-alive connection was served after stop(): {}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    // Its instance lock is gone with it, as a process's would be.
+    let mut held = 1;
+    for _ in 0..50 {
+        held = pg
+            .client()
+            .await
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0);
+        if held == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        held, 0,
+        "the stopped in-process railguard still holds its instance lock"
+    );
+    rg.start_again().await;
+    assert_eq!(
+        rg.http().pay_with(&rg, 3, "after").await.status,
+        StatusCode::CREATED
+    );
+}
+
+/// Every key of the configuration can be overridden from the environment, and the override
+/// lands in that key (and no other).
+#[test]
+fn review_every_key_has_a_working_environment_override() {
+    use railguard::config::Config;
+    use std::collections::BTreeMap;
+    let defaults = toml::Table::try_from(Config::default()).unwrap();
+    let mut checked = 0;
+    for (section, keys) in &defaults {
+        let toml::Value::Table(keys) = keys else {
+            panic!("{section} is not a table")
+        };
+        for (key, default) in keys {
+            let dotted = format!("{section}.{key}");
+            let (raw, want): (String, toml::Value) = match (dotted.as_str(), default) {
+                ("proxy.listen", _) => ("127.0.0.1:18080".into(), "127.0.0.1:18080".into()),
+                ("admin.listen", _) => ("127.0.0.1:19100".into(), "127.0.0.1:19100".into()),
+                ("lock.listen", _) => ("127.0.0.1:17070".into(), "127.0.0.1:17070".into()),
+                ("proxy.upstream", _) => {
+                    ("http://10.0.0.9:9999".into(), "http://10.0.0.9:9999".into())
+                }
+                (k, _) if k.ends_with("_header") => {
+                    ("X-Review-Header".into(), "x-review-header".into())
+                }
+                ("lock.backend", _) => ("etcd".into(), "etcd".into()),
+                ("etcd.endpoints", _) => (
+                    "http://10.0.0.1:2379, http://10.0.0.2:2379".into(),
+                    toml::Value::Array(vec![
+                        "http://10.0.0.1:2379".into(),
+                        "http://10.0.0.2:2379".into(),
+                    ]),
+                ),
+                ("etcd.key_prefix", _) => ("/rev/".into(), "/rev/".into()),
+                ("etcd.tls_ca_file", _) | ("etcd.tls_cert_file", _) | ("etcd.tls_key_file", _) => {
+                    ("/tmp/x.pem".into(), "/tmp/x.pem".into())
+                }
+                ("database.url", _) => ("postgres://u@h/db".into(), "postgres://u@h/db".into()),
+                ("database.data_dir", _) => ("/tmp/review-pg".into(), "/tmp/review-pg".into()),
+                ("fencing.lock_key_template", _) => {
+                    ("pay:{account}".into(), "pay:{account}".into())
+                }
+                ("log.format", _) => ("json".into(), "json".into()),
+                ("log.level", _) => ("debug".into(), "debug".into()),
+                (_, toml::Value::Integer(i)) => ((i + 1).to_string(), toml::Value::Integer(i + 1)),
+                (_, toml::Value::Boolean(b)) => ((!b).to_string(), toml::Value::Boolean(!b)),
+                (k, v) => panic!("no test value for {k} = {v:?}"),
+            };
+            let var = format!(
+                "RAILGUARD__{}__{}",
+                section.to_uppercase(),
+                key.to_uppercase()
+            );
+            let mut env = BTreeMap::from([(var.clone(), raw.clone())]);
+            // tls files need each other and https endpoints; etcd keys are checked only with etcd.
+            if dotted == "etcd.tls_cert_file" {
+                env.insert("RAILGUARD__ETCD__TLS_KEY_FILE".into(), "/tmp/k.pem".into());
+            }
+            if dotted == "etcd.tls_key_file" {
+                env.insert("RAILGUARD__ETCD__TLS_CERT_FILE".into(), "/tmp/c.pem".into());
+            }
+            let config = Config::parse("", "empty.toml", &env)
+                .unwrap_or_else(|e| panic!("{var}={raw:?} refused: {e}"));
+            let got = toml::Table::try_from(&config).unwrap();
+            assert_eq!(
+                got[section][key], want,
+                "{var}={raw:?} did not land in {dotted}"
+            );
+            for (s, ks) in &got {
+                for (k, v) in ks.as_table().unwrap() {
+                    if (s, k) != (section, key)
+                        && !env.keys().any(|e| e.ends_with(&k.to_uppercase()))
+                    {
+                        assert_eq!(v, &defaults[s][k], "{var} also changed {s}.{k}");
+                    }
+                }
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 41, "every key of config/railguard.toml");
+}
+
+/// A rail that reads each request's head (and whatever body came with it in the same read)
+/// and then resets the connection without answering. Counts the heads it saw.
+async fn resetting_rail() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = std::sync::Arc::new(AtomicUsize::new(0));
+    let counter = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                #[allow(deprecated)]
+                let _ = s.set_linger(Some(Duration::ZERO));
+                drop(s); // RST
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// A rail that saw the request's head and reset: the request may have reached it, so its record
+/// must be in doubt and a retry must not be forwarded — with or without a body.
+#[tokio::test]
+async fn review_a_rail_that_reads_the_head_and_resets_leaves_the_record_in_doubt() {
+    use std::sync::atomic::Ordering;
+    init_tracing();
+    let pg = Pg::start().await;
+    let (rail, seen) = resetting_rail().await;
+    let rg = Railguard::start(&pg.url(), &format!("http://{rail}"), &[]).await;
+    let http = rg.http();
+    for (key, body) in [("reset-empty", ""), ("reset-body", "{\"amount\":1}")] {
+        let before = seen.load(Ordering::SeqCst);
+        let token = "9".to_string();
+        let headers = [
+            ("Fencing-Token", token.as_str()),
+            ("Fencing-Account", "acct-r"),
+            ("Idempotency-Key", key),
+        ];
+        let first = http.pay(&rg.proxy_url("/payments"), &headers, body).await;
+        assert_eq!(
+            first.status,
+            StatusCode::BAD_GATEWAY,
+            "{key}: {}",
+            first.body
+        );
+        assert!(
+            seen.load(Ordering::SeqCst) > before,
+            "{key}: the rail saw the head"
+        );
+        let mut state = None;
+        for _ in 0..50 {
+            state = record_state(&pg, "acct-r", key).await;
+            if state.as_deref() == Some("in_doubt") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(state.as_deref(), Some("in_doubt"), "{key}");
+        let seen_now = seen.load(Ordering::SeqCst);
+        let retry = http.pay(&rg.proxy_url("/payments"), &headers, body).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{key}: {}", retry.body);
+        assert_eq!(retry.json()["error"], "in_doubt");
+        assert_eq!(
+            seen.load(Ordering::SeqCst),
+            seen_now,
+            "{key}: not forwarded again"
+        );
+    }
+}
+
+/// HTTP/2 client, fencing enforced, empty body: the client resets its stream while the rail is
+/// working on the payment. The owner's forward goes on in its own task, completes, and the retry
+/// is replayed.
+#[tokio::test]
+async fn review_http2_client_reset_mid_forward_with_an_empty_body_is_not_paid_twice() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let h2 = rg.http2();
+    let task = {
+        let (h2, url) = (h2.clone(), rg.proxy_url("/payments"));
+        tokio::spawn(async move {
+            h2.pay(
+                &url,
+                &[
+                    ("Fencing-Token", "5"),
+                    ("Fencing-Account", "acct-h2"),
+                    ("Idempotency-Key", "pay-h2"),
+                ],
+                "",
+            )
+            .await
+        })
+    };
+    wait_for_ledger(&rail, 1).await;
+    assert_eq!(rail.ledger().len(), 1);
+    task.abort();
+    drop(h2);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let retry = pay_empty(&rg.http2(), &rg, 5, "acct-h2", "pay-h2").await;
+    assert_eq!(
+        rail.ledger().len(),
+        1,
+        "paid twice: retry {} {}",
+        retry.status,
+        retry.body
+    );
+    assert_eq!(
+        retry
+            .headers
+            .get("idempotency-replayed")
+            .map(|v| v.to_str().unwrap()),
+        Some("true")
+    );
+}
