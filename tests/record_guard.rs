@@ -391,3 +391,41 @@ async fn review_http2_client_reset_mid_forward_with_an_empty_body_is_not_paid_tw
         Some("true")
     );
 }
+
+/// An empty-body payment is marked "maybe sent" as it is handed to the client (it has no body
+/// to ask for). When the rail refuses the connection, nothing can have been received: the
+/// record must be forgotten, not left in doubt, so that the worker's retry goes through once
+/// the rail is back — without anyone running `idempotency-forget`.
+#[tokio::test]
+async fn an_empty_body_payment_to_a_rail_that_refuses_connections_leaves_no_record() {
+    init_tracing();
+    let pg = Pg::start().await;
+    // A port nobody listens on: every connect is refused.
+    let port = support::free_loopback_port();
+    let upstream = format!("http://127.0.0.1:{port}");
+    let rg = Railguard::start(&pg.url(), &upstream, &[]).await;
+    let http = rg.http();
+
+    let refused = pay_empty(&http, &rg, 5, "acct-refused", "k-empty").await;
+    assert_eq!(refused.status, StatusCode::BAD_GATEWAY, "{}", refused.body);
+    // The guard forgets in the background; give it a moment, then look.
+    let mut state = record_state(&pg, "acct-refused", "k-empty").await;
+    for _ in 0..100 {
+        if state.is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        state = record_state(&pg, "acct-refused", "k-empty").await;
+    }
+    assert_eq!(
+        state, None,
+        "the record of a never-connected forward is forgotten"
+    );
+
+    // The same key again, now against a rail that listens: forwarded, once.
+    let rail = Rail::start().await;
+    let rg2 = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let retried = pay_empty(&rg2.http(), &rg2, 5, "acct-refused", "k-empty").await;
+    assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.body);
+    assert_eq!(rail.ledger().len(), 1);
+}

@@ -154,12 +154,15 @@ impl Service<FencedRequest> for Forward {
                 // such a request may have been sent from the moment it is handed to the client.
                 // Marked now, not when the client returns: a forward whose future is dropped
                 // mid-way (its client hung up, with the kill switch on) must not leave its
-                // record looking unsent. A connect failure is then "maybe sent" too — the safe
-                // side: the record is in doubt rather than forgotten.
+                // record looking unsent. A connect failure un-marks it: no connection, nothing
+                // received (`MaybeSent::never_connected`).
                 if request.body().is_end_stream() {
                     asked.set();
                 }
-                let sent = |_connect_failed: bool| {
+                let sent = |connect_failed: bool| {
+                    if connect_failed {
+                        asked.never_connected();
+                    }
                     if asked.is_set() {
                         Sent::Maybe
                     } else {

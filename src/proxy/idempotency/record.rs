@@ -22,27 +22,44 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use super::store::{Record, StoredResponse};
 use crate::db::DbError;
 use crate::token::AccountId;
 
-/// Set once the forward of a request may have reached the rail, never cleared. The forward
-/// sets it when a connection first asks for the request's body (hyper asks only after the
-/// request head is on its way) or, for a request without a body, when the request is handed
-/// to the client — the earliest moment the rail can have seen anything.
+/// Set once the forward of a request may have reached the rail. The forward sets it when a
+/// connection first asks for the request's body (hyper asks only after the request head is on
+/// its way) or, for a request without a body, when the request is handed to the client — the
+/// earliest moment the rail can have seen anything.
+///
+/// It is never cleared, with one exception that is a fact rather than a guess: when the client
+/// reports that no connection to the rail could be made ([`MaybeSent::never_connected`]),
+/// nothing can have reached the rail, whatever was marked before. That lets an empty-body
+/// request that was marked at hand-off still be forgotten when the rail refuses connections.
 #[derive(Debug, Clone, Default)]
-pub struct MaybeSent(Arc<AtomicBool>);
+pub struct MaybeSent(Arc<AtomicU8>);
+
+const UNSENT: u8 = 0;
+const MAYBE: u8 = 1;
+const NEVER_CONNECTED: u8 = 2;
 
 impl MaybeSent {
     pub fn set(&self) {
-        self.0.store(true, Ordering::Release);
+        // Only from "unsent": a request known never to have been connected stays so.
+        let _ = self
+            .0
+            .compare_exchange(UNSENT, MAYBE, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// The connection to the rail was never made: the request cannot have been received.
+    pub fn never_connected(&self) {
+        self.0.store(NEVER_CONNECTED, Ordering::Release);
     }
 
     pub fn is_set(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.0.load(Ordering::Acquire) == MAYBE
     }
 }
 
