@@ -114,6 +114,8 @@ pub struct LockHandle {
     proof: String,
     ttl: Duration,
     lease_floor: tokio::time::Instant,
+    granted_at_us: i64,
+    expires_at_us: i64,
 }
 
 impl std::fmt::Debug for LockHandle {
@@ -156,6 +158,19 @@ impl LockHandle {
     /// after receiving it, so the grant was made no earlier than `t0 + waited`.
     pub fn lease_floor(&self) -> tokio::time::Instant {
         self.lease_floor
+    }
+
+    /// When the lock service says it made the grant, and when its lease runs out unless
+    /// renewed: the backend's wall clock, µs since the Unix epoch. For diagnosis and for
+    /// checking a recorded history against the service's own view (INV-06) — never for a
+    /// correctness decision in a worker (INV-07: safety never depends on a clock).
+    pub fn granted_at_us(&self) -> i64 {
+        self.granted_at_us
+    }
+
+    /// See [`LockHandle::granted_at_us`].
+    pub fn expires_at_us(&self) -> i64 {
+        self.expires_at_us
     }
 }
 
@@ -257,6 +272,8 @@ impl LockClient {
             proof: grant.fencing_proof,
             ttl,
             lease_floor,
+            granted_at_us: grant.granted_at_us,
+            expires_at_us: grant.expires_at_us,
         })
     }
 

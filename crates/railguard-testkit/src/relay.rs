@@ -6,6 +6,9 @@
 //! changed at any time; it applies to both directions. Dropping the relay stops accepting;
 //! connections already open keep running until either side closes; a close reaches the
 //! other side half a second after the last data.
+//!
+//! [`Relay::cut_for`] is a partition of that path: every open connection is closed at once,
+//! and connections made for a while are accepted and closed straight away.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -19,7 +22,25 @@ use tokio::time::Instant;
 pub struct Relay {
     pub addr: SocketAddr,
     delay: Arc<Mutex<Duration>>,
+    cut: Arc<Cut>,
     accept: tokio::task::JoinHandle<()>,
+}
+
+/// The relay's partition state: until when new connections are refused, and the tasks of the
+/// connections open now (aborting one closes both of its sockets).
+#[derive(Default)]
+struct Cut {
+    until: Mutex<Option<Instant>>,
+    open: Mutex<Vec<tokio::task::AbortHandle>>,
+}
+
+impl Cut {
+    fn refusing(&self) -> bool {
+        self.until
+            .lock()
+            .unwrap()
+            .is_some_and(|until| Instant::now() < until)
+    }
 }
 
 impl Relay {
@@ -28,11 +49,16 @@ impl Relay {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
         let addr = listener.local_addr().unwrap();
         let delay = Arc::new(Mutex::new(Duration::ZERO));
-        let shared = delay.clone();
+        let cut = Arc::new(Cut::default());
+        let (shared, shared_cut) = (delay.clone(), cut.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if shared_cut.refusing() {
+                    drop(client);
+                    continue;
+                }
                 let delay = shared.clone();
-                tokio::spawn(async move {
+                let task = tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(target).await else {
                         return;
                     };
@@ -40,14 +66,20 @@ impl Relay {
                     let _ = server.set_nodelay(true);
                     let (client_read, client_write) = client.into_split();
                     let (server_read, server_write) = server.into_split();
-                    tokio::spawn(pump(client_read, server_write, delay.clone()));
-                    tokio::spawn(pump(server_read, client_write, delay));
+                    tokio::join!(
+                        pump(client_read, server_write, delay.clone()),
+                        pump(server_read, client_write, delay)
+                    );
                 });
+                let mut open = shared_cut.open.lock().unwrap();
+                open.retain(|t| !t.is_finished());
+                open.push(task.abort_handle());
             }
         });
         Relay {
             addr,
             delay,
+            cut,
             accept,
         }
     }
@@ -55,6 +87,15 @@ impl Relay {
     /// Delays every chunk read from now on by `delay`, both ways.
     pub fn set_delay(&self, delay: Duration) {
         *self.delay.lock().unwrap() = delay;
+    }
+
+    /// A partition for `duration`: closes every connection open now and refuses new ones
+    /// (accepts and closes them) until `duration` has passed.
+    pub fn cut_for(&self, duration: Duration) {
+        *self.cut.until.lock().unwrap() = Some(Instant::now() + duration);
+        for task in self.cut.open.lock().unwrap().drain(..) {
+            task.abort();
+        }
     }
 
     /// `postgres://` URL of a PostgreSQL reached through this relay (same user and database).
@@ -83,7 +124,8 @@ async fn pump(
     delay: Arc<Mutex<Duration>>,
 ) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
-    let writer = tokio::spawn(async move {
+    // In the connection's own task (not spawned), so that aborting it closes this side too.
+    let writer = async move {
         while let Some((due, bytes)) = rx.recv().await {
             tokio::time::sleep_until(due).await;
             if to.write_all(&bytes).await.is_err() {
@@ -94,19 +136,21 @@ async fn pump(
         // sees a request and its connection's end in one read may drop the request.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let _ = to.shutdown().await;
-    });
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                let due = Instant::now() + *delay.lock().unwrap();
-                if tx.send((due, buf[..n].to_vec())).is_err() {
-                    break;
+    };
+    let reader = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let due = Instant::now() + *delay.lock().unwrap();
+                    if tx.send((due, buf[..n].to_vec())).is_err() {
+                        break;
+                    }
                 }
             }
         }
-    }
-    drop(tx);
-    let _ = writer.await;
+        drop(tx);
+    };
+    tokio::join!(reader, writer);
 }

@@ -325,6 +325,20 @@ impl Railguard {
         self.run().await;
     }
 
+    /// The process id while it runs as a process (for SIGSTOP/SIGCONT).
+    pub fn pid(&self) -> Option<u32> {
+        match &self.running {
+            Some(Running::Process(child)) => child.id(),
+            _ => None,
+        }
+    }
+
+    /// Changes one `RAILGUARD__…` override for the next start (a config change rolled out by
+    /// a restart).
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.insert(key.to_string(), value.to_string());
+    }
+
     /// `railguard idempotency-forget` against this railguard, as an operator runs it.
     pub async fn forget(&self, account: &str, key: &str) -> std::process::Output {
         Command::new(binary())

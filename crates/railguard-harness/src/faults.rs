@@ -1,0 +1,398 @@
+//! The faults the harness injects: each one real (a signal to a real process, a real
+//! connection cut or slowed by a relay on the real path, a real server killed), each bounded
+//! in time — it heals itself before the next one starts — and each recorded.
+//!
+//! The schedule is drawn from the run's seed: the order of kinds (every enabled kind before
+//! any repeats), their targets and the gaps between them.
+
+use std::fmt;
+use std::time::Duration;
+
+use railguard_testkit::{EtcdCluster, Pg, Railguard, Relay};
+
+use crate::check::FaultRecord;
+use crate::history::now_us;
+use crate::rng::Rng;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FaultKind {
+    /// SIGSTOP a worker past its lease, then SIGCONT.
+    WorkerStop,
+    /// The worker pauses itself after its paydb claim, just before the submit (T-042).
+    WorkerPause,
+    /// The rail slows down past the lease and a worker stalls while its submit is at the rail.
+    LeaseExpiresMidSubmit,
+    /// Workers' connections to the lock API cut (renewals fail, leases lapse).
+    LockPathCut,
+    /// Workers' connections to the proxy cut (submits in flight lose their answer).
+    ProxyPathCut,
+    /// Workers' requests to the proxy delayed past the lease.
+    ProxyPathDelay,
+    /// railguard's connections to PostgreSQL cut.
+    PgPathCut,
+    /// railguard's connections to PostgreSQL slowed.
+    PgPathDelay,
+    /// PostgreSQL (marks, records, the PostgreSQL lock backend) SIGKILLed and restarted.
+    PgKill,
+    /// An etcd member stopped and started again.
+    EtcdMemberRestart,
+    /// The etcd leader SIGKILLed and started again (three members).
+    EtcdLeaderKill,
+    /// A `railguard serve` SIGKILLed and started again.
+    ProxyKill,
+    /// A `railguard serve` SIGSTOPped and continued.
+    ProxyStop,
+    /// Forwards from railguard to the rail delayed past the request deadline.
+    RailPastDeadline,
+    /// A `railguard serve` restarted with another request timeout: for a while two processes
+    /// run with different timeouts, as during a rolling config change.
+    RollingConfig,
+}
+
+impl FaultKind {
+    pub const ALL: [FaultKind; 15] = [
+        FaultKind::WorkerStop,
+        FaultKind::WorkerPause,
+        FaultKind::LeaseExpiresMidSubmit,
+        FaultKind::LockPathCut,
+        FaultKind::ProxyPathCut,
+        FaultKind::ProxyPathDelay,
+        FaultKind::PgPathCut,
+        FaultKind::PgPathDelay,
+        FaultKind::PgKill,
+        FaultKind::EtcdMemberRestart,
+        FaultKind::EtcdLeaderKill,
+        FaultKind::ProxyKill,
+        FaultKind::ProxyStop,
+        FaultKind::RailPastDeadline,
+        FaultKind::RollingConfig,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::WorkerStop => "worker-sigstop",
+            FaultKind::WorkerPause => "worker-pause",
+            FaultKind::LeaseExpiresMidSubmit => "lease-expires-mid-submit",
+            FaultKind::LockPathCut => "lock-path-cut",
+            FaultKind::ProxyPathCut => "proxy-path-cut",
+            FaultKind::ProxyPathDelay => "proxy-path-delay",
+            FaultKind::PgPathCut => "pg-path-cut",
+            FaultKind::PgPathDelay => "pg-path-delay",
+            FaultKind::PgKill => "pg-kill",
+            FaultKind::EtcdMemberRestart => "etcd-member-restart",
+            FaultKind::EtcdLeaderKill => "etcd-leader-kill",
+            FaultKind::ProxyKill => "proxy-kill",
+            FaultKind::ProxyStop => "proxy-sigstop",
+            FaultKind::RailPastDeadline => "rail-past-deadline",
+            FaultKind::RollingConfig => "rolling-config",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<FaultKind> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// Whether the kind means anything for this setup.
+    pub fn applies(self, etcd_members: Option<usize>) -> bool {
+        match self {
+            FaultKind::EtcdMemberRestart => etcd_members.is_some(),
+            FaultKind::EtcdLeaderKill => etcd_members.is_some_and(|n| n >= 3),
+            _ => true,
+        }
+    }
+
+    /// `all`, `none`, or a comma-separated list of names.
+    pub fn parse_list(text: &str, etcd_members: Option<usize>) -> Result<Vec<FaultKind>, String> {
+        match text {
+            "none" | "" => Ok(Vec::new()),
+            "all" => Ok(Self::ALL
+                .into_iter()
+                .filter(|k| k.applies(etcd_members))
+                .collect()),
+            list => list
+                .split(',')
+                .map(|name| {
+                    let kind = Self::parse(name.trim()).ok_or_else(|| {
+                        format!(
+                            "--faults: unknown fault {name:?}; known: all, none, {}",
+                            Self::ALL.map(|k| k.name()).join(", ")
+                        )
+                    })?;
+                    if !kind.applies(etcd_members) {
+                        return Err(format!(
+                            "--faults: {name} needs the etcd backend{}",
+                            if kind == FaultKind::EtcdLeaderKill {
+                                " with --etcd-members 3"
+                            } else {
+                                ""
+                            }
+                        ));
+                    }
+                    Ok(kind)
+                })
+                .collect(),
+        }
+    }
+}
+
+impl fmt::Display for FaultKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The order of fault kinds: every enabled kind once, shuffled, then again.
+pub struct Schedule {
+    kinds: Vec<FaultKind>,
+    round: Vec<FaultKind>,
+}
+
+impl Schedule {
+    pub fn new(kinds: Vec<FaultKind>) -> Self {
+        Self {
+            kinds,
+            round: Vec::new(),
+        }
+    }
+
+    pub fn next(&mut self, rng: &mut Rng) -> Option<FaultKind> {
+        if self.kinds.is_empty() {
+            return None;
+        }
+        if self.round.is_empty() {
+            self.round = self.kinds.clone();
+            rng.shuffle(&mut self.round);
+        }
+        self.round.pop()
+    }
+}
+
+/// What a fault can reach.
+pub struct Targets<'a> {
+    pub worker_pids: Vec<(u32, u32)>,
+    pub lockdb: &'a mut Pg,
+    pub etcd: Option<&'a mut EtcdCluster>,
+    pub proxies: &'a mut [Railguard],
+    pub lock_relays: &'a [Relay],
+    pub proxy_relays: &'a [Relay],
+    pub pg_relay: &'a Relay,
+    pub rail_relay: &'a Relay,
+}
+
+/// How long faults last, from the run's lease and request timeout.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Longer than any lease: a stall this long always outlives the grant.
+    pub stall: Duration,
+    pub ttl: Duration,
+    pub request_timeout: Duration,
+}
+
+async fn signal(pid: u32, name: &str) {
+    let _ = tokio::process::Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()
+        .await;
+}
+
+/// Injects one fault of `kind`, waits for it to heal, and says what was done.
+pub async fn inject(
+    kind: FaultKind,
+    targets: &mut Targets<'_>,
+    rng: &mut Rng,
+    timing: Timing,
+) -> FaultRecord {
+    let start_us = now_us();
+    let pick = |rng: &mut Rng, n: usize| rng.below(n as u64) as usize;
+    let target = match kind {
+        FaultKind::WorkerStop | FaultKind::WorkerPause | FaultKind::LeaseExpiresMidSubmit
+            if targets.worker_pids.is_empty() =>
+        {
+            "no worker running".to_string()
+        }
+        FaultKind::WorkerStop => {
+            let (id, pid) = targets.worker_pids[pick(rng, targets.worker_pids.len())];
+            signal(pid, "STOP").await;
+            tokio::time::sleep(timing.stall).await;
+            signal(pid, "CONT").await;
+            format!("worker {id} stopped {} ms", timing.stall.as_millis())
+        }
+        FaultKind::WorkerPause => {
+            let (id, pid) = targets.worker_pids[pick(rng, targets.worker_pids.len())];
+            signal(pid, "USR1").await;
+            tokio::time::sleep(timing.stall).await;
+            format!("worker {id} asked to pause before its next submit")
+        }
+        FaultKind::LeaseExpiresMidSubmit => {
+            let slow = (timing.ttl + timing.ttl / 2).min(timing.request_timeout * 3 / 5);
+            targets.rail_relay.set_delay(slow);
+            // Let submits reach the slow rail, then stall a worker while it waits on one.
+            tokio::time::sleep(timing.ttl / 4).await;
+            let (id, pid) = targets.worker_pids[pick(rng, targets.worker_pids.len())];
+            signal(pid, "STOP").await;
+            tokio::time::sleep(timing.stall).await;
+            signal(pid, "CONT").await;
+            targets.rail_relay.set_delay(Duration::ZERO);
+            format!(
+                "rail slowed to {} ms, worker {id} stopped {} ms",
+                slow.as_millis(),
+                timing.stall.as_millis()
+            )
+        }
+        FaultKind::LockPathCut => {
+            let i = pick(rng, targets.lock_relays.len());
+            let d = timing.ttl + timing.ttl / 2;
+            targets.lock_relays[i].cut_for(d);
+            tokio::time::sleep(d).await;
+            format!("workers → lock API {i} cut {} ms", d.as_millis())
+        }
+        FaultKind::ProxyPathCut => {
+            let i = pick(rng, targets.proxy_relays.len());
+            targets.proxy_relays[i].cut_for(timing.ttl);
+            tokio::time::sleep(timing.ttl).await;
+            format!("workers → proxy {i} cut {} ms", timing.ttl.as_millis())
+        }
+        FaultKind::ProxyPathDelay => {
+            let i = pick(rng, targets.proxy_relays.len());
+            let d = timing.ttl + timing.ttl / 2;
+            targets.proxy_relays[i].set_delay(d);
+            tokio::time::sleep(timing.stall).await;
+            targets.proxy_relays[i].set_delay(Duration::ZERO);
+            format!("workers → proxy {i} delayed {} ms", d.as_millis())
+        }
+        FaultKind::PgPathCut => {
+            let d = Duration::from_millis(800);
+            targets.pg_relay.cut_for(d);
+            tokio::time::sleep(d).await;
+            "railguard → PostgreSQL cut 800 ms".to_string()
+        }
+        FaultKind::PgPathDelay => {
+            targets.pg_relay.set_delay(Duration::from_millis(150));
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            targets.pg_relay.set_delay(Duration::ZERO);
+            "railguard → PostgreSQL delayed 150 ms for 2 s".to_string()
+        }
+        FaultKind::PgKill => {
+            targets.lockdb.kill().await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            match targets.lockdb.server.start().await {
+                Ok(()) => "PostgreSQL SIGKILLed, restarted after 500 ms".to_string(),
+                Err(e) => format!("PostgreSQL SIGKILLed; restart FAILED: {e}"),
+            }
+        }
+        FaultKind::EtcdMemberRestart => match targets.etcd.as_deref_mut() {
+            Some(etcd) => {
+                let i = pick(rng, etcd.size());
+                etcd.stop(i).await;
+                tokio::time::sleep(Duration::from_millis(1000)).await;
+                etcd.start(i).await;
+                format!("etcd member {i} stopped, started after 1 s")
+            }
+            None => "no etcd".to_string(),
+        },
+        FaultKind::EtcdLeaderKill => match targets.etcd.as_deref_mut() {
+            Some(etcd) => match etcd.try_leader().await {
+                Some(i) => {
+                    etcd.kill(i).await;
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    etcd.start(i).await;
+                    format!("etcd leader (member {i}) SIGKILLed, started after 1.5 s")
+                }
+                None => "etcd had no leader to kill".to_string(),
+            },
+            None => "no etcd".to_string(),
+        },
+        FaultKind::ProxyKill => {
+            let i = pick(rng, targets.proxies.len());
+            targets.proxies[i].kill().await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            targets.proxies[i].start_again().await;
+            format!("railguard {i} SIGKILLed, started again")
+        }
+        FaultKind::ProxyStop => {
+            let i = pick(rng, targets.proxies.len());
+            match targets.proxies[i].pid() {
+                Some(pid) => {
+                    signal(pid, "STOP").await;
+                    tokio::time::sleep(timing.stall).await;
+                    signal(pid, "CONT").await;
+                    format!("railguard {i} stopped {} ms", timing.stall.as_millis())
+                }
+                None => format!("railguard {i} not running"),
+            }
+        }
+        FaultKind::RailPastDeadline => {
+            let d = timing.request_timeout + Duration::from_millis(500);
+            targets.rail_relay.set_delay(d);
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            targets.rail_relay.set_delay(Duration::ZERO);
+            format!(
+                "railguard → rail delayed {} ms (past the request deadline) for 700 ms",
+                d.as_millis()
+            )
+        }
+        FaultKind::RollingConfig => {
+            let i = pick(rng, targets.proxies.len());
+            let ms = if rng.below(2) == 0 {
+                timing.request_timeout.as_millis() / 2
+            } else {
+                timing.request_timeout.as_millis()
+            };
+            let rg = &mut targets.proxies[i];
+            rg.set_env("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", &ms.to_string());
+            let stopped = rg.stop().await;
+            rg.start_again().await;
+            format!("railguard {i} restarted ({stopped}) with request_timeout_ms = {ms}")
+        }
+    };
+    FaultRecord {
+        kind: kind.name().to_string(),
+        target,
+        start_us,
+        end_us: now_us(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_parse_and_refuse_what_does_not_apply() {
+        assert_eq!(FaultKind::parse_list("none", None).unwrap(), vec![]);
+        let all_pg = FaultKind::parse_list("all", None).unwrap();
+        assert!(!all_pg.contains(&FaultKind::EtcdMemberRestart));
+        assert_eq!(FaultKind::parse_list("all", Some(3)).unwrap().len(), 15);
+        assert_eq!(
+            FaultKind::parse_list("worker-sigstop,pg-kill", None).unwrap(),
+            vec![FaultKind::WorkerStop, FaultKind::PgKill]
+        );
+        assert!(
+            FaultKind::parse_list("etcd-leader-kill", Some(1))
+                .unwrap_err()
+                .contains("--etcd-members 3")
+        );
+        assert!(
+            FaultKind::parse_list("sigkill-everything", None)
+                .unwrap_err()
+                .contains("unknown fault")
+        );
+    }
+
+    #[test]
+    fn a_schedule_uses_every_kind_before_repeating_and_a_seed_reproduces_it() {
+        let kinds = FaultKind::parse_list("all", Some(3)).unwrap();
+        let draw = |seed| {
+            let mut rng = Rng::new(seed);
+            let mut s = Schedule::new(kinds.clone());
+            (0..30).map(|_| s.next(&mut rng).unwrap()).collect::<Vec<_>>()
+        };
+        let a = draw(1);
+        let mut first: Vec<_> = a[..15].to_vec();
+        first.sort();
+        assert_eq!(first, FaultKind::ALL.to_vec());
+        assert_eq!(a, draw(1));
+        assert_ne!(a, draw(2));
+    }
+}

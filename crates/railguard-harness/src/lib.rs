@@ -1,0 +1,20 @@
+//! railguard's M4 fault harness (see `railguard harness --help` and the README's "Fault
+//! harness" section): real worker processes drive a real deployment while real faults are
+//! injected; every step is recorded, and an independent checker judges the invariants from
+//! what the stores themselves recorded.
+//!
+//! - [`coordinator`]: starts everything, runs the faults, saves the records, checks them;
+//! - [`worker`]: one payment worker, an OS process of its own;
+//! - [`history`]: the recorded history; [`check`]: the checker;
+//! - [`faults`]: the fault kinds and their schedule; [`paydb`]: the workload's database;
+//! - [`reread`]: the §A2.3 bug, on purpose, for the negative control.
+
+pub mod check;
+pub mod coordinator;
+pub mod faults;
+pub mod history;
+pub mod paydb;
+pub mod progress;
+pub mod reread;
+pub mod rng;
+pub mod worker;
