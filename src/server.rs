@@ -183,6 +183,7 @@ pub async fn run(
         Forward::new(
             config.proxy.upstream.clone(),
             config.proxy.upstream_connect_timeout,
+            config.proxy.late_answer_wait,
             metrics.clone(),
         ),
         metrics.clone(),

@@ -64,6 +64,12 @@ pub struct ProxyConfig {
     /// Deadline for opening a TCP connection to the rail.
     #[serde(rename = "upstream_connect_timeout_ms", with = "millis")]
     pub upstream_connect_timeout: Duration,
+    /// How long a forward whose request deadline passed (the client got 504) keeps waiting
+    /// for the rail's answer before its connection is closed. Meanwhile no higher token's
+    /// forward for the account starts, so a late request cannot reach the rail after a newer
+    /// grant's.
+    #[serde(rename = "late_answer_wait_ms", with = "millis")]
+    pub late_answer_wait: Duration,
     /// Largest request body accepted; larger bodies get 413 and are never forwarded.
     pub max_body_bytes: u64,
     /// Header that carries the fencing token (C2 §2.2).
@@ -91,6 +97,7 @@ impl Default for ProxyConfig {
             upstream: Upstream::parse("http://127.0.0.1:9090").expect("valid default"),
             request_timeout: Duration::from_secs(10),
             upstream_connect_timeout: Duration::from_secs(2),
+            late_answer_wait: Duration::from_secs(30),
             max_body_bytes: 1024 * 1024,
             token_header: HeaderName::from_static("fencing-token"),
             account_header: HeaderName::from_static("fencing-account"),
@@ -108,6 +115,7 @@ impl ProxyConfig {
             "proxy.upstream_connect_timeout_ms",
             self.upstream_connect_timeout,
         )?;
+        positive("proxy.late_answer_wait_ms", self.late_answer_wait)?;
         nonzero("proxy.max_body_bytes", self.max_body_bytes)?;
         nonzero("proxy.max_account_len", self.max_account_len as u64)?;
         // Each header carries one thing: two roles on one header would let one value be read

@@ -316,6 +316,7 @@ where
                     idempotency,
                     record: None,
                     maybe_sent: Default::default(),
+                    turn: None,
                 })
                 .await
         })

@@ -111,11 +111,17 @@ impl hyper::body::Body for Tracked {
 pub struct Forward {
     client: Client<HttpConnector, Tracked>,
     upstream: Arc<Upstream>,
+    late_answer_wait: Duration,
     metrics: Arc<Metrics>,
 }
 
 impl Forward {
-    pub fn new(upstream: Upstream, connect_timeout: Duration, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        upstream: Upstream,
+        connect_timeout: Duration,
+        late_answer_wait: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
@@ -127,6 +133,7 @@ impl Forward {
         Self {
             client,
             upstream: Arc::new(upstream),
+            late_answer_wait,
             metrics,
         }
     }
@@ -147,9 +154,18 @@ impl Service<FencedRequest> for Forward {
             lock.token = fenced.token.get(), account = %fenced.account, status = tracing::field::Empty);
         Box::pin(
             async move {
-                let deadline = fenced.deadline;
-                let asked = fenced.maybe_sent;
-                let request = this.upstream_request(fenced.request, asked.clone())?;
+                let FencedRequest {
+                    request,
+                    deadline,
+                    maybe_sent: asked,
+                    turn,
+                    record,
+                    ..
+                } = fenced;
+                // A record never reaches the forward (the idempotency layer keeps it); were
+                // one here, it would be dropped — and forgotten — before the rail answered.
+                debug_assert!(record.is_none(), "the forward never owns a record");
+                let request = this.upstream_request(request, asked.clone())?;
                 // An empty body is never asked for although the request goes out whole, so
                 // such a request may have been sent from the moment it is handed to the client.
                 // Marked now, not when the client returns: a forward whose future is dropped
@@ -170,12 +186,33 @@ impl Service<FencedRequest> for Forward {
                     }
                 };
                 let started = Instant::now();
-                let answer = tokio::time::timeout_at(deadline, this.client.request(request)).await;
+                let mut pending = this.client.request(request);
+                let answer = tokio::time::timeout_at(deadline, &mut pending).await;
                 this.metrics
                     .upstream_seconds
                     .observe(started.elapsed().as_secs_f64());
                 let response = match answer {
-                    Err(_) => return Err(UpstreamTimeout::no_answer(sent(false)).into()),
+                    Err(_) => {
+                        let sent = sent(false);
+                        if sent == Sent::Maybe {
+                            // The request may still be on its way: keep the account's turn
+                            // (and the connection) until the rail answers or we stop waiting,
+                            // so that no newer grant's request overtakes it.
+                            let wait = this.late_answer_wait;
+                            tokio::spawn(
+                                async move {
+                                    let late = tokio::time::timeout(wait, pending).await;
+                                    tracing::info!(
+                                        answered = late.is_ok(),
+                                        "a forward past its deadline ended; the account's turn passes on"
+                                    );
+                                    drop(turn);
+                                }
+                                .in_current_span(),
+                            );
+                        }
+                        return Err(UpstreamTimeout::no_answer(sent).into());
+                    }
                     Ok(Err(e)) => {
                         let sent = sent(e.is_connect());
                         return Err(UpstreamUnavailable(e.into(), sent).into());

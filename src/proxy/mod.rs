@@ -54,6 +54,9 @@ pub struct FencedRequest {
     pub record: Option<idempotency::RecordGuard>,
     /// Set by the forward once the request may have reached the rail.
     pub maybe_sent: idempotency::MaybeSent,
+    /// The account's turn at the rail, set by the fence when the request is admitted. The
+    /// forward holds it until the rail answered (or it stopped waiting for a late answer).
+    pub turn: Option<fence::Turn>,
 }
 
 /// An idempotency key and what the fence did with it.

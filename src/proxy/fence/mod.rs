@@ -310,11 +310,18 @@ where
         Ok(Err(e)) => return Err(FenceUnavailable(e).into()),
         Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
     }
-    // The ticket is held until the rail has answered: only then may a higher token for this
+    // The ticket travels with the request: the forward holds it until the rail has answered
+    // (or it gave up waiting for a late answer); only then may a higher token for this
     // account start its forward.
-    let response = inner.call(request).await;
-    drop(ticket);
-    response
+    let mut request = request;
+    request.turn = Some(Turn { _ticket: ticket });
+    inner.call(request).await
+}
+
+/// An account's turn at the rail (see `ordering`): while it is alive, no forward for a higher
+/// token of the account starts. Dropping it passes the turn on.
+pub struct Turn {
+    _ticket: Ticket,
 }
 
 async fn observe_only<S, H>(
@@ -441,6 +448,7 @@ mod tests {
             }),
             record: None,
             maybe_sent: Default::default(),
+            turn: None,
         }
     }
 

@@ -207,6 +207,7 @@ mod tests {
             }),
             record: None,
             maybe_sent: Default::default(),
+            turn: None,
         }
     }
 
