@@ -284,7 +284,8 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     let mut rng = Rng::new(options.seed);
     let mut schedule = Schedule::new(kinds);
     let timing = Timing {
-        stall: ttl * 2 + Duration::from_millis(500),
+        stall: timing_short(ttl),
+        long_stall: timing_long(ttl),
         ttl,
         request_timeout: timeout,
     };
@@ -320,7 +321,7 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     write_jsonl(&out.join("faults.jsonl"), &fault_log)?;
 
     // The workers stop on their own at the deadline (or when every payment is done).
-    let wait_until = started + duration + timing.stall * 2 + Duration::from_secs(15);
+    let wait_until = started + duration + timing.long_stall * 2 + Duration::from_secs(15);
     for w in &mut workers {
         let left = wait_until.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, w.child.wait()).await {
@@ -377,6 +378,22 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     Ok(report)
 }
 
+/// When workers take an unresolved payment again.
+fn retry_after(ttl: Duration) -> Duration {
+    ttl * 3
+}
+
+/// A stall past the lease but shorter than [`retry_after`]: the stale holder wakes to find
+/// newer grants' payments at the rail.
+fn timing_short(ttl: Duration) -> Duration {
+    ttl * 2 + Duration::from_millis(500)
+}
+
+/// A stall past [`retry_after`]: the stale holder wakes to find its payment retried.
+fn timing_long(ttl: Duration) -> Duration {
+    ttl * 4 + Duration::from_millis(500)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn spawn_worker(
     exe: &Path,
@@ -410,7 +427,9 @@ fn spawn_worker(
         .args(["--accounts", &options.accounts.to_string()])
         .args(["--ttl-ms", &ttl.as_millis().to_string()])
         .args(["--duration-ms", &duration.as_millis().to_string()])
-        .args(["--pause-ms", &(ttl * 2 + ttl / 2).as_millis().to_string()])
+        .args(["--pause-ms", &timing_short(ttl).as_millis().to_string()])
+        .args(["--long-pause-ms", &timing_long(ttl).as_millis().to_string()])
+        .args(["--retry-after-ms", &retry_after(ttl).as_millis().to_string()])
         .args(["--seed", &options.seed.to_string()])
         .arg("--history")
         .arg(out.join(format!("history-{id}.jsonl")))

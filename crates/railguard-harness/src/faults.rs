@@ -182,8 +182,11 @@ pub struct Targets<'a> {
 /// How long faults last, from the run's lease and request timeout.
 #[derive(Debug, Clone, Copy)]
 pub struct Timing {
-    /// Longer than any lease: a stall this long always outlives the grant.
+    /// Longer than any lease: a stall this long always outlives the grant, but shorter than
+    /// the time after which other workers retry the stalled worker's payment.
     pub stall: Duration,
+    /// Longer than that too.
+    pub long_stall: Duration,
     pub ttl: Duration,
     pub request_timeout: Duration,
 }
@@ -213,16 +216,29 @@ pub async fn inject(
         }
         FaultKind::WorkerStop => {
             let (id, pid) = targets.worker_pids[pick(rng, targets.worker_pids.len())];
+            let stall = if rng.below(2) == 0 {
+                timing.stall
+            } else {
+                timing.long_stall
+            };
             signal(pid, "STOP").await;
-            tokio::time::sleep(timing.stall).await;
+            tokio::time::sleep(stall).await;
             signal(pid, "CONT").await;
-            format!("worker {id} stopped {} ms", timing.stall.as_millis())
+            format!("worker {id} stopped {} ms", stall.as_millis())
         }
         FaultKind::WorkerPause => {
             let (id, pid) = targets.worker_pids[pick(rng, targets.worker_pids.len())];
-            signal(pid, "USR1").await;
-            tokio::time::sleep(timing.stall).await;
-            format!("worker {id} asked to pause before its next submit")
+            let (sig, stall) = if rng.below(2) == 0 {
+                ("USR1", timing.stall)
+            } else {
+                ("USR2", timing.long_stall)
+            };
+            signal(pid, sig).await;
+            tokio::time::sleep(stall + timing.ttl).await;
+            format!(
+                "worker {id} asked to pause {} ms before its next submit",
+                stall.as_millis()
+            )
         }
         FaultKind::LeaseExpiresMidSubmit => {
             let slow = (timing.ttl + timing.ttl / 2).min(timing.request_timeout * 3 / 5);

@@ -27,7 +27,8 @@ CREATE TABLE payment (
     account  text    NOT NULL REFERENCES account,
     amount   bigint  NOT NULL,
     state    text    NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'submitting', 'done')),
-    attempts integer NOT NULL DEFAULT 0
+    attempts integer NOT NULL DEFAULT 0,
+    claimed_at timestamptz
 );
 CREATE INDEX payment_todo ON payment (account, state, id) WHERE state <> 'done';
 CREATE TABLE account_write (
@@ -92,20 +93,26 @@ pub async fn create(client: &Client, accounts: usize, payments: usize) -> Result
     Ok(())
 }
 
-/// A payment to work on: an unresolved one (claimed by a grant that never completed it)
-/// before fresh ones when `retry_first`, after them otherwise. Either way a stale holder's late
-/// submit meets a newer grant's work: its payment retried (idempotency keys answer), or
-/// another payment sent under the newer grant (the fence answers) — the T-042 moment.
+/// A payment to work on: a fresh one, or an unresolved one (claimed by a grant that never
+/// completed it) once its claim is older than `retry_after` — as a job queue's visibility
+/// timeout gives a possibly running attempt time to finish. Unresolved ones come first when
+/// `retry_first`. A stale holder that wakes within `retry_after` finds newer grants' payments
+/// at the rail (the fence answers); one that wakes later finds its own payment retried
+/// (idempotency keys answer) — both are the T-042 moment.
 pub async fn next_payment(
     client: &Client,
     account: &str,
     retry_first: bool,
+    retry_after: std::time::Duration,
 ) -> Result<Option<(String, i64)>, tokio_postgres::Error> {
+    let retry_after_ms = retry_after.as_millis() as f64;
     let row = client
         .query_opt(
-            "SELECT id, amount FROM payment WHERE account = $1 AND state <> 'done' \
+            "SELECT id, amount FROM payment WHERE account = $1 AND (state = 'pending' \
+               OR (state = 'submitting' \
+                   AND claimed_at < clock_timestamp() - $3 * interval '1 millisecond')) \
              ORDER BY (state = 'submitting') = $2 DESC, id LIMIT 1",
-            &[&account, &retry_first],
+            &[&account, &retry_first, &retry_after_ms],
         )
         .await?;
     Ok(row.map(|r| (r.get(0), r.get(1))))
@@ -199,8 +206,8 @@ pub async fn claim(
     fence_account(&tx, account, presented, own, attempt, "", None).await?;
     let n = tx
         .execute(
-            "UPDATE payment SET state = 'submitting', attempts = attempts + 1 \
-             WHERE id = $1 AND state <> 'done'",
+            "UPDATE payment SET state = 'submitting', attempts = attempts + 1, \
+             claimed_at = clock_timestamp() WHERE id = $1 AND state <> 'done'",
             &[&payment],
         )
         .await?;

@@ -10,11 +10,12 @@
 //!
 //! SIGUSR1 asks for the T-042 pause: after the next claim and just before its submit, the
 //! worker stops — keep-alive included, as a process stalled in a GC pause would — for
-//! `pause_ms`, then carries on with its old grant.
+//! `pause_ms`, then carries on with its old grant. SIGUSR2 asks for `long_pause_ms`, past the
+//! time after which others retry the payment.
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -52,8 +53,14 @@ pub struct WorkerArgs {
     pub ttl_ms: u64,
     #[arg(long)]
     pub duration_ms: u64,
+    /// The T-042 pause on SIGUSR1 (SIGUSR2: `long_pause_ms`).
     #[arg(long)]
     pub pause_ms: u64,
+    #[arg(long)]
+    pub long_pause_ms: u64,
+    /// An unresolved payment is taken again once its claim is this old.
+    #[arg(long)]
+    pub retry_after_ms: u64,
     #[arg(long)]
     pub seed: u64,
     #[arg(long)]
@@ -82,7 +89,8 @@ struct Worker {
     rails: Vec<RailClient>,
     stale: Option<(Rereader, StalePost)>,
     rng: Rng,
-    pause: Arc<AtomicBool>,
+    /// The pause asked for (ms), 0 for none.
+    pause: Arc<AtomicU64>,
     attempts: u64,
 }
 
@@ -113,8 +121,8 @@ pub async fn run(args: WorkerArgs) -> Result<(), String> {
             StalePost::new(),
         )),
     };
-    let pause = Arc::new(AtomicBool::new(false));
-    listen_for_pause(pause.clone())?;
+    let pause = Arc::new(AtomicU64::new(0));
+    listen_for_pause(pause.clone(), args.pause_ms, args.long_pause_ms)?;
     let mut worker = Worker {
         rng: Rng::new(args.seed ^ (u64::from(args.id) << 32)),
         args,
@@ -136,14 +144,20 @@ async fn connect_paydb(url: &str) -> Result<tokio_postgres::Client, String> {
         .map_err(|e| format!("cannot connect to paydb: {e}"))
 }
 
-fn listen_for_pause(pause: Arc<AtomicBool>) -> Result<(), String> {
+fn listen_for_pause(pause: Arc<AtomicU64>, short: u64, long: u64) -> Result<(), String> {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut usr1 = signal(SignalKind::user_defined1()).map_err(|e| format!("SIGUSR1: {e}"))?;
-    tokio::spawn(async move {
-        while usr1.recv().await.is_some() {
-            pause.store(true, Ordering::Release);
-        }
-    });
+    for (kind, ms) in [
+        (SignalKind::user_defined1(), short),
+        (SignalKind::user_defined2(), long),
+    ] {
+        let mut signals = signal(kind).map_err(|e| format!("pause signal: {e}"))?;
+        let pause = pause.clone();
+        tokio::spawn(async move {
+            while signals.recv().await.is_some() {
+                pause.store(ms, Ordering::Release);
+            }
+        });
+    }
     Ok(())
 }
 
@@ -235,7 +249,9 @@ impl Worker {
         // Half the holders retry an unresolved payment before fresh ones, half after: both
         // orders happen in a real fleet, and each meets a stale holder differently.
         let retry_first = self.rng.below(2) == 0;
-        let next = match paydb::next_payment(&self.paydb, account, retry_first).await {
+        let retry_after = Duration::from_millis(self.args.retry_after_ms);
+        let next = match paydb::next_payment(&self.paydb, account, retry_first, retry_after).await
+        {
             Ok(next) => next,
             Err(_) => {
                 self.reconnect().await;
@@ -261,17 +277,18 @@ impl Worker {
         }
 
         // The T-042 moment: claimed in paydb, about to submit.
-        if self.pause.swap(false, Ordering::AcqRel) {
+        let pause_ms = self.pause.swap(0, Ordering::AcqRel);
+        if pause_ms > 0 {
             keep_alive = None;
+            // Past the lease whatever the backend made of the ttl asked for.
+            let pause = Duration::from_millis(pause_ms)
+                .max(handle.ttl() * 2 + Duration::from_millis(300));
             self.history.write(
                 &Event::new(self.args.id, Op::Submit, Phase::Info, account)
                     .token(own)
                     .payment(&payment)
-                    .detail(format!("pausing {} ms before the submit", self.args.pause_ms)),
+                    .detail(format!("pausing {} ms before the submit", pause.as_millis())),
             );
-            // Past the lease whatever the backend made of the ttl asked for.
-            let pause = Duration::from_millis(self.args.pause_ms)
-                .max(handle.ttl() * 2 + Duration::from_millis(300));
             tokio::time::sleep(pause).await;
         }
         if let Some(reason) = keep_alive.as_ref().and_then(|k| k.lost_reason()) {
