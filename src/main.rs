@@ -74,10 +74,21 @@ enum Command {
         #[arg(long)]
         dedupe_idempotency_keys: bool,
     },
+    /// The M4 fault harness: real worker processes, real faults, a recorded history and an
+    /// independent checker (`railguard harness --help`). Runs `railguard-harness`, built
+    /// beside this binary (`cargo build -p railguard-harness`).
+    #[command(disable_help_flag = true)]
+    Harness {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Harness { args } = &cli.command {
+        return harness(args);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -136,6 +147,7 @@ fn main() -> ExitCode {
                     Err(e) => fail(&e),
                 }
             }
+            Command::Harness { .. } => unreachable!("handled before the runtime starts"),
             Command::RailSim {
                 listen,
                 latency_ms,
@@ -167,6 +179,26 @@ fn main() -> ExitCode {
             }
         }
     })
+}
+
+/// Replaces this process with `railguard-harness` from beside this binary (as `git foo` runs
+/// `git-foo`): the harness links the test kit, which the server binary does not.
+#[allow(clippy::disallowed_methods)] // main finds its own executable
+fn harness(args: &[std::ffi::OsString]) -> ExitCode {
+    use std::os::unix::process::CommandExt;
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|dir| dir.join("railguard-harness")));
+    let Some(binary) = beside.filter(|b| b.is_file()) else {
+        eprintln!(
+            "railguard: railguard-harness is not built beside this binary; build it with \
+             `cargo build --release -p railguard-harness` (or use scripts/harness.sh)"
+        );
+        return ExitCode::from(2);
+    };
+    let error = std::process::Command::new(&binary).args(args).exec();
+    eprintln!("railguard: cannot run {}: {error}", binary.display());
+    ExitCode::from(2)
 }
 
 /// `RUST_LOG`, which wins over `log.level` when set.

@@ -153,7 +153,10 @@ impl Report {
         };
         row("payments", c.payments.to_string());
         row("  completed", c.completed.to_string());
-        row("  never completed (liveness)", c.never_completed.to_string());
+        row(
+            "  never completed (liveness)",
+            c.never_completed.to_string(),
+        );
         row("grants", c.grants.to_string());
         row("leases lost (keep-alive)", c.leases_lost.to_string());
         row("submits attempted", c.submits.to_string());
@@ -167,7 +170,10 @@ impl Report {
         }
         row("rail ledger entries", c.rail_entries.to_string());
         if c.unattributed_rail_entries > 0 {
-            row("  not sent by a worker", c.unattributed_rail_entries.to_string());
+            row(
+                "  not sent by a worker",
+                c.unattributed_rail_entries.to_string(),
+            );
         }
         if c.torn_history_lines > 0 {
             row("torn history lines", c.torn_history_lines.to_string());
@@ -284,10 +290,7 @@ fn inv02(ledger: &[LedgerEntry], violations: &mut Vec<Violation>) {
         if entries.len() > 1 {
             violations.push(Violation {
                 invariant: Invariant::Inv02,
-                message: format!(
-                    "payment {payment} reached the rail {} times",
-                    entries.len()
-                ),
+                message: format!("payment {payment} reached the rail {} times", entries.len()),
                 evidence: entries.iter().map(|e| ledger_line(e)).collect(),
             });
         }
@@ -309,10 +312,12 @@ fn inv04(history: &[Event], violations: &mut Vec<Violation>) {
                 else {
                     continue;
                 };
-                grants
-                    .entry(e.account.as_str())
-                    .or_default()
-                    .push((*invoked, e.t_us, token, line(e)));
+                grants.entry(e.account.as_str()).or_default().push((
+                    *invoked,
+                    e.t_us,
+                    token,
+                    line(e),
+                ));
             }
             _ => {}
         }
@@ -330,8 +335,10 @@ fn inv04(history: &[Event], violations: &mut Vec<Violation>) {
         }
         // A grant B must have a larger token than every grant whose acquire returned before
         // B's acquire was sent. Walk B by invoke time, keeping the largest token returned.
-        let mut by_ok: Vec<(i64, i64, String)> =
-            list.iter().map(|(_, ok, t, l)| (*ok, *t, l.clone())).collect();
+        let mut by_ok: Vec<(i64, i64, String)> = list
+            .iter()
+            .map(|(_, ok, t, l)| (*ok, *t, l.clone()))
+            .collect();
         by_ok.sort_by_key(|(ok, ..)| *ok);
         list.sort_by_key(|(inv, ..)| *inv);
         let mut i = 0;
@@ -530,8 +537,7 @@ fn counts(inputs: &Inputs, senders: &HashMap<String, Sender>) -> Counts {
             .ledger
             .iter()
             .filter(|e| {
-                parse_submit_path(&e.path)
-                    .is_none_or(|(_, attempt)| !senders.contains_key(attempt))
+                parse_submit_path(&e.path).is_none_or(|(_, attempt)| !senders.contains_key(attempt))
             })
             .count(),
         torn_history_lines: inputs.torn_lines,
@@ -709,7 +715,14 @@ mod tests {
             end_us: 1,
         });
         let table = check(&inputs).table();
-        for name in ["INV-02", "INV-04", "INV-05", "INV-06", "worker-stop", "grant 5"] {
+        for name in [
+            "INV-02",
+            "INV-04",
+            "INV-05",
+            "INV-06",
+            "worker-stop",
+            "grant 5",
+        ] {
             assert!(table.contains(name), "{name} missing from\n{table}");
         }
     }

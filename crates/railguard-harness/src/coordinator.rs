@@ -242,10 +242,7 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         }
         None => {}
     }
-    let env_refs: Vec<(&str, &str)> = env
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
+    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let database_url = pg_relay.postgres_url(&lockdb.url());
     let mut proxies = Vec::new();
     for _ in 0..options.proxies {
@@ -410,13 +407,7 @@ fn spawn_worker(
     let out = &options.out;
     let log = std::fs::File::create(out.join(format!("worker-{id}.log")))
         .map_err(|e| format!("worker log: {e}"))?;
-    let urls = |relays: &[Relay]| {
-        relays
-            .iter()
-            .map(|r| r.url())
-            .collect::<Vec<_>>()
-            .join(",")
-    };
+    let urls = |relays: &[Relay]| relays.iter().map(|r| r.url()).collect::<Vec<_>>().join(",");
     let mut command = Command::new(exe);
     command
         .arg("worker")
@@ -429,7 +420,10 @@ fn spawn_worker(
         .args(["--duration-ms", &duration.as_millis().to_string()])
         .args(["--pause-ms", &timing_short(ttl).as_millis().to_string()])
         .args(["--long-pause-ms", &timing_long(ttl).as_millis().to_string()])
-        .args(["--retry-after-ms", &retry_after(ttl).as_millis().to_string()])
+        .args([
+            "--retry-after-ms",
+            &retry_after(ttl).as_millis().to_string(),
+        ])
         .args(["--seed", &options.seed.to_string()])
         .arg("--history")
         .arg(out.join(format!("history-{id}.jsonl")))
@@ -515,11 +509,7 @@ fn fenced_out_metric(dir: &Path) -> Option<f64> {
                 continue;
             };
             // `lock_fenced_out_total 3` or `lock_fenced_out_total{…} 3`.
-            if let Some(v) = rest
-                .rsplit(' ')
-                .next()
-                .and_then(|v| v.parse::<f64>().ok())
-            {
+            if let Some(v) = rest.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
                 *total.get_or_insert(0.0) += v;
             }
         }

@@ -402,7 +402,9 @@ mod tests {
         let draw = |seed| {
             let mut rng = Rng::new(seed);
             let mut s = Schedule::new(kinds.clone());
-            (0..30).map(|_| s.next(&mut rng).unwrap()).collect::<Vec<_>>()
+            (0..30)
+                .map(|_| s.next(&mut rng).unwrap())
+                .collect::<Vec<_>>()
         };
         let a = draw(1);
         let mut first: Vec<_> = a[..15].to_vec();

@@ -171,18 +171,14 @@ async fn fence_account(
     };
     match presented {
         Presented::Grant(handle) => {
-            match update
-                .execute(tx, handle, &account, &set, &params)
-                .await
-            {
+            match update.execute(tx, handle, &account, &set, &params).await {
                 Ok(()) => Ok(()),
                 Err(PayDbError::FencedOut { .. }) => Err(WriteError::FencedOut),
                 Err(e) => Err(WriteError::Database(e.to_string())),
             }
         }
         Presented::Reread(token) => {
-            let mut all: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-                vec![&token, &account];
+            let mut all: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&token, &account];
             all.extend(params);
             let n = tx.execute(&update.sql(&set), &all).await?;
             if n == 0 {

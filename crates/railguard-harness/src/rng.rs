@@ -47,6 +47,10 @@ mod tests {
         assert_eq!(xs, ys);
         assert!(xs.iter().all(|x| *x < 10));
         assert_ne!(Rng::new(8).next_u64(), Rng::new(7).next_u64());
-        assert!((0..100).map(|_| a.between(3, 5)).all(|x| (3..=5).contains(&x)));
+        assert!(
+            (0..100)
+                .map(|_| a.between(3, 5))
+                .all(|x| (3..=5).contains(&x))
+        );
     }
 }

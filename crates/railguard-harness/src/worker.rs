@@ -250,8 +250,7 @@ impl Worker {
         // orders happen in a real fleet, and each meets a stale holder differently.
         let retry_first = self.rng.below(2) == 0;
         let retry_after = Duration::from_millis(self.args.retry_after_ms);
-        let next = match paydb::next_payment(&self.paydb, account, retry_first, retry_after).await
-        {
+        let next = match paydb::next_payment(&self.paydb, account, retry_first, retry_after).await {
             Ok(next) => next,
             Err(_) => {
                 self.reconnect().await;
@@ -281,13 +280,16 @@ impl Worker {
         if pause_ms > 0 {
             keep_alive = None;
             // Past the lease whatever the backend made of the ttl asked for.
-            let pause = Duration::from_millis(pause_ms)
-                .max(handle.ttl() * 2 + Duration::from_millis(300));
+            let pause =
+                Duration::from_millis(pause_ms).max(handle.ttl() * 2 + Duration::from_millis(300));
             self.history.write(
                 &Event::new(self.args.id, Op::Submit, Phase::Info, account)
                     .token(own)
                     .payment(&payment)
-                    .detail(format!("pausing {} ms before the submit", pause.as_millis())),
+                    .detail(format!(
+                        "pausing {} ms before the submit",
+                        pause.as_millis()
+                    )),
             );
             tokio::time::sleep(pause).await;
         }
@@ -307,7 +309,9 @@ impl Worker {
             .attempt(&attempt);
         self.write_presented(submit.clone(), presented);
         if !self
-            .submit(&submit, handle, presented, account, &payment, amount, &attempt)
+            .submit(
+                &submit, handle, presented, account, &payment, amount, &attempt,
+            )
             .await
         {
             return;
@@ -404,8 +408,8 @@ impl Worker {
                 let detail = format!("{} {code}", r.status.as_u16());
                 // A 4xx other than an idempotency conflict is a refusal: nothing was sent.
                 // Everything else (5xx, in_flight, in_doubt) leaves the outcome unknown.
-                let unknown = r.status.is_server_error()
-                    || matches!(code.as_str(), "in_flight" | "in_doubt");
+                let unknown =
+                    r.status.is_server_error() || matches!(code.as_str(), "in_flight" | "in_doubt");
                 invoke
                     .outcome(if unknown { Phase::Info } else { Phase::Fail })
                     .detail(detail)
