@@ -43,7 +43,7 @@ enum Command {
     Check { dir: PathBuf },
     /// One worker process (started by a run; not for people).
     #[command(hide = true)]
-    Worker(worker::WorkerArgs),
+    Worker(Box<worker::WorkerArgs>),
 }
 
 #[allow(clippy::disallowed_methods)] // main reads the environment
@@ -68,7 +68,7 @@ fn main() -> ExitCode {
     };
     runtime.block_on(async move {
         match (cli.command, cli.run) {
-            (Some(Command::Worker(args)), _) => match worker::run(args).await {
+            (Some(Command::Worker(args)), _) => match worker::run(*args).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("worker: {e}");

@@ -22,7 +22,7 @@ use railguard_sdk::{RailResponse, SdkError};
 pub enum Rereader {
     Postgres(tokio_postgres::Client),
     Etcd {
-        client: etcd_client::Client,
+        client: Box<etcd_client::Client>,
         prefix: String,
     },
 }
@@ -49,7 +49,7 @@ impl Rereader {
             .await
             .map_err(|e| format!("reread: cannot connect to etcd: {e}"))?;
         Ok(Rereader::Etcd {
-            client,
+            client: Box::new(client),
             prefix: etcd_prefix.to_string(),
         })
     }
@@ -76,13 +76,15 @@ pub struct StalePost {
     http: Client<HttpConnector, Full<Bytes>>,
 }
 
-impl StalePost {
-    pub fn new() -> Self {
+impl Default for StalePost {
+    fn default() -> Self {
         Self {
             http: Client::builder(TokioExecutor::new()).build_http(),
         }
     }
+}
 
+impl StalePost {
     pub async fn post(
         &self,
         base: &str,

@@ -118,7 +118,7 @@ pub async fn run(args: WorkerArgs) -> Result<(), String> {
                 &args.etcd_prefix,
             )
             .await?,
-            StalePost::new(),
+            StalePost::default(),
         )),
     };
     let pause = Arc::new(AtomicU64::new(0));
@@ -171,7 +171,7 @@ impl Worker {
         let mut rounds = 0u64;
         while Instant::now() < deadline {
             rounds += 1;
-            if rounds % 16 == 0 && self.all_done().await {
+            if rounds.is_multiple_of(16) && self.all_done().await {
                 break;
             }
             let account = paydb::account_id(self.rng.below(self.args.accounts as u64) as usize);

@@ -278,7 +278,6 @@ mod tests {
             owner: "o".into(),
             in_doubt_after: Duration::from_secs(5),
             maybe_sent: Default::default(),
-            turn: None,
         });
         let p = Pending {
             account: AccountId::parse(account, 64).unwrap(),
