@@ -1,6 +1,11 @@
 //! The faults the harness injects: each one real (a signal to a real process, a real
 //! connection cut or slowed by a relay on the real path, a real server killed), each bounded
-//! in time — it heals itself before the next one starts — and each recorded.
+//! in time — it heals itself, and what it delayed has arrived, before the next one starts —
+//! and each recorded.
+//!
+//! One at a time on purpose: a railguard killed or restarted while one of its forwards is
+//! still held in the network could let that forward reach the rail after a newer grant's,
+//! and no proxy can retract bytes it has sent (README, "What fencing cannot see").
 //!
 //! The schedule is drawn from the run's seed: the order of kinds (every enabled kind before
 //! any repeats), their targets and the gaps between them.
@@ -250,6 +255,8 @@ pub async fn inject(
             tokio::time::sleep(timing.stall).await;
             signal(pid, "CONT").await;
             targets.rail_relay.set_delay(Duration::ZERO);
+            // What the slow path holds arrives before the next fault.
+            tokio::time::sleep(slow).await;
             format!(
                 "rail slowed to {} ms, worker {id} stopped {} ms",
                 slow.as_millis(),
@@ -275,6 +282,7 @@ pub async fn inject(
             targets.proxy_relays[i].set_delay(d);
             tokio::time::sleep(timing.stall).await;
             targets.proxy_relays[i].set_delay(Duration::ZERO);
+            tokio::time::sleep(d).await;
             format!("workers → proxy {i} delayed {} ms", d.as_millis())
         }
         FaultKind::PgPathCut => {
@@ -343,6 +351,9 @@ pub async fn inject(
             targets.rail_relay.set_delay(d);
             tokio::time::sleep(Duration::from_millis(700)).await;
             targets.rail_relay.set_delay(Duration::ZERO);
+            // The delayed forwards reach the rail, and their late answers railguard, before
+            // the next fault (which may restart the railguard waiting for them).
+            tokio::time::sleep(d * 2).await;
             format!(
                 "railguard → rail delayed {} ms (past the request deadline) for 700 ms",
                 d.as_millis()
