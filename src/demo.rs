@@ -22,8 +22,10 @@ mod etcd;
 
 use std::ffi::OsString;
 use std::fmt::Display;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -115,6 +117,7 @@ impl DemoError {
     pub fn exit_code(&self) -> u8 {
         match self {
             DemoError::EtcdMissing => 2,
+            DemoError::Interrupted => 130,
             _ => 1,
         }
     }
@@ -131,6 +134,10 @@ pub enum Verdict {
 
 /// Plays T-042 as described in the module docs; narration goes to stdout.
 pub async fn run(options: DemoOptions) -> Result<Verdict, DemoError> {
+    // Installed first, so that Ctrl-C at any point still ends in the clean-up below (a
+    // second one exits at once).
+    let interrupted = server::shutdown_signal();
+    let mut interrupted = std::pin::pin!(interrupted);
     let say = Narrator::new();
     let http = HttpGet::new();
     say.line(format_args!(
@@ -158,6 +165,7 @@ pub async fn run(options: DemoOptions) -> Result<Verdict, DemoError> {
         etcd.as_ref().map(etcd::Etcd::endpoint),
         &say,
         &http,
+        interrupted.as_mut(),
     )
     .await;
     if let Some(etcd) = etcd {
@@ -174,6 +182,7 @@ async fn with_railguard(
     etcd: Option<&str>,
     say: &Narrator,
     http: &HttpGet,
+    interrupted: Pin<&mut (dyn Future<Output = ()> + Send)>,
 ) -> Result<Verdict, DemoError> {
     let dir = tempfile::Builder::new()
         .prefix("railguard-demo-")
@@ -217,7 +226,9 @@ async fn with_railguard(
     ));
 
     let played = match demo_config(options, dir.path(), rail_addr, etcd) {
-        Ok(config) => serve_and_play(options, config, &rail, rail_addr, say, http).await,
+        Ok(config) => {
+            serve_and_play(options, config, &rail, rail_addr, say, http, interrupted).await
+        }
         Err(e) => Err(e),
     };
 
@@ -267,6 +278,7 @@ async fn serve_and_play(
     rail_addr: SocketAddr,
     say: &Narrator,
     http: &HttpGet,
+    interrupted: Pin<&mut (dyn Future<Output = ()> + Send)>,
 ) -> Result<Verdict, DemoError> {
     let listeners = Listeners::bind(&config).await?;
     let addrs = Addrs {
@@ -285,7 +297,7 @@ async fn serve_and_play(
             let _ = stopped.await;
         })));
 
-    let played = async {
+    let play = async {
         wait_ready(&mut server, http, addrs.admin).await?;
         say.line(format_args!(
             "railguard is up on an embedded PostgreSQL: lock API http://{}, proxy http://{} \
@@ -300,12 +312,12 @@ async fn serve_and_play(
             lock_key: &lock_key,
             ttl: options.ttl,
         };
-        tokio::select! {
-            verdict = scenario.play() => verdict,
-            _ = tokio::signal::ctrl_c() => Err(DemoError::Interrupted),
-        }
-    }
-    .await;
+        scenario.play().await
+    };
+    let played = tokio::select! {
+        played = play => played,
+        () = interrupted => Err(DemoError::Interrupted),
+    };
 
     let _ = stop.send(());
     // `None` when it already ended during start-up, and `played` says why.
@@ -767,5 +779,112 @@ impl HttpGet {
         tokio::time::timeout(timeout, exchange)
             .await
             .map_err(|_| format!("no answer within {timeout:?}"))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(seq: u64, token: i64, key: &str) -> LedgerEntry {
+        LedgerEntry {
+            seq,
+            method: "POST".into(),
+            path: "/payments".into(),
+            account: Some(ACCOUNT.into()),
+            token: Some(token.to_string()),
+            idempotency_key: Some(key.into()),
+            body_sha256: String::new(),
+            forwarded_for: None,
+            headers: Vec::new(),
+            received_unix_ms: 0,
+        }
+    }
+
+    fn fenced(token: i64) -> Result<StatusCode, SdkError> {
+        Err(SdkError::FencedOut {
+            account: ACCOUNT.into(),
+            token,
+            body: format!(
+                "{{\"error\":\"fenced_out\",\"message\":\"below the mark\",\"origin\":\"client\",\
+                 \"account\":\"{ACCOUNT}\",\"token\":{token},\"request_id\":\"0a5-2\"}}"
+            ),
+        })
+    }
+
+    fn t042() -> Observed {
+        Observed {
+            t1: 3,
+            t2: 5,
+            w2_status: StatusCode::CREATED,
+            stale: fenced(3),
+            ledger: vec![entry(1, 5, W2_PAYMENT)],
+            fenced_before: Some(0.0),
+            fenced_after: Some(1.0),
+        }
+    }
+
+    #[test]
+    fn the_expected_outcome_passes() {
+        assert_eq!(check(&t042()), Verdict::Passed);
+    }
+
+    #[test]
+    fn a_duplicate_payment_an_unfenced_submit_and_a_silent_counter_each_fail() {
+        let observed = Observed {
+            stale: Ok(StatusCode::CREATED),
+            ledger: vec![entry(1, 5, W2_PAYMENT), entry(2, 3, W1_PAYMENT)],
+            fenced_after: Some(0.0),
+            ..t042()
+        };
+        let Verdict::Failed(why) = check(&observed) else {
+            panic!("a duplicate payment must fail the demo");
+        };
+        assert_eq!(why.len(), 3, "{why:?}");
+        assert!(
+            why[0].contains("fenced out") && why[0].contains("201"),
+            "{why:?}"
+        );
+        assert!(why[1].contains("seq 2"), "{why:?}");
+        assert!(why[2].contains("from 0 to 0"), "{why:?}");
+    }
+
+    #[test]
+    fn a_missing_counter_or_a_wrong_token_fails() {
+        let observed = Observed {
+            stale: fenced(4),
+            fenced_after: None,
+            ..t042()
+        };
+        assert!(matches!(check(&observed), Verdict::Failed(why) if why.len() == 2));
+    }
+
+    #[test]
+    fn a_409_that_reveals_the_mark_fails() {
+        let body = format!(
+            "{{\"error\":\"fenced_out\",\"account\":\"{ACCOUNT}\",\"token\":3,\"mark\":5}}"
+        );
+        assert!(reveals_mark(&body, 5));
+        assert!(reveals_mark("{\"message\":\"the mark is 5\"}", 5));
+        assert!(!reveals_mark("{\"token\":3,\"request_id\":\"5a-5\"}", 5));
+        let observed = Observed {
+            stale: Err(SdkError::FencedOut {
+                account: ACCOUNT.into(),
+                token: 3,
+                body,
+            }),
+            ..t042()
+        };
+        assert!(matches!(check(&observed), Verdict::Failed(why) if why.len() == 1));
+    }
+
+    #[test]
+    fn metrics_are_read_from_prometheus_text() {
+        let text = "# HELP lock_fenced_out_total x\n# TYPE lock_fenced_out_total counter\n\
+                    lock_fenced_out_total 2\n\
+                    railguard_requests_total{outcome=\"forwarded\"} 7\n";
+        assert_eq!(metric(text, FENCED_OUT), Some(2.0));
+        assert_eq!(metric(text, "railguard_requests_total"), None);
+        assert_eq!(samples(text).count(), 2);
     }
 }
