@@ -12,7 +12,8 @@
 //! - [`proof`] — grant proofs: a token is good only for the lock key it was granted on.
 //! - [`db`] — the pool, migrations, and the embedded/throwaway PostgreSQL server.
 //! - [`admin`], [`metrics`], [`telemetry`] — what operators see.
-//! - [`railsim`] — a non-idempotent rail simulator for tests and demos.
+//! - [`railsim`] — a non-idempotent rail simulator for tests and demos; [`demo`] — T-042
+//!   played in one process (`railguard demo`).
 //! - [`config`], [`server`] — how it is configured, started and stopped; [`http`] — the body
 //!   type and accept loop every listener shares.
 //!
@@ -22,6 +23,7 @@
 pub mod admin;
 pub mod config;
 pub mod db;
+pub mod demo;
 pub mod http;
 pub mod lock;
 pub mod metrics;

@@ -6,8 +6,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use railguard::config::{Config, LogFormat};
+use railguard::config::{Config, LockBackendKind, LogFormat};
 use railguard::db::Database;
+use railguard::demo::{self, DemoOptions, Verdict};
 use railguard::railsim::RailSim;
 use railguard::{http, server, telemetry};
 
@@ -24,6 +25,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Play T-042, the stalled survivor, in one process and check it: an embedded PostgreSQL
+    /// in a temp dir, the lock service, the proxy and the rail simulator on free loopback
+    /// ports; W1's lease expires while it stalls, W2 takes over and pays, W1 wakes and is
+    /// fenced out. Exits 0 only if the rail paid once and the fence held; needs only the
+    /// PostgreSQL server binaries (and etcd for --backend etcd).
+    Demo {
+        /// Lock backend: postgres, or etcd (a throwaway member of the `etcd` on PATH).
+        #[arg(long, value_enum, default_value_t = DemoBackend::Postgres)]
+        backend: DemoBackend,
+        /// W1's lease, in milliseconds (the etcd backend rounds it up to whole seconds).
+        #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u64).range(100..=30_000))]
+        ttl_ms: u64,
+    },
     /// Run the rail proxy and the admin listener until SIGTERM/SIGINT.
     ///
     /// Every config key can be overridden as RAILGUARD__SECTION__KEY, e.g.
@@ -84,6 +98,12 @@ enum Command {
     },
 }
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DemoBackend {
+    Postgres,
+    Etcd,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Command::Harness { args } = &cli.command {
@@ -95,6 +115,26 @@ fn main() -> ExitCode {
         .expect("tokio runtime");
     runtime.block_on(async move {
         match cli.command {
+            Command::Demo { backend, ttl_ms } => {
+                // The narration is the point: railguard's own logs only from warn up.
+                telemetry::init(LogFormat::Pretty, "warn", rust_log().as_deref());
+                let options = DemoOptions {
+                    backend: match backend {
+                        DemoBackend::Postgres => LockBackendKind::Postgres,
+                        DemoBackend::Etcd => LockBackendKind::Etcd,
+                    },
+                    ttl: Duration::from_millis(ttl_ms),
+                    search_path: search_path(),
+                };
+                match demo::run(options).await {
+                    Ok(Verdict::Passed) => ExitCode::SUCCESS,
+                    Ok(Verdict::Failed(_)) => ExitCode::FAILURE,
+                    Err(e) => {
+                        eprintln!("railguard demo: {e}");
+                        ExitCode::from(e.exit_code())
+                    }
+                }
+            }
             Command::Serve { config } => {
                 let config = match load(&config) {
                     Ok(c) => c,
@@ -205,6 +245,12 @@ fn harness(args: &[std::ffi::OsString]) -> ExitCode {
 #[allow(clippy::disallowed_methods)] // main reads the environment
 fn rust_log() -> Option<String> {
     std::env::var("RUST_LOG").ok()
+}
+
+/// `PATH`, where the demo looks for `etcd`.
+#[allow(clippy::disallowed_methods)] // main reads the environment
+fn search_path() -> Option<std::ffi::OsString> {
+    std::env::var_os("PATH")
 }
 
 /// Reads the config file with the process environment's `RAILGUARD__…` overrides, and starts

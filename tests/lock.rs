@@ -702,13 +702,21 @@ async fn grants_fence_the_rail_through_the_sdk(w: World) {
             Some("p-1"),
         )
         .await;
-    assert_eq!(
-        stale.unwrap_err(),
+    match stale.unwrap_err() {
         SdkError::FencedOut {
-            account: "acct-42".into(),
-            token: w1.token().get()
+            account,
+            token,
+            body,
+        } => {
+            assert_eq!(account, "acct-42");
+            assert_eq!(token, w1.token().get());
+            assert!(
+                body.contains("\"fenced_out\""),
+                "the proxy's 409 body: {body}"
+            );
         }
-    );
+        other => panic!("expected FencedOut, got {other:?}"),
+    }
     let ledger = w.rail.ledger();
     assert_eq!(ledger.len(), 1, "the rail saw one payment");
     assert_eq!(

@@ -48,8 +48,15 @@ pub enum SdkError {
     Unavailable(String),
     #[error("the service refused the request: {0}")]
     BadRequest(String),
+    /// The proxy refused the request (409): a newer grant of the account's lock exists.
+    /// `body` is the proxy's answer as received; it names the account and the presented
+    /// token, never the mark.
     #[error("fenced out: account {account}, token {token}: this grant has been superseded")]
-    FencedOut { account: String, token: i64 },
+    FencedOut {
+        account: String,
+        token: i64,
+        body: String,
+    },
     #[error("transport error: {0}")]
     Transport(String),
 }

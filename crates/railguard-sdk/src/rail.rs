@@ -100,6 +100,7 @@ impl RailClient {
                 return Err(SdkError::FencedOut {
                     account: account.to_string(),
                     token,
+                    body: String::from_utf8_lossy(&response.body).into_owned(),
                 });
             }
         }
