@@ -97,13 +97,20 @@ async fn t042(etcd: Option<EtcdCluster>) {
             Some("pay-w1"),
         )
         .await;
-    assert_eq!(
-        stale.unwrap_err(),
-        SdkError::FencedOut {
-            account: "k".into(),
-            token: t1
+    match stale {
+        Err(SdkError::FencedOut {
+            account,
+            token,
+            body,
+        }) => {
+            assert_eq!((account.as_str(), token), ("k", t1));
+            // The 409 names the account and the presented token, never the mark (C2 §2.2).
+            let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let fields = body.as_object().unwrap();
+            assert!(fields.values().all(|v| v.as_i64() != Some(t2)), "{body}");
         }
-    );
+        other => panic!("W1's stale submit must be fenced out: {other:?}"),
+    }
 
     // No side effect of W1 anywhere.
     let ledger = rail.ledger();

@@ -131,6 +131,7 @@ impl StalePost {
             return Err(SdkError::FencedOut {
                 account: account.to_string(),
                 token,
+                body: String::from_utf8_lossy(&response.body).into_owned(),
             });
         }
         Ok(response)
