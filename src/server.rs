@@ -166,6 +166,13 @@ pub async fn run(
         config.idempotency.retention,
         config.idempotency.sweep_interval,
     ));
+    let forward = Forward::new(
+        config.proxy.upstream.clone(),
+        config.proxy.upstream_connect_timeout,
+        config.proxy.late_answer_wait,
+        metrics.clone(),
+    );
+    let late_forwards = forward.late_forwards();
     let stack = proxy::stack(
         ExtractLayer::new(extract_config(&config, proofs.clone(), &metrics)),
         FenceLayer::new(Arc::new(FencePoint::new(
@@ -180,12 +187,7 @@ pub async fn run(
                 max_response_bytes: config.idempotency.max_response_bytes,
             },
         ),
-        Forward::new(
-            config.proxy.upstream.clone(),
-            config.proxy.upstream_connect_timeout,
-            config.proxy.late_answer_wait,
-            metrics.clone(),
-        ),
+        forward,
         metrics.clone(),
     );
     let locks = Locks::start(
@@ -261,6 +263,22 @@ pub async fn run(
     tracing::info!(?grace, "shutting down");
     let _ = stop_tx.send(true);
     let _ = proxy_task.await;
+    if late_forwards.count() > 0 {
+        tracing::info!(
+            forwards = late_forwards.count(),
+            "waiting for the rail's late answers to forwards past their deadline"
+        );
+    }
+    if tokio::time::timeout(grace, late_forwards.drained())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            forwards = late_forwards.count(),
+            "stopping with forwards still waiting for the rail's late answer: a newer grant's \
+             request sent by another railguard may reach the rail before them"
+        );
+    }
     let _ = lock_task.await;
     let _ = admin_task.await;
     locks.stop();

@@ -13,6 +13,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -24,6 +25,7 @@ use hyper::body::Body as _;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower::Service;
 use tracing::Instrument;
@@ -107,11 +109,54 @@ impl hyper::body::Body for Tracked {
     }
 }
 
+/// Forwards past their request deadline that still wait for the rail's late answer, each
+/// holding its account's turn. A graceful shutdown waits for them within its grace: stopping
+/// earlier would let a newer grant's request, sent by the next process, overtake one of them.
+#[derive(Clone, Default)]
+pub struct LateForwards(Arc<(AtomicUsize, Notify)>);
+
+/// One late forward, counted while it lives.
+struct LateForward(LateForwards);
+
+impl Drop for LateForward {
+    fn drop(&mut self) {
+        let (count, notify) = &*(self.0).0;
+        if count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            notify.notify_waiters();
+        }
+    }
+}
+
+impl LateForwards {
+    fn start(&self) -> LateForward {
+        self.0.0.fetch_add(1, Ordering::AcqRel);
+        LateForward(self.clone())
+    }
+
+    pub fn count(&self) -> usize {
+        self.0.0.load(Ordering::Acquire)
+    }
+
+    /// Resolves once no late forward is left.
+    pub async fn drained(&self) {
+        loop {
+            let notified = self.0.1.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if self.count() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Forward {
     client: Client<HttpConnector, Tracked>,
     upstream: Arc<Upstream>,
     late_answer_wait: Duration,
+    late: LateForwards,
     metrics: Arc<Metrics>,
 }
 
@@ -134,8 +179,16 @@ impl Forward {
             client,
             upstream: Arc::new(upstream),
             late_answer_wait,
+            late: LateForwards::default(),
             metrics,
         }
+    }
+}
+
+impl Forward {
+    /// The forwards of this stack still waiting for a late answer (for a graceful shutdown).
+    pub fn late_forwards(&self) -> LateForwards {
+        self.late.clone()
     }
 }
 
@@ -199,6 +252,7 @@ impl Service<FencedRequest> for Forward {
                             // (and the connection) until the rail answers or we stop waiting,
                             // so that no newer grant's request overtakes it.
                             let wait = this.late_answer_wait;
+                            let counted = this.late.start();
                             tokio::spawn(
                                 async move {
                                     let late = tokio::time::timeout(wait, pending).await;
@@ -207,6 +261,7 @@ impl Service<FencedRequest> for Forward {
                                         "a forward past its deadline ended; the account's turn passes on"
                                     );
                                     drop(turn);
+                                    drop(counted);
                                 }
                                 .in_current_span(),
                             );

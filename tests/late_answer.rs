@@ -1,0 +1,74 @@
+//! A forward delayed in the network past its request deadline (the client got 504) keeps its
+//! account's turn until the rail's late answer arrives: a newer grant's request sent meanwhile
+//! waits, and reaches the rail after the late one — never before it (INV-05). The fault
+//! harness found this hole (`rail-past-deadline`); this test pins it over real sockets.
+
+use railguard_testkit as support;
+
+use std::time::Duration;
+
+use http::StatusCode;
+use support::{Pg, Rail, Railguard, Relay, init_tracing};
+
+#[tokio::test]
+async fn a_newer_grant_never_overtakes_a_forward_that_is_late_in_the_network() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let rg = Railguard::start(
+        &pg.url(),
+        &slow_path.url(),
+        &[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "1000")],
+    )
+    .await;
+    let http = rg.http();
+
+    // Token 5's request spends 1.6 s on its way to the rail: its client gets 504 at 1 s.
+    slow_path.set_delay(Duration::from_millis(1600));
+    let late = http.pay_with(&rg, 5, "acct-late").await;
+    assert_eq!(late.status, StatusCode::GATEWAY_TIMEOUT, "{}", late.body);
+    // The path is fast again; token 7 (a newer grant) pays on the same account at once.
+    slow_path.set_delay(Duration::ZERO);
+    let newer = http.pay_with(&rg, 7, "acct-late").await;
+    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+
+    let ledger = rail.ledger();
+    let tokens: Vec<&str> = ledger.iter().filter_map(|e| e.token.as_deref()).collect();
+    assert_eq!(
+        tokens,
+        ["5", "7"],
+        "the late request reached the rail first, the newer one after it"
+    );
+}
+
+#[tokio::test]
+async fn a_graceful_stop_waits_for_a_late_answer_within_its_grace() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let mut rg = Railguard::start_process(
+        &pg.url(),
+        &slow_path.url(),
+        &[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "500")],
+    )
+    .await;
+    slow_path.set_delay(Duration::from_millis(1200));
+    let late = rg.http().pay_with(&rg, 5, "acct-stop").await;
+    assert_eq!(late.status, StatusCode::GATEWAY_TIMEOUT, "{}", late.body);
+    // SIGTERM while the forward is still in the network: railguard waits for the rail's
+    // answer (grace 3 s) before it exits.
+    let status = rg.stop().await;
+    assert!(status.success(), "{status}");
+    assert_eq!(
+        rail.ledger().len(),
+        1,
+        "the late request arrived before the exit"
+    );
+    assert!(
+        rg.log().contains("waiting for the rail's late answers"),
+        "{}",
+        rg.log()
+    );
+}
