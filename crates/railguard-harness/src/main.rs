@@ -90,7 +90,16 @@ fn main() -> ExitCode {
                         return ExitCode::from(2);
                     }
                 };
-                match coordinator::run(options, ci, &exe).await {
+                // On SIGINT/SIGTERM the run is dropped, which stops everything it started
+                // (workers, railguard processes, PostgreSQL, etcd) and removes their temp dirs.
+                let outcome = tokio::select! {
+                    outcome = coordinator::run(options, ci, &exe) => outcome,
+                    () = railguard::server::shutdown_signal() => {
+                        eprintln!("railguard harness: interrupted; stopping everything it started");
+                        return ExitCode::from(130);
+                    }
+                };
+                match outcome {
                     Ok(report) => verdict(&report),
                     Err(e) => {
                         eprintln!("railguard harness: {e}");
