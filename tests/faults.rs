@@ -487,3 +487,123 @@ async fn release(http: &Http, rg: &Railguard, key: &str, grant: &WireGrant) {
         .unwrap();
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
 }
+
+/// review-10 (passes: a probe, kept as a regression test): a forward whose client hangs up
+/// while the request is still in the network keeps the account's turn, so a newer grant's
+/// request (same process, same account) reaches the rail only after the older one.
+#[tokio::test]
+async fn review_a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let rg = Railguard::start(&pg.url(), &slow_path.url(), &[]).await; // 3 s request timeout
+    let http = Http::new();
+    let old = acquire(&http, &rg, "acct-hang").await;
+    slow_path.set_delay(Duration::from_millis(2000));
+    // The old holder's client gives up after 300 ms (its own timeout, a crash, a cut path).
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        pay_raw(
+            &http,
+            &rg,
+            "acct-hang",
+            old.token,
+            old.proof.as_deref(),
+            Some("pay-old"),
+        ),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the client hung up before any answer");
+    slow_path.set_delay(Duration::ZERO);
+    release(&http, &rg, "acct-hang", &old).await;
+    let new = acquire(&http, &rg, "acct-hang").await;
+    assert!(new.token > old.token);
+    let reply = pay_raw(
+        &http,
+        &rg,
+        "acct-hang",
+        new.token,
+        new.proof.as_deref(),
+        Some("pay-new"),
+    )
+    .await;
+    // Whatever the proxy answers the new holder, wait for the old request to land.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let tokens: Vec<i64> = rail
+        .ledger()
+        .iter()
+        .filter_map(|e| e.token.as_deref().and_then(|t| t.parse().ok()))
+        .collect();
+    eprintln!(
+        "review: ledger tokens {tokens:?}, new holder got {} {}",
+        reply.status, reply.body
+    );
+    assert!(
+        tokens.windows(2).all(|w| w[0] <= w[1]),
+        "the rail received tokens out of order {tokens:?} (new holder got {})",
+        reply.status
+    );
+}
+
+/// Found by review: a *graceful* stop (SIGTERM, as a rolling config change or deploy does)
+/// must wait — within its grace — for forwards past their deadline that still wait for the
+/// rail's late answer; otherwise the restarted process knows nothing of them and a newer
+/// grant's request overtakes one at the rail.
+#[tokio::test]
+async fn review_a_graceful_restart_waits_for_a_late_forward_before_a_newer_grant_is_sent() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    // The forward is late past its 1 s deadline but arrives within the 3 s grace.
+    let mut rg = Railguard::start_process(
+        &pg.url(),
+        &slow_path.url(),
+        &[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "1000")],
+    )
+    .await;
+    let http = Http::new();
+    let old = acquire(&http, &rg, "acct-roll").await;
+    slow_path.set_delay(Duration::from_millis(2500));
+    let first = pay_raw(
+        &http,
+        &rg,
+        "acct-roll",
+        old.token,
+        old.proof.as_deref(),
+        Some("pay-old"),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    slow_path.set_delay(Duration::ZERO);
+    let stopping = std::time::Instant::now();
+    rg.restart().await;
+    let restart_took = stopping.elapsed();
+    release(&http, &rg, "acct-roll", &old).await;
+    let new = acquire(&http, &rg, "acct-roll").await;
+    let reply = pay_raw(
+        &http,
+        &rg,
+        "acct-roll",
+        new.token,
+        new.proof.as_deref(),
+        Some("pay-new"),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(4000)).await;
+    let tokens: Vec<i64> = rail
+        .ledger()
+        .iter()
+        .filter_map(|e| e.token.as_deref().and_then(|t| t.parse().ok()))
+        .collect();
+    assert!(
+        tokens.windows(2).all(|w| w[0] <= w[1]),
+        "after a graceful restart ({restart_took:?}) the rail received grant {} after grant {}: \
+         {tokens:?} (new holder got {} {})",
+        old.token,
+        new.token,
+        reply.status,
+        reply.body
+    );
+}

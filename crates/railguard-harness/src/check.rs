@@ -219,6 +219,7 @@ pub fn check(inputs: &Inputs) -> Report {
     inv02(&inputs.ledger, &mut violations);
     inv04(&inputs.history, &mut violations);
     inv05_rail(&inputs.ledger, &senders, &mut violations);
+    inv05_answers(&inputs.history, &mut violations);
     inv05_paydb(&inputs.account_writes, &mut violations);
     inv06(&inputs.history, &mut violations);
 
@@ -382,8 +383,14 @@ fn inv05_rail(
         else {
             continue;
         };
-        let Some(grant) = senders.get(attempt).and_then(|s| s.token) else {
-            continue;
+        // A request no recorded submit sent (its line lost or torn) is judged by the token
+        // the rail saw, so that failed attribution cannot hide a stale arrival.
+        let grant = match senders.get(attempt).and_then(|s| s.token) {
+            Some(grant) => grant,
+            None => match e.token.as_deref().and_then(|t| t.parse().ok()) {
+                Some(seen) => seen,
+                None => continue,
+            },
         };
         match newest.get(account) {
             Some((newer, newer_entry)) if grant < *newer => {
@@ -396,13 +403,75 @@ fn inv05_rail(
                     evidence: vec![
                         ledger_line(newer_entry),
                         ledger_line(e),
-                        senders[attempt].line.clone(),
+                        senders
+                            .get(attempt)
+                            .map_or_else(|| "(no recorded submit)".into(), |s| s.line.clone()),
                     ],
                 });
             }
             Some((newer, _)) if grant == *newer => {}
             _ => {
                 newest.insert(account, (grant, e));
+            }
+        }
+    }
+}
+
+/// The fence's own answers: once a grant's submit on an account was answered by the rail, the
+/// proxy's mark is at least that grant's token, so every later submit of an older grant must
+/// be answered `409 fenced_out` (or refused before the fence, forwarding nothing). An older
+/// grant's submit that got past the fence — answered by the rail, or refused only by the
+/// idempotency layer (`422`, `409 in_flight`/`in_doubt`) — is a stale writer the fence let
+/// through, even when the idempotency key kept it from the rail.
+fn inv05_answers(history: &[Event], violations: &mut Vec<Violation>) {
+    let mut invoked: HashMap<&str, &Event> = HashMap::new();
+    // Per account: the newest grant whose submit the rail has answered, and that answer.
+    let mut answered: HashMap<&str, (i64, &Event)> = HashMap::new();
+    for e in history.iter().filter(|e| e.op == Op::Submit) {
+        let Some(attempt) = e.attempt.as_deref() else {
+            continue;
+        };
+        let Some(grant) = e.token else { continue };
+        match e.phase {
+            Phase::Invoke => {
+                invoked.insert(attempt, e);
+            }
+            Phase::Ok | Phase::Fail | Phase::Info => {
+                let Some(invoke) = invoked.get(attempt).copied() else {
+                    continue;
+                };
+                let detail = e.detail.as_deref().unwrap_or("");
+                let passed_the_fence = e.phase == Phase::Ok
+                    || detail.starts_with("422")
+                    || detail.contains("in_flight")
+                    || detail.contains("in_doubt");
+                if passed_the_fence
+                    && let Some((newer, answer)) = answered.get(e.account.as_str())
+                    && grant < *newer
+                    && answer.t_us < invoke.t_us
+                {
+                    violations.push(Violation {
+                        invariant: Invariant::Inv05,
+                        message: format!(
+                            "account {}: a submit of grant {grant} got past the fence ({}) \
+                             after the rail had answered a submit of the newer grant {newer}",
+                            e.account,
+                            if detail.is_empty() {
+                                "answered"
+                            } else {
+                                detail
+                            }
+                        ),
+                        evidence: vec![line(answer), line(invoke), line(e)],
+                    });
+                }
+                if e.phase == Phase::Ok
+                    && answered
+                        .get(e.account.as_str())
+                        .is_none_or(|(t, _)| grant > *t)
+                {
+                    answered.insert(e.account.as_str(), (grant, e));
+                }
             }
         }
     }
@@ -702,6 +771,88 @@ mod tests {
             })
             .ok()
         );
+    }
+
+    // ---- review-10: holes found by the hostile review (these fail today) ----
+
+    /// Seed 1 of `--negative-control reread --idempotency-keys true --faults worker-pause
+    /// --accounts 2` on postgres: every pause is the long one, the stalled worker's payment is
+    /// retried by the newer grant, and the stale worker's submit — presenting the re-read
+    /// token — is *accepted by the fence* and then refused by the idempotency layer (422,
+    /// the attempt is in the path). Nothing reaches the rail twice and paydb is not written,
+    /// so the checker passes a run with the §A2.3 bug on. The proxy did not answer 409 to a
+    /// stale writer (INV-05 says it must); the history shows it.
+    #[test]
+    fn review_a_stale_grant_not_fenced_out_by_the_proxy_is_inv05_even_if_the_rail_never_saw_it() {
+        let mut inputs = t042_history();
+        // W2 (grant 9) retried W1's payment p1 and the rail answered it.
+        inputs.history.push(submit(1_250, 2, 9, "p1", "w2-2"));
+        let mut ok = submit(1_260, 2, 9, "p1", "w2-2").outcome(Phase::Ok);
+        ok.t_us = 1_260;
+        inputs.history.push(ok);
+        inputs.ledger.push(arrival(2, 9, "p1", "w2-2"));
+        // W1 (grant 5) wakes and presents the re-read token 9: not fenced out.
+        let mut stale = submit(1_300, 1, 5, "p1", "w1-2");
+        stale.presented = Some(9);
+        inputs.history.push(stale.clone());
+        let mut refused = stale
+            .outcome(Phase::Fail)
+            .detail("422 idempotency_key_reused");
+        refused.t_us = 1_310;
+        inputs.history.push(refused);
+        inputs.history.sort_by_key(|e| e.t_us);
+        let report = check(&inputs);
+        assert!(
+            !report.ok(),
+            "a stale grant's submit passed the fence (answered 422, not 409 fenced_out) after a \
+             newer grant's submit of the account had been answered: {:#?}",
+            report.counts
+        );
+    }
+
+    /// The rail received a request that no recorded submit sent (its attempt is unknown:
+    /// a lost or torn history line, a proxy that rewrote or re-sent a path). INV-05 silently
+    /// skips it — it is only counted as "not sent by a worker" — so a stale request arriving
+    /// after a newer grant's passes whenever attribution fails.
+    #[test]
+    fn review_a_rail_entry_no_submit_sent_is_not_silently_skipped() {
+        let mut inputs = t042_history();
+        inputs.ledger.push(arrival(2, 5, "p1", "w1-unknown"));
+        let report = check(&inputs);
+        assert_eq!(report.counts.unattributed_rail_entries, 1);
+        assert!(
+            !report.ok(),
+            "an unattributable rail arrival after a newer grant's must fail the check (or at \
+             least make the run inconclusive), not pass it"
+        );
+    }
+
+    /// Liveness is reported, never a violation (the issue: "payments never completed
+    /// (liveness, not a violation)"): a payment left in doubt by a fault is safe and stuck.
+    #[test]
+    fn payments_never_completed_are_reported_as_liveness_not_as_violations() {
+        let mut history = grant(0, 10, 1, 5, 1_000);
+        history.push(submit(20, 1, 5, "p1", "w1-1"));
+        let mut failed = submit(30, 1, 5, "p1", "w1-1").outcome(Phase::Fail);
+        failed.t_us = 30;
+        history.push(failed.detail("409 fenced_out"));
+        let report = check(&Inputs {
+            history,
+            payments: (0..10)
+                .map(|i| PaymentRow {
+                    id: format!("p{i}"),
+                    account: "a1".into(),
+                    state: "pending".into(),
+                    attempts: 0,
+                })
+                .collect(),
+            ..Inputs::default()
+        });
+        assert_eq!(report.counts.completed, 0);
+        assert_eq!(report.counts.never_completed, 10);
+        assert_eq!(report.never_completed_sample.len(), 10);
+        assert!(report.table().contains("never completed (liveness)"));
+        assert!(report.ok());
     }
 
     #[test]

@@ -63,7 +63,9 @@ pub struct RunOptions {
     pub workers: usize,
     #[arg(long, default_value_t = 4)]
     pub accounts: usize,
-    #[arg(long, default_value_t = 400)]
+    /// Payments created up front; enough that the workers stay busy for the whole run (they
+    /// stop early when every payment is done, and faults after that would hit an idle system).
+    #[arg(long, default_value_t = 20_000)]
     pub payments: usize,
     /// Lease length asked for; etcd grants whole seconds, 2000 ms at least.
     #[arg(long)]
@@ -77,8 +79,10 @@ pub struct RunOptions {
     pub faults: String,
     #[arg(long, value_enum)]
     pub negative_control: Option<NegativeControl>,
-    /// Send `Idempotency-Key` with every submit (`false`: a duplicate reaches the rail as
-    /// a duplicate, so INV-02 is seen directly).
+    /// Send `Idempotency-Key` with every submit. `false` makes any retry of a payment whose
+    /// outcome was unknown a possible duplicate at the rail — INV-02 is then expected under
+    /// faults that leave payments in doubt; the negative controls use it with `worker-pause`
+    /// only, where the duplicate can come from the bug alone.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub idempotency_keys: bool,
     /// The proxy's request timeout.

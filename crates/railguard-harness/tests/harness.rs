@@ -194,3 +194,91 @@ fn the_controls_runs_without_the_bug_violate_nothing() {
         );
     }
 }
+
+/// review-10 (fails): the coordinator installs no SIGTERM/SIGINT handler, and every cleanup
+/// (workers' `kill_on_drop`, PostgreSQL, etcd, `railguard serve`, temp dirs) lives in `Drop`,
+/// which a signal never runs. A run stopped after a few seconds leaves both PostgreSQL servers,
+/// the railguard process and the workers running (a worker caught in `worker-sigstop` stays
+/// stopped for ever), and their temp dirs in /tmp.
+#[test]
+fn review_a_run_stopped_by_sigterm_leaves_no_process_behind() {
+    fn children() -> Vec<(u32, u32, String)> {
+        let mut all = Vec::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let Some(rest) = stat.rsplit_once(") ").map(|(_, r)| r) else {
+                continue;
+            };
+            let ppid: u32 = rest.split(' ').nth(1).unwrap().parse().unwrap();
+            let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+                .unwrap_or_default()
+                .replace('\0', " ");
+            all.push((pid, ppid, cmd));
+        }
+        all
+    }
+    fn descendants(root: u32) -> Vec<(u32, String)> {
+        let all = children();
+        let mut out = Vec::new();
+        let mut stack = vec![root];
+        while let Some(p) = stack.pop() {
+            for (pid, ppid, cmd) in &all {
+                if *ppid == p {
+                    out.push((*pid, cmd.clone()));
+                    stack.push(*pid);
+                }
+            }
+        }
+        out
+    }
+    let dir = out_dir();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_railguard-harness"))
+        .arg("--out")
+        .arg(dir.path().join("run"))
+        .args(["--faults", "worker-sigstop", "--duration-s", "30"])
+        .args(["--workers", "2", "--accounts", "2"])
+        .env("CI", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(10));
+    let started = descendants(child.id());
+    assert!(!started.is_empty(), "the run started its processes");
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let left: Vec<_> = started
+        .iter()
+        .filter(|(pid, _)| Path::new(&format!("/proc/{pid}")).exists())
+        .cloned()
+        .collect();
+    // Tidy up what this test started, whatever the verdict.
+    for (pid, cmd) in &left {
+        let _ = Command::new("kill")
+            .args(["-CONT", &pid.to_string()])
+            .status();
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+        for flag in ["-D", "--config"] {
+            if let Some(path) = cmd.split(' ').skip_while(|a| *a != flag).nth(1) {
+                let _ = std::fs::remove_dir_all(Path::new(path).parent().unwrap());
+            }
+        }
+    }
+    assert!(
+        left.is_empty(),
+        "still running 3 s after the harness got SIGTERM: {:#?}",
+        left.iter()
+            .map(|(pid, cmd)| format!("{pid} {}", cmd.chars().take(80).collect::<String>()))
+            .collect::<Vec<_>>()
+    );
+}
