@@ -195,13 +195,12 @@ fn the_controls_runs_without_the_bug_violate_nothing() {
     }
 }
 
-/// review-10 (fails): the coordinator installs no SIGTERM/SIGINT handler, and every cleanup
-/// (workers' `kill_on_drop`, PostgreSQL, etcd, `railguard serve`, temp dirs) lives in `Drop`,
-/// which a signal never runs. A run stopped after a few seconds leaves both PostgreSQL servers,
-/// the railguard process and the workers running (a worker caught in `worker-sigstop` stays
-/// stopped for ever), and their temp dirs in /tmp.
-#[test]
-fn review_a_run_stopped_by_sigterm_leaves_no_process_behind() {
+/// Found by review: every cleanup (workers' `kill_on_drop`, PostgreSQL, etcd, `railguard
+/// serve`, temp dirs) lives in `Drop`, which an unhandled signal never runs. The coordinator
+/// handles SIGTERM/SIGINT by dropping the run: a run stopped after a few seconds leaves no
+/// process running (not even a worker caught stopped by `worker-sigstop`).
+#[tokio::test]
+async fn review_a_run_stopped_by_sigterm_leaves_no_process_behind() {
     fn children() -> Vec<(u32, u32, String)> {
         let mut all = Vec::new();
         for entry in std::fs::read_dir("/proc").unwrap().flatten() {
@@ -247,14 +246,14 @@ fn review_a_run_stopped_by_sigterm_leaves_no_process_behind() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    std::thread::sleep(std::time::Duration::from_secs(10));
+    tokio::time::sleep(std::time::Duration::from_secs(10)).await;
     let started = descendants(child.id());
     assert!(!started.is_empty(), "the run started its processes");
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
     let _ = child.wait();
-    std::thread::sleep(std::time::Duration::from_secs(3));
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let left: Vec<_> = started
         .iter()
         .filter(|(pid, _)| Path::new(&format!("/proc/{pid}")).exists())
