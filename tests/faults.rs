@@ -488,7 +488,7 @@ async fn release(http: &Http, rg: &Railguard, key: &str, grant: &WireGrant) {
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
 }
 
-/// review-10 (passes: a probe, kept as a regression test): a forward whose client hangs up
+/// Found by review (a probe, kept as a regression test): a forward whose client hangs up
 /// while the request is still in the network keeps the account's turn, so a newer grant's
 /// request (same process, same account) reaches the rail only after the older one.
 #[tokio::test]

@@ -780,8 +780,8 @@ mod tests {
     /// retried by the newer grant, and the stale worker's submit — presenting the re-read
     /// token — is *accepted by the fence* and then refused by the idempotency layer (422,
     /// the attempt is in the path). Nothing reaches the rail twice and paydb is not written,
-    /// so the checker passes a run with the §A2.3 bug on. The proxy did not answer 409 to a
-    /// stale writer (INV-05 says it must); the history shows it.
+    /// so only the proxy's answer shows the bug: it did not answer 409 to a stale writer
+    /// (INV-05 says it must), and the checker judges that answer.
     #[test]
     fn review_a_stale_grant_not_fenced_out_by_the_proxy_is_inv05_even_if_the_rail_never_saw_it() {
         let mut inputs = t042_history();
@@ -811,9 +811,8 @@ mod tests {
     }
 
     /// The rail received a request that no recorded submit sent (its attempt is unknown:
-    /// a lost or torn history line, a proxy that rewrote or re-sent a path). INV-05 silently
-    /// skips it — it is only counted as "not sent by a worker" — so a stale request arriving
-    /// after a newer grant's passes whenever attribution fails.
+    /// a lost or torn history line, a proxy that rewrote or re-sent a path). INV-05 judges it
+    /// by the token the rail saw, so failed attribution cannot hide a stale arrival.
     #[test]
     fn review_a_rail_entry_no_submit_sent_is_not_silently_skipped() {
         let mut inputs = t042_history();
