@@ -111,7 +111,7 @@ fn a_short_run_under_every_fault_violates_nothing_etcd() {
 /// A negative control's run: stalled workers only, so that every violation comes from the bug.
 fn control(backend: &str, control: &str, keys: bool) -> Run {
     let dir = out_dir();
-    let seconds = if backend == "etcd" { "30" } else { "18" };
+    let seconds = if backend == "etcd" { "40" } else { "18" };
     let keys = keys.to_string();
     harness(
         &dir.path().join("run"),
