@@ -47,6 +47,13 @@ enum Command {
         #[arg(long, short, default_value = "config/railguard.toml")]
         config: PathBuf,
     },
+    /// Check a config file (and the RAILGUARD__… overrides in the environment) without starting
+    /// anything, as `nginx -t` does: exit 0 with a one-line summary, or 2 naming the key and the
+    /// file (or variable) that is wrong.
+    CheckConfig {
+        #[arg(long, short, default_value = "config/railguard.toml")]
+        config: PathBuf,
+    },
     /// Apply pending database migrations and exit (serve applies them too).
     Migrate {
         /// TOML config file; only `[database]` and `[log]` are used.
@@ -170,6 +177,13 @@ fn main() -> ExitCode {
                     Err(message) => fail(&message),
                 }
             }
+            Command::CheckConfig { config: path } => match load(&path) {
+                Ok(config) => {
+                    println!("{}: ok — {}", path.display(), summary(&config));
+                    ExitCode::SUCCESS
+                }
+                Err(code) => code,
+            },
             Command::Migrate { config } => {
                 let config = match load(&config) {
                     Ok(c) => c,
@@ -239,6 +253,33 @@ fn harness(args: &[std::ffi::OsString]) -> ExitCode {
     let error = std::process::Command::new(&binary).args(args).exec();
     eprintln!("railguard: cannot run {}: {error}", binary.display());
     ExitCode::from(2)
+}
+
+/// What a config makes railguard do, in one line (no credentials: the database URL is not
+/// printed).
+fn summary(config: &Config) -> String {
+    let database = match &config.database.url {
+        railguard::config::DatabaseUrl::Embedded => {
+            format!(
+                "embedded PostgreSQL in {}",
+                config.database.data_dir.display()
+            )
+        }
+        railguard::config::DatabaseUrl::Postgres(_) => "PostgreSQL by URL".to_string(),
+    };
+    format!(
+        "proxy {} → {}, lock API {} ({} backend), admin {}, database: {database}, fencing {}",
+        config.proxy.listen,
+        config.proxy.upstream,
+        config.lock.listen,
+        config.lock.backend.name(),
+        config.admin.listen,
+        if config.fencing.enforce {
+            "enforced"
+        } else {
+            "OFF (kill switch)"
+        }
+    )
 }
 
 /// `RUST_LOG`, which wins over `log.level` when set.
