@@ -54,6 +54,16 @@ enum Command {
         #[arg(long, short, default_value = "config/railguard.toml")]
         config: PathBuf,
     },
+    /// Show who holds a lock key, asking the running railguard's lock API: holder, lease left
+    /// and grant age, for diagnosis. Never a token, and never usable for a correctness decision
+    /// (FR-07).
+    Inspect {
+        /// The running railguard's config file (for lock.listen).
+        #[arg(long, short, default_value = "config/railguard.toml")]
+        config: PathBuf,
+        /// The lock key (by default the account id, see fencing.lock_key_template).
+        key: String,
+    },
     /// Apply pending database migrations and exit (serve applies them too).
     Migrate {
         /// TOML config file; only `[database]` and `[log]` are used.
@@ -184,6 +194,27 @@ fn main() -> ExitCode {
                 }
                 Err(code) => code,
             },
+            Command::Inspect { config, key } => {
+                let config = match load(&config) {
+                    Ok(c) => c,
+                    Err(code) => return code,
+                };
+                let listen = config.lock.listen;
+                let host = if listen.ip().is_unspecified() {
+                    SocketAddr::from(([127, 0, 0, 1], listen.port()))
+                } else {
+                    listen
+                };
+                let client = railguard::sdk::LockClient::new(format!("http://{host}"))
+                    .with_timeout(Duration::from_secs(5));
+                match client.inspect(&key).await {
+                    Ok(status) => {
+                        println!("{}", describe(&status));
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(&format!("inspect {key} at http://{host}: {e}")),
+                }
+            }
             Command::Migrate { config } => {
                 let config = match load(&config) {
                     Ok(c) => c,
@@ -253,6 +284,25 @@ fn harness(args: &[std::ffi::OsString]) -> ExitCode {
     let error = std::process::Command::new(&binary).args(args).exec();
     eprintln!("railguard: cannot run {}: {error}", binary.display());
     ExitCode::from(2)
+}
+
+/// A key's status for people: who holds it and for how long — no token (FR-07).
+fn describe(status: &railguard::sdk::KeyStatus) -> String {
+    if !status.held {
+        return format!("{}: free", status.key);
+    }
+    let mut line = format!(
+        "{}: held by {}",
+        status.key,
+        status.holder.as_deref().unwrap_or("?")
+    );
+    if let Some(left) = status.lease_remaining_ms {
+        line.push_str(&format!(", lease {left} ms left"));
+    }
+    if let Some(age) = status.grant_age_ms {
+        line.push_str(&format!(", granted {age} ms ago"));
+    }
+    line
 }
 
 /// What a config makes railguard do, in one line (no credentials: the database URL is not

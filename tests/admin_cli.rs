@@ -1,6 +1,8 @@
-//! `railguard check-config`, the `nginx -t` habit: a good file gets exit 0 and one line that
-//! says what railguard would do; a bad one gets exit 2 naming the key and the file (or the
-//! environment variable). Nothing is started either way.
+//! The operator's commands, run as an operator runs them (the real binary):
+//! - `railguard check-config`, the `nginx -t` habit: a good file gets exit 0 and one line that
+//!   says what railguard would do; a bad one gets exit 2 naming the key and the file (or the
+//!   environment variable). Nothing is started either way.
+//! - `railguard inspect KEY`: who holds a key, from the running railguard — never a token.
 
 use railguard_testkit as support;
 
@@ -62,4 +64,54 @@ fn a_bad_key_or_value_names_the_key_and_where_it_came_from() {
     let (code, _, stderr) = check(&dir.path().join("missing.toml"), &[]);
     assert_eq!(code, 2);
     assert!(stderr.contains("missing.toml"), "{stderr}");
+}
+
+/// `railguard inspect KEY` asks the running railguard's lock API who holds a key: holder and
+/// lease, never the token (FR-07).
+#[tokio::test]
+async fn inspect_shows_the_holder_and_never_the_token() {
+    support::init_tracing();
+    let pg = support::Pg::start().await;
+    let rail = support::Rail::start().await;
+    let rg = support::Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let inspect = |key: &str| {
+        Command::new(support::railguard_binary())
+            .args(["inspect", key, "--config"])
+            .arg(rg.config_path())
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap()
+    };
+    let free = inspect("acct-inspect");
+    assert!(free.status.success(), "{free:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&free.stdout).trim(),
+        "acct-inspect: free"
+    );
+
+    let grant = rg
+        .lock_client()
+        .acquire(
+            "acct-inspect",
+            "worker-7",
+            std::time::Duration::from_secs(30),
+            std::time::Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    let held = inspect("acct-inspect");
+    let text = String::from_utf8_lossy(&held.stdout);
+    assert!(held.status.success(), "{held:?}");
+    assert!(
+        text.starts_with("acct-inspect: held by worker-7, lease "),
+        "{text}"
+    );
+    assert!(
+        !text.contains(&format!(" {} ", grant.token().get())) && !text.contains("token"),
+        "no token in {text}"
+    );
+
+    let bad = inspect("not a key");
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("inspect not a key"));
 }
