@@ -69,6 +69,12 @@ enum Command {
         /// TOML config file; only `[database]` and `[log]` are used.
         #[arg(long, short, default_value = "config/railguard.toml")]
         config: PathBuf,
+        /// List every migration and whether it is applied, pending or changed, and apply
+        /// nothing. Exit 0 when the schema is current, 1 when it is not. Needs a
+        /// `postgres://` database.url: the embedded database is private to `railguard serve`
+        /// (whose /readyz says whether its schema is current).
+        #[arg(long)]
+        status: bool,
     },
     /// Remove an idempotency record left "in doubt" by a proxy that stopped before the rail
     /// answered, so that a retry of that key is forwarded again. Check the rail's own records
@@ -215,7 +221,17 @@ fn main() -> ExitCode {
                     Err(e) => fail(&format!("inspect {key} at http://{host}: {e}")),
                 }
             }
-            Command::Migrate { config } => {
+            Command::Migrate {
+                config,
+                status: true,
+            } => {
+                let config = match load(&config) {
+                    Ok(c) => c,
+                    Err(code) => return code,
+                };
+                migration_status(&config).await
+            }
+            Command::Migrate { config, .. } => {
                 let config = match load(&config) {
                     Ok(c) => c,
                     Err(code) => return code,
@@ -284,6 +300,59 @@ fn harness(args: &[std::ffi::OsString]) -> ExitCode {
     let error = std::process::Command::new(&binary).args(args).exec();
     eprintln!("railguard: cannot run {}: {error}", binary.display());
     ExitCode::from(2)
+}
+
+/// `railguard migrate --status`: read only.
+async fn migration_status(config: &Config) -> ExitCode {
+    use railguard::db::migrate::{self, MigrationState};
+    let railguard::config::DatabaseUrl::Postgres(url) = &config.database.url else {
+        return fail(
+            &"migrate --status needs database.url = \"postgres://…\": the embedded database is \
+              private to `railguard serve`; its /readyz says whether the schema is current",
+        );
+    };
+    let connected = tokio::time::timeout(
+        config.database.timeout.max(Duration::from_secs(2)),
+        tokio_postgres::connect(url, tokio_postgres::NoTls),
+    )
+    .await;
+    let client = match connected {
+        Ok(Ok((client, connection))) => {
+            tokio::spawn(connection);
+            client
+        }
+        Ok(Err(e)) => return fail(&format!("database.url: cannot connect: {e}")),
+        Err(_) => return fail(&"database.url: no answer from the database"),
+    };
+    let list = match migrate::status(&client).await {
+        Ok(list) => list,
+        Err(e) => return fail(&format!("cannot read the schema's migrations: {e}")),
+    };
+    let mut current = true;
+    for (version, name, state) in &list {
+        let what = match state {
+            MigrationState::Applied { applied_at } => format!("applied {applied_at}"),
+            MigrationState::Changed { applied_at } => {
+                current = false;
+                format!("CHANGED since it was applied {applied_at}: railguard will not start")
+            }
+            MigrationState::Pending => {
+                current = false;
+                "pending (railguard migrate, or serve, applies it)".to_string()
+            }
+            MigrationState::Unknown { applied_at, .. } => {
+                current = false;
+                format!("applied {applied_at} by a newer railguard: this binary will not start")
+            }
+        };
+        println!("{version:04} {name:<36} {what}");
+    }
+    if current {
+        println!("schema is current (version {})", migrate::latest_version());
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 /// A key's status for people: who holds it and for how long — no token (FR-07).

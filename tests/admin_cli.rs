@@ -3,6 +3,7 @@
 //!   says what railguard would do; a bad one gets exit 2 naming the key and the file (or the
 //!   environment variable). Nothing is started either way.
 //! - `railguard inspect KEY`: who holds a key, from the running railguard — never a token.
+//! - `railguard migrate --status`: where the schema stands, read only.
 
 use railguard_testkit as support;
 
@@ -114,4 +115,60 @@ async fn inspect_shows_the_holder_and_never_the_token() {
     let bad = inspect("not a key");
     assert_eq!(bad.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("inspect not a key"));
+}
+
+/// `railguard migrate --status` reads where the schema stands and applies nothing: every
+/// migration pending on a new database (exit 1), all applied after `migrate` (exit 0).
+#[tokio::test]
+async fn migrate_status_lists_pending_then_applied_and_changes_nothing() {
+    support::init_tracing();
+    let pg = support::Pg::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("db.toml");
+    std::fs::write(&config, format!("[database]\nurl = \"{}\"\n", pg.url())).unwrap();
+    let run = |args: &[&str]| {
+        Command::new(support::railguard_binary())
+            .args(args)
+            .arg("--config")
+            .arg(&config)
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap()
+    };
+    let before = run(&["migrate", "--status"]);
+    let text = String::from_utf8_lossy(&before.stdout);
+    assert_eq!(before.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("0001 rail_high_water") && text.contains("pending"),
+        "{text}"
+    );
+    // Nothing was applied by looking.
+    let tables: i64 = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_tables WHERE tablename = 'rail_high_water'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(tables, 0);
+
+    assert!(run(&["migrate"]).status.success());
+    let after = run(&["migrate", "--status"]);
+    let text = String::from_utf8_lossy(&after.stdout);
+    assert_eq!(after.status.code(), Some(0), "{text}");
+    assert!(text.contains("schema is current"), "{text}");
+    assert!(!text.contains("pending"), "{text}");
+
+    // The embedded database is private to `serve`: said so, not started.
+    std::fs::write(
+        &config,
+        "[database]\nurl = \"embedded\"\ndata_dir = \"/nonexistent/pg\"\n",
+    )
+    .unwrap();
+    let embedded = run(&["migrate", "--status"]);
+    assert_eq!(embedded.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&embedded.stderr).contains("postgres://"));
 }

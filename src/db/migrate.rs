@@ -149,6 +149,76 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, Migra
     Ok(count)
 }
 
+/// Where one migration stands in a database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MigrationState {
+    Applied {
+        applied_at: String,
+    },
+    /// Applied with other SQL than this binary has: start-up refuses such a database.
+    Changed {
+        applied_at: String,
+    },
+    Pending,
+    /// Recorded in the database, unknown to this binary (a newer railguard applied it).
+    Unknown {
+        name: String,
+        applied_at: String,
+    },
+}
+
+/// Every migration this binary knows, and every one the database has recorded, with where
+/// each stands — read only: nothing is applied or locked.
+pub async fn status(
+    client: &impl GenericClient,
+) -> Result<Vec<(i32, String, MigrationState)>, tokio_postgres::Error> {
+    let recorded: bool = client
+        .query_one(
+            "SELECT to_regclass('railguard_schema_migrations') IS NOT NULL",
+            &[],
+        )
+        .await?
+        .get(0);
+    let applied = if recorded {
+        client
+            .query(
+                "SELECT version, name, checksum, applied_at::text FROM \
+                 railguard_schema_migrations ORDER BY version",
+                &[],
+            )
+            .await?
+    } else {
+        Vec::new()
+    };
+    let mut out = Vec::new();
+    for m in MIGRATIONS {
+        let state = match applied.iter().find(|r| r.get::<_, i32>(0) == m.version) {
+            Some(r) if r.get::<_, String>(2) == checksum(m.sql) => MigrationState::Applied {
+                applied_at: r.get(3),
+            },
+            Some(r) => MigrationState::Changed {
+                applied_at: r.get(3),
+            },
+            None => MigrationState::Pending,
+        };
+        out.push((m.version, m.name.to_string(), state));
+    }
+    for r in &applied {
+        let version: i32 = r.get(0);
+        if !MIGRATIONS.iter().any(|m| m.version == version) {
+            out.push((
+                version,
+                r.get(1),
+                MigrationState::Unknown {
+                    name: r.get(1),
+                    applied_at: r.get(3),
+                },
+            ));
+        }
+    }
+    Ok(out)
+}
+
 /// The highest applied version, or `None` before the first migration.
 pub async fn current_version(
     client: &impl GenericClient,
