@@ -31,6 +31,12 @@ pub struct Admin {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct MarkRequest {
+    account: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ForgetRequest {
     account: String,
     key: String,
@@ -66,7 +72,8 @@ impl Admin {
                 ),
             },
             (Method::POST, "/idempotency/forget") => self.forget(request).await,
-            (_, "/metrics" | "/healthz" | "/readyz" | "/idempotency/forget") => reply(
+            (Method::POST, "/marks") => self.mark(request).await,
+            (_, "/metrics" | "/healthz" | "/readyz" | "/idempotency/forget" | "/marks") => reply(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "text/plain",
                 "method not allowed\n".into(),
@@ -74,41 +81,70 @@ impl Admin {
             _ => reply(
                 StatusCode::NOT_FOUND,
                 "text/plain",
-                "not found; try /metrics, /healthz, /readyz, POST /idempotency/forget\n".into(),
+                "not found; try /metrics, /healthz, /readyz, POST /idempotency/forget, POST /marks\n"
+                    .into(),
             ),
         })
     }
 
-    async fn forget(&self, request: Request<Incoming>) -> Response<ResponseBody> {
-        let body = match Limited::new(request.into_body(), 4096).collect().await {
-            Ok(body) => body.to_bytes(),
-            Err(e) => {
-                return reply(
-                    StatusCode::BAD_REQUEST,
-                    "text/plain",
-                    format!("cannot read the body: {e}\n"),
-                );
-            }
-        };
-        let asked: ForgetRequest = match serde_json::from_slice(&body) {
+    /// A small JSON body, or the 400 that says why not.
+    async fn read_json<T: serde::de::DeserializeOwned>(
+        request: Request<Incoming>,
+        expected: &str,
+    ) -> Result<T, Response<ResponseBody>> {
+        let bad = |message: String| reply(StatusCode::BAD_REQUEST, "text/plain", message);
+        let body = Limited::new(request.into_body(), 4096)
+            .collect()
+            .await
+            .map_err(|e| bad(format!("cannot read the body: {e}\n")))?
+            .to_bytes();
+        serde_json::from_slice(&body).map_err(|e| bad(format!("expected {expected}: {e}\n")))
+    }
+
+    fn account(&self, text: &str) -> Result<AccountId, Response<ResponseBody>> {
+        AccountId::parse(text, self.max_account_len).map_err(|e| {
+            reply(
+                StatusCode::BAD_REQUEST,
+                "text/plain",
+                format!("account {e}\n"),
+            )
+        })
+    }
+
+    /// An operator reads one account's mark (`railguard marks ACCOUNT`). Offered here only,
+    /// never on the proxy or lock listeners: a worker that learned a mark could present it
+    /// (ADR-002 §A2.3).
+    async fn mark(&self, request: Request<Incoming>) -> Response<ResponseBody> {
+        let asked: MarkRequest = match Self::read_json(request, "{\"account\"}").await {
             Ok(asked) => asked,
-            Err(e) => {
-                return reply(
-                    StatusCode::BAD_REQUEST,
-                    "text/plain",
-                    format!("expected {{\"account\", \"key\"}}: {e}\n"),
-                );
-            }
+            Err(response) => return response,
         };
-        let account = match AccountId::parse(&asked.account, self.max_account_len) {
+        let account = match self.account(&asked.account) {
             Ok(account) => account,
-            Err(e) => {
-                return reply(
-                    StatusCode::BAD_REQUEST,
-                    "text/plain",
-                    format!("account {e}\n"),
-                );
+            Err(response) => return response,
+        };
+        match self.store.current_mark(&account).await {
+            Ok(mark) => {
+                tracing::info!(account = %account, "an operator read an account's mark");
+                let body = serde_json::json!({ "account": account.as_str(), "mark": mark });
+                reply(StatusCode::OK, "application/json", format!("{body}\n"))
             }
+            Err(e) => reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                format!("database: {e}\n"),
+            ),
+        }
+    }
+
+    async fn forget(&self, request: Request<Incoming>) -> Response<ResponseBody> {
+        let asked: ForgetRequest = match Self::read_json(request, "{\"account\", \"key\"}").await {
+            Ok(asked) => asked,
+            Err(response) => return response,
+        };
+        let account = match self.account(&asked.account) {
+            Ok(account) => account,
+            Err(response) => return response,
         };
         let (status, message) = match self.idempotency.forget_in_doubt(&account, &asked.key).await {
             Ok(Forgot::Forgotten) => {
@@ -145,6 +181,21 @@ pub async fn forget_idempotency_key(
     account: &str,
     key: &str,
 ) -> Result<String, String> {
+    let body = serde_json::json!({ "account": account, "key": key });
+    ask(admin, "/idempotency/forget", body).await
+}
+
+/// The `marks` command: one account's mark, read through the admin listener `admin`.
+pub async fn read_mark(admin: SocketAddr, account: &str) -> Result<i64, String> {
+    let text = ask(admin, "/marks", serde_json::json!({ "account": account })).await?;
+    serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v["mark"].as_i64())
+        .ok_or_else(|| format!("unexpected answer: {text}"))
+}
+
+/// POSTs `body` to `path` on the admin listener `admin`; its text, as an error unless 200.
+async fn ask(admin: SocketAddr, path: &str, body: serde_json::Value) -> Result<String, String> {
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::TokioExecutor;
     let host = if admin.ip().is_unspecified() {
@@ -152,10 +203,9 @@ pub async fn forget_idempotency_key(
     } else {
         admin
     };
-    let body = serde_json::json!({ "account": account, "key": key }).to_string();
-    let request = Request::post(format!("http://{host}/idempotency/forget"))
+    let request = Request::post(format!("http://{host}{path}"))
         .header(header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body)))
+        .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| e.to_string())?;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))

@@ -64,6 +64,15 @@ enum Command {
         /// The lock key (by default the account id, see fencing.lock_key_template).
         key: String,
     },
+    /// Read one account's high-water mark from the running railguard's admin listener — for
+    /// an operator diagnosing a fenced-out account. Only the admin listener offers it: a
+    /// worker must never learn a mark (ADR-002 §A2.3).
+    Marks {
+        /// The running railguard's config file (for admin.listen).
+        #[arg(long, short, default_value = "config/railguard.toml")]
+        config: PathBuf,
+        account: String,
+    },
     /// Apply pending database migrations and exit (serve applies them too).
     Migrate {
         /// TOML config file; only `[database]` and `[log]` are used.
@@ -200,6 +209,23 @@ fn main() -> ExitCode {
                 }
                 Err(code) => code,
             },
+            Command::Marks { config, account } => {
+                let config = match load(&config) {
+                    Ok(c) => c,
+                    Err(code) => return code,
+                };
+                match railguard::admin::read_mark(config.admin.listen, &account).await {
+                    Ok(0) => {
+                        println!("{account}: no mark (no token accepted yet)");
+                        ExitCode::SUCCESS
+                    }
+                    Ok(mark) => {
+                        println!("{account}: mark {mark}");
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(&format!("marks {account}: {e}")),
+                }
+            }
             Command::Inspect { config, key } => {
                 let config = match load(&config) {
                     Ok(c) => c,

@@ -4,6 +4,7 @@
 //!   environment variable). Nothing is started either way.
 //! - `railguard inspect KEY`: who holds a key, from the running railguard — never a token.
 //! - `railguard migrate --status`: where the schema stands, read only.
+//! - `railguard marks ACCOUNT`: one account's mark, through the admin listener only.
 
 use railguard_testkit as support;
 
@@ -171,4 +172,51 @@ async fn migrate_status_lists_pending_then_applied_and_changes_nothing() {
     let embedded = run(&["migrate", "--status"]);
     assert_eq!(embedded.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&embedded.stderr).contains("postgres://"));
+}
+
+/// `railguard marks ACCOUNT` reads one account's mark through the admin listener — and only
+/// there: the proxy and the lock API never offer it (a worker that learned a mark could
+/// present it, ADR-002 §A2.3).
+#[tokio::test]
+async fn marks_reads_a_mark_through_the_admin_listener_only() {
+    support::init_tracing();
+    let pg = support::Pg::start().await;
+    let rail = support::Rail::start().await;
+    let rg = support::Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let marks = |account: &str| {
+        Command::new(support::railguard_binary())
+            .args(["marks", account, "--config"])
+            .arg(rg.config_path())
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap()
+    };
+    let none = marks("acct-m");
+    assert!(none.status.success(), "{none:?}");
+    assert!(String::from_utf8_lossy(&none.stdout).contains("acct-m: no mark"));
+    let paid = rg.http().pay_with(&rg, 42, "acct-m").await;
+    assert_eq!(paid.status, http::StatusCode::CREATED, "{}", paid.body);
+    let one = marks("acct-m");
+    assert_eq!(
+        String::from_utf8_lossy(&one.stdout).trim(),
+        "acct-m: mark 42"
+    );
+    let bad = marks("acct with spaces");
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("400"),
+        "{bad:?}"
+    );
+    // Neither the proxy nor the lock API has it.
+    let http = support::Http::new();
+    for url in [rg.proxy_url("/marks"), format!("{}/marks", rg.lock_url())] {
+        let reply = http
+            .pay(
+                &url,
+                &[("Content-Type", "application/json")],
+                "{\"account\":\"acct-m\"}",
+            )
+            .await;
+        assert!(!reply.body.contains("42"), "{url}: {}", reply.body);
+    }
 }
