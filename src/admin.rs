@@ -87,28 +87,22 @@ impl Admin {
         })
     }
 
-    /// A small JSON body, or the 400 that says why not.
+    /// A small JSON body, or why not (for a 400).
     async fn read_json<T: serde::de::DeserializeOwned>(
         request: Request<Incoming>,
         expected: &str,
-    ) -> Result<T, Response<ResponseBody>> {
-        let bad = |message: String| reply(StatusCode::BAD_REQUEST, "text/plain", message);
+    ) -> Result<T, String> {
         let body = Limited::new(request.into_body(), 4096)
             .collect()
             .await
-            .map_err(|e| bad(format!("cannot read the body: {e}\n")))?
+            .map_err(|e| format!("cannot read the body: {e}"))?
             .to_bytes();
-        serde_json::from_slice(&body).map_err(|e| bad(format!("expected {expected}: {e}\n")))
+        serde_json::from_slice(&body).map_err(|e| format!("expected {expected}: {e}"))
     }
 
-    fn account(&self, text: &str) -> Result<AccountId, Response<ResponseBody>> {
-        AccountId::parse(text, self.max_account_len).map_err(|e| {
-            reply(
-                StatusCode::BAD_REQUEST,
-                "text/plain",
-                format!("account {e}\n"),
-            )
-        })
+    /// The request's account, or why not (for a 400).
+    fn account(&self, text: &str) -> Result<AccountId, String> {
+        AccountId::parse(text, self.max_account_len).map_err(|e| format!("account {e}"))
     }
 
     /// An operator reads one account's mark (`railguard marks ACCOUNT`). Offered here only,
@@ -117,11 +111,11 @@ impl Admin {
     async fn mark(&self, request: Request<Incoming>) -> Response<ResponseBody> {
         let asked: MarkRequest = match Self::read_json(request, "{\"account\"}").await {
             Ok(asked) => asked,
-            Err(response) => return response,
+            Err(why) => return bad_request(why),
         };
         let account = match self.account(&asked.account) {
             Ok(account) => account,
-            Err(response) => return response,
+            Err(why) => return bad_request(why),
         };
         match self.store.current_mark(&account).await {
             Ok(mark) => {
@@ -140,11 +134,11 @@ impl Admin {
     async fn forget(&self, request: Request<Incoming>) -> Response<ResponseBody> {
         let asked: ForgetRequest = match Self::read_json(request, "{\"account\", \"key\"}").await {
             Ok(asked) => asked,
-            Err(response) => return response,
+            Err(why) => return bad_request(why),
         };
         let account = match self.account(&asked.account) {
             Ok(account) => account,
-            Err(response) => return response,
+            Err(why) => return bad_request(why),
         };
         let (status, message) = match self.idempotency.forget_in_doubt(&account, &asked.key).await {
             Ok(Forgot::Forgotten) => {
@@ -172,6 +166,10 @@ impl Admin {
         };
         reply(status, "text/plain", format!("{message}\n"))
     }
+}
+
+fn bad_request(why: String) -> Response<ResponseBody> {
+    reply(StatusCode::BAD_REQUEST, "text/plain", format!("{why}\n"))
 }
 
 /// The `idempotency-forget` command: asks the railguard whose admin listener is `admin` to
