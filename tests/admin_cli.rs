@@ -8,16 +8,23 @@
 
 use railguard_testkit as support;
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Command, Output};
 
-fn check(config: &std::path::Path, env: &[(&str, &str)]) -> (i32, String, String) {
-    let out = Command::new(support::railguard_binary())
-        .args(["check-config", "--config"])
+/// `railguard ARGS --config CONFIG` with `env`, as an operator runs it.
+fn railguard(args: &[&str], config: &Path, env: &[(&str, &str)]) -> Output {
+    Command::new(support::railguard_binary())
+        .args(args)
+        .arg("--config")
         .arg(config)
         .envs(env.iter().copied())
         .env_remove("RUST_LOG")
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+fn check(config: &Path, env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = railguard(&["check-config"], config, env);
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -76,14 +83,7 @@ async fn inspect_shows_the_holder_and_never_the_token() {
     let pg = support::Pg::start().await;
     let rail = support::Rail::start().await;
     let rg = support::Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
-    let inspect = |key: &str| {
-        Command::new(support::railguard_binary())
-            .args(["inspect", key, "--config"])
-            .arg(rg.config_path())
-            .env_remove("RUST_LOG")
-            .output()
-            .unwrap()
-    };
+    let inspect = |key: &str| railguard(&["inspect", key], &rg.config_path(), &[]);
     let free = inspect("acct-inspect");
     assert!(free.status.success(), "{free:?}");
     assert_eq!(
@@ -127,15 +127,7 @@ async fn migrate_status_lists_pending_then_applied_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("db.toml");
     std::fs::write(&config, format!("[database]\nurl = \"{}\"\n", pg.url())).unwrap();
-    let run = |args: &[&str]| {
-        Command::new(support::railguard_binary())
-            .args(args)
-            .arg("--config")
-            .arg(&config)
-            .env_remove("RUST_LOG")
-            .output()
-            .unwrap()
-    };
+    let run = |args: &[&str]| railguard(args, &config, &[]);
     let before = run(&["migrate", "--status"]);
     let text = String::from_utf8_lossy(&before.stdout);
     assert_eq!(before.status.code(), Some(1), "{text}");
@@ -183,14 +175,7 @@ async fn marks_reads_a_mark_through_the_admin_listener_only() {
     let pg = support::Pg::start().await;
     let rail = support::Rail::start().await;
     let rg = support::Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
-    let marks = |account: &str| {
-        Command::new(support::railguard_binary())
-            .args(["marks", account, "--config"])
-            .arg(rg.config_path())
-            .env_remove("RUST_LOG")
-            .output()
-            .unwrap()
-    };
+    let marks = |account: &str| railguard(&["marks", account], &rg.config_path(), &[]);
     let none = marks("acct-m");
     assert!(none.status.success(), "{none:?}");
     assert!(String::from_utf8_lossy(&none.stdout).contains("acct-m: no mark"));
