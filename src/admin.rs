@@ -1,5 +1,7 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz`, and the operator's way out of an
-//! idempotency record in doubt (`POST /idempotency/forget`).
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, and the operator's actions: reading
+//! one account's mark (`POST /marks`), the way out of an idempotency record in doubt
+//! (`POST /idempotency/forget`) and of a poisoned account (`POST /recover`, [`recover`]).
+//! Actions that change something are recorded in `railguard_audit`.
 //!
 //! It has its own port (loopback by default) so that a scrape or a health probe never queues
 //! behind payment traffic, and so that the proxy's port carries nothing but the rail's API.
@@ -15,7 +17,11 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use serde::Deserialize;
 
+pub mod recover;
+
+use crate::config::LockKeyTemplate;
 use crate::http::{ResponseBody, full};
+use crate::lock::guard::{SourceGuard, Verdict};
 use crate::metrics::Metrics;
 use crate::proxy::fence::HighWaterStore;
 use crate::proxy::idempotency::{Forgot, IdempotencyStore};
@@ -24,9 +30,21 @@ use crate::token::AccountId;
 #[derive(Clone)]
 pub struct Admin {
     pub metrics: Arc<Metrics>,
+    /// Ready only while the token source is known to be ahead of every fencing mark.
+    pub guard: Arc<SourceGuard>,
     pub store: HighWaterStore,
     pub idempotency: IdempotencyStore,
     pub max_account_len: usize,
+    /// `fencing.lock_key_template`: the lock key a recovered account's grants use.
+    pub lock_key_template: LockKeyTemplate,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecoverRequest {
+    account: String,
+    /// Why, for the audit record: required.
+    reason: String,
 }
 
 #[derive(Deserialize)]
@@ -63,7 +81,7 @@ impl Admin {
                 self.metrics.render(),
             ),
             (Method::GET, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".into()),
-            (Method::GET, "/readyz") => match self.store.ready().await {
+            (Method::GET, "/readyz") => match self.ready().await {
                 Ok(()) => reply(StatusCode::OK, "text/plain", "ready\n".into()),
                 Err(why) => reply(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -73,7 +91,11 @@ impl Admin {
             },
             (Method::POST, "/idempotency/forget") => self.forget(request).await,
             (Method::POST, "/marks") => self.mark(request).await,
-            (_, "/metrics" | "/healthz" | "/readyz" | "/idempotency/forget" | "/marks") => reply(
+            (Method::POST, "/recover") => self.recover(request).await,
+            (
+                _,
+                "/metrics" | "/healthz" | "/readyz" | "/idempotency/forget" | "/marks" | "/recover",
+            ) => reply(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "text/plain",
                 "method not allowed\n".into(),
@@ -81,10 +103,28 @@ impl Admin {
             _ => reply(
                 StatusCode::NOT_FOUND,
                 "text/plain",
-                "not found; try /metrics, /healthz, /readyz, POST /idempotency/forget, POST /marks\n"
+                "not found; try /metrics, /healthz, /readyz, POST /idempotency/forget, POST /marks, \
+                 POST /recover\n"
                     .into(),
             ),
         })
+    }
+
+    /// PostgreSQL answers, the schema is current, and the token source is ahead of every mark.
+    async fn ready(&self) -> Result<(), String> {
+        self.store.ready().await?;
+        match self.guard.verdict() {
+            Verdict::Ahead { .. } => Ok(()),
+            Verdict::Unchecked => Err("the token source has not been checked against the \
+                 fencing marks yet; the lock API grants nothing"
+                .into()),
+            Verdict::Behind { position, mark } => Err(format!(
+                "the token source ({}) is at {position}, behind the highest fencing mark \
+                 {mark}; the lock API grants nothing until `railguard fast-forward` has run \
+                 (docs/operations.md)",
+                self.guard.source().name()
+            )),
+        }
     }
 
     /// A small JSON body, or why not (for a 400).
@@ -131,6 +171,56 @@ impl Admin {
         }
     }
 
+    /// Moves the token source past one account's mark, never lowering it ([`recover`]).
+    async fn recover(&self, request: Request<Incoming>) -> Response<ResponseBody> {
+        use recover::RecoverError;
+        let asked: RecoverRequest =
+            match Self::read_json(request, "{\"account\", \"reason\"}").await {
+                Ok(asked) => asked,
+                Err(why) => return bad_request(why),
+            };
+        let account = match self.account(&asked.account) {
+            Ok(account) => account,
+            Err(why) => return bad_request(why),
+        };
+        let reason = asked.reason.trim();
+        if reason.is_empty() || reason.len() > 1000 {
+            return bad_request("reason must say why, in 1 to 1000 bytes (it is audited)".into());
+        }
+        let mark = match self.store.current_mark(&account).await {
+            Ok(mark) => mark,
+            Err(e) => return recover_error(StatusCode::SERVICE_UNAVAILABLE, "unavailable", &e),
+        };
+        let lock_key = format!(
+            "{}{}{}",
+            self.lock_key_template.prefix(),
+            account.as_str(),
+            self.lock_key_template.suffix()
+        );
+        let pool = self.store.pool().clone();
+        match recover::recover_account(&self.guard, &pool, &account, lock_key, mark, reason).await {
+            Ok(done) => reply(
+                StatusCode::OK,
+                "application/json",
+                format!("{}\n", serde_json::to_string(&done).expect("serializable")),
+            ),
+            Err(e) => {
+                let (status, code) = match &e {
+                    RecoverError::GapTooLarge { .. } => (StatusCode::CONFLICT, "gap_too_large"),
+                    RecoverError::Unpassable => (StatusCode::CONFLICT, "unpassable_mark"),
+                    RecoverError::Source(_) | RecoverError::Database(_) => {
+                        (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+                    }
+                    RecoverError::NotAbove { .. } => {
+                        (StatusCode::INTERNAL_SERVER_ERROR, "not_above")
+                    }
+                };
+                tracing::error!(account = %account, error = %e, "account recovery failed");
+                recover_error(status, code, &e)
+            }
+        }
+    }
+
     async fn forget(&self, request: Request<Incoming>) -> Response<ResponseBody> {
         let asked: ForgetRequest = match Self::read_json(request, "{\"account\", \"key\"}").await {
             Ok(asked) => asked,
@@ -143,7 +233,20 @@ impl Admin {
         let (status, message) = match self.idempotency.forget_in_doubt(&account, &asked.key).await {
             Ok(Forgot::Forgotten) => {
                 tracing::warn!(account = %account, key = asked.key, "an operator forgot an idempotency record in doubt");
-                (StatusCode::OK, "forgotten: the next retry of this key will be forwarded".to_string())
+                let audited = recover::audit(
+                    self.store.pool(),
+                    "idempotency_forget",
+                    &account,
+                    "checked the rail's own records (railguard idempotency-forget)",
+                    serde_json::json!({ "idempotency_key": asked.key, "result": "forgotten" }),
+                )
+                .await;
+                match audited {
+                    Ok(()) => (StatusCode::OK, "forgotten: the next retry of this key will be forwarded".to_string()),
+                    Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!(
+                        "forgotten (the next retry of this key will be forwarded), but the audit record could not be written: {e}"
+                    )),
+                }
             }
             Ok(Forgot::Completed) => (
                 StatusCode::CONFLICT,
@@ -168,6 +271,15 @@ impl Admin {
     }
 }
 
+fn recover_error(
+    status: StatusCode,
+    code: &'static str,
+    e: &dyn std::fmt::Display,
+) -> Response<ResponseBody> {
+    let body = serde_json::json!({ "error": code, "message": e.to_string() });
+    reply(status, "application/json", format!("{body}\n"))
+}
+
 fn bad_request(why: String) -> Response<ResponseBody> {
     reply(StatusCode::BAD_REQUEST, "text/plain", format!("{why}\n"))
 }
@@ -183,6 +295,17 @@ pub async fn forget_idempotency_key(
     ask(admin, "/idempotency/forget", body).await
 }
 
+/// The `recover-account` command: moves the token source past `account`'s mark through the
+/// admin listener `admin`, audited with `reason`. Returns the JSON answer.
+pub async fn recover_account(
+    admin: SocketAddr,
+    account: &str,
+    reason: &str,
+) -> Result<String, String> {
+    let body = serde_json::json!({ "account": account, "reason": reason });
+    ask_within(admin, "/recover", body, Duration::from_secs(600)).await
+}
+
 /// The `marks` command: one account's mark, read through the admin listener `admin`.
 pub async fn read_mark(admin: SocketAddr, account: &str) -> Result<i64, String> {
     let text = ask(admin, "/marks", serde_json::json!({ "account": account })).await?;
@@ -194,6 +317,15 @@ pub async fn read_mark(admin: SocketAddr, account: &str) -> Result<i64, String> 
 
 /// POSTs `body` to `path` on the admin listener `admin`; its text, as an error unless 200.
 async fn ask(admin: SocketAddr, path: &str, body: serde_json::Value) -> Result<String, String> {
+    ask_within(admin, path, body, Duration::from_secs(10)).await
+}
+
+async fn ask_within(
+    admin: SocketAddr,
+    path: &str,
+    body: serde_json::Value,
+    limit: Duration,
+) -> Result<String, String> {
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::TokioExecutor;
     let host = if admin.ip().is_unspecified() {
@@ -206,7 +338,7 @@ async fn ask(admin: SocketAddr, path: &str, body: serde_json::Value) -> Result<S
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| e.to_string())?;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))
+    let response = tokio::time::timeout(limit, client.request(request))
         .await
         .map_err(|_| format!("railguard's admin listener at {host} did not answer"))?
         .map_err(|e| {

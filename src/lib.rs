@@ -14,6 +14,8 @@
 //! - [`admin`], [`metrics`], [`telemetry`] — what operators see.
 //! - [`railsim`] — a non-idempotent rail simulator for tests and demos; [`demo`] — T-042
 //!   played in one process (`railguard demo`).
+//! - [`fast_forward`] — moving the token source past every mark after a restore or a
+//!   backend switch (C1 §1.7); [`lock::guard`] refuses grants until it has happened.
 //! - [`config`], [`server`] — how it is configured, started and stopped; [`http`] — the body
 //!   type and accept loop every listener shares.
 //!
@@ -24,6 +26,7 @@ pub mod admin;
 pub mod config;
 pub mod db;
 pub mod demo;
+pub mod fast_forward;
 pub mod http;
 pub mod lock;
 pub mod metrics;

@@ -10,7 +10,7 @@ use railguard::config::{Config, LockBackendKind, LogFormat};
 use railguard::db::Database;
 use railguard::demo::{self, DemoOptions, Verdict};
 use railguard::railsim::RailSim;
-use railguard::{http, server, telemetry};
+use railguard::{fast_forward, http, server, telemetry};
 
 #[derive(Parser)]
 #[command(
@@ -72,6 +72,43 @@ enum Command {
         #[arg(long, short, default_value = "config/railguard.toml")]
         config: PathBuf,
         account: String,
+    },
+    /// Move the lock backend's token source past every fencing mark (C1 §1.7), before traffic
+    /// resumes after a restore of lockdb or a switch of `lock.backend`: PostgreSQL by setval,
+    /// etcd by writes to a scratch key (with progress; safe to interrupt and run again). Then
+    /// a fresh draw must come out above the marks. Exit 0: done and verified; 3: nothing to
+    /// do (already above); 1: failed or interrupted (run it again); 2: bad config or flags.
+    FastForward {
+        /// The config of the railguard whose source to move: `lock.backend` (the one being
+        /// switched to), `[etcd]`, and `[database]` for the marks.
+        #[arg(long, short, default_value = "config/railguard.toml")]
+        config: PathBuf,
+        /// Also pass max(COLUMN) of this paydb table (the fenced UPDATE's fence, C1 §1.6).
+        #[arg(long, requires = "paydb_table")]
+        paydb_url: Option<String>,
+        /// The paydb table (`table` or `schema.table`).
+        #[arg(long, default_value = "account", requires = "paydb_url")]
+        paydb_table: String,
+        /// The paydb column holding each row's fencing token.
+        #[arg(long, default_value = "fence")]
+        paydb_column: String,
+        /// Print what would be done and change nothing (exit 0 if something would be done, 3
+        /// if nothing).
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Make a poisoned account payable again: its mark is above anything the token source
+    /// has issued, so every grant of its lock key is fenced out. Moves the token source past
+    /// that mark (never lowering any mark) through the running railguard's admin listener,
+    /// recorded in railguard_audit with REASON. Exit 0 when recovered or nothing was needed.
+    RecoverAccount {
+        /// The running railguard's config file (for admin.listen).
+        #[arg(long, short, default_value = "config/railguard.toml")]
+        config: PathBuf,
+        account: String,
+        /// Why, for the audit record (required).
+        #[arg(long)]
+        reason: String,
     },
     /// Apply pending database migrations and exit (serve applies them too).
     Migrate {
@@ -274,6 +311,60 @@ fn main() -> ExitCode {
                     Err(e) => fail(&e),
                 }
             }
+            Command::FastForward {
+                config,
+                paydb_url,
+                paydb_table,
+                paydb_column,
+                dry_run,
+            } => {
+                let config = match load(&config) {
+                    Ok(c) => c,
+                    Err(code) => return code,
+                };
+                let paydb = match paydb_url {
+                    None => None,
+                    Some(url) => {
+                        let checked =
+                            fast_forward::parse_identifier(&paydb_table, "--paydb-table", true)
+                                .and_then(|table| {
+                                    fast_forward::parse_identifier(
+                                        &paydb_column,
+                                        "--paydb-column",
+                                        false,
+                                    )
+                                    .map(|column| fast_forward::PaydbFence { url, table, column })
+                                });
+                        match checked {
+                            Ok(p) => Some(p),
+                            Err(e) => {
+                                eprintln!("railguard fast-forward: {e}");
+                                return ExitCode::from(2);
+                            }
+                        }
+                    }
+                };
+                run_fast_forward(&config, paydb, dry_run).await
+            }
+            Command::RecoverAccount {
+                config,
+                account,
+                reason,
+            } => {
+                let config = match load(&config) {
+                    Ok(c) => c,
+                    Err(code) => return code,
+                };
+                match railguard::admin::recover_account(config.admin.listen, &account, &reason)
+                    .await
+                {
+                    Ok(answer) => {
+                        println!("{answer}");
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(&format!("recover-account {account}: {e}")),
+                }
+            }
             Command::Harness { .. } => unreachable!("handled before the runtime starts"),
             Command::RailSim {
                 listen,
@@ -326,6 +417,111 @@ fn harness(args: &[std::ffi::OsString]) -> ExitCode {
     let error = std::process::Command::new(&binary).args(args).exec();
     eprintln!("railguard: cannot run {}: {error}", binary.display());
     ExitCode::from(2)
+}
+
+/// `railguard fast-forward`: see the command's help.
+async fn run_fast_forward(
+    config: &Config,
+    paydb: Option<fast_forward::PaydbFence>,
+    dry_run: bool,
+) -> ExitCode {
+    use fast_forward::{FastForward, ProgressLine};
+    use std::io::{IsTerminal, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let database = match Database::open(&config.database).await {
+        Ok(db) => db,
+        Err(e) => return fail(&e),
+    };
+    let timeout = config.database.timeout.max(Duration::from_secs(5));
+    let lock_database = railguard::lock::LockDatabase {
+        pool: &database.pool,
+        url: &database.url,
+        timeout,
+    };
+    let source =
+        railguard::lock::token_source(&config.lock, &config.etcd, &config.guard, &lock_database);
+    let outcome = async {
+        let target = fast_forward::target(&database.pool, timeout, paydb.as_ref()).await?;
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let interrupt = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                server::shutdown_signal().await;
+                eprintln!("\ninterrupted: stopping the writes in flight");
+                stop.store(true, Ordering::Relaxed);
+            })
+        };
+        let line = ProgressLine::default();
+        let terminal = std::io::stderr().is_terminal();
+        let last = std::sync::Mutex::new(std::time::Instant::now());
+        let progress = |p| {
+            let mut last = last.lock().expect("progress");
+            if terminal {
+                eprint!("\r{}   ", line.render(p));
+                let _ = std::io::stderr().flush();
+            } else if last.elapsed() >= Duration::from_secs(2) || p.position >= p.target {
+                *last = std::time::Instant::now();
+                eprintln!("{}", line.render(p));
+            }
+        };
+        println!(
+            "token source: {} ({}); highest fencing mark{}: {target}",
+            source.name(),
+            if source.name() == "etcd" {
+                "cluster revision"
+            } else {
+                "fencing_token_seq"
+            },
+            if paydb.is_some() {
+                " (railguard and paydb)"
+            } else {
+                ""
+            },
+        );
+        let result = fast_forward::fast_forward(&source, target, dry_run, &progress, &stop).await;
+        if terminal {
+            eprintln!();
+        }
+        interrupt.abort();
+        result
+    }
+    .await;
+    database.shutdown().await;
+    match outcome {
+        Ok(FastForward::NothingToDo { position, target }) => {
+            println!("nothing to do: the source is at {position}, above {target}");
+            ExitCode::from(3)
+        }
+        Ok(FastForward::WouldMove { position, target }) => {
+            let how = match source.name() {
+                "etcd" => format!(
+                    "about {} writes to the scratch key {}",
+                    target + 1 - position,
+                    match &source {
+                        railguard::lock::source::TokenSource::Etcd { scratch_key, .. } => {
+                            scratch_key.as_str()
+                        }
+                        _ => "",
+                    }
+                ),
+                _ => format!("setval('fencing_token_seq', {})", target + 1),
+            };
+            println!("dry run: would move the source from {position} past {target}: {how}");
+            ExitCode::SUCCESS
+        }
+        Ok(FastForward::Done {
+            from,
+            target,
+            drawn,
+        }) => {
+            println!(
+                "done: moved the source from {from} past {target}; a fresh draw came out at \
+                 {drawn}. Grants resume at each railguard's next guard check."
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&format!("fast-forward: {e}")),
+    }
 }
 
 /// `railguard migrate --status`: read only.

@@ -23,6 +23,7 @@ use crate::config::Config;
 use crate::db::{Database, DatabaseError};
 use crate::http::serve;
 use crate::lock::api::LockApi;
+use crate::lock::guard::SourceGuard;
 use crate::lock::{LockDatabase, Locks};
 use crate::metrics::Metrics;
 use crate::proof::ProofKey;
@@ -141,6 +142,25 @@ pub async fn run(
         .fencing_proof_required
         .set(i64::from(config.fencing.require_proof));
 
+    let mut locks = Locks::start(
+        &config.lock,
+        &config.etcd,
+        &config.guard,
+        LockDatabase {
+            pool: &database.pool,
+            url: &database.url,
+            timeout: config.database.timeout,
+        },
+        metrics.registry(),
+    );
+    // The token source is compared with the fencing marks before the first grant (C1 §1.7):
+    // until a check has found it ahead, the lock API grants nothing.
+    if let Err(e) = locks.guard.check().await {
+        tracing::error!(error = %e,
+            "could not check the token source at start; no grants until a check succeeds");
+    }
+    locks.check_periodically(config.guard.interval);
+
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
         config.database.timeout,
@@ -174,7 +194,12 @@ pub async fn run(
     );
     let late_forwards = forward.late_forwards();
     let stack = proxy::stack(
-        ExtractLayer::new(extract_config(&config, proofs.clone(), &metrics)),
+        ExtractLayer::new(extract_config(
+            &config,
+            proofs.clone(),
+            locks.guard.clone(),
+            &metrics,
+        )),
         FenceLayer::new(Arc::new(FencePoint::new(
             marks.clone(),
             config.fencing.cache_capacity,
@@ -190,22 +215,14 @@ pub async fn run(
         forward,
         metrics.clone(),
     );
-    let locks = Locks::start(
-        &config.lock,
-        &config.etcd,
-        LockDatabase {
-            pool: &database.pool,
-            url: &database.url,
-            timeout: config.database.timeout,
-        },
-        metrics.registry(),
-    );
     let lock_api = LockApi::new(locks.service.clone(), proofs);
     let admin = Admin {
         metrics,
+        guard: locks.guard.clone(),
         store: marks,
         idempotency: idempotency_store,
         max_account_len: config.proxy.max_account_len,
+        lock_key_template: config.fencing.lock_key_template.clone(),
     };
 
     let grace = config.shutdown.grace;
@@ -293,7 +310,12 @@ pub async fn run(
 }
 
 /// The `[proxy]` and `[fencing]` settings the extract layer needs.
-fn extract_config(config: &Config, proofs: Arc<ProofKey>, metrics: &Metrics) -> ExtractConfig {
+fn extract_config(
+    config: &Config,
+    proofs: Arc<ProofKey>,
+    source: Arc<SourceGuard>,
+    metrics: &Metrics,
+) -> ExtractConfig {
     ExtractConfig {
         token_header: config.proxy.token_header.clone(),
         account_header: config.proxy.account_header.clone(),
@@ -309,6 +331,7 @@ fn extract_config(config: &Config, proofs: Arc<ProofKey>, metrics: &Metrics) -> 
             lock_key_prefix: config.fencing.lock_key_template.prefix().to_string(),
             lock_key_suffix: config.fencing.lock_key_template.suffix().to_string(),
             unproven: metrics.unproven_tokens.clone(),
+            source,
         },
     }
 }

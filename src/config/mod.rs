@@ -48,6 +48,7 @@ pub struct Config {
     pub lock: LockConfig,
     pub idempotency: IdempotencyConfig,
     pub etcd: EtcdConfig,
+    pub guard: GuardConfig,
 }
 
 /// `[proxy]`: the listener payment workers talk to and the rail behind it.
@@ -453,6 +454,44 @@ pub enum LogFormat {
     Json,
 }
 
+/// `[guard]`: the token-source guard (`crate::lock::guard`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GuardConfig {
+    /// How often the token source is compared with the highest fencing mark (besides at start).
+    #[serde(rename = "interval_ms", with = "millis")]
+    pub interval: Duration,
+    /// Writes in flight at once when `railguard fast-forward` moves etcd's revision.
+    pub fast_forward_concurrency: usize,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(30),
+            fast_forward_concurrency: 64,
+        }
+    }
+}
+
+impl GuardConfig {
+    fn validate(&self) -> Result<(), Invalid> {
+        if !(Duration::from_millis(10)..=Duration::from_secs(3600)).contains(&self.interval) {
+            return Err((
+                "guard.interval_ms",
+                "must be between 10 ms and one hour".into(),
+            ));
+        }
+        if !(1..=1024).contains(&self.fast_forward_concurrency) {
+            return Err((
+                "guard.fast_forward_concurrency",
+                "must be between 1 and 1024".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// `[shutdown]`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -551,6 +590,7 @@ impl Config {
         self.fencing.validate()?;
         self.idempotency.validate()?;
         self.log.validate()?;
+        self.guard.validate()?;
         positive("shutdown.grace_ms", self.shutdown.grace)?;
         if self.fencing.batch_concurrency > self.database.pool_size {
             return Err((

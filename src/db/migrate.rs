@@ -40,6 +40,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "grant_secrets_and_record_owners",
         sql: include_str!("../../migrations/0004_grant_secrets_and_record_owners.sql"),
     },
+    Migration {
+        version: 5,
+        name: "operator_audit",
+        sql: include_str!("../../migrations/0005_operator_audit.sql"),
+    },
 ];
 
 /// The schema version this binary expects.

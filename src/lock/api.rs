@@ -9,7 +9,9 @@
 //!
 //! Refusals: 400 bad key or body (unknown fields included), 409 `held` (revealing neither the
 //! holder's token nor anything usable as one), 410 `lost` (the grant no longer holds the key),
-//! 429 `too_many_waiters`, 503 `unavailable`.
+//! 429 `too_many_waiters`, 503 `unavailable`, and on acquire 503 `token_source_behind`: the
+//! token source is not known to be above every fencing mark (`super::guard`), nothing was
+//! granted, and an operator must run `railguard fast-forward`.
 //!
 //! **Who may renew and release** (C2 §2.3): whoever holds the grant's `lease_secret`, which
 //! only the acquire response carries. A wrong secret, a wrong token and a grant that ended
@@ -116,10 +118,15 @@ impl ApiError {
             ApiError::Lock(LockError::Unavailable(_)) | ApiError::Unavailable { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
             }
+            ApiError::Lock(LockError::SourceBehind(_)) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "token_source_behind")
+            }
         };
         let mut body = serde_json::json!({ "error": code, "message": self.to_string() });
-        if let ApiError::Unavailable { outcome, .. } = &self {
-            body["outcome"] = (*outcome).into();
+        match &self {
+            ApiError::Unavailable { outcome, .. } => body["outcome"] = (*outcome).into(),
+            ApiError::Lock(LockError::SourceBehind(_)) => body["outcome"] = "none".into(),
+            _ => {}
         }
         let mut response = json(status, &body);
         if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {

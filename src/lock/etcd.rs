@@ -252,7 +252,7 @@ impl EtcdLocks {
     }
 
     /// A client sharing the one connection. Calls take `&mut`, so each gets a cheap clone.
-    async fn client(&self) -> Result<Client, LockError> {
+    pub(crate) async fn client(&self) -> Result<Client, LockError> {
         let client = self
             .client
             .get_or_try_init(|| async {
@@ -272,6 +272,20 @@ impl EtcdLocks {
             })
             .await?;
         Ok(client.clone())
+    }
+
+    /// Deadline for one request.
+    pub fn request_timeout(&self) -> Duration {
+        self.settings.request_timeout
+    }
+
+    /// The key `railguard fast-forward` writes to: beside the lock prefix, never under it, so
+    /// the release watcher never sees it and no lock key can be it.
+    pub fn scratch_key(&self) -> String {
+        format!(
+            "{}.fast-forward",
+            self.settings.key_prefix.trim_end_matches('/')
+        )
     }
 
     fn path(&self, key: &LockKey) -> String {

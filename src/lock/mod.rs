@@ -13,13 +13,15 @@
 
 pub mod api;
 pub mod etcd;
+pub mod guard;
 mod metrics;
 pub mod postgres;
 pub mod service;
+pub mod source;
 mod start;
 pub mod wait;
 
-pub use start::{LockDatabase, Locks};
+pub use start::{LockDatabase, Locks, token_source};
 
 use std::fmt;
 use std::future::Future;
@@ -138,6 +140,9 @@ pub enum LockError {
     TooManyWaiters(usize),
     #[error("the lock backend is unavailable: {0}")]
     Unavailable(String),
+    /// The token source guard refuses to grant ([`guard`]): nothing was granted.
+    #[error("{0}")]
+    SourceBehind(&'static str),
 }
 
 /// One backend's mechanics. Implementations decide nothing about waiting or fairness; they

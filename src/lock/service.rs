@@ -18,6 +18,7 @@ use prometheus::{Histogram, IntCounter, IntGauge};
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::guard::SourceGuard;
 use super::wait::WaitQueues;
 use super::{
     Attempt, Grant, Inspection, LeaseSecret, LockBackend, LockError, LockKey, Released, Renewed,
@@ -69,6 +70,8 @@ pub struct LockService<B> {
     queues: Arc<WaitQueues>,
     metrics: Arc<LockMetrics>,
     limits: LockLimits,
+    /// Refuses grants while the token source is not known to be above every mark.
+    guard: Option<Arc<SourceGuard>>,
 }
 
 impl<B: LockBackend> LockService<B> {
@@ -78,7 +81,15 @@ impl<B: LockBackend> LockService<B> {
             queues: WaitQueues::new(limits.max_waiters),
             metrics,
             limits,
+            guard: None,
         }
+    }
+
+    /// Grants only while `guard` says the token source is ahead of every fencing mark, and
+    /// ends any grant whose token shows it is not (see [`super::guard`]).
+    pub fn with_guard(mut self, guard: Arc<SourceGuard>) -> Self {
+        self.guard = Some(guard);
+        self
     }
 
     pub fn limits(&self) -> &LockLimits {
@@ -108,7 +119,29 @@ impl<B: LockBackend> LockService<B> {
             lock.backend = self.backend.name(), holder);
         async {
             let started = Instant::now();
-            let result = self.acquire_in_turn(key, holder, ttl, started + wait).await;
+            let mark_before = match &self.guard {
+                Some(guard) => Some(guard.permit().map_err(LockError::SourceBehind)?),
+                None => None,
+            };
+            let mut result = self.acquire_in_turn(key, holder, ttl, started + wait).await;
+            if let (Ok((grant, _)), Some(guard), Some(mark)) = (&result, &self.guard, mark_before) {
+                // The guard may have closed while this acquire waited, or this very grant
+                // shows the source went back: either way the grant is ended, never handed out.
+                let verdict = guard
+                    .permit()
+                    .and_then(|_| guard.admit(grant.token.get(), mark));
+                if let Err(why) = verdict {
+                    tracing::error!(
+                        lock.token = grant.token.get(),
+                        "ending a grant made while the token source is behind the fencing marks"
+                    );
+                    if let Err(e) = self.backend.release(key, grant.token, &grant.secret).await {
+                        tracing::error!(error = %e, lock.token = grant.token.get(),
+                            "could not end the grant; it runs out with its lease, unused");
+                    }
+                    result = Err(LockError::SourceBehind(why));
+                }
+            }
             self.metrics
                 .wait_seconds
                 .observe(started.elapsed().as_secs_f64());

@@ -11,14 +11,19 @@ use tokio::task::JoinHandle;
 
 use super::AnyBackend;
 use super::etcd::{EtcdLocks, EtcdSettings};
+use super::guard::SourceGuard;
 use super::postgres::{PgLocks, listen_for_releases};
 use super::service::{LockLimits, LockMetrics, LockService};
-use crate::config::{EtcdConfig, LockBackendKind, LockConfig};
+use super::source::TokenSource;
+use crate::config::{EtcdConfig, GuardConfig, LockBackendKind, LockConfig};
 
-/// A running lock service and its release watcher.
+/// A running lock service, its release watcher and its token-source guard.
 pub struct Locks {
     pub service: Arc<LockService<AnyBackend>>,
+    /// Checked once by the caller before serving ([`SourceGuard::check`]), then periodically.
+    pub guard: Arc<SourceGuard>,
     watcher: JoinHandle<()>,
+    checker: Option<JoinHandle<()>>,
 }
 
 /// What the PostgreSQL backend needs: the pool, and the URL for its LISTEN connection.
@@ -33,6 +38,7 @@ impl Locks {
     pub fn start(
         config: &LockConfig,
         etcd: &EtcdConfig,
+        guard: &GuardConfig,
         database: LockDatabase<'_>,
         registry: &Registry,
     ) -> Self {
@@ -44,7 +50,7 @@ impl Locks {
             poll_interval: config.poll_interval,
             ..LockLimits::default()
         };
-        let (backend, watch): (AnyBackend, Watch) = match config.backend {
+        let (backend, watch, source): (AnyBackend, Watch, TokenSource) = match config.backend {
             LockBackendKind::Postgres => (
                 AnyBackend::Postgres(PgLocks::new(
                     database.pool.clone(),
@@ -52,24 +58,32 @@ impl Locks {
                     metrics.clone(),
                 )),
                 Watch::Postgres(database.url.to_string()),
+                TokenSource::Postgres {
+                    pool: database.pool.clone(),
+                    timeout: database.timeout,
+                },
             ),
             LockBackendKind::Etcd => {
                 let locks = Arc::new(EtcdLocks::new(
-                    EtcdSettings {
-                        endpoints: etcd.endpoints.clone(),
-                        dial_timeout: etcd.dial_timeout,
-                        request_timeout: etcd.request_timeout,
-                        key_prefix: etcd.key_prefix.clone(),
-                        tls_ca_file: etcd.tls_ca_file.clone(),
-                        tls_cert_file: etcd.tls_cert_file.clone(),
-                        tls_key_file: etcd.tls_key_file.clone(),
-                    },
+                    EtcdSettings::from(etcd),
                     Some(metrics.clone()),
                 ));
-                (AnyBackend::Etcd(locks.clone()), Watch::Etcd(locks))
+                let source = TokenSource::Etcd {
+                    scratch_key: locks.scratch_key(),
+                    locks: locks.clone(),
+                    concurrency: guard.fast_forward_concurrency,
+                };
+                (AnyBackend::Etcd(locks.clone()), Watch::Etcd(locks), source)
             }
         };
-        let service = Arc::new(LockService::new(backend, metrics, limits));
+        let source_guard = Arc::new(SourceGuard::new(
+            source,
+            database.pool.clone(),
+            database.timeout,
+            registry,
+        ));
+        let service =
+            Arc::new(LockService::new(backend, metrics, limits).with_guard(source_guard.clone()));
         // Releases (and, for etcd, expiries) wake this process's waiters at once; a watcher
         // that reconnects wakes them all, since events may have been missed meanwhile.
         let queues = service.queues();
@@ -84,12 +98,65 @@ impl Locks {
                 locks.watch_releases(wake, wake_all).await;
             }),
         };
-        Self { service, watcher }
+        Self {
+            service,
+            guard: source_guard,
+            watcher,
+            checker: None,
+        }
     }
 
-    /// Stops the release watcher (the service itself ends with its last user).
+    /// Starts the periodic check of the token source, every `interval`.
+    pub fn check_periodically(&mut self, interval: std::time::Duration) {
+        let guard = self.guard.clone();
+        self.checker = Some(tokio::spawn(async move { guard.run(interval).await }));
+    }
+
+    /// Stops the release watcher and the guard's checks (the service itself ends with its
+    /// last user).
     pub fn stop(self) {
         self.watcher.abort();
+        if let Some(checker) = self.checker {
+            checker.abort();
+        }
+    }
+}
+
+impl From<&EtcdConfig> for EtcdSettings {
+    fn from(etcd: &EtcdConfig) -> Self {
+        EtcdSettings {
+            endpoints: etcd.endpoints.clone(),
+            dial_timeout: etcd.dial_timeout,
+            request_timeout: etcd.request_timeout,
+            key_prefix: etcd.key_prefix.clone(),
+            tls_ca_file: etcd.tls_ca_file.clone(),
+            tls_cert_file: etcd.tls_cert_file.clone(),
+            tls_key_file: etcd.tls_key_file.clone(),
+        }
+    }
+}
+
+/// The token source `lock.backend` names, for tools that do not run the lock service
+/// (`railguard fast-forward`).
+pub fn token_source(
+    config: &LockConfig,
+    etcd: &EtcdConfig,
+    guard: &GuardConfig,
+    database: &LockDatabase<'_>,
+) -> TokenSource {
+    match config.backend {
+        LockBackendKind::Postgres => TokenSource::Postgres {
+            pool: database.pool.clone(),
+            timeout: database.timeout,
+        },
+        LockBackendKind::Etcd => {
+            let locks = Arc::new(EtcdLocks::new(EtcdSettings::from(etcd), None));
+            TokenSource::Etcd {
+                scratch_key: locks.scratch_key(),
+                locks,
+                concurrency: guard.fast_forward_concurrency,
+            }
+        }
     }
 }
 

@@ -16,7 +16,10 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde::Serialize;
 
-use super::extract::{BadProof, BadRequest, BodyTooLarge, ClientTimeout, MethodRefused};
+use super::extract::{
+    BadProof, BadRequest, BodyTooLarge, ClientTimeout, ImplausibleToken, MethodRefused,
+    SourceUnavailable,
+};
 use super::fence::{FenceUnavailable, FencedOut};
 use super::forward::{UpstreamTimeout, UpstreamUnavailable};
 use super::idempotency::{IdempotencyConflict, IdempotencyUnavailable};
@@ -97,6 +100,8 @@ pub fn rejection(error: &BoxError) -> Rejection {
         let found = rescue(e, Rejection::fenced_out)
             .or_else(|| rescue(e, Rejection::bad_request))
             .or_else(|| rescue(e, Rejection::bad_proof))
+            .or_else(|| rescue(e, Rejection::implausible_token))
+            .or_else(|| rescue(e, Rejection::source_unavailable))
             .or_else(|| rescue(e, Rejection::method_refused))
             .or_else(|| rescue(e, Rejection::body_too_large))
             .or_else(|| rescue(e, Rejection::client_timeout))
@@ -146,6 +151,32 @@ impl Rejection {
             "bad_request",
             Origin::Client,
             message,
+        )
+    }
+
+    fn implausible_token(e: &ImplausibleToken) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            Outcome::BadProof,
+            "implausible_token",
+            Origin::Client,
+            format!(
+                "{e}: it was never granted; nothing was forwarded and no mark moved. Send the \
+                 grant's fencing_proof with its token"
+            ),
+        )
+    }
+
+    fn source_unavailable(e: &SourceUnavailable) -> Self {
+        tracing::warn!(error = %e, "cannot check an unproven token against the token source");
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Outcome::DatabaseUnavailable,
+            "token_source_unavailable",
+            Origin::Database,
+            "a token sent without a proof could not be checked against the token source; \
+             nothing was forwarded, retry later"
+                .into(),
         )
     }
 

@@ -91,7 +91,29 @@ pub struct GrantCheck {
     pub lock_key_suffix: String,
     /// Tokens let through without a proof (`require_proof = false` only).
     pub unproven: prometheus::IntCounter,
+    /// Says whether a token sent without a proof was ever issued by the token source.
+    pub source: std::sync::Arc<dyn crate::lock::guard::IssuedTokens>,
 }
+
+/// Whether a token came with a valid proof, or without one where that is allowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Evidence {
+    Proven,
+    Unproven,
+}
+
+/// A token sent without a proof, above every token the source has issued: made up, never
+/// granted. Refused so that it cannot poison the account's mark.
+#[derive(Debug, thiserror::Error)]
+#[error("header {header} carries a token that the token source has never issued")]
+pub struct ImplausibleToken {
+    pub header: HeaderName,
+}
+
+/// The token source could not be asked whether an unproven token was issued.
+#[derive(Debug, thiserror::Error)]
+#[error("the token could not be checked against the token source: {0}")]
+pub struct SourceUnavailable(pub crate::lock::source::SourceError);
 
 impl GrantCheck {
     /// The lock key whose grants fence `account`.
@@ -112,7 +134,7 @@ impl GrantCheck {
         proof: Result<&str, HeaderError>,
         account: &AccountId,
         token: FencingToken,
-    ) -> Result<(), BadProof> {
+    ) -> Result<Evidence, BadProof> {
         let bad = |reason| BadProof {
             header: header.clone(),
             reason,
@@ -121,7 +143,7 @@ impl GrantCheck {
             Ok(proof) => proof,
             Err(HeaderError::Missing) if !self.required => {
                 self.unproven.inc();
-                return Ok(());
+                return Ok(Evidence::Unproven);
             }
             Err(HeaderError::Missing) => {
                 return Err(bad(
@@ -131,7 +153,7 @@ impl GrantCheck {
             Err(_) => return Err(bad("must appear once, as visible ASCII")),
         };
         if self.proofs.verify(&self.lock_key(account), token, proof) {
-            Ok(())
+            Ok(Evidence::Proven)
         } else {
             Err(bad(
                 "does not prove that this token was granted for this account's lock key",
@@ -259,12 +281,25 @@ where
             }
             config.host(request.version(), request.headers())?;
             let (token, account) = config.fencing_headers(request.headers())?;
-            config.grants.check(
+            let evidence = config.grants.check(
                 &config.proof_header,
                 single_header(request.headers(), &config.proof_header),
                 &account,
                 token,
             )?;
+            if evidence == Evidence::Unproven {
+                let issued =
+                    tokio::time::timeout_at(deadline, config.grants.source.issued(token.get()))
+                        .await
+                        .map_err(|_| ClientTimeout(config.request_timeout))?
+                        .map_err(SourceUnavailable)?;
+                if !issued {
+                    return Err(ImplausibleToken {
+                        header: config.token_header.clone(),
+                    }
+                    .into());
+                }
+            }
             let idempotency_key = config.idempotency_key(request.headers())?;
             let span = tracing::Span::current();
             span.record("lock.token", token.get());
@@ -377,7 +412,22 @@ mod tests {
                 lock_key_prefix: String::new(),
                 lock_key_suffix: String::new(),
                 unproven: prometheus::IntCounter::new("u", "u").unwrap(),
+                source: Arc::new(IssuedUpTo(1 << 40)),
             },
+        }
+    }
+
+    /// A token source that has issued every token up to its value.
+    #[derive(Debug)]
+    struct IssuedUpTo(i64);
+
+    impl crate::lock::guard::IssuedTokens for IssuedUpTo {
+        fn issued(
+            &self,
+            token: i64,
+        ) -> Pin<Box<dyn Future<Output = Result<bool, crate::lock::source::SourceError>> + Send + '_>>
+        {
+            Box::pin(std::future::ready(Ok(token <= self.0)))
         }
     }
 

@@ -51,6 +51,8 @@ pub struct Railguard {
     /// The database's grant-proof key, so that a test can present tokens as the lock service
     /// would have granted them (the proxy's tests send tokens they choose).
     proofs: Option<Arc<ProofKey>>,
+    /// What a start waits for: `/readyz`, or `/healthz` for a start expected not to be ready.
+    wait_for: &'static str,
 }
 
 impl Railguard {
@@ -95,7 +97,9 @@ impl Railguard {
             env,
             database_url: database_url.to_string(),
             proofs: None,
+            wait_for: "/readyz",
         };
+        rg.cover_made_up_tokens().await;
         rg.run().await;
         rg.proofs = rg.read_proof_key().await;
         rg
@@ -155,8 +159,9 @@ impl Railguard {
                 let result = (&mut task).await;
                 panic!("railguard stopped during start-up: {result:?}");
             }
-            if let Ok((StatusCode::OK, _)) =
-                http.get(&format!("http://{}/readyz", self.admin)).await
+            if let Ok((StatusCode::OK, _)) = http
+                .get(&format!("http://{}{}", self.admin, self.wait_for))
+                .await
             {
                 self.running = Some(Running::InProcess { stop, task });
                 return;
@@ -166,7 +171,8 @@ impl Railguard {
         panic!("railguard did not become ready");
     }
 
-    async fn read_proof_key(&self) -> Option<Arc<ProofKey>> {
+    /// A connection to railguard's database, if the test can reach it.
+    async fn database(&self) -> Option<Result<tokio_postgres::Client, tokio_postgres::Error>> {
         // The embedded server listens on a socket in its data directory only.
         let url = match (
             self.database_url.as_str(),
@@ -178,10 +184,47 @@ impl Railguard {
             ("embedded", None) => return None,
             (url, _) => url.to_string(),
         };
-        let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-            .await
+        Some(
+            tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .map(|(client, conn)| {
+                    tokio::spawn(conn);
+                    client
+                }),
+        )
+    }
+
+    /// Tests that present made-up tokens with proofs (`pay_with`) model grants that were
+    /// issued, but the token source never drew them. Before a restart, the sequence is moved
+    /// past the marks they left, as `railguard fast-forward` would; otherwise the guard would
+    /// rightly refuse to start granting. `start_again_unready` does not do this.
+    async fn cover_made_up_tokens(&self) {
+        // A database that is down (an embedded one after stop) was covered before the stop.
+        let Some(Ok(client)) = self.database().await else {
+            return;
+        };
+        let moved = client
+            .query(
+                "SELECT setval('fencing_token_seq', m.mark, true) \
+                 FROM (SELECT COALESCE(max(highest_token), 0) AS mark FROM rail_high_water) m, \
+                      fencing_token_seq s \
+                 WHERE m.mark > CASE WHEN s.is_called THEN s.last_value ELSE s.last_value - 1 END",
+                &[],
+            )
+            .await;
+        if let Err(e) = moved {
+            // A database railguard has not migrated yet has nothing to cover.
+            if e.code() != Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+                panic!("cannot move the token source past the test's marks: {e}");
+            }
+        }
+    }
+
+    async fn read_proof_key(&self) -> Option<Arc<ProofKey>> {
+        let client = self
+            .database()
+            .await?
             .expect("the test reaches railguard's database");
-        tokio::spawn(conn);
         let row = client
             .query_one(
                 "SELECT value FROM railguard_secret WHERE name = 'grant_proof'",
@@ -260,8 +303,9 @@ impl Railguard {
                     self.log()
                 );
             }
-            if let Ok((StatusCode::OK, _)) =
-                http.get(&format!("http://{}/readyz", self.admin)).await
+            if let Ok((StatusCode::OK, _)) = http
+                .get(&format!("http://{}{}", self.admin, self.wait_for))
+                .await
             {
                 return;
             }
@@ -273,6 +317,7 @@ impl Railguard {
     /// Stops it as an operator would: SIGTERM for a process (then waits for its exit), the
     /// shutdown future in this process. Either way in-flight requests drain first.
     pub async fn stop(&mut self) -> ExitStatus {
+        self.cover_made_up_tokens().await;
         match self.running.take().expect("running") {
             Running::Process(mut child) => {
                 let pid = child.id().unwrap();
@@ -308,6 +353,7 @@ impl Railguard {
     pub async fn restart(&mut self) {
         let status = self.stop().await;
         assert!(status.success(), "railguard stopped cleanly: {status}");
+        self.cover_made_up_tokens().await;
         self.run().await;
     }
 
@@ -322,7 +368,17 @@ impl Railguard {
     /// Starts again after `stop` or `kill`, with the same config.
     pub async fn start_again(&mut self) {
         assert!(self.running.is_none(), "railguard is still running");
+        self.cover_made_up_tokens().await;
         self.run().await;
+    }
+
+    /// Starts again after `stop` or `kill` and waits only until it answers (`/healthz`), for a
+    /// start that is expected not to become ready (a token source behind the marks, say).
+    pub async fn start_again_unready(&mut self) {
+        assert!(self.running.is_none(), "railguard is still running");
+        self.wait_for = "/healthz";
+        self.run().await;
+        self.wait_for = "/readyz";
     }
 
     /// The process id while it runs as a process (for SIGSTOP/SIGCONT).

@@ -1,0 +1,239 @@
+//! `railguard fast-forward` (C1 §1.7): moves the configured backend's token source past every
+//! token a fence has recorded, before traffic resumes after a restore of lockdb or a switch of
+//! `lock.backend`.
+//!
+//! The target is `max(rail_high_water.highest_token)` in railguard's database and, when
+//! given, `max(<column>)` of a paydb table (the fenced UPDATE's `account.fence`, C1 §1.6).
+//! The source is raised to at least the target ([`TokenSource::advance_to`]: PostgreSQL by
+//! `setval`, etcd by writes, with progress), then **a fresh draw must come out above the
+//! target** before success is reported. Running it again is always safe: it never moves the
+//! source back, and an interrupted etcd run continues from where the cluster is.
+//!
+//! It may run while railguard serves: the guard of every running railguard refuses grants
+//! until its next check finds the source ahead (`guard.interval_ms`).
+
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use crate::lock::guard::highest_mark;
+use crate::lock::source::{Progress, SourceError, TokenSource};
+
+/// A paydb column whose maximum the source must pass too.
+#[derive(Debug, Clone)]
+pub struct PaydbFence {
+    pub url: String,
+    /// `table` or `schema.table`.
+    pub table: String,
+    pub column: String,
+}
+
+/// What was found, and what was (or would be) done.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FastForward {
+    /// The source was already above every mark: nothing written.
+    NothingToDo { position: i64, target: i64 },
+    /// `--dry-run`: the source is at `position` and would be moved past `target`.
+    WouldMove { position: i64, target: i64 },
+    /// Moved from `from` to at least the target, and a fresh draw came out at `drawn`.
+    Done { from: i64, target: i64, drawn: i64 },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FastForwardError {
+    #[error("{0}")]
+    Source(#[from] SourceError),
+    #[error("paydb ({which}): {message}")]
+    Paydb { which: String, message: String },
+    #[error(
+        "a fresh draw came out at {drawn}, not above the target {target}: the token source is \
+         NOT safe; do not resume traffic (another process may be moving it back)"
+    )]
+    NotAbove { drawn: i64, target: i64 },
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// A table or column name: letters, digits and `_`, not starting with a digit; a table may be
+/// `schema.table`. Quoted when used, so that nothing else can reach the SQL.
+pub fn parse_identifier(text: &str, what: &str, dotted: bool) -> Result<String, String> {
+    let parts: Vec<&str> = text.split('.').collect();
+    let ok = (parts.len() == 1 || (dotted && parts.len() == 2))
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && p.len() <= 63
+                && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && !p.starts_with(|c: char| c.is_ascii_digit())
+        });
+    if ok {
+        Ok(text.to_string())
+    } else {
+        Err(format!(
+            "{what} {text:?} must be an identifier (letters, digits, _){}",
+            if dotted { ", or schema.table" } else { "" }
+        ))
+    }
+}
+
+fn quoted(identifier: &str) -> String {
+    identifier
+        .split('.')
+        .map(|p| format!("\"{p}\""))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// `max(column)` of the paydb table, 0 when it is empty.
+pub async fn paydb_highest(paydb: &PaydbFence, timeout: Duration) -> Result<i64, FastForwardError> {
+    let which = format!("{}.{}", paydb.table, paydb.column);
+    let error = |message: String| FastForwardError::Paydb {
+        which: which.clone(),
+        message,
+    };
+    let sql = format!(
+        "SELECT COALESCE(max({})::bigint, 0) FROM {}",
+        quoted(&paydb.column),
+        quoted(&paydb.table)
+    );
+    let read = async {
+        let (client, connection) = tokio_postgres::connect(&paydb.url, tokio_postgres::NoTls)
+            .await
+            .map_err(|e| format!("cannot connect: {e}"))?;
+        let connection = tokio::spawn(connection);
+        let row = client.query_one(&sql, &[]).await.map_err(|e| e.to_string());
+        connection.abort();
+        Ok::<i64, String>(row?.get(0))
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(error(e)),
+        Err(_) => Err(error(format!("no answer within {timeout:?}"))),
+    }
+}
+
+/// The highest token any fence has recorded: railguard's marks and, if given, paydb's.
+pub async fn target(
+    marks: &deadpool_postgres::Pool,
+    timeout: Duration,
+    paydb: Option<&PaydbFence>,
+) -> Result<i64, FastForwardError> {
+    let mut target = highest_mark(marks, timeout).await?;
+    if let Some(paydb) = paydb {
+        target = target.max(paydb_highest(paydb, timeout).await?);
+    }
+    Ok(target)
+}
+
+/// Moves `source` past `target` (unless `dry_run`) and verifies it with a fresh draw.
+pub async fn fast_forward(
+    source: &TokenSource,
+    target: i64,
+    dry_run: bool,
+    progress: &(dyn Fn(Progress) + Sync),
+    stop: &AtomicBool,
+) -> Result<FastForward, FastForwardError> {
+    let position = source.position().await?;
+    // At the target is enough: the next draw is above it.
+    if position >= target {
+        return Ok(FastForward::NothingToDo { position, target });
+    }
+    if dry_run {
+        return Ok(FastForward::WouldMove { position, target });
+    }
+    // Past the target, not onto it: position > target means every later draw is at least
+    // target + 2, and the draw below is checked against it.
+    let goal = target.checked_add(1).ok_or_else(|| {
+        FastForwardError::Usage(format!(
+            "the target {target} is the largest token there is; no source can pass it \
+             (a poisoned mark: see docs/operations.md)"
+        ))
+    })?;
+    source.advance_to(goal, progress, stop).await?;
+    let drawn = source.draw().await?;
+    if drawn <= target {
+        return Err(FastForwardError::NotAbove { drawn, target });
+    }
+    Ok(FastForward::Done {
+        from: position,
+        target,
+        drawn,
+    })
+}
+
+/// A one-line progress report: where, how fast, how long to go.
+pub struct ProgressLine {
+    started: std::time::Instant,
+    first: std::sync::Mutex<Option<i64>>,
+}
+
+impl Default for ProgressLine {
+    fn default() -> Self {
+        Self {
+            started: std::time::Instant::now(),
+            first: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+impl ProgressLine {
+    /// `position/target  NN.N%  rate/s  ETA`.
+    pub fn render(&self, p: Progress) -> String {
+        self.render_after(p, self.started.elapsed())
+    }
+
+    fn render_after(&self, p: Progress, elapsed: Duration) -> String {
+        let first = *self
+            .first
+            .lock()
+            .expect("progress")
+            .get_or_insert(p.position);
+        let elapsed = elapsed.as_secs_f64().max(1e-3);
+        let done = (p.position - first).max(0) as f64;
+        let total = (p.target - first).max(1) as f64;
+        let rate = done / elapsed;
+        let left = (p.target - p.position).max(0) as f64;
+        let eta = if rate > 0.0 {
+            format!("{:.0}s", left / rate)
+        } else {
+            "?".into()
+        };
+        format!(
+            "{}/{}  {:5.1}%  {:.0}/s  ETA {eta}",
+            p.position,
+            p.target,
+            (100.0 * done / total).min(100.0),
+            rate
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_checked_and_quoted() {
+        assert_eq!(parse_identifier("account", "t", true).unwrap(), "account");
+        assert_eq!(quoted("pay.account"), "\"pay\".\"account\"");
+        for bad in ["", "a;drop", "a b", "1a", "a.b.c", "a\"b", "a."] {
+            assert!(parse_identifier(bad, "t", true).is_err(), "{bad:?}");
+        }
+        assert!(parse_identifier("a.b", "c", false).is_err());
+    }
+
+    #[test]
+    fn progress_reports_rate_and_eta() {
+        let line = ProgressLine::default();
+        let at = |position, secs| {
+            line.render_after(
+                Progress {
+                    position,
+                    target: 110,
+                },
+                Duration::from_secs(secs),
+            )
+        };
+        assert!(at(10, 0).starts_with("10/110"));
+        let text = at(60, 10);
+        assert_eq!(text, "60/110   50.0%  5/s  ETA 10s");
+    }
+}

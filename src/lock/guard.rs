@@ -1,0 +1,317 @@
+//! The token-source guard: a restored or switched backend is detected, not discovered by
+//! paging.
+//!
+//! At start and every `guard.interval_ms`, the guard reads the highest high-water mark the
+//! proxy has recorded, **then** the token source's position ([`super::source`]). Every mark
+//! is a token the proxy accepted, so every token issued before the mark was read is below the
+//! position read after it: a position below the highest mark means the source has gone back
+//! (a restore, a backend switch) or a mark is poisoned. Until a check finds the source ahead,
+//! the lock service grants nothing ([`SourceGuard::permit`], a 503 naming
+//! `railguard fast-forward`), `/readyz` fails, `railguard_token_source_behind` is 1 and the
+//! log says why, loudly. A failed check (a database or etcd outage) keeps the last verdict:
+//! an unchecked source is never trusted.
+//!
+//! **Between checks**, every acquire takes the highest mark known at its start and, if the
+//! grant it gets carries a token at or below it, ends that grant again and closes the guard at
+//! once ([`SourceGuard::admit`]): the token was drawn after the mark was read, so it can only
+//! be that low if the source went back. The first grant after a restore trips it.
+//!
+//! **Plausibility** ([`SourceGuard::issued`]): a token above the source's position was never
+//! issued. The proxy refuses such a token when it comes without a grant proof
+//! (`fencing.require_proof = false`), so that a made-up token cannot poison an account's mark.
+//! The position is re-read at most once per wave of such requests.
+//!
+//! Nothing here is a token a writer could read: the guard holds a mark and a position to
+//! compare with, and answers workers yes or no (C2 §2.7). Numbers go to the log and the
+//! admin listener only.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tokio::time::Instant;
+
+use super::source::{SourceError, TokenSource};
+
+/// The guard's last verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// No check has succeeded yet.
+    Unchecked,
+    /// The source is ahead of every mark: grants are safe.
+    Ahead { position: i64, mark: i64 },
+    /// The source is at or below a mark: a new grant could repeat an old token.
+    Behind { position: i64, mark: i64 },
+}
+
+/// The guard's metrics; no labels beyond the fixed outcome.
+struct GuardMetrics {
+    behind: IntGauge,
+    checks: IntCounterVec,
+    implausible: IntCounter,
+}
+
+pub struct SourceGuard {
+    source: TokenSource,
+    marks: Pool,
+    timeout: Duration,
+    verdict: Mutex<Verdict>,
+    open: AtomicBool,
+    /// The highest mark a completed check read.
+    known_mark: AtomicI64,
+    /// The highest position any read found: every issued token is at most this.
+    ceiling: AtomicI64,
+    /// Serialises plausibility re-reads; holds when the last one started.
+    reread: tokio::sync::Mutex<Option<Instant>>,
+    metrics: GuardMetrics,
+}
+
+/// Why the lock service refuses to grant (a 503 on acquire; nothing was granted).
+pub const BEHIND_MESSAGE: &str = "the token source is behind the highest fencing mark the proxy \
+     has recorded (a restored lockdb or a switched lock backend): a new grant could repeat a \
+     token already used. Nothing was granted. An operator must run `railguard fast-forward` \
+     (docs/operations.md)";
+const UNCHECKED_MESSAGE: &str = "the token source has not yet been checked against the \
+     fencing marks (the database or etcd did not answer); nothing was granted, retry later";
+
+/// The highest mark recorded; 0 when there is none.
+pub const MAX_MARK_SQL: &str =
+    "SELECT COALESCE(max(highest_token), 0)::bigint FROM rail_high_water";
+
+impl SourceGuard {
+    pub fn new(source: TokenSource, marks: Pool, timeout: Duration, registry: &Registry) -> Self {
+        let behind = IntGauge::new(
+            "railguard_token_source_behind",
+            "1 while the lock service's token source is not known to be above every fencing \
+             mark (behind, or not yet checked): no grants are made; run railguard fast-forward",
+        )
+        .expect("metric");
+        let checks = IntCounterVec::new(
+            Opts::new(
+                "railguard_token_source_checks_total",
+                "Checks of the token source against the highest fencing mark, by outcome",
+            ),
+            &["outcome"],
+        )
+        .expect("metric");
+        let implausible = IntCounter::new(
+            "railguard_implausible_tokens_total",
+            "Tokens refused because they are above every token the source has issued",
+        )
+        .expect("metric");
+        for outcome in ["ahead", "behind", "failed"] {
+            checks.with_label_values(&[outcome]);
+        }
+        behind.set(1);
+        let _ = registry.register(Box::new(behind.clone()));
+        let _ = registry.register(Box::new(checks.clone()));
+        let _ = registry.register(Box::new(implausible.clone()));
+        Self {
+            source,
+            marks,
+            timeout,
+            verdict: Mutex::new(Verdict::Unchecked),
+            open: AtomicBool::new(false),
+            known_mark: AtomicI64::new(0),
+            ceiling: AtomicI64::new(0),
+            reread: tokio::sync::Mutex::new(None),
+            metrics: GuardMetrics {
+                behind,
+                checks,
+                implausible,
+            },
+        }
+    }
+
+    pub fn source(&self) -> &TokenSource {
+        &self.source
+    }
+
+    pub fn verdict(&self) -> Verdict {
+        self.verdict.lock().expect("guard verdict").clone()
+    }
+
+    /// Reads the highest mark, then the position, and records the verdict.
+    pub async fn check(&self) -> Result<Verdict, SourceError> {
+        let outcome = async {
+            let mark = highest_mark(&self.marks, self.timeout).await?;
+            let position = self.source.position().await?;
+            Ok::<_, SourceError>((mark, position))
+        }
+        .await;
+        let (mark, position) = match outcome {
+            Ok(read) => read,
+            Err(e) => {
+                self.metrics.checks.with_label_values(&["failed"]).inc();
+                tracing::warn!(error = %e, verdict = ?self.verdict(),
+                    "could not check the token source against the fencing marks; keeping the last verdict");
+                return Err(e);
+            }
+        };
+        self.known_mark.fetch_max(mark, Ordering::Relaxed);
+        self.ceiling.fetch_max(position, Ordering::Relaxed);
+        let verdict = if position < mark {
+            Verdict::Behind { position, mark }
+        } else {
+            Verdict::Ahead { position, mark }
+        };
+        self.record(verdict.clone());
+        Ok(verdict)
+    }
+
+    fn record(&self, verdict: Verdict) {
+        let mut current = self.verdict.lock().expect("guard verdict");
+        match &verdict {
+            Verdict::Behind { position, mark } => {
+                self.metrics.checks.with_label_values(&["behind"]).inc();
+                tracing::error!(
+                    source = self.source.name(),
+                    position,
+                    mark,
+                    "!!! THE TOKEN SOURCE IS BEHIND THE FENCING MARKS !!! (a restored lockdb, \
+                     a switched lock.backend, or a poisoned mark). The lock API grants nothing \
+                     and /readyz fails until an operator runs `railguard fast-forward` \
+                     (docs/operations.md)."
+                );
+            }
+            Verdict::Ahead { position, mark } => {
+                self.metrics.checks.with_label_values(&["ahead"]).inc();
+                if *current != Verdict::Unchecked && !matches!(*current, Verdict::Ahead { .. }) {
+                    tracing::warn!(
+                        source = self.source.name(),
+                        position,
+                        mark,
+                        "the token source is ahead of every fencing mark again: grants resume"
+                    );
+                } else if *current == Verdict::Unchecked {
+                    tracing::info!(
+                        source = self.source.name(),
+                        position,
+                        mark,
+                        "token source is ahead of every fencing mark"
+                    );
+                }
+            }
+            Verdict::Unchecked => {}
+        }
+        let open = matches!(verdict, Verdict::Ahead { .. });
+        self.open.store(open, Ordering::Release);
+        self.metrics.behind.set(i64::from(!open));
+        *current = verdict;
+    }
+
+    /// Checks at start, then every `interval`, forever.
+    pub async fn run(&self, interval: Duration) {
+        loop {
+            tokio::time::sleep(interval).await;
+            let _ = self.check().await;
+        }
+    }
+
+    /// May the lock service grant now? Returns the highest mark known, for [`admit`].
+    ///
+    /// [`admit`]: Self::admit
+    pub fn permit(&self) -> Result<i64, &'static str> {
+        if self.open.load(Ordering::Acquire) {
+            Ok(self.known_mark.load(Ordering::Relaxed))
+        } else if self.verdict() == Verdict::Unchecked {
+            Err(UNCHECKED_MESSAGE)
+        } else {
+            Err(BEHIND_MESSAGE)
+        }
+    }
+
+    /// A grant made after `permit` returned `mark_before` carries `token`: fine if it is above
+    /// that mark. Otherwise the source has gone back: closes the guard and says so; the caller
+    /// ends the grant.
+    pub fn admit(&self, token: i64, mark_before: i64) -> Result<(), &'static str> {
+        self.ceiling.fetch_max(token, Ordering::Relaxed);
+        if token > mark_before {
+            return Ok(());
+        }
+        self.record(Verdict::Behind {
+            position: token,
+            mark: mark_before,
+        });
+        Err(BEHIND_MESSAGE)
+    }
+
+    /// Was `token` ever issued by the source? `false` only when a read of the position that
+    /// started after this call found it below `token`.
+    pub async fn issued(&self, token: i64) -> Result<bool, SourceError> {
+        if token <= self.ceiling.load(Ordering::Relaxed) {
+            return Ok(true);
+        }
+        let arrived = Instant::now();
+        let mut last = self.reread.lock().await;
+        if token <= self.ceiling.load(Ordering::Relaxed) {
+            return Ok(true);
+        }
+        if last.is_some_and(|started| started > arrived) {
+            self.metrics.implausible.inc();
+            return Ok(false);
+        }
+        let started = Instant::now();
+        let position = self.source.position().await?;
+        *last = Some(started);
+        let ceiling = self
+            .ceiling
+            .fetch_max(position, Ordering::Relaxed)
+            .max(position);
+        if token <= ceiling {
+            Ok(true)
+        } else {
+            self.metrics.implausible.inc();
+            Ok(false)
+        }
+    }
+}
+
+/// "Was this token ever issued?", as the proxy asks it of a token sent without a proof.
+pub trait IssuedTokens: Send + Sync + std::fmt::Debug {
+    fn issued(
+        &self,
+        token: i64,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<bool, SourceError>> + Send + '_>>;
+}
+
+impl std::fmt::Debug for SourceGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceGuard")
+            .field("source", &self.source.name())
+            .field("verdict", &self.verdict())
+            .finish_non_exhaustive()
+    }
+}
+
+impl IssuedTokens for SourceGuard {
+    fn issued(
+        &self,
+        token: i64,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<bool, SourceError>> + Send + '_>> {
+        Box::pin(SourceGuard::issued(self, token))
+    }
+}
+
+/// `max(rail_high_water.highest_token)`, 0 when no account has a mark.
+pub async fn highest_mark(pool: &Pool, timeout: Duration) -> Result<i64, SourceError> {
+    let read = async {
+        let client = pool.get().await.map_err(|e| e.to_string())?;
+        let row = client
+            .query_one(MAX_MARK_SQL, &[])
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<i64, String>(row.get(0))
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(Ok(mark)) => Ok(mark),
+        Ok(Err(e)) => Err(SourceError::Unavailable(format!(
+            "PostgreSQL (fencing marks): {e}"
+        ))),
+        Err(_) => Err(SourceError::Unavailable(format!(
+            "PostgreSQL (fencing marks): no answer within {timeout:?}"
+        ))),
+    }
+}
