@@ -52,6 +52,64 @@ fn the_shipped_config_checks_ok_in_one_line() {
     assert!(stdout.contains("fencing OFF"), "{stdout}");
 }
 
+/// Every kind of bad value — unknown key, wrong type, out of range, malformed address, URL,
+/// header name, template, a rule across sections — gets exit 2 naming the key and the file.
+#[test]
+fn each_kind_of_bad_value_names_its_key_and_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("kinds.toml");
+    let cases: &[(&str, &str)] = &[
+        ("[proxy]\nlisen = \"127.0.0.1:1\"\n", "lisen"),
+        ("[nosuchsection]\nx = 1\n", "nosuchsection"),
+        (
+            "[proxy]\nrequest_timeout_ms = \"soon\"\n",
+            "proxy.request_timeout_ms",
+        ),
+        ("[proxy]\nlisten = \"localhost\"\n", "proxy.listen"),
+        ("[proxy]\nupstream = \"ftp://rail\"\n", "proxy.upstream"),
+        (
+            "[proxy]\ntoken_header = \"bad header\"\n",
+            "proxy.token_header",
+        ),
+        (
+            "[proxy]\nrequest_timeout_ms = 0\n",
+            "proxy.request_timeout_ms",
+        ),
+        ("[lock]\nbackend = \"zookeeper\"\n", "lock.backend"),
+        ("[lock]\nmax_ttl_ms = 1\n", "lock.max_ttl_ms"),
+        ("[guard]\ninterval_ms = 0\n", "guard.interval_ms"),
+        (
+            "[guard]\nfast_forward_concurrency = 0\n",
+            "guard.fast_forward_concurrency",
+        ),
+        ("[database]\npool_size = 0\n", "database.pool_size"),
+        (
+            "[fencing]\nlock_key_template = \"no-placeholder\"\n",
+            "fencing.lock_key_template",
+        ),
+        (
+            "[fencing]\nbatch_concurrency = 64\n[database]\npool_size = 4\n",
+            "fencing.batch_concurrency",
+        ),
+        ("[log]\nformat = \"xml\"\n", "log.format"),
+        (
+            "[admin]\nlisten = \"127.0.0.1:7000\"\n[lock]\nlisten = \"127.0.0.1:7000\"\n",
+            "lock.listen",
+        ),
+    ];
+    for (text, key) in cases {
+        std::fs::write(&file, text).unwrap();
+        let (code, stdout, stderr) = check(&file, &[]);
+        assert_eq!(code, 2, "{text}: {stdout}{stderr}");
+        assert!(stderr.contains(key), "{text}: the key {key} in {stderr}");
+        assert!(
+            stderr.contains("kinds.toml"),
+            "{text}: the file in {stderr}"
+        );
+        assert!(stdout.is_empty(), "{text}: nothing on stdout: {stdout}");
+    }
+}
+
 #[test]
 fn a_bad_key_or_value_names_the_key_and_where_it_came_from() {
     let dir = tempfile::tempdir().unwrap();
