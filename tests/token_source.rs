@@ -626,3 +626,49 @@ async fn without_proofs_a_token_the_source_never_issued_is_refused() {
         .await;
     assert_eq!(fresh.status, StatusCode::CREATED, "{}", fresh.body);
 }
+
+/// A source that cannot be checked is never trusted: railguard started while etcd is down
+/// grants nothing and is not ready, and becomes ready within about a second of etcd's return.
+#[tokio::test]
+async fn an_unchecked_source_grants_nothing_until_a_check_succeeds() {
+    support::init_tracing();
+    let pg = support::Pg::start().await;
+    let mut etcd = support::EtcdCluster::single().await;
+    let rail = support::Rail::start().await;
+    let mut rg = support::Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    rg.stop().await;
+    rg.set_env("RAILGUARD__LOCK__BACKEND", "etcd");
+    rg.set_env("RAILGUARD__ETCD__ENDPOINTS", &etcd.endpoints_csv());
+    etcd.stop(0).await;
+    rg.start_again_unready().await;
+    let refused = acquire(&rg, "acct-u").await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.body
+    );
+    assert_eq!(
+        refused.json()["error"],
+        "token_source_behind",
+        "{}",
+        refused.body
+    );
+    assert!(
+        refused.body.contains("not yet been checked"),
+        "{}",
+        refused.body
+    );
+    let (status, body) = readyz(&rg).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(
+        rg.metrics()
+            .await
+            .get("railguard_token_source_checks_total{outcome=\"failed\"}")
+            >= 1.0
+    );
+
+    etcd.start(0).await;
+    wait_until_ready(&rg).await;
+    token_of(&acquire(&rg, "acct-u").await);
+}

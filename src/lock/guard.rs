@@ -202,11 +202,22 @@ impl SourceGuard {
         *current = verdict;
     }
 
-    /// Checks at start, then every `interval`, forever.
+    /// Checks every `interval`, forever (the caller checked once at start). After a failed
+    /// check the next comes within a second, so that a short outage at start does not keep
+    /// grants refused for a whole interval.
     pub async fn run(&self, interval: Duration) {
+        let soon = interval.min(Duration::from_secs(1));
+        let mut next = if self.verdict() == Verdict::Unchecked {
+            soon
+        } else {
+            interval
+        };
         loop {
-            tokio::time::sleep(interval).await;
-            let _ = self.check().await;
+            tokio::time::sleep(next).await;
+            next = match self.check().await {
+                Ok(_) => interval,
+                Err(_) => soon,
+            };
         }
     }
 
