@@ -9,18 +9,11 @@
 use railguard_testkit as support;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 /// `railguard ARGS --config CONFIG` with `env`, as an operator runs it.
 fn railguard(args: &[&str], config: &Path, env: &[(&str, &str)]) -> Output {
-    Command::new(support::railguard_binary())
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .envs(env.iter().copied())
-        .env_remove("RUST_LOG")
-        .output()
-        .unwrap()
+    support::railguard_command(args, config, env)
 }
 
 fn check(config: &Path, env: &[(&str, &str)]) -> (i32, String, String) {

@@ -15,14 +15,7 @@ use http::StatusCode;
 const FAST_GUARD: (&str, &str) = ("RAILGUARD__GUARD__INTERVAL_MS", "100");
 
 fn railguard(args: &[&str], config: &Path, env: &[(&str, &str)]) -> Output {
-    Command::new(support::railguard_binary())
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .envs(env.iter().copied())
-        .env_remove("RUST_LOG")
-        .output()
-        .unwrap()
+    support::railguard_command(args, config, env)
 }
 
 fn text(out: &Output) -> String {

@@ -77,15 +77,7 @@ impl TokenSource {
     pub async fn position(&self) -> Result<i64, SourceError> {
         match self {
             TokenSource::Postgres { pool, timeout } => {
-                bounded(*timeout, async {
-                    let client = pool.get().await.map_err(pg_error)?;
-                    let row = client
-                        .query_one(PG_POSITION_SQL, &[])
-                        .await
-                        .map_err(pg_error)?;
-                    Ok(row.get::<_, i64>(0))
-                })
-                .await
+                pg_value(pool, *timeout, PG_POSITION_SQL).await
             }
             TokenSource::Etcd {
                 locks, scratch_key, ..
@@ -101,15 +93,7 @@ impl TokenSource {
     pub async fn draw(&self) -> Result<i64, SourceError> {
         match self {
             TokenSource::Postgres { pool, timeout } => {
-                bounded(*timeout, async {
-                    let client = pool.get().await.map_err(pg_error)?;
-                    let row = client
-                        .query_one("SELECT nextval('fencing_token_seq')", &[])
-                        .await
-                        .map_err(pg_error)?;
-                    Ok(row.get::<_, i64>(0))
-                })
-                .await
+                pg_value(pool, *timeout, "SELECT nextval('fencing_token_seq')").await
             }
             TokenSource::Etcd {
                 locks, scratch_key, ..
@@ -153,6 +137,16 @@ async fn bounded<T>(
             "no answer within {limit:?}"
         )))
     })
+}
+
+/// The one bigint `sql` returns.
+async fn pg_value(pool: &Pool, timeout: Duration, sql: &str) -> Result<i64, SourceError> {
+    bounded(timeout, async {
+        let client = pool.get().await.map_err(pg_error)?;
+        let row = client.query_one(sql, &[]).await.map_err(pg_error)?;
+        Ok(row.get::<_, i64>(0))
+    })
+    .await
 }
 
 /// Raises `fencing_token_seq` to `target` unless it is already there, with every acquire

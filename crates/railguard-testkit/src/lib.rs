@@ -33,7 +33,7 @@ pub use process::children_of;
 pub use prometheus::Metrics;
 pub use rail::Rail;
 pub use relay::Relay;
-pub use serve::{Railguard, binary as railguard_binary};
+pub use serve::{Railguard, binary as railguard_binary, run_command as railguard_command};
 pub use world::{Backend, World};
 
 /// Why a launcher could not start what it launches.

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -437,6 +437,18 @@ impl Railguard {
 /// The `railguard` binary next to the running executable: an integration test runs from
 /// `target/<profile>/deps/`, the benchmark from `target/<profile>/`, and cargo builds the
 /// binary into `target/<profile>/` for both. `RAILGUARD_BIN` overrides.
+/// `railguard ARGS --config CONFIG` with `env`, as an operator runs it (RUST_LOG unset).
+pub fn run_command(args: &[&str], config: &Path, env: &[(&str, &str)]) -> std::process::Output {
+    std::process::Command::new(binary())
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .envs(env.iter().copied())
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run the railguard binary")
+}
+
 #[allow(clippy::disallowed_methods)] // a test harness finds the binary it runs
 pub fn binary() -> PathBuf {
     if let Some(path) = std::env::var_os("RAILGUARD_BIN") {
