@@ -6,8 +6,8 @@
 # Needs: a Rust toolchain (rustup), and root or sudo for apt-get when a package is missing.
 # Installs what is missing (scripts/deps.sh --test): postgresql, etcd-server, prometheus
 # (promtool), protobuf-compiler and libprotobuf-dev.
-# The tests start their own PostgreSQL and etcd instances on free loopback ports in temp
-# dirs; they never touch a server already running on the machine.
+# The tests start their own PostgreSQL, etcd and Prometheus instances on free loopback ports
+# in temp dirs; they never touch a server already running on the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
