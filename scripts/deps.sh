@@ -5,6 +5,8 @@
 #   postgresql                          server binaries: the embedded database, test clusters
 #   protobuf-compiler, libprotobuf-dev  protoc and the well-known protos, for etcd-client's build
 #   etcd-server                         throwaway etcd members for the tests (only with --test)
+#   prometheus                          promtool for the alert rules' tests, and a throwaway
+#                                       Prometheus for tests/alerts.rs (only with --test)
 set -euo pipefail
 
 have_pg_server() {
@@ -16,19 +18,31 @@ missing=()
 have_pg_server || missing+=(postgresql)
 command -v protoc >/dev/null || missing+=(protobuf-compiler)
 [ -f /usr/include/google/protobuf/descriptor.proto ] || missing+=(libprotobuf-dev)
+# Installed without its recommended packages: prometheus-node-exporter would listen on
+# 127.0.0.1:9100, railguard's default admin address.
+bare=()
 if [ "${1:-}" = "--test" ]; then
     command -v etcd >/dev/null || missing+=(etcd-server)
+    { [ -x /usr/bin/promtool ] && [ -x /usr/bin/prometheus ]; } || bare+=(prometheus)
 fi
 
-if ((${#missing[@]})); then
-    echo "==> installing: ${missing[*]}"
+all=("${missing[@]}" "${bare[@]}")
+if ((${#all[@]})); then
+    echo "==> installing: ${all[*]}"
     if [ "$(id -u)" -eq 0 ]; then sudo=(); elif command -v sudo >/dev/null; then sudo=(sudo); else
-        echo "error: need root or sudo to install ${missing[*]}" >&2; exit 1
+        echo "error: need root or sudo to install ${all[*]}" >&2; exit 1
     fi
     "${sudo[@]}" apt-get update -qq
     # Recommended packages stay on: libprotobuf-dev's well-known protos are needed.
-    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
-    # The packages may start their own PostgreSQL or etcd; railguard never uses them.
+    if ((${#missing[@]})); then
+        DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+    if ((${#bare[@]})); then
+        DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
+            "${bare[@]}" >/dev/null
+    fi
+    # The packages may start their own PostgreSQL, etcd or Prometheus (on :9090); railguard and
+    # its tests never use them: the tests start their own on free loopback ports.
 fi
 
 if ! command -v cargo >/dev/null; then

@@ -4,14 +4,18 @@
 #   scripts/test.sh            # from anywhere inside a clone
 #
 # Needs: a Rust toolchain (rustup), and root or sudo for apt-get when a package is missing.
-# Installs what is missing (scripts/deps.sh --test): postgresql, etcd-server,
-# protobuf-compiler and libprotobuf-dev.
-# The tests start their own PostgreSQL and etcd instances on free loopback ports in temp
-# dirs; they never touch a server already running on the machine.
+# Installs what is missing (scripts/deps.sh --test): postgresql, etcd-server, prometheus
+# (promtool), protobuf-compiler and libprotobuf-dev.
+# The tests start their own PostgreSQL, etcd and Prometheus instances on free loopback ports
+# in temp dirs; they never touch a server already running on the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/deps.sh --test
+
+echo "==> promtool: alert rules and their unit tests"
+promtool check rules config/prometheus/railguard.rules.yml
+promtool test rules config/prometheus/railguard.rules.test.yml
 
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check

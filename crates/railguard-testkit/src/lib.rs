@@ -8,6 +8,7 @@
 //! - [`Rail`]: the rail simulator, in-process, whose ledger a test reads directly.
 //! - [`Railguard`]: railguard itself, with a config written for the test and overrides on top.
 //! - [`Http`]: an HTTP client over real sockets; [`Metrics`]: a strict Prometheus text parser.
+//! - [`Prometheus`]: a real Prometheus server scraping railguard and evaluating alert rules.
 //! - [`Relay`]: a TCP relay whose delay a test turns up, to make a slow network.
 //! - [`World`]: all of the above for one lock backend, and [`suite!`] to run the same
 //!   behavioural cases on every backend.
@@ -21,6 +22,7 @@ mod http;
 mod pg;
 mod process;
 mod prometheus;
+mod prometheus_server;
 mod rail;
 pub mod relay;
 mod serve;
@@ -31,6 +33,7 @@ pub use http::{Http, Reply};
 pub use pg::{Pg, PgBuilder};
 pub use process::children_of;
 pub use prometheus::Metrics;
+pub use prometheus_server::Prometheus;
 pub use rail::Rail;
 pub use relay::Relay;
 pub use serve::{Railguard, binary as railguard_binary, run_command as railguard_command};
