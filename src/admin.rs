@@ -198,7 +198,19 @@ impl Admin {
             self.lock_key_template.suffix()
         );
         let pool = self.store.pool().clone();
-        match recover::recover_account(&self.guard, &pool, &account, lock_key, mark, reason).await {
+        let (guard, reason, who) = (self.guard.clone(), reason.to_string(), account.clone());
+        // In a task of its own: a client that goes away (Ctrl-C, its timeout during a long
+        // etcd advance) must not stop the recovery half-way with its outcome unrecorded.
+        let task = tokio::spawn(async move {
+            recover::recover_account(&guard, &pool, &who, lock_key, mark, &reason).await
+        });
+        let outcome = match task.await {
+            Ok(outcome) => outcome,
+            Err(e) => Err(recover::RecoverError::Database(format!(
+                "the recovery task failed: {e}"
+            ))),
+        };
+        match outcome {
             Ok(done) => reply(
                 StatusCode::OK,
                 "application/json",

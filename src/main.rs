@@ -92,8 +92,9 @@ enum Command {
         /// The paydb column holding each row's fencing token.
         #[arg(long, default_value = "fence")]
         paydb_column: String,
-        /// Print what would be done and change nothing (exit 0 if something would be done, 3
-        /// if nothing).
+        /// Print what would be done and move nothing (exit 0 if something would be done, 3
+        /// if nothing). Like every command that opens the database, it applies pending schema
+        /// migrations first (`railguard migrate --status` shows them without applying).
         #[arg(long)]
         dry_run: bool,
     },

@@ -146,6 +146,7 @@ pub async fn run(
         &config.lock,
         &config.etcd,
         &config.guard,
+        &config.fencing.lock_key_template,
         LockDatabase {
             pool: &database.pool,
             url: &database.url,

@@ -665,3 +665,119 @@ async fn an_unchecked_source_grants_nothing_until_a_check_succeeds() {
     wait_until_ready(&rg).await;
     token_of(&acquire(&rg, "acct-u").await);
 }
+
+/// etcd restored from a backup while railguard serves, long before the next periodic check
+/// (found by review): the first grant of an account whose mark the restored revision would
+/// repeat is ended and refused (503 token_source_behind), the guard closes at once and stays
+/// closed until fast-forward — it never hands out the token the old holder still has.
+#[tokio::test]
+async fn an_etcd_restore_between_checks_is_caught_by_the_first_grant_it_would_repeat() {
+    support::init_tracing();
+    let parent = tempfile::tempdir().unwrap();
+    let mut etcd = support::EtcdCluster::builder()
+        .temp_dir_in(parent.path())
+        .start()
+        .await
+        .unwrap();
+    let pg = support::Pg::start().await;
+    let rail = support::Rail::start().await;
+    let endpoints = etcd.endpoints_csv();
+    let rg = support::Railguard::start_process(
+        &pg.url(),
+        &rail.url(),
+        &[
+            ("RAILGUARD__LOCK__BACKEND", "etcd"),
+            ("RAILGUARD__ETCD__ENDPOINTS", &endpoints),
+            ("RAILGUARD__GUARD__INTERVAL_MS", "600000"),
+        ],
+    )
+    .await;
+    let data_dir = std::fs::read_dir(parent.path())
+        .unwrap()
+        .map(|e| e.unwrap().path().join("data"))
+        .find(|p| p.is_dir())
+        .expect("the member's data dir");
+    let copy = |from: &Path, to: &Path| {
+        assert!(
+            Command::new("cp")
+                .arg("-a")
+                .arg(from)
+                .arg(to)
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+    // The backup, then traffic after it: W1 pays on acct-x with t1 and keeps its lease.
+    etcd.stop(0).await;
+    let backup = parent.path().join("backup");
+    copy(&data_dir, &backup);
+    etcd.start(0).await;
+    let w1 = support::Http::new()
+        .pay(
+            &format!("{}/v1/locks/acct-x/acquire", rg.lock_url()),
+            &[("content-type", "application/json")],
+            r#"{"holder":"w1","ttl_ms":600000}"#,
+        )
+        .await;
+    let t1 = token_of(&w1);
+    assert_eq!(
+        rg.http().pay_with(&rg, t1, "acct-x").await.status,
+        StatusCode::CREATED
+    );
+
+    // Restore: the revision goes back below t1; unrelated writes bring it to t1 - 1.
+    etcd.stop(0).await;
+    std::fs::remove_dir_all(&data_dir).unwrap();
+    copy(&backup, &data_dir);
+    etcd.start(0).await;
+    assert!(etcd.revision().await < t1);
+    let mut refused = None;
+    for _ in 0..50 {
+        while etcd.revision().await < t1 - 1 {
+            etcd.put_raw("/other/app", "x").await;
+        }
+        let reply = acquire(&rg, "acct-x").await;
+        assert_ne!(
+            reply.status,
+            StatusCode::OK,
+            "a grant at or below the mark: {}",
+            reply.body
+        );
+        if reply.json()["error"] == "token_source_behind" {
+            refused = Some(reply);
+            break;
+        }
+        // The client may still be reconnecting (503 unavailable).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    refused.expect("the grant that would repeat t1 is refused");
+    assert_eq!(readyz(&rg).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    let other = acquire(&rg, "acct-other").await;
+    assert_eq!(
+        other.json()["error"],
+        "token_source_behind",
+        "closed for every key: {}",
+        other.body
+    );
+    assert_eq!(rail.ledger().len(), 1, "only W1 paid");
+
+    let done = railguard(&["fast-forward"], &rg.config_path(), &[]);
+    assert_eq!(done.status.code(), Some(0), "{}", text(&done));
+    // The guard's next check is 10 minutes away: a recovery re-checks at once, as the
+    // runbook says; here a second account's recovery is the operator's nudge.
+    let nudge = railguard(
+        &[
+            "recover-account",
+            "acct-x",
+            "--reason",
+            "etcd restore, fast-forwarded",
+        ],
+        &rg.config_path(),
+        &[],
+    );
+    assert_eq!(nudge.status.code(), Some(0), "{}", text(&nudge));
+    wait_until_ready(&rg).await;
+    let t2 = token_of(&acquire(&rg, "acct-y").await);
+    assert!(t2 > t1);
+}

@@ -65,6 +65,11 @@ pub struct SourceGuard {
     ceiling: AtomicI64,
     /// Serialises plausibility re-reads; holds when the last one started.
     reread: tokio::sync::Mutex<Option<Instant>>,
+    /// Counts the times a grant showed the source behind: a check that started before such a
+    /// moment must not reopen the guard with what it read.
+    trips: std::sync::atomic::AtomicU64,
+    /// `fencing.lock_key_template` split around `{account}`: which account a lock key fences.
+    lock_key: (String, String),
     metrics: GuardMetrics,
 }
 
@@ -75,6 +80,9 @@ pub const BEHIND_MESSAGE: &str = "the token source is behind the highest fencing
      (docs/operations.md)";
 const UNCHECKED_MESSAGE: &str = "the token source has not yet been checked against the \
      fencing marks (the database or etcd did not answer); nothing was granted, retry later";
+
+const UNREADABLE_MARK_MESSAGE: &str = "the grant could not be checked against its account's \
+     fencing mark (PostgreSQL did not answer); nothing was granted, retry later";
 
 /// The highest mark recorded; 0 when there is none.
 pub const MAX_MARK_SQL: &str =
@@ -117,12 +125,26 @@ impl SourceGuard {
             known_mark: AtomicI64::new(0),
             ceiling: AtomicI64::new(0),
             reread: tokio::sync::Mutex::new(None),
+            trips: std::sync::atomic::AtomicU64::new(0),
+            lock_key: (String::new(), String::new()),
             metrics: GuardMetrics {
                 behind,
                 checks,
                 implausible,
             },
         }
+    }
+
+    /// The lock keys whose grants fence an account: `prefix{account}suffix`.
+    pub fn with_lock_key_template(mut self, prefix: &str, suffix: &str) -> Self {
+        self.lock_key = (prefix.to_string(), suffix.to_string());
+        self
+    }
+
+    fn account_of<'k>(&self, key: &'k str) -> Option<&'k str> {
+        key.strip_prefix(self.lock_key.0.as_str())?
+            .strip_suffix(self.lock_key.1.as_str())
+            .filter(|account| !account.is_empty())
     }
 
     pub fn source(&self) -> &TokenSource {
@@ -135,6 +157,7 @@ impl SourceGuard {
 
     /// Reads the highest mark, then the position, and records the verdict.
     pub async fn check(&self) -> Result<Verdict, SourceError> {
+        let trips = self.trips.load(Ordering::Acquire);
         let outcome = async {
             let mark = highest_mark(&self.marks, self.timeout).await?;
             let position = self.source.position().await?;
@@ -154,6 +177,10 @@ impl SourceGuard {
         self.ceiling.fetch_max(position, Ordering::Relaxed);
         let verdict = if position < mark {
             Verdict::Behind { position, mark }
+        } else if self.trips.load(Ordering::Acquire) != trips {
+            // A grant showed the source behind while this check was reading: what it read
+            // is older than that, and reopens nothing.
+            return Ok(self.verdict());
         } else {
             Verdict::Ahead { position, mark }
         };
@@ -234,17 +261,31 @@ impl SourceGuard {
         }
     }
 
-    /// A grant made after `permit` returned `mark_before` carries `token`: fine if it is above
-    /// that mark. Otherwise the source has gone back: closes the guard and says so; the caller
-    /// ends the grant.
-    pub fn admit(&self, token: i64, mark_before: i64) -> Result<(), &'static str> {
+    /// A grant of lock `key` made after `permit` returned `mark_before` carries `token`: fine
+    /// if it is above that mark and above the current mark of the account the key fences
+    /// (read now, so that a source that went back since the last check is caught at the
+    /// first grant of an account it would repeat a token for). Otherwise the source has gone
+    /// back: closes the guard and says so; the caller ends the grant. A mark that cannot be
+    /// read refuses the grant too.
+    pub async fn admit(&self, key: &str, token: i64, mark_before: i64) -> Result<(), &'static str> {
         self.ceiling.fetch_max(token, Ordering::Relaxed);
-        if token > mark_before {
+        let mut mark = mark_before;
+        if let Some(account) = self.account_of(key) {
+            match account_mark(&self.marks, self.timeout, account).await {
+                Ok(current) => mark = mark.max(current),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the granted key's fencing mark");
+                    return Err(UNREADABLE_MARK_MESSAGE);
+                }
+            }
+        }
+        if token > mark {
             return Ok(());
         }
+        self.trips.fetch_add(1, Ordering::AcqRel);
         self.record(Verdict::Behind {
             position: token,
-            mark: mark_before,
+            mark,
         });
         Err(BEHIND_MESSAGE)
     }
@@ -303,6 +344,30 @@ impl IssuedTokens for SourceGuard {
         token: i64,
     ) -> std::pin::Pin<Box<dyn Future<Output = Result<bool, SourceError>> + Send + '_>> {
         Box::pin(SourceGuard::issued(self, token))
+    }
+}
+
+/// One account's mark, 0 when it has none.
+async fn account_mark(pool: &Pool, timeout: Duration, account: &str) -> Result<i64, SourceError> {
+    let read = async {
+        let client = pool.get().await.map_err(|e| e.to_string())?;
+        let row = client
+            .query_opt(
+                "SELECT highest_token FROM rail_high_water WHERE account_id = $1",
+                &[&account],
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<i64, String>(row.map_or(0, |r| r.get(0)))
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(Ok(mark)) => Ok(mark),
+        Ok(Err(e)) => Err(SourceError::Unavailable(format!(
+            "PostgreSQL (fencing marks): {e}"
+        ))),
+        Err(_) => Err(SourceError::Unavailable(format!(
+            "PostgreSQL (fencing marks): no answer within {timeout:?}"
+        ))),
     }
 }
 

@@ -127,9 +127,10 @@ impl<B: LockBackend> LockService<B> {
             if let (Ok((grant, _)), Some(guard), Some(mark)) = (&result, &self.guard, mark_before) {
                 // The guard may have closed while this acquire waited, or this very grant
                 // shows the source went back: either way the grant is ended, never handed out.
-                let verdict = guard
-                    .permit()
-                    .and_then(|_| guard.admit(grant.token.get(), mark));
+                let verdict = match guard.permit() {
+                    Ok(_) => guard.admit(key.as_str(), grant.token.get(), mark).await,
+                    Err(why) => Err(why),
+                };
                 if let Err(why) = verdict {
                     tracing::error!(
                         lock.token = grant.token.get(),

@@ -15,7 +15,7 @@ use super::guard::SourceGuard;
 use super::postgres::{PgLocks, listen_for_releases};
 use super::service::{LockLimits, LockMetrics, LockService};
 use super::source::TokenSource;
-use crate::config::{EtcdConfig, GuardConfig, LockBackendKind, LockConfig};
+use crate::config::{EtcdConfig, GuardConfig, LockBackendKind, LockConfig, LockKeyTemplate};
 
 /// A running lock service, its release watcher and its token-source guard.
 pub struct Locks {
@@ -39,6 +39,7 @@ impl Locks {
         config: &LockConfig,
         etcd: &EtcdConfig,
         guard: &GuardConfig,
+        lock_key_template: &LockKeyTemplate,
         database: LockDatabase<'_>,
         registry: &Registry,
     ) -> Self {
@@ -76,12 +77,10 @@ impl Locks {
                 (AnyBackend::Etcd(locks.clone()), Watch::Etcd(locks), source)
             }
         };
-        let source_guard = Arc::new(SourceGuard::new(
-            source,
-            database.pool.clone(),
-            database.timeout,
-            registry,
-        ));
+        let source_guard = Arc::new(
+            SourceGuard::new(source, database.pool.clone(), database.timeout, registry)
+                .with_lock_key_template(lock_key_template.prefix(), lock_key_template.suffix()),
+        );
         let service =
             Arc::new(LockService::new(backend, metrics, limits).with_guard(source_guard.clone()));
         // Releases (and, for etcd, expiries) wake this process's waiters at once; a watcher

@@ -287,19 +287,6 @@ where
                 &account,
                 token,
             )?;
-            if evidence == Evidence::Unproven {
-                let issued =
-                    tokio::time::timeout_at(deadline, config.grants.source.issued(token.get()))
-                        .await
-                        .map_err(|_| ClientTimeout(config.request_timeout))?
-                        .map_err(SourceUnavailable)?;
-                if !issued {
-                    return Err(ImplausibleToken {
-                        header: config.token_header.clone(),
-                    }
-                    .into());
-                }
-            }
             let idempotency_key = config.idempotency_key(request.headers())?;
             let span = tracing::Span::current();
             span.record("lock.token", token.get());
@@ -342,6 +329,22 @@ where
                 }
             });
             let request = Request::from_parts(parts, bytes);
+            // Last of all the checks, so that its answer is not a free oracle of the source's
+            // position: a probe that gets past it costs a fence check (and, at or above the
+            // mark, a real forward). Without proofs nothing more can be done; see README.
+            if evidence == Evidence::Unproven {
+                let issued =
+                    tokio::time::timeout_at(deadline, config.grants.source.issued(token.get()))
+                        .await
+                        .map_err(|_| ClientTimeout(config.request_timeout))?
+                        .map_err(SourceUnavailable)?;
+                if !issued {
+                    return Err(ImplausibleToken {
+                        header: config.token_header.clone(),
+                    }
+                    .into());
+                }
+            }
             inner
                 .call(FencedRequest {
                     token,
