@@ -1,5 +1,6 @@
 //! The admin listener: `/metrics`, `/healthz`, `/readyz`, and the operator's way out of an
-//! idempotency record in doubt (`POST /idempotency/forget`).
+//! idempotency record in doubt (`POST /idempotency/forget`). `/openapi.yaml` describes every
+//! listener's HTTP contract (`crate::openapi`).
 //!
 //! It has its own port (loopback by default) so that a scrape or a health probe never queues
 //! behind payment traffic, and so that the proxy's port carries nothing but the rail's API.
@@ -73,7 +74,12 @@ impl Admin {
             },
             (Method::POST, "/idempotency/forget") => self.forget(request).await,
             (Method::POST, "/marks") => self.mark(request).await,
-            (_, "/metrics" | "/healthz" | "/readyz" | "/idempotency/forget" | "/marks") => reply(
+            (Method::GET, "/openapi.yaml") => crate::openapi::response(),
+            (
+                _,
+                "/metrics" | "/healthz" | "/readyz" | "/idempotency/forget" | "/marks"
+                | "/openapi.yaml",
+            ) => reply(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "text/plain",
                 "method not allowed\n".into(),
@@ -81,7 +87,8 @@ impl Admin {
             _ => reply(
                 StatusCode::NOT_FOUND,
                 "text/plain",
-                "not found; try /metrics, /healthz, /readyz, POST /idempotency/forget, POST /marks\n"
+                "not found; try /metrics, /healthz, /readyz, POST /idempotency/forget, POST /marks, \
+                 /openapi.yaml\n"
                     .into(),
             ),
         })

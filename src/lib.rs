@@ -11,7 +11,8 @@
 //!   paydb fenced UPDATE).
 //! - [`proof`] — grant proofs: a token is good only for the lock key it was granted on.
 //! - [`db`] — the pool, migrations, and the embedded/throwaway PostgreSQL server.
-//! - [`admin`], [`metrics`], [`telemetry`] — what operators see.
+//! - [`admin`], [`metrics`], [`telemetry`] — what operators see; [`openapi`] — the document
+//!   of every listener's HTTP contract (`docs/openapi.yaml`), served by the admin listener.
 //! - [`railsim`] — a non-idempotent rail simulator for tests and demos; [`demo`] — T-042
 //!   played in one process (`railguard demo`).
 //! - [`config`], [`server`] — how it is configured, started and stopped; [`http`] — the body
@@ -27,6 +28,7 @@ pub mod demo;
 pub mod http;
 pub mod lock;
 pub mod metrics;
+pub mod openapi;
 pub mod proof;
 pub mod proxy;
 pub mod railsim;
