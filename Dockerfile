@@ -7,6 +7,8 @@ COPY src src
 COPY crates crates
 COPY migrations migrations
 COPY config config
+# The OpenAPI document is compiled in (served at /openapi.yaml on the admin listener).
+COPY docs docs
 RUN cargo build --release --locked -p railguard --bin railguard
 
 FROM debian:bookworm-slim

@@ -1,7 +1,8 @@
 //! The admin listener: `/metrics`, `/healthz`, `/readyz`, and the operator's actions: reading
 //! one account's mark (`POST /marks`), the way out of an idempotency record in doubt
 //! (`POST /idempotency/forget`) and of a poisoned account (`POST /recover`, [`recover`]).
-//! Actions that change something are recorded in `railguard_audit`.
+//! Actions that change something are recorded in `railguard_audit`. `/openapi.yaml`
+//! describes every listener's HTTP contract (`crate::openapi`).
 //!
 //! It has its own port (loopback by default) so that a scrape or a health probe never queues
 //! behind payment traffic, and so that the proxy's port carries nothing but the rail's API.
@@ -92,9 +93,11 @@ impl Admin {
             (Method::POST, "/idempotency/forget") => self.forget(request).await,
             (Method::POST, "/marks") => self.mark(request).await,
             (Method::POST, "/recover") => self.recover(request).await,
+            (Method::GET, "/openapi.yaml") => crate::openapi::response(),
             (
                 _,
-                "/metrics" | "/healthz" | "/readyz" | "/idempotency/forget" | "/marks" | "/recover",
+                "/metrics" | "/healthz" | "/readyz" | "/idempotency/forget" | "/marks" | "/recover"
+                | "/openapi.yaml",
             ) => reply(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "text/plain",
@@ -104,7 +107,7 @@ impl Admin {
                 StatusCode::NOT_FOUND,
                 "text/plain",
                 "not found; try /metrics, /healthz, /readyz, POST /idempotency/forget, POST /marks, \
-                 POST /recover\n"
+                 POST /recover, /openapi.yaml\n"
                     .into(),
             ),
         })

@@ -11,7 +11,8 @@
 //!   paydb fenced UPDATE).
 //! - [`proof`] — grant proofs: a token is good only for the lock key it was granted on.
 //! - [`db`] — the pool, migrations, and the embedded/throwaway PostgreSQL server.
-//! - [`admin`], [`metrics`], [`telemetry`] — what operators see.
+//! - [`admin`], [`metrics`], [`telemetry`] — what operators see; [`openapi`] — the document
+//!   of every listener's HTTP contract (`docs/openapi.yaml`), served by the admin listener.
 //! - [`railsim`] — a non-idempotent rail simulator for tests and demos; [`demo`] — T-042
 //!   played in one process (`railguard demo`).
 //! - [`fast_forward`] — moving the token source past every mark after a restore or a
@@ -30,6 +31,7 @@ pub mod fast_forward;
 pub mod http;
 pub mod lock;
 pub mod metrics;
+pub mod openapi;
 pub mod proof;
 pub mod proxy;
 pub mod railsim;

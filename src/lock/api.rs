@@ -96,16 +96,69 @@ impl ApiError {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Operation {
+/// What a request asks for; each operation is one route (method and path after the key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Operation {
     Acquire,
     Renew,
     Release,
     Inspect,
 }
 
+impl Operation {
+    /// Every route the API serves: `route` finds a request's operation here, and the OpenAPI
+    /// document is checked against this list (`crate::openapi`).
+    pub(crate) const ALL: [Operation; 4] = [
+        Operation::Acquire,
+        Operation::Renew,
+        Operation::Release,
+        Operation::Inspect,
+    ];
+
+    /// The path segment after the key, if any.
+    fn action(self) -> Option<&'static str> {
+        match self {
+            Operation::Acquire => Some("acquire"),
+            Operation::Renew => Some("renew"),
+            Operation::Release => Some("release"),
+            Operation::Inspect => None,
+        }
+    }
+
+    pub(crate) fn method(self) -> Method {
+        match self {
+            Operation::Inspect => Method::GET,
+            Operation::Acquire | Operation::Renew | Operation::Release => Method::POST,
+        }
+    }
+
+    /// The route as a path template, `/v1/locks/{key}/acquire`.
+    #[cfg(test)]
+    pub(crate) fn path(self) -> String {
+        match self.action() {
+            Some(action) => format!("/v1/locks/{{key}}/{action}"),
+            None => "/v1/locks/{key}".into(),
+        }
+    }
+
+    /// The operation at `action` (the path after the key) for `method`: 404 if no operation
+    /// has that path, 405 if none there takes that method.
+    fn find(action: Option<&str>, method: &Method) -> Result<Self, ApiError> {
+        let mut at_path = Self::ALL
+            .into_iter()
+            .filter(|operation| operation.action() == action)
+            .peekable();
+        if at_path.peek().is_none() {
+            return Err(ApiError::NotFound);
+        }
+        at_path
+            .find(|operation| operation.method() == method)
+            .ok_or(ApiError::MethodNotAllowed)
+    }
+}
+
 impl ApiError {
-    fn into_response(self) -> Response<ResponseBody> {
+    pub(crate) fn into_response(self) -> Response<ResponseBody> {
         let (status, code) = match &self {
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
@@ -135,6 +188,49 @@ impl ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
+    }
+}
+
+#[cfg(test)]
+impl ApiError {
+    /// One of each refusal the API renders, with the operations that may answer it (none: the
+    /// request matched no operation). `crate::openapi` checks each against the document; the
+    /// match below stops a new variant from compiling until it has an example here.
+    pub(crate) fn examples() -> Vec<(ApiError, Vec<Operation>)> {
+        use Operation::{Acquire, Release, Renew};
+        let mut examples = vec![
+            (ApiError::BadRequest("bad".into()), Operation::ALL.to_vec()),
+            (ApiError::NotFound, vec![]),
+            (ApiError::MethodNotAllowed, vec![]),
+            (ApiError::Lock(LockError::Held), vec![Acquire]),
+            (ApiError::Lock(LockError::Lost), vec![Renew, Release]),
+            (ApiError::Lock(LockError::TooManyWaiters(1)), vec![Acquire]),
+            (
+                ApiError::Lock(LockError::SourceBehind(crate::lock::guard::BEHIND_MESSAGE)),
+                vec![Acquire],
+            ),
+        ];
+        for operation in Operation::ALL {
+            let down = LockError::Unavailable("down".into());
+            examples.push((ApiError::from_lock(operation, down), vec![operation]));
+        }
+        for (example, _) in &examples {
+            match example {
+                ApiError::BadRequest(_)
+                | ApiError::NotFound
+                | ApiError::MethodNotAllowed
+                | ApiError::Unavailable { .. }
+                | ApiError::Lock(
+                    LockError::Held
+                    | LockError::Lost
+                    | LockError::TooManyWaiters(_)
+                    | LockError::SourceBehind(_),
+                ) => {}
+                // Never rendered: `from_lock` turns it into `Unavailable`, with its outcome.
+                ApiError::Lock(LockError::Unavailable(_)) => unreachable!(),
+            }
+        }
+        examples
     }
 }
 
@@ -187,9 +283,8 @@ impl<B: LockBackend> LockApi<B> {
             None => (rest, None),
         };
         let key = LockKey::parse(key).map_err(ApiError::BadRequest)?;
-        let method = request.method().clone();
-        match (action, method) {
-            (None, Method::GET) => {
+        match Operation::find(action, request.method())? {
+            Operation::Inspect => {
                 let inspection = self
                     .service
                     .inspect(&key)
@@ -197,11 +292,11 @@ impl<B: LockBackend> LockApi<B> {
                     .map_err(|e| ApiError::from_lock(Operation::Inspect, e))?;
                 Ok(json(StatusCode::OK, &inspection))
             }
-            (Some("acquire"), Method::POST) => {
+            Operation::Acquire => {
                 let body: AcquireRequest = read_json(request).await?;
                 self.acquire(key, body).await
             }
-            (Some("renew"), Method::POST) => {
+            Operation::Renew => {
                 let (token, secret) = read_token(request).await?;
                 let renewed = self
                     .service
@@ -218,7 +313,7 @@ impl<B: LockBackend> LockApi<B> {
                     },
                 ))
             }
-            (Some("release"), Method::POST) => {
+            Operation::Release => {
                 let (token, secret) = read_token(request).await?;
                 let released = self
                     .service
@@ -235,8 +330,6 @@ impl<B: LockBackend> LockApi<B> {
                 }
                 Ok(json(StatusCode::OK, &body))
             }
-            (None | Some("acquire" | "renew" | "release"), _) => Err(ApiError::MethodNotAllowed),
-            _ => Err(ApiError::NotFound),
         }
     }
 
@@ -339,4 +432,40 @@ async fn read_token(request: Request<Incoming>) -> Result<(FencingToken, LeaseSe
     })?;
     let secret = LeaseSecret::parse(&secret).map_err(ApiError::BadRequest)?;
     Ok((token, secret))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_finds_its_operation_or_a_404_or_a_405() {
+        let find = |action, method| Operation::find(action, &method);
+        assert_eq!(find(None, Method::GET).unwrap(), Operation::Inspect);
+        assert_eq!(
+            find(Some("acquire"), Method::POST).unwrap(),
+            Operation::Acquire
+        );
+        assert_eq!(find(Some("renew"), Method::POST).unwrap(), Operation::Renew);
+        assert_eq!(
+            find(Some("release"), Method::POST).unwrap(),
+            Operation::Release
+        );
+        for (action, method) in [
+            (None, Method::POST),
+            (Some("acquire"), Method::GET),
+            (Some("release"), Method::DELETE),
+        ] {
+            assert!(matches!(
+                find(action, method),
+                Err(ApiError::MethodNotAllowed)
+            ));
+        }
+        for action in ["steal", "", "acquire/more"] {
+            assert!(matches!(
+                find(Some(action), Method::POST),
+                Err(ApiError::NotFound)
+            ));
+        }
+    }
 }

@@ -92,30 +92,48 @@ impl Rejection {
     }
 }
 
+/// Every error type with a response of its own, one line per type, in the order each cause
+/// is tried against them. `crate::openapi` checks that each one's response is documented.
+const RESPONDERS: &[fn(&(dyn Error + 'static)) -> Option<Rejection>] = &[
+    |e| rescue(e, Rejection::fenced_out),
+    |e| rescue(e, Rejection::bad_request),
+    |e| rescue(e, Rejection::bad_proof),
+    |e| rescue(e, Rejection::implausible_token),
+    |e| rescue(e, Rejection::source_unavailable),
+    |e| rescue(e, Rejection::method_refused),
+    |e| rescue(e, Rejection::body_too_large),
+    |e| rescue(e, Rejection::client_timeout),
+    |e| rescue(e, Rejection::fence_unavailable),
+    |e| rescue(e, Rejection::idempotency_conflict),
+    |e| rescue(e, Rejection::idempotency_unavailable),
+    |e| rescue(e, Rejection::upstream_unavailable),
+    |e| rescue(e, Rejection::upstream_timeout),
+];
+
 /// Decides the response for `error`: the first error in its cause chain that has a response
-/// of its own, one line per error type.
+/// of its own (see [`RESPONDERS`]).
 pub fn rejection(error: &BoxError) -> Rejection {
+    match responder(error) {
+        Some((_, rejection)) => rejection,
+        None => Rejection::internal(error),
+    }
+}
+
+/// The first error in `error`'s cause chain that has a response: which responder answered it
+/// (its index in [`RESPONDERS`]), and the response.
+fn responder(error: &BoxError) -> Option<(usize, Rejection)> {
     let mut cause: Option<&(dyn Error + 'static)> = Some(error.as_ref());
     while let Some(e) = cause {
-        let found = rescue(e, Rejection::fenced_out)
-            .or_else(|| rescue(e, Rejection::bad_request))
-            .or_else(|| rescue(e, Rejection::bad_proof))
-            .or_else(|| rescue(e, Rejection::implausible_token))
-            .or_else(|| rescue(e, Rejection::source_unavailable))
-            .or_else(|| rescue(e, Rejection::method_refused))
-            .or_else(|| rescue(e, Rejection::body_too_large))
-            .or_else(|| rescue(e, Rejection::client_timeout))
-            .or_else(|| rescue(e, Rejection::fence_unavailable))
-            .or_else(|| rescue(e, Rejection::idempotency_conflict))
-            .or_else(|| rescue(e, Rejection::idempotency_unavailable))
-            .or_else(|| rescue(e, Rejection::upstream_unavailable))
-            .or_else(|| rescue(e, Rejection::upstream_timeout));
-        if let Some(rejection) = found {
-            return rejection;
+        let found = RESPONDERS
+            .iter()
+            .enumerate()
+            .find_map(|(i, respond)| respond(e).map(|rejection| (i, rejection)));
+        if found.is_some() {
+            return found;
         }
         cause = e.source();
     }
-    Rejection::internal(error)
+    None
 }
 
 /// `respond(e)` if `e` is a `T`.
@@ -299,6 +317,76 @@ impl Rejection {
     }
 }
 
+/// One error of each kind that has a response (every variant of those that are enums), and one
+/// that nobody knows (the 500): what `crate::openapi` checks against the document. A responder
+/// without an example here fails `every_responder_has_an_example`; the matches stop a new
+/// variant from compiling until it has one.
+#[cfg(test)]
+pub(crate) fn examples() -> Vec<BoxError> {
+    use std::time::Duration;
+
+    use http::{HeaderName, Method};
+
+    use crate::proxy::fence::StoreError;
+    use crate::proxy::forward::Sent;
+    use crate::token::{AccountId, FencingToken};
+
+    let header = HeaderName::from_static("fencing-token");
+    let bad_requests = [
+        BadRequest::Header {
+            header: header.clone(),
+            reason: "is missing".into(),
+        },
+        BadRequest::Body("reset".into()),
+    ];
+    for e in &bad_requests {
+        match e {
+            BadRequest::Header { .. } | BadRequest::Body(_) => {}
+        }
+    }
+    let conflicts = [
+        IdempotencyConflict::InFlight,
+        IdempotencyConflict::InDoubt,
+        IdempotencyConflict::Mismatch,
+    ];
+    for e in &conflicts {
+        match e {
+            IdempotencyConflict::InFlight
+            | IdempotencyConflict::InDoubt
+            | IdempotencyConflict::Mismatch => {}
+        }
+    }
+    let mut examples: Vec<BoxError> = vec![
+        Box::new(FencedOut {
+            account: AccountId::parse("acct-1", 64).expect("valid account"),
+            token: FencingToken::new(41).expect("valid token"),
+        }),
+        Box::new(BadProof {
+            header,
+            reason: "is missing",
+        }),
+        Box::new(ImplausibleToken {
+            header: HeaderName::from_static("fencing-token"),
+        }),
+        Box::new(SourceUnavailable(
+            crate::lock::source::SourceError::Unavailable("down".into()),
+        )),
+        Box::new(MethodRefused(Method::CONNECT)),
+        Box::new(BodyTooLarge { limit: 16 }),
+        Box::new(ClientTimeout(Duration::from_secs(1))),
+        Box::new(FenceUnavailable(StoreError::Overloaded)),
+        Box::new(IdempotencyUnavailable(crate::db::DbError::Pool(
+            "down".into(),
+        ))),
+        Box::new(UpstreamUnavailable("refused".into(), Sent::Never)),
+        Box::new(UpstreamTimeout::no_answer(Sent::Maybe)),
+        "an error nobody knows".into(),
+    ];
+    examples.extend(bad_requests.map(|e| -> BoxError { Box::new(e) }));
+    examples.extend(conflicts.map(|e| -> BoxError { Box::new(e) }));
+    examples
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -405,6 +493,22 @@ mod tests {
         assert!(!r.message.contains("secret_table"), "{}", r.message);
         let response = r.into_response();
         assert_eq!(response.headers()["retry-after"], "1");
+    }
+
+    #[test]
+    fn every_responder_has_an_example() {
+        let answered: std::collections::BTreeSet<usize> = examples()
+            .iter()
+            .filter_map(|e| responder(e).map(|(i, _)| i))
+            .collect();
+        let missing: Vec<usize> = (0..RESPONDERS.len())
+            .filter(|i| !answered.contains(i))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "RESPONDERS {missing:?} have no example in `examples()`, so the OpenAPI check \
+             cannot see their responses"
+        );
     }
 
     #[test]

@@ -14,8 +14,8 @@ use super::store::StoredResponse;
 use crate::http::{BoxError, ResponseBody, full};
 use crate::proxy::ProxyResponse;
 
-const REPLAYED: HeaderName = HeaderName::from_static("idempotency-replayed");
-const BODY_OMITTED: HeaderName = HeaderName::from_static("idempotency-replay-body");
+pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotency-replayed");
+pub(crate) const BODY_OMITTED: HeaderName = HeaderName::from_static("idempotency-replay-body");
 
 pub(super) fn replay(stored: StoredResponse) -> ProxyResponse {
     let omitted = stored.body.is_none();
