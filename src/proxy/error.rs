@@ -111,7 +111,7 @@ const RESPONDERS: &[fn(&(dyn Error + 'static)) -> Option<Rejection>] = &[
 ];
 
 /// Decides the response for `error`: the first error in its cause chain that has a response
-/// of its own (see [`RESPONDERS`]).
+/// of its own (see `RESPONDERS`).
 pub fn rejection(error: &BoxError) -> Rejection {
     match responder(error) {
         Some((_, rejection)) => rejection,
