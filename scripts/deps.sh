@@ -7,6 +7,7 @@
 #   etcd-server                         throwaway etcd members for the tests (only with --test)
 #   prometheus                          promtool for the alert rules' tests, and a throwaway
 #                                       Prometheus for tests/alerts.rs (only with --test)
+#   openssl                             the test kit's private CA for the TLS tests (only with --test)
 set -euo pipefail
 
 have_pg_server() {
@@ -23,6 +24,7 @@ command -v protoc >/dev/null || missing+=(protobuf-compiler)
 bare=()
 if [ "${1:-}" = "--test" ]; then
     command -v etcd >/dev/null || missing+=(etcd-server)
+    command -v openssl >/dev/null || missing+=(openssl)
     { [ -x /usr/bin/promtool ] && [ -x /usr/bin/prometheus ]; } || bare+=(prometheus)
 fi
 

@@ -9,6 +9,7 @@
 //! - [`Railguard`]: railguard itself, with a config written for the test and overrides on top.
 //! - [`Http`]: an HTTP client over real sockets; [`Metrics`]: a strict Prometheus text parser.
 //! - [`Prometheus`]: a real Prometheus server scraping railguard and evaluating alert rules.
+//! - [`Pki`]: a throwaway certificate authority (the `openssl` command) for TLS tests.
 //! - [`Relay`]: a TCP relay whose delay a test turns up, to make a slow network.
 //! - [`World`]: all of the above for one lock backend, and [`suite!`] to run the same
 //!   behavioural cases on every backend.
@@ -20,6 +21,7 @@
 pub mod etcd;
 mod http;
 mod pg;
+mod pki;
 mod process;
 mod prometheus;
 mod prometheus_server;
@@ -31,6 +33,7 @@ mod world;
 pub use etcd::{EtcdBuilder, EtcdCluster};
 pub use http::{Http, Reply};
 pub use pg::{Pg, PgBuilder};
+pub use pki::{Issued, Pki};
 pub use process::children_of;
 pub use prometheus::Metrics;
 pub use prometheus_server::Prometheus;
