@@ -20,6 +20,7 @@ use serde::Deserialize;
 
 pub mod recover;
 
+use crate::auth::{Authenticator, Listener, PeerCertificate, Permission, Refusal};
 use crate::config::LockKeyTemplate;
 use crate::http::{ResponseBody, full};
 use crate::lock::guard::{SourceGuard, Verdict};
@@ -38,6 +39,18 @@ pub struct Admin {
     pub max_account_len: usize,
     /// `fencing.lock_key_template`: the lock key a recovered account's grants use.
     pub lock_key_template: LockKeyTemplate,
+    /// `None`: authentication is off and every route is open.
+    pub auth: Option<Arc<Authenticator>>,
+}
+
+/// What a route needs of an operator, with authentication on. Health probes need nothing:
+/// a load balancer or an orchestrator asks them without credentials.
+fn permission_for(method: &Method, path: &str) -> Option<Permission> {
+    match (method, path) {
+        (&Method::POST, "/idempotency/forget" | "/recover") => Some(Permission::Write),
+        (_, "/healthz" | "/readyz") => None,
+        _ => Some(Permission::Read),
+    }
 }
 
 #[derive(Deserialize)]
@@ -70,11 +83,53 @@ fn reply(status: StatusCode, content_type: &'static str, body: String) -> Respon
 }
 
 impl Admin {
+    /// With authentication on: 401 without an operator's credentials, 403 without the
+    /// permission the route needs. Nothing is read or changed before this passes.
+    fn refusal(&self, request: &Request<Incoming>, path: &str) -> Option<Response<ResponseBody>> {
+        let auth = self.auth.as_ref()?;
+        let permission = permission_for(request.method(), path)?;
+        let identity = match auth.identify(
+            request.headers(),
+            request.extensions().get::<PeerCertificate>(),
+        ) {
+            Ok(identity) => identity,
+            Err(e) => {
+                auth.metrics
+                    .refused(Listener::Admin, Refusal::Unauthenticated);
+                let mut refused = reply(StatusCode::UNAUTHORIZED, "text/plain", format!("{e}\n"));
+                refused
+                    .headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, e.challenge());
+                return Some(refused);
+            }
+        };
+        if identity.may(permission) {
+            return None;
+        }
+        auth.metrics.refused(Listener::Admin, Refusal::Forbidden);
+        let what = match permission {
+            Permission::Read => "read",
+            Permission::Write => "write",
+        };
+        Some(reply(
+            StatusCode::FORBIDDEN,
+            "text/plain",
+            format!(
+                "identity {:?} may not do this: it needs an operator credential with {what:?}; \
+                 nothing was read or changed\n",
+                identity.name
+            ),
+        ))
+    }
+
     pub async fn handle(
         self,
         request: Request<Incoming>,
     ) -> Result<Response<ResponseBody>, Infallible> {
         let path = request.uri().path().to_string();
+        if let Some(refused) = self.refusal(&request, &path) {
+            return Ok(refused);
+        }
         Ok(match (request.method().clone(), path.as_str()) {
             (Method::GET, "/metrics") => reply(
                 StatusCode::OK,
@@ -302,7 +357,7 @@ fn bad_request(why: String) -> Response<ResponseBody> {
 /// The `idempotency-forget` command: asks the railguard whose admin listener is `admin` to
 /// forget `key` of `account`. Returns its answer, as an error unless it forgot the record.
 pub async fn forget_idempotency_key(
-    admin: SocketAddr,
+    admin: &AdminEndpoint,
     account: &str,
     key: &str,
 ) -> Result<String, String> {
@@ -313,7 +368,7 @@ pub async fn forget_idempotency_key(
 /// The `recover-account` command: moves the token source past `account`'s mark through the
 /// admin listener `admin`, audited with `reason`. Returns the JSON answer.
 pub async fn recover_account(
-    admin: SocketAddr,
+    admin: &AdminEndpoint,
     account: &str,
     reason: &str,
 ) -> Result<String, String> {
@@ -322,7 +377,7 @@ pub async fn recover_account(
 }
 
 /// The `marks` command: one account's mark, read through the admin listener `admin`.
-pub async fn read_mark(admin: SocketAddr, account: &str) -> Result<i64, String> {
+pub async fn read_mark(admin: &AdminEndpoint, account: &str) -> Result<i64, String> {
     let text = ask(admin, "/marks", serde_json::json!({ "account": account })).await?;
     serde_json::from_str::<serde_json::Value>(&text)
         .ok()
@@ -330,26 +385,43 @@ pub async fn read_mark(admin: SocketAddr, account: &str) -> Result<i64, String> 
         .ok_or_else(|| format!("unexpected answer: {text}"))
 }
 
+/// The environment variable whose bearer secret the operator commands (`marks`, `inspect`,
+/// `idempotency-forget`, `recover-account`) send to a railguard with authentication on.
+pub const SECRET_VAR: &str = "RAILGUARD_SECRET";
+
+/// A running railguard's admin listener, as the operator commands reach it.
+#[derive(Debug, Clone)]
+pub struct AdminEndpoint {
+    pub addr: SocketAddr,
+    /// The operator's bearer secret (`$RAILGUARD_SECRET`), for a railguard with
+    /// authentication on.
+    pub secret: Option<String>,
+}
+
 /// POSTs `body` to `path` on the admin listener `admin`; its text, as an error unless 200.
-async fn ask(admin: SocketAddr, path: &str, body: serde_json::Value) -> Result<String, String> {
+async fn ask(admin: &AdminEndpoint, path: &str, body: serde_json::Value) -> Result<String, String> {
     ask_within(admin, path, body, Duration::from_secs(10)).await
 }
 
 async fn ask_within(
-    admin: SocketAddr,
+    admin: &AdminEndpoint,
     path: &str,
     body: serde_json::Value,
     limit: Duration,
 ) -> Result<String, String> {
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::TokioExecutor;
-    let host = if admin.ip().is_unspecified() {
-        SocketAddr::from(([127, 0, 0, 1], admin.port()))
+    let host = if admin.addr.ip().is_unspecified() {
+        SocketAddr::from(([127, 0, 0, 1], admin.addr.port()))
     } else {
-        admin
+        admin.addr
     };
-    let request = Request::post(format!("http://{host}{path}"))
-        .header(header::CONTENT_TYPE, "application/json")
+    let mut request = Request::post(format!("http://{host}{path}"))
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(secret) = &admin.secret {
+        request = request.header(header::AUTHORIZATION, format!("Bearer {secret}"));
+    }
+    let request = request
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| e.to_string())?;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();

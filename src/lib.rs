@@ -24,6 +24,7 @@
 //! value. No API here re-reads a token, and nothing stores one where a writer could pick it up.
 
 pub mod admin;
+pub mod auth;
 pub mod config;
 pub mod db;
 pub mod demo;

@@ -139,6 +139,10 @@ enum Command {
         #[arg(long)]
         key: String,
     },
+    /// Make a new bearer secret for the credentials file (`[auth] credentials_file`): prints
+    /// the secret (give it to the worker or operator, once) and the `sha256:` line to list
+    /// in the file. railguard never stores or logs the secret itself.
+    CredentialsNewSecret,
     /// Run the rail simulator: a non-idempotent rail that accepts every POST as a new payment
     /// and lists what it received at GET /ledger.
     RailSim {
@@ -230,8 +234,12 @@ fn main() -> ExitCode {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
-                match railguard::admin::forget_idempotency_key(config.admin.listen, &account, &key)
-                    .await
+                match railguard::admin::forget_idempotency_key(
+                    &admin_endpoint(&config),
+                    &account,
+                    &key,
+                )
+                .await
                 {
                     Ok(message) => {
                         println!("{message}");
@@ -240,11 +248,26 @@ fn main() -> ExitCode {
                     Err(message) => fail(&message),
                 }
             }
+            Command::CredentialsNewSecret => {
+                let secret = railguard::auth::secret::generate();
+                println!("secret: {secret}");
+                println!(
+                    "for the credentials file: secrets = [\"{}\"]",
+                    railguard::auth::secret::digest_text(&secret)
+                );
+                ExitCode::SUCCESS
+            }
             Command::CheckConfig { config: path } => match load(&path) {
-                Ok(config) => {
-                    println!("{}: ok — {}", path.display(), summary(&config));
-                    ExitCode::SUCCESS
-                }
+                Ok(config) => match check_credentials(&config) {
+                    Ok(identities) => {
+                        println!("{}: ok — {}{identities}", path.display(), summary(&config));
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        eprintln!("railguard: configuration error: {e}");
+                        ExitCode::from(2)
+                    }
+                },
                 Err(code) => code,
             },
             Command::Marks { config, account } => {
@@ -252,7 +275,7 @@ fn main() -> ExitCode {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
-                match railguard::admin::read_mark(config.admin.listen, &account).await {
+                match railguard::admin::read_mark(&admin_endpoint(&config), &account).await {
                     Ok(0) => {
                         println!("{account}: no mark (no token accepted yet)");
                         ExitCode::SUCCESS
@@ -275,8 +298,14 @@ fn main() -> ExitCode {
                 } else {
                     listen
                 };
-                let client = railguard::sdk::LockClient::new(format!("http://{host}"))
+                let mut client = railguard::sdk::LockClient::new(format!("http://{host}"))
                     .with_timeout(Duration::from_secs(5));
+                if let Some(secret) = cli_secret() {
+                    client = match client.with_bearer(&secret) {
+                        Ok(client) => client,
+                        Err(e) => return fail(&format!("${}: {e}", railguard::admin::SECRET_VAR)),
+                    };
+                }
                 match client.inspect(&key).await {
                     Ok(status) => {
                         println!("{}", describe(&status));
@@ -356,7 +385,7 @@ fn main() -> ExitCode {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
-                match railguard::admin::recover_account(config.admin.listen, &account, &reason)
+                match railguard::admin::recover_account(&admin_endpoint(&config), &account, &reason)
                     .await
                 {
                     Ok(answer) => {
@@ -652,6 +681,36 @@ fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
             Err(ExitCode::from(2))
         }
     }
+}
+
+/// `$RAILGUARD_SECRET`, if set and not empty: the bearer secret the operator commands send.
+#[allow(clippy::disallowed_methods)] // main reads the environment
+fn cli_secret() -> Option<String> {
+    std::env::var(railguard::admin::SECRET_VAR)
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+}
+
+fn admin_endpoint(config: &Config) -> railguard::admin::AdminEndpoint {
+    railguard::admin::AdminEndpoint {
+        addr: config.admin.listen,
+        secret: cli_secret(),
+    }
+}
+
+/// Reads the credentials file, if there is one: what `check-config` adds to its summary.
+fn check_credentials(config: &Config) -> Result<String, String> {
+    if !config.auth.enabled() {
+        return Ok(", authentication off".into());
+    }
+    let template = &config.fencing.lock_key_template;
+    let shape = railguard::auth::LockKeyShape {
+        prefix: template.prefix().to_string(),
+        suffix: template.suffix().to_string(),
+    };
+    let credentials = railguard::auth::Credentials::load(&config.auth.credentials_file, &shape)
+        .map_err(|e| format!("auth.credentials_file: {e}"))?;
+    Ok(format!(", {} identities", credentials.names().len()))
 }
 
 fn fail(error: &dyn std::fmt::Display) -> ExitCode {

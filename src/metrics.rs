@@ -27,10 +27,14 @@ pub enum Outcome {
     IdempotentRefused,
     /// A repeat of an idempotency key answered from the stored response.
     Replayed,
+    /// No or unknown credentials (401).
+    Unauthenticated,
+    /// An identity that may not pay on the account, or a grant issued to another (403).
+    Forbidden,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 12] = [
+    pub const ALL: [Outcome; 14] = [
         Outcome::Forwarded,
         Outcome::FencedOut,
         Outcome::BadRequest,
@@ -43,6 +47,8 @@ impl Outcome {
         Outcome::Internal,
         Outcome::IdempotentRefused,
         Outcome::Replayed,
+        Outcome::Unauthenticated,
+        Outcome::Forbidden,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -59,6 +65,8 @@ impl Outcome {
             Outcome::Internal => "internal",
             Outcome::IdempotentRefused => "idempotent_refused",
             Outcome::Replayed => "replayed",
+            Outcome::Unauthenticated => "unauthenticated",
+            Outcome::Forbidden => "forbidden",
         }
     }
 }

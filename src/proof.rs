@@ -20,8 +20,10 @@ use sha2::Sha256;
 
 use crate::token::FencingToken;
 
-/// Prefix of the wire form; a later key rotation can introduce `v2.` beside it.
+/// Prefix of the wire form of a proof that binds (lock key, token).
 const VERSION: &str = "v1.";
+/// Prefix of a proof that also binds the holder's authenticated identity (issue 12).
+const VERSION_BOUND: &str = "v2.";
 /// Separates the fields of the signed message; lock keys and tokens never contain it.
 const SEPARATOR: u8 = 0;
 /// Name of the proof key's row in `railguard_secret`.
@@ -55,6 +57,48 @@ impl ProofKey {
         mac.update(&[SEPARATOR]);
         mac.update(token.to_string().as_bytes());
         mac
+    }
+
+    fn bound_mac_of(&self, lock_key: &str, token: FencingToken, holder: &str) -> Hmac<Sha256> {
+        let mut mac = self.mac.clone();
+        mac.update(b"railguard grant to");
+        mac.update(&[SEPARATOR]);
+        mac.update(holder.as_bytes());
+        mac.update(&[SEPARATOR]);
+        mac.update(lock_key.as_bytes());
+        mac.update(&[SEPARATOR]);
+        mac.update(token.to_string().as_bytes());
+        mac
+    }
+
+    /// The proof of a grant of `lock_key` with `token` to the authenticated identity
+    /// `holder`: with authentication on, the proxy accepts it only from that identity.
+    pub fn sign_for(&self, lock_key: &str, token: FencingToken, holder: &str) -> String {
+        let tag = self
+            .bound_mac_of(lock_key, token, holder)
+            .finalize()
+            .into_bytes();
+        let mut text = String::with_capacity(VERSION_BOUND.len() + 64);
+        text.push_str(VERSION_BOUND);
+        text.push_str(&hex(&tag));
+        text
+    }
+
+    /// Whether `proof` is the proof of a grant of `lock_key` with `token` to `holder`.
+    /// Compares in constant time. A proof without a holder (`v1.`) is not one.
+    pub fn verify_for(
+        &self,
+        lock_key: &str,
+        token: FencingToken,
+        holder: &str,
+        proof: &str,
+    ) -> bool {
+        let Some(tag) = proof.strip_prefix(VERSION_BOUND).and_then(unhex) else {
+            return false;
+        };
+        self.bound_mac_of(lock_key, token, holder)
+            .verify_slice(&tag)
+            .is_ok()
     }
 
     /// The proof of a grant of `lock_key` with `token`, in its wire form.
@@ -161,6 +205,34 @@ mod tests {
             !other.verify("acct-B", t(42), &proof),
             "another railguard's key"
         );
+    }
+
+    #[test]
+    fn a_bound_proof_binds_the_holder_too() {
+        let key = ProofKey::from_bytes(&[7; 32]);
+        let proof = key.sign_for("acct-B", t(42), "eu");
+        assert!(proof.starts_with("v2.") && proof.len() == 3 + 64, "{proof}");
+        assert!(key.verify_for("acct-B", t(42), "eu", &proof));
+        assert!(
+            !key.verify_for("acct-B", t(42), "us", &proof),
+            "another identity"
+        );
+        assert!(
+            !key.verify_for("acct-A", t(42), "eu", &proof),
+            "another key"
+        );
+        assert!(
+            !key.verify_for("acct-B", t(41), "eu", &proof),
+            "another token"
+        );
+        assert!(!key.verify("acct-B", t(42), &proof), "not a v1 proof");
+        let unbound = key.sign("acct-B", t(42));
+        assert!(
+            !key.verify_for("acct-B", t(42), "eu", &unbound),
+            "an unbound proof is no proof of a grant to anyone"
+        );
+        // Separators keep (holder, key) pairs apart that would concatenate alike.
+        assert_ne!(key.sign_for("b", t(1), "a"), key.sign_for("", t(1), "ab"));
     }
 
     #[test]

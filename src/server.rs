@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tower::ServiceExt;
 
 use crate::admin::Admin;
+use crate::auth::{AuthMetrics, Authenticator, LockKeyShape};
 use crate::config::Config;
 use crate::db::{Database, DatabaseError};
 use crate::http::serve;
@@ -51,6 +52,8 @@ pub enum ServeError {
     Instance,
     #[error("cannot read or create the grant proof key in PostgreSQL: {0}")]
     ProofKey(String),
+    #[error("credentials (key `auth.credentials_file`): {0}")]
+    Credentials(#[from] crate::auth::CredentialsError),
     #[error("the embedded PostgreSQL exited unexpectedly ({0}); see its log in the data directory")]
     EmbeddedDied(String),
 }
@@ -91,6 +94,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let metrics = Arc::new(Metrics::new());
+    // Credentials first: a broken file fails the start before anything is opened.
+    let auth = load_credentials(&config, &metrics)?;
     if !config.fencing.enforce {
         tracing::error!(
             "!!! FENCING IS DISABLED (fencing.enforce = false) !!! Stale tokens WILL reach the \
@@ -200,6 +205,7 @@ pub async fn run(
             proofs.clone(),
             locks.guard.clone(),
             &metrics,
+            auth.clone(),
         )),
         FenceLayer::new(Arc::new(FencePoint::new(
             marks.clone(),
@@ -216,7 +222,10 @@ pub async fn run(
         forward,
         metrics.clone(),
     );
-    let lock_api = LockApi::new(locks.service.clone(), proofs);
+    let lock_api = LockApi::new(locks.service.clone(), proofs, auth.clone());
+    let credentials_watch = auth
+        .as_ref()
+        .map(|auth| auth.watch(config.auth.reload_interval));
     let admin = Admin {
         metrics,
         guard: locks.guard.clone(),
@@ -224,6 +233,7 @@ pub async fn run(
         idempotency: idempotency_store,
         max_account_len: config.proxy.max_account_len,
         lock_key_template: config.fencing.lock_key_template.clone(),
+        auth: auth.clone(),
     };
 
     let grace = config.shutdown.grace;
@@ -300,6 +310,9 @@ pub async fn run(
     let _ = lock_task.await;
     let _ = admin_task.await;
     locks.stop();
+    if let Some(watch) = credentials_watch {
+        watch.abort();
+    }
     sweeper.abort();
     instance_task.abort();
     database.shutdown().await;
@@ -316,6 +329,7 @@ fn extract_config(
     proofs: Arc<ProofKey>,
     source: Arc<SourceGuard>,
     metrics: &Metrics,
+    auth: Option<Arc<Authenticator>>,
 ) -> ExtractConfig {
     ExtractConfig {
         token_header: config.proxy.token_header.clone(),
@@ -334,7 +348,37 @@ fn extract_config(
             unproven: metrics.unproven_tokens.clone(),
             source,
         },
+        auth,
     }
+}
+
+/// The credentials file in force, if `auth.credentials_file` names one.
+fn load_credentials(
+    config: &Config,
+    metrics: &Metrics,
+) -> Result<Option<Arc<Authenticator>>, ServeError> {
+    let auth_metrics = AuthMetrics::register(metrics.registry());
+    if !config.auth.enabled() {
+        tracing::warn!(
+            "authentication is off (auth.credentials_file is empty): anyone who can reach the \
+             lock listener can take any lock, anyone who can reach the proxy can pay on any \
+             account with a grant, and the admin listener's operator actions are open"
+        );
+        return Ok(None);
+    }
+    let template = &config.fencing.lock_key_template;
+    let auth = Authenticator::load(
+        &config.auth.credentials_file,
+        LockKeyShape {
+            prefix: template.prefix().to_string(),
+            suffix: template.suffix().to_string(),
+        },
+        config.auth.lock_requests_per_s,
+        auth_metrics,
+    )?;
+    tracing::info!(file = %config.auth.credentials_file.display(),
+        "authentication is on for the lock, proxy and admin listeners");
+    Ok(Some(auth))
 }
 
 async fn load_proof_key(pool: &deadpool_postgres::Pool) -> Result<ProofKey, String> {

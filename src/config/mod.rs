@@ -49,6 +49,7 @@ pub struct Config {
     pub idempotency: IdempotencyConfig,
     pub etcd: EtcdConfig,
     pub guard: GuardConfig,
+    pub auth: AuthConfig,
 }
 
 /// `[proxy]`: the listener payment workers talk to and the rail behind it.
@@ -492,6 +493,54 @@ impl GuardConfig {
     }
 }
 
+/// `[auth]`: who may call railguard (`crate::auth`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// The credentials file (hashed secrets, certificate fingerprints, and what each identity
+    /// may touch). Empty: no authentication on any listener.
+    pub credentials_file: PathBuf,
+    /// How often the credentials file is checked for changes.
+    #[serde(rename = "reload_interval_ms", with = "millis")]
+    pub reload_interval: Duration,
+    /// Lock-API requests per second per identity, unless the identity has its own limit.
+    pub lock_requests_per_s: u32,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        Self {
+            credentials_file: PathBuf::new(),
+            reload_interval: Duration::from_secs(1),
+            lock_requests_per_s: 200,
+        }
+    }
+}
+
+impl AuthConfig {
+    /// Whether authentication is on.
+    pub fn enabled(&self) -> bool {
+        !self.credentials_file.as_os_str().is_empty()
+    }
+
+    fn validate(&self) -> Result<(), Invalid> {
+        if !(Duration::from_millis(50)..=Duration::from_secs(3600)).contains(&self.reload_interval)
+        {
+            return Err((
+                "auth.reload_interval_ms",
+                "must be between 50 ms and one hour".into(),
+            ));
+        }
+        if !(1..=1_000_000).contains(&self.lock_requests_per_s) {
+            return Err((
+                "auth.lock_requests_per_s",
+                "must be between 1 and 1000000".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// `[shutdown]`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -591,6 +640,15 @@ impl Config {
         self.idempotency.validate()?;
         self.log.validate()?;
         self.guard.validate()?;
+        self.auth.validate()?;
+        if self.auth.enabled() && !self.fencing.require_proof {
+            return Err((
+                "fencing.require_proof",
+                "must be true when auth.credentials_file is set: only the grant proof ties a \
+                 grant to the identity it was issued to"
+                    .into(),
+            ));
+        }
         positive("shutdown.grace_ms", self.shutdown.grace)?;
         if self.fencing.batch_concurrency > self.database.pool_size {
             return Err((

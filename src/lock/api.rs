@@ -39,6 +39,9 @@ use serde::Serialize;
 
 use super::service::LockService;
 use super::{LeaseSecret, LockBackend, LockError, LockKey, parse_holder};
+use crate::auth::{
+    Authenticator, Identity, Listener, PeerCertificate, Refusal, Role, Unauthenticated,
+};
 use crate::http::{ResponseBody, full};
 use crate::proof::ProofKey;
 use crate::token::FencingToken;
@@ -55,6 +58,12 @@ pub enum ApiError {
     NotFound,
     #[error("method not allowed here")]
     MethodNotAllowed,
+    #[error(transparent)]
+    Unauthenticated(#[from] Unauthenticated),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("too many lock requests from this identity; slow down")]
+    RateLimited,
     #[error(transparent)]
     Lock(#[from] LockError),
     #[error("the lock backend did not answer in time: {why}. {meaning}")]
@@ -162,6 +171,9 @@ impl ApiError {
         let (status, code) = match &self {
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+            ApiError::Unauthenticated(_) => (StatusCode::UNAUTHORIZED, "unauthenticated"),
+            ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
+            ApiError::RateLimited => (StatusCode::TOO_MANY_REQUESTS, "rate_limited"),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::Lock(LockError::Held) => (StatusCode::CONFLICT, "held"),
             ApiError::Lock(LockError::Lost) => (StatusCode::GONE, "lost"),
@@ -182,6 +194,11 @@ impl ApiError {
             _ => {}
         }
         let mut response = json(status, &body);
+        if let ApiError::Unauthenticated(e) = &self {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, e.challenge());
+        }
         if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
             response
                 .headers_mut()
@@ -201,6 +218,12 @@ impl ApiError {
         let mut examples = vec![
             (ApiError::BadRequest("bad".into()), Operation::ALL.to_vec()),
             (ApiError::NotFound, vec![]),
+            (
+                ApiError::Unauthenticated(Unauthenticated::Missing),
+                Operation::ALL.to_vec(),
+            ),
+            (ApiError::Forbidden("no".into()), Operation::ALL.to_vec()),
+            (ApiError::RateLimited, Operation::ALL.to_vec()),
             (ApiError::MethodNotAllowed, vec![]),
             (ApiError::Lock(LockError::Held), vec![Acquire]),
             (ApiError::Lock(LockError::Lost), vec![Renew, Release]),
@@ -218,6 +241,9 @@ impl ApiError {
             match example {
                 ApiError::BadRequest(_)
                 | ApiError::NotFound
+                | ApiError::Unauthenticated(_)
+                | ApiError::Forbidden(_)
+                | ApiError::RateLimited
                 | ApiError::MethodNotAllowed
                 | ApiError::Unavailable { .. }
                 | ApiError::Lock(
@@ -247,6 +273,8 @@ fn json(status: StatusCode, value: &impl Serialize) -> Response<ResponseBody> {
 pub struct LockApi<B> {
     service: Arc<LockService<B>>,
     proofs: Arc<ProofKey>,
+    /// `None`: authentication is off and every caller is anonymous.
+    auth: Option<Arc<Authenticator>>,
 }
 
 impl<B> Clone for LockApi<B> {
@@ -254,15 +282,71 @@ impl<B> Clone for LockApi<B> {
         Self {
             service: self.service.clone(),
             proofs: self.proofs.clone(),
+            auth: self.auth.clone(),
         }
     }
 }
 
 impl<B: LockBackend> LockApi<B> {
     /// `proofs` signs every grant for the proxy (the key every railguard on the database
-    /// shares).
-    pub fn new(service: Arc<LockService<B>>, proofs: Arc<ProofKey>) -> Self {
-        Self { service, proofs }
+    /// shares); `auth`, when set, decides who may call and which keys they may touch.
+    pub fn new(
+        service: Arc<LockService<B>>,
+        proofs: Arc<ProofKey>,
+        auth: Option<Arc<Authenticator>>,
+    ) -> Self {
+        Self {
+            service,
+            proofs,
+            auth,
+        }
+    }
+
+    /// The caller's identity, if authentication is on: 401 without one, 429 over its rate.
+    fn authenticate(&self, request: &Request<Incoming>) -> Result<Option<Arc<Identity>>, ApiError> {
+        let Some(auth) = &self.auth else {
+            return Ok(None);
+        };
+        let identity = auth
+            .identify(
+                request.headers(),
+                request.extensions().get::<PeerCertificate>(),
+            )
+            .map_err(|e| {
+                auth.metrics
+                    .refused(Listener::Lock, Refusal::Unauthenticated);
+                ApiError::Unauthenticated(e)
+            })?;
+        let Role::Worker {
+            lock_requests_per_s,
+            ..
+        } = identity.role
+        else {
+            auth.metrics.refused(Listener::Lock, Refusal::Forbidden);
+            return Err(ApiError::Forbidden(
+                "an operator credential opens nothing on the lock API".into(),
+            ));
+        };
+        if !auth.lock_rate.admit(&identity.name, lock_requests_per_s) {
+            auth.metrics.refused(Listener::Lock, Refusal::RateLimited);
+            return Err(ApiError::RateLimited);
+        }
+        Ok(Some(identity))
+    }
+
+    /// 403 unless `identity` (if any) may touch `key`.
+    fn authorize(&self, identity: Option<&Identity>, key: &LockKey) -> Result<(), ApiError> {
+        match (identity, &self.auth) {
+            (Some(identity), Some(auth)) if !identity.may_lock(key.as_str()) => {
+                auth.metrics.refused(Listener::Lock, Refusal::Forbidden);
+                Err(ApiError::Forbidden(format!(
+                    "identity {:?} may not lock {:?}",
+                    identity.name,
+                    key.as_str()
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     pub async fn handle(
@@ -276,6 +360,7 @@ impl<B: LockBackend> LockApi<B> {
     }
 
     async fn route(&self, request: Request<Incoming>) -> Result<Response<ResponseBody>, ApiError> {
+        let identity = self.authenticate(&request)?;
         let path = request.uri().path().to_string();
         let rest = path.strip_prefix("/v1/locks/").ok_or(ApiError::NotFound)?;
         let (key, action) = match rest.split_once('/') {
@@ -283,7 +368,9 @@ impl<B: LockBackend> LockApi<B> {
             None => (rest, None),
         };
         let key = LockKey::parse(key).map_err(ApiError::BadRequest)?;
-        match Operation::find(action, request.method())? {
+        let operation = Operation::find(action, request.method())?;
+        self.authorize(identity.as_deref(), &key)?;
+        match operation {
             Operation::Inspect => {
                 let inspection = self
                     .service
@@ -294,7 +381,7 @@ impl<B: LockBackend> LockApi<B> {
             }
             Operation::Acquire => {
                 let body: AcquireRequest = read_json(request).await?;
-                self.acquire(key, body).await
+                self.acquire(key, body, identity.as_deref()).await
             }
             Operation::Renew => {
                 let (token, secret) = read_token(request).await?;
@@ -337,9 +424,26 @@ impl<B: LockBackend> LockApi<B> {
         &self,
         key: LockKey,
         body: AcquireRequest,
+        identity: Option<&Identity>,
     ) -> Result<Response<ResponseBody>, ApiError> {
         let limits = self.service.limits();
-        let holder = parse_holder(&body.holder).map_err(ApiError::BadRequest)?;
+        // With authentication on, the holder is the authenticated identity: a request may
+        // leave `holder` out or repeat the identity's name, nothing else.
+        let holder = match identity {
+            None => parse_holder(&body.holder).map_err(ApiError::BadRequest)?,
+            Some(identity) if body.holder.is_empty() || body.holder == identity.name => {
+                identity.name.clone()
+            }
+            Some(identity) => {
+                if let Some(auth) = &self.auth {
+                    auth.metrics.refused(Listener::Lock, Refusal::Forbidden);
+                }
+                return Err(ApiError::Forbidden(format!(
+                    "the holder is the authenticated identity {:?}; leave `holder` out or send that",
+                    identity.name
+                )));
+            }
+        };
         let ttl = Duration::from_millis(body.ttl_ms);
         if ttl < limits.min_ttl || ttl > limits.max_ttl {
             return Err(ApiError::BadRequest(format!(
@@ -360,7 +464,12 @@ impl<B: LockBackend> LockApi<B> {
             .acquire(&key, &holder, ttl, wait)
             .await
             .map_err(|e| ApiError::from_lock(Operation::Acquire, e))?;
-        let fencing_proof = self.proofs.sign(grant.key.as_str(), grant.token);
+        let fencing_proof = match identity {
+            Some(identity) => self
+                .proofs
+                .sign_for(grant.key.as_str(), grant.token, &identity.name),
+            None => self.proofs.sign(grant.key.as_str(), grant.token),
+        };
         // Rounded down: the client's bound on when the lease began must not be late.
         let waited_ms = waited.as_millis() as u64;
         Ok(json(

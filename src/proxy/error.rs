@@ -16,6 +16,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde::Serialize;
 
+use super::authorize::{Forbidden, Unauthorized};
 use super::extract::{
     BadProof, BadRequest, BodyTooLarge, ClientTimeout, ImplausibleToken, MethodRefused,
     SourceUnavailable,
@@ -85,6 +86,12 @@ impl Rejection {
             HeaderValue::from_static("application/json"),
         );
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                crate::auth::Unauthenticated::Missing.challenge(),
+            );
+        }
         if self.status == StatusCode::SERVICE_UNAVAILABLE {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
@@ -95,6 +102,8 @@ impl Rejection {
 /// Every error type with a response of its own, one line per type, in the order each cause
 /// is tried against them. `crate::openapi` checks that each one's response is documented.
 const RESPONDERS: &[fn(&(dyn Error + 'static)) -> Option<Rejection>] = &[
+    |e| rescue(e, Rejection::unauthorized),
+    |e| rescue(e, Rejection::forbidden),
     |e| rescue(e, Rejection::fenced_out),
     |e| rescue(e, Rejection::bad_request),
     |e| rescue(e, Rejection::bad_proof),
@@ -146,6 +155,26 @@ fn rescue<T: Error + 'static>(
 
 /// The response of each error type.
 impl Rejection {
+    fn unauthorized(e: &Unauthorized) -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            Outcome::Unauthenticated,
+            "unauthenticated",
+            Origin::Client,
+            e.to_string(),
+        )
+    }
+
+    fn forbidden(e: &Forbidden) -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            Outcome::Forbidden,
+            "forbidden",
+            Origin::Client,
+            e.to_string(),
+        )
+    }
+
     fn fenced_out(e: &FencedOut) -> Self {
         let mut r = Self::new(
             StatusCode::CONFLICT,
@@ -357,6 +386,10 @@ pub(crate) fn examples() -> Vec<BoxError> {
         }
     }
     let mut examples: Vec<BoxError> = vec![
+        Box::new(Unauthorized(crate::auth::Unauthenticated::Missing)),
+        Box::new(Forbidden {
+            reason: "identity \"eu\" may not pay on this account".into(),
+        }),
         Box::new(FencedOut {
             account: AccountId::parse("acct-1", 64).expect("valid account"),
             token: FencingToken::new(41).expect("valid token"),

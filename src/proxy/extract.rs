@@ -30,6 +30,7 @@ use hyper::body::Body;
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
+use super::authorize::{self, Forbidden};
 use super::{BoxError, FencedRequest, IdempotencyKey, ProxyResponse};
 use crate::token::{AccountId, FencingToken};
 
@@ -78,6 +79,8 @@ pub struct ExtractConfig {
     pub request_timeout: Duration,
     pub proof_header: HeaderName,
     pub grants: GrantCheck,
+    /// `None`: authentication is off (see `super::authorize`).
+    pub auth: Option<std::sync::Arc<crate::auth::Authenticator>>,
 }
 
 /// How a token is tied to the account it is presented for.
@@ -127,37 +130,56 @@ impl GrantCheck {
         key
     }
 
-    /// Checks the proof sent with `token` for `account`.
+    /// Checks the proof sent with `token` for `account`, and with authentication on, that it
+    /// is the proof of a grant to `caller`.
     fn check(
         &self,
         header: &HeaderName,
         proof: Result<&str, HeaderError>,
         account: &AccountId,
         token: FencingToken,
-    ) -> Result<Evidence, BadProof> {
+        caller: Option<&crate::auth::Identity>,
+    ) -> Result<Evidence, BoxError> {
         let bad = |reason| BadProof {
             header: header.clone(),
             reason,
         };
         let proof = match proof {
             Ok(proof) => proof,
-            Err(HeaderError::Missing) if !self.required => {
+            Err(HeaderError::Missing) if !self.required && caller.is_none() => {
                 self.unproven.inc();
                 return Ok(Evidence::Unproven);
             }
             Err(HeaderError::Missing) => {
-                return Err(bad(
-                    "is missing: send the grant's fencing_proof with its token",
-                ));
+                return Err(
+                    bad("is missing: send the grant's fencing_proof with its token").into(),
+                );
             }
-            Err(_) => return Err(bad("must appear once, as visible ASCII")),
+            Err(_) => return Err(bad("must appear once, as visible ASCII").into()),
         };
-        if self.proofs.verify(&self.lock_key(account), token, proof) {
+        let lock_key = self.lock_key(account);
+        if let Some(caller) = caller {
+            if self
+                .proofs
+                .verify_for(&lock_key, token, &caller.name, proof)
+            {
+                return Ok(Evidence::Proven);
+            }
+            return Err(Forbidden {
+                reason: format!(
+                    "header {header} does not prove a grant of this account's lock key to                      identity {:?} (a grant is accepted only from the identity it was issued to)",
+                    caller.name
+                ),
+            }
+            .into());
+        }
+        if self.proofs.verify(&lock_key, token, proof) {
             Ok(Evidence::Proven)
         } else {
-            Err(bad(
-                "does not prove that this token was granted for this account's lock key",
-            ))
+            Err(
+                bad("does not prove that this token was granted for this account's lock key")
+                    .into(),
+            )
         }
     }
 }
@@ -279,14 +301,33 @@ where
             if request.method() == http::Method::CONNECT {
                 return Err(MethodRefused(http::Method::CONNECT).into());
             }
+            let caller = authorize::caller(
+                config.auth.as_ref(),
+                request.headers(),
+                request.extensions().get::<crate::auth::PeerCertificate>(),
+            )?;
             config.host(request.version(), request.headers())?;
             let (token, account) = config.fencing_headers(request.headers())?;
-            let evidence = config.grants.check(
-                &config.proof_header,
-                single_header(request.headers(), &config.proof_header),
-                &account,
-                token,
-            )?;
+            if let Some(caller) = &caller {
+                authorize::may_pay_on(config.auth.as_ref(), caller, account.as_str())?;
+            }
+            let evidence = config
+                .grants
+                .check(
+                    &config.proof_header,
+                    single_header(request.headers(), &config.proof_header),
+                    &account,
+                    token,
+                    caller.as_deref(),
+                )
+                .inspect_err(|e| {
+                    if let (true, Some(auth)) = (e.is::<Forbidden>(), &config.auth) {
+                        auth.metrics.refused(
+                            crate::auth::Listener::Proxy,
+                            crate::auth::Refusal::Forbidden,
+                        );
+                    }
+                })?;
             let idempotency_key = config.idempotency_key(request.headers())?;
             let span = tracing::Span::current();
             span.record("lock.token", token.get());
@@ -303,7 +344,10 @@ where
                 }
                 .into());
             }
-            let (parts, body) = request.into_parts();
+            let (mut parts, body) = request.into_parts();
+            if caller.is_some() {
+                parts.headers.remove(header::AUTHORIZATION);
+            }
             let limited = Limited::new(body, config.max_body_bytes as usize);
             let bytes = match tokio::time::timeout_at(deadline, limited.collect()).await {
                 Err(_) => return Err(ClientTimeout(config.request_timeout).into()),
@@ -417,6 +461,7 @@ mod tests {
                 unproven: prometheus::IntCounter::new("u", "u").unwrap(),
                 source: Arc::new(IssuedUpTo(1 << 40)),
             },
+            auth: None,
         }
     }
 

@@ -8,11 +8,12 @@
 //! | request id | sets `x-request-id` if absent, echoes it on the response | |
 //! | trace | the request span; `lock.token` and `account` are recorded on it | |
 //! | [`respond`] | error → the one response for it; outcome metrics | |
-//! | [`extract`] | deadline starts; token + account headers; body read whole | 400, 413, 408 |
+//! | [`extract`] | deadline starts; caller ([`authorize`]); token + account headers; body read whole | 401, 403, 400, 413, 408 |
 //! | [`fence`] | cache fast path; compare-and-set (+ idempotency record); per-account order | 409, 503 |
 //! | [`idempotency`] | forward a first request and store its answer; replay or refuse repeats | 409, 422 |
 //! | [`forward`] | to the rail over pooled HTTP/1.1 | 502, 504 |
 
+pub mod authorize;
 pub mod error;
 pub mod extract;
 pub mod fence;

@@ -48,6 +48,15 @@ pub enum SdkError {
     Unavailable(String),
     #[error("the service refused the request: {0}")]
     BadRequest(String),
+    /// 401: no credentials, or credentials railguard does not know.
+    #[error("not authenticated: {0}")]
+    Unauthenticated(String),
+    /// 403: the identity may not touch this key or account, or the grant is another's.
+    #[error("forbidden: {0}")]
+    Forbidden(String),
+    /// 429 from the lock API's per-identity rate limit.
+    #[error("rate limited: too many lock requests from this identity")]
+    RateLimited,
     /// The proxy refused the request (409): a newer grant of the account's lock exists.
     /// `body` is the proxy's answer as received; it names the account and the presented
     /// token, never the mark.
@@ -187,6 +196,15 @@ pub struct LockClient {
     http: Client<HttpConnector, Full<Bytes>>,
     base: String,
     timeout: Duration,
+    authorization: Option<http::HeaderValue>,
+}
+
+/// `Authorization: Bearer <secret>`, marked sensitive so that no debug output shows it.
+pub(crate) fn bearer(secret: &str) -> Result<http::HeaderValue, SdkError> {
+    let mut value = http::HeaderValue::from_str(&format!("Bearer {secret}"))
+        .map_err(|_| SdkError::BadRequest("the secret is not a valid header value".into()))?;
+    value.set_sensitive(true);
+    Ok(value)
 }
 
 impl LockClient {
@@ -199,7 +217,14 @@ impl LockClient {
             http: Client::builder(TokioExecutor::new()).build(connector),
             base: base.into().trim_end_matches('/').to_string(),
             timeout: Duration::from_secs(10),
+            authorization: None,
         }
+    }
+
+    /// Authenticates every call with a bearer secret (railguard's `[auth]`).
+    pub fn with_bearer(mut self, secret: &str) -> Result<Self, SdkError> {
+        self.authorization = Some(bearer(secret)?);
+        Ok(self)
     }
 
     /// Deadline for calls other than a blocking acquire (which gets its `wait` on top).
@@ -216,10 +241,14 @@ impl LockClient {
         timeout: Duration,
     ) -> Result<Bytes, SdkError> {
         let body = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
-        let request = Request::builder()
+        let mut request = Request::builder()
             .method(method)
             .uri(format!("{}{path}", self.base))
-            .header(http::header::CONTENT_TYPE, "application/json")
+            .header(http::header::CONTENT_TYPE, "application/json");
+        if let Some(authorization) = &self.authorization {
+            request = request.header(http::header::AUTHORIZATION, authorization.clone());
+        }
+        let request = request
             .body(Full::new(body))
             .map_err(|e| SdkError::BadRequest(e.to_string()))?;
         let (status, bytes) = exchange(&self.http, request, timeout).await?;
@@ -234,7 +263,10 @@ impl LockClient {
         Err(match (status, error.error.as_str()) {
             (StatusCode::CONFLICT, "held") => SdkError::Held,
             (StatusCode::GONE, _) => SdkError::Lost,
+            (StatusCode::TOO_MANY_REQUESTS, "rate_limited") => SdkError::RateLimited,
             (StatusCode::TOO_MANY_REQUESTS, _) => SdkError::TooManyWaiters,
+            (StatusCode::UNAUTHORIZED, _) => SdkError::Unauthenticated(error.message),
+            (StatusCode::FORBIDDEN, _) => SdkError::Forbidden(error.message),
             (StatusCode::BAD_REQUEST, _) => SdkError::BadRequest(error.message),
             _ => SdkError::Unavailable(format!("{status}: {}", error.message)),
         })

@@ -50,6 +50,7 @@ pub struct RailClient {
     base: String,
     headers: FencingHeaders,
     timeout: Duration,
+    authorization: Option<http::HeaderValue>,
 }
 
 impl RailClient {
@@ -60,7 +61,15 @@ impl RailClient {
             base: base.into().trim_end_matches('/').to_string(),
             headers: FencingHeaders::default(),
             timeout: Duration::from_secs(10),
+            authorization: None,
         }
+    }
+
+    /// Authenticates every payment with a bearer secret (railguard's `[auth]`); the proxy
+    /// removes it before the rail sees the request.
+    pub fn with_bearer(mut self, secret: &str) -> Result<Self, SdkError> {
+        self.authorization = Some(super::bearer(secret)?);
+        Ok(self)
     }
 
     pub fn with_headers(mut self, headers: FencingHeaders) -> Self {
@@ -87,6 +96,9 @@ impl RailClient {
             .header(http::header::CONTENT_TYPE, "application/json");
         if let Some(key) = idempotency_key {
             request = request.header(self.headers.idempotency_key.as_str(), key);
+        }
+        if let Some(authorization) = &self.authorization {
+            request = request.header(http::header::AUTHORIZATION, authorization.clone());
         }
         let request = request
             .body(Full::new(body))

@@ -47,6 +47,8 @@ impl fmt::Display for LockKey {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
+    /// Free text without authentication; with it, empty or the authenticated identity's name.
+    #[serde(default)]
     pub holder: String,
     pub ttl_ms: u64,
     #[serde(default)]

@@ -1,0 +1,412 @@
+//! Who is calling, and whether they may (issue 12): one [`Authenticator`] per process, shared
+//! by the lock API, the proxy and the admin listener.
+//!
+//! A caller proves who it is with a bearer secret (`Authorization: Bearer rgs_…`) or with a
+//! client certificate on a mutual-TLS listener; the [`credentials`] file maps either to an
+//! [`Identity`] and says what that identity may touch. The file is re-read when it changes
+//! ([`Authenticator::watch`]); a version that does not parse is refused and the last good one
+//! stays in force, so a typo never locks every worker out (nor lets anyone in).
+//!
+//! Without a credentials file (`[auth] credentials_file = ""`) there is no authentication at
+//! all and every caller is anonymous, as before issue 12; railguard says so loudly at start.
+//!
+//! Answers: no or unknown credentials → 401 with `WWW-Authenticate: Bearer`; a known identity
+//! asking for a key, account or action it may not → 403. Neither says which identities exist
+//! or what they may do.
+
+pub mod credentials;
+pub mod pattern;
+pub mod rate;
+pub mod secret;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime};
+
+use http::{HeaderMap, HeaderValue, header};
+use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+
+pub use credentials::{Credentials, CredentialsError, Identity, LockKeyShape, Permission, Role};
+
+/// The verified client certificate of the request's connection: the SHA-256 of its DER.
+/// Inserted into request extensions by the listener when mutual TLS is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCertificate(pub [u8; 32]);
+
+/// Why a request has no identity: a 401.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Unauthenticated {
+    #[error(
+        "credentials are required: send `Authorization: Bearer <secret>` or a client certificate"
+    )]
+    Missing,
+    #[error("the Authorization header is not one `Bearer <secret>`")]
+    Malformed,
+    #[error("the credentials are not recognised")]
+    Unknown,
+    #[error("the bearer secret and the client certificate name different identities")]
+    Disagree,
+}
+
+impl Unauthenticated {
+    /// The `WWW-Authenticate` challenge (RFC 6750 §3).
+    pub fn challenge(self) -> HeaderValue {
+        HeaderValue::from_static("Bearer realm=\"railguard\"")
+    }
+}
+
+/// The listener a refusal happened on: the `listener` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listener {
+    Proxy,
+    Lock,
+    Admin,
+}
+
+impl Listener {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Listener::Proxy => "proxy",
+            Listener::Lock => "lock",
+            Listener::Admin => "admin",
+        }
+    }
+}
+
+/// Why a request was refused by authentication or authorisation: the `reason` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    Unauthenticated,
+    Forbidden,
+    RateLimited,
+}
+
+impl Refusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Unauthenticated => "unauthenticated",
+            Refusal::Forbidden => "forbidden",
+            Refusal::RateLimited => "rate_limited",
+        }
+    }
+}
+
+/// The metrics of authentication.
+#[derive(Clone)]
+pub struct AuthMetrics {
+    refusals: IntCounterVec,
+    reloads: IntCounterVec,
+    identities: IntGauge,
+}
+
+impl AuthMetrics {
+    pub fn register(registry: &Registry) -> Self {
+        let refusals = IntCounterVec::new(
+            Opts::new(
+                "railguard_auth_refusals_total",
+                "Requests refused by authentication (401), authorisation (403) or the \
+                 per-identity lock-API rate limit (429), by listener.",
+            ),
+            &["listener", "reason"],
+        )
+        .expect("valid metric");
+        let reloads = IntCounterVec::new(
+            Opts::new(
+                "railguard_credentials_reloads_total",
+                "Reads of the credentials file after a change: loaded, or failed (the last \
+                 good version stays in force).",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let identities = IntGauge::new(
+            "railguard_credentials_identities",
+            "Identities in the credentials file in force (0 with authentication off).",
+        )
+        .expect("valid metric");
+        for listener in [Listener::Proxy, Listener::Lock, Listener::Admin] {
+            for reason in [
+                Refusal::Unauthenticated,
+                Refusal::Forbidden,
+                Refusal::RateLimited,
+            ] {
+                refusals.with_label_values(&[listener.as_str(), reason.as_str()]);
+            }
+        }
+        for outcome in ["loaded", "failed"] {
+            reloads.with_label_values(&[outcome]);
+        }
+        registry
+            .register(Box::new(refusals.clone()))
+            .expect("register");
+        registry
+            .register(Box::new(reloads.clone()))
+            .expect("register");
+        registry
+            .register(Box::new(identities.clone()))
+            .expect("register");
+        Self {
+            refusals,
+            reloads,
+            identities,
+        }
+    }
+
+    /// Counts one refusal.
+    pub fn refused(&self, listener: Listener, reason: Refusal) {
+        self.refusals
+            .with_label_values(&[listener.as_str(), reason.as_str()])
+            .inc();
+    }
+}
+
+/// What identifies a version of the file on disk, to notice a change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stamp {
+    modified: Option<SystemTime>,
+    len: u64,
+    inode: u64,
+}
+
+fn stamp(path: &Path) -> Option<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).ok()?;
+    Some(Stamp {
+        modified: meta.modified().ok(),
+        len: meta.len(),
+        inode: meta.ino(),
+    })
+}
+
+/// The credentials in force, and where they come from.
+pub struct Authenticator {
+    path: PathBuf,
+    shape: LockKeyShape,
+    current: RwLock<Arc<Credentials>>,
+    stamp: RwLock<Option<Stamp>>,
+    pub metrics: AuthMetrics,
+    /// The lock API's per-identity rate limit.
+    pub lock_rate: rate::RateLimiter,
+}
+
+impl std::fmt::Debug for Authenticator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Authenticator")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Authenticator {
+    /// Loads `path`; an error names the file and the key.
+    pub fn load(
+        path: &Path,
+        shape: LockKeyShape,
+        lock_requests_per_s: u32,
+        metrics: AuthMetrics,
+    ) -> Result<Arc<Self>, CredentialsError> {
+        let stamped = stamp(path);
+        let credentials = Credentials::load(path, &shape)?;
+        metrics.identities.set(credentials.names().len() as i64);
+        Ok(Arc::new(Self {
+            path: path.to_path_buf(),
+            shape,
+            current: RwLock::new(Arc::new(credentials)),
+            stamp: RwLock::new(stamped),
+            metrics,
+            lock_rate: rate::RateLimiter::new(lock_requests_per_s),
+        }))
+    }
+
+    /// The credentials file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn credentials(&self) -> Arc<Credentials> {
+        self.current.read().expect("not poisoned").clone()
+    }
+
+    /// The identity of a request with `headers`, on a connection with `certificate`.
+    pub fn identify(
+        &self,
+        headers: &HeaderMap,
+        certificate: Option<&PeerCertificate>,
+    ) -> Result<Arc<Identity>, Unauthenticated> {
+        let credentials = self.credentials();
+        let by_secret = match bearer(headers)? {
+            None => None,
+            Some(secret) => Some(
+                credentials
+                    .by_secret(&secret::digest(secret))
+                    .ok_or(Unauthenticated::Unknown)?
+                    .clone(),
+            ),
+        };
+        let by_certificate = match certificate {
+            None => None,
+            // A certificate the CA vouches for but the file does not list identifies no one;
+            // with a bearer secret beside it, the secret decides.
+            Some(cert) => credentials.by_certificate(&cert.0).cloned(),
+        };
+        match (by_secret, by_certificate) {
+            (Some(s), Some(c)) if s.name != c.name => Err(Unauthenticated::Disagree),
+            (Some(identity), _) | (None, Some(identity)) => Ok(identity),
+            (None, None) if certificate.is_some() => Err(Unauthenticated::Unknown),
+            (None, None) => Err(Unauthenticated::Missing),
+        }
+    }
+
+    /// Re-reads the file if it changed since the last look. Returns whether a new version
+    /// came into force.
+    pub fn reload_if_changed(&self) -> bool {
+        let now = stamp(&self.path);
+        if *self.stamp.read().expect("not poisoned") == now {
+            return false;
+        }
+        *self.stamp.write().expect("not poisoned") = now;
+        match Credentials::load(&self.path, &self.shape) {
+            Ok(credentials) => {
+                self.metrics
+                    .identities
+                    .set(credentials.names().len() as i64);
+                tracing::info!(file = %self.path.display(), identities = credentials.names().len(),
+                    "credentials file changed; the new version is in force");
+                *self.current.write().expect("not poisoned") = Arc::new(credentials);
+                self.metrics.reloads.with_label_values(&["loaded"]).inc();
+                true
+            }
+            Err(e) => {
+                tracing::error!(error = %e,
+                    "credentials file changed but cannot be used; the last good version stays in force");
+                self.metrics.reloads.with_label_values(&["failed"]).inc();
+                false
+            }
+        }
+    }
+
+    /// Polls the file every `interval` until the task is aborted.
+    pub fn watch(self: &Arc<Self>, interval: Duration) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let this = this.clone();
+                // File reads block; keep them off the runtime's worker threads.
+                let _ = tokio::task::spawn_blocking(move || this.reload_if_changed()).await;
+            }
+        })
+    }
+}
+
+/// The bearer secret of `Authorization`, if the header is there.
+fn bearer(headers: &HeaderMap) -> Result<Option<&str>, Unauthenticated> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(Unauthenticated::Malformed);
+    }
+    let text = value.to_str().map_err(|_| Unauthenticated::Malformed)?;
+    let (scheme, secret) = text.split_once(' ').ok_or(Unauthenticated::Malformed)?;
+    let secret = secret.trim();
+    if !scheme.eq_ignore_ascii_case("bearer") || secret.is_empty() || secret.contains(' ') {
+        return Err(Unauthenticated::Malformed);
+    }
+    Ok(Some(secret))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn authenticator(text: &str) -> (tempfile::TempDir, Arc<Authenticator>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("credentials.toml");
+        std::fs::write(&path, text).unwrap();
+        let metrics = AuthMetrics::register(&Registry::new());
+        let auth = Authenticator::load(&path, LockKeyShape::default(), 10, metrics).unwrap();
+        (dir, auth)
+    }
+
+    fn headers(authorization: &[&str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for a in authorization {
+            h.append(header::AUTHORIZATION, a.parse().unwrap());
+        }
+        h
+    }
+
+    fn worker(name: &str, secret: &str) -> String {
+        format!(
+            "[[worker]]\nname = \"{name}\"\nsecrets = [\"{}\"]\naccounts = [\"*\"]\n",
+            secret::digest_text(secret)
+        )
+    }
+
+    #[test]
+    fn bearer_secrets_and_certificates_identify_and_nothing_else_does() {
+        let cert = PeerCertificate([9; 32]);
+        let text = format!(
+            "{}[[worker]]\nname = \"b\"\ncertificates = [\"sha256:{}\"]\naccounts = [\"*\"]\n",
+            worker("a", "rgs_a"),
+            crate::proof::hex(&cert.0)
+        );
+        let (_dir, auth) = authenticator(&text);
+        let id = |h: &[&str], c: Option<&PeerCertificate>| auth.identify(&headers(h), c);
+        assert_eq!(id(&["Bearer rgs_a"], None).unwrap().name, "a");
+        assert_eq!(id(&["bearer rgs_a"], None).unwrap().name, "a");
+        assert_eq!(id(&[], Some(&cert)).unwrap().name, "b");
+        assert_eq!(id(&[], None).unwrap_err(), Unauthenticated::Missing);
+        assert_eq!(
+            id(&["Bearer rgs_x"], None).unwrap_err(),
+            Unauthenticated::Unknown
+        );
+        assert_eq!(
+            id(&[], Some(&PeerCertificate([1; 32]))).unwrap_err(),
+            Unauthenticated::Unknown
+        );
+        for bad in ["rgs_a", "Basic rgs_a", "Bearer ", "Bearer a b"] {
+            assert_eq!(
+                id(&[bad], None).unwrap_err(),
+                Unauthenticated::Malformed,
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            id(&["Bearer rgs_a", "Bearer rgs_a"], None).unwrap_err(),
+            Unauthenticated::Malformed
+        );
+        assert_eq!(
+            id(&["Bearer rgs_a"], Some(&cert)).unwrap_err(),
+            Unauthenticated::Disagree
+        );
+    }
+
+    #[test]
+    fn a_changed_file_is_reloaded_and_a_broken_one_is_not() {
+        let (dir, auth) = authenticator(&worker("a", "rgs_a"));
+        let path = dir.path().join("credentials.toml");
+        let id = |s: &str| auth.identify(&headers(&[&format!("Bearer {s}")]), None);
+        assert!(!auth.reload_if_changed(), "unchanged");
+        // Rotation: the new secret is added beside the old one, then the old one removed.
+        std::fs::write(&path, worker("a", "rgs_b") + "\n").unwrap();
+        assert!(auth.reload_if_changed());
+        assert!(id("rgs_b").is_ok());
+        assert_eq!(id("rgs_a").unwrap_err(), Unauthenticated::Unknown);
+        std::fs::write(&path, "[[worker]]\nname = ").unwrap();
+        assert!(!auth.reload_if_changed());
+        assert!(id("rgs_b").is_ok(), "the last good version stays in force");
+        std::fs::remove_file(&path).unwrap();
+        assert!(!auth.reload_if_changed());
+        assert!(
+            id("rgs_b").is_ok(),
+            "a missing file keeps the last good version"
+        );
+        let failed = auth.metrics.reloads.with_label_values(&["failed"]).get();
+        assert_eq!(failed, 2);
+    }
+}

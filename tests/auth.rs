@@ -1,0 +1,475 @@
+//! Authentication and authorisation on all three listeners (issue 12), against a real
+//! PostgreSQL, the rail simulator and railguard over real sockets.
+//!
+//! Unauthenticated → 401, unauthorised → 403, and in each case nothing granted, nothing
+//! forwarded, no mark moved, nothing forgotten; a grant is accepted only from the identity it
+//! was issued to; the credentials file is reloaded on change; the lock API's per-identity rate
+//! limit answers 429; every refusal is counted.
+
+use railguard_testkit as support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::Full;
+use railguard::auth::secret;
+use railguard::sdk::{LockClient, RailClient, SdkError};
+
+const EU: &str = "rgs_eu_0000000000000000000000000000000000000000000000000000000000000001";
+const EU2: &str = "rgs_eu2_000000000000000000000000000000000000000000000000000000000000002";
+const US: &str = "rgs_us_0000000000000000000000000000000000000000000000000000000000000003";
+const READER: &str = "rgs_reader_0000000000000000000000000000000000000000000000000000000004";
+const ONCALL: &str = "rgs_oncall_0000000000000000000000000000000000000000000000000000000005";
+const SLOW: &str = "rgs_slow_000000000000000000000000000000000000000000000000000000000006";
+const LATE: &str = "rgs_late_000000000000000000000000000000000000000000000000000000000007";
+
+fn credentials(extra: &str) -> String {
+    let d = secret::digest_text;
+    format!(
+        "[[worker]]\nname = \"eu\"\nsecrets = [\"{}\"]\naccounts = [\"acct-eu-*\"]\n\
+         [[worker]]\nname = \"eu2\"\nsecrets = [\"{}\"]\naccounts = [\"acct-eu-*\"]\n\
+         [[worker]]\nname = \"us\"\nsecrets = [\"{}\"]\naccounts = [\"acct-us-*\"]\n\
+         [[worker]]\nname = \"slow\"\nsecrets = [\"{}\"]\naccounts = [\"acct-slow-*\"]\n\
+         lock_requests_per_s = 2\n\
+         [[operator]]\nname = \"reader\"\nsecrets = [\"{}\"]\nmay = [\"read\"]\n\
+         [[operator]]\nname = \"oncall\"\nsecrets = [\"{}\"]\nmay = [\"read\", \"write\"]\n{extra}",
+        d(EU),
+        d(EU2),
+        d(US),
+        d(SLOW),
+        d(READER),
+        d(ONCALL)
+    )
+}
+
+struct Setup {
+    _pg: support::Pg,
+    rail: support::Rail,
+    rg: support::Railguard,
+    _dir: tempfile::TempDir,
+    file: PathBuf,
+}
+
+async fn setup() -> Setup {
+    support::init_tracing();
+    let pg = support::Pg::start().await;
+    let rail = support::Rail::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("credentials.toml");
+    std::fs::write(&file, credentials("")).unwrap();
+    let rg = support::Railguard::start(
+        &pg.url(),
+        &rail.url(),
+        &[
+            ("RAILGUARD__AUTH__CREDENTIALS_FILE", file.to_str().unwrap()),
+            ("RAILGUARD__AUTH__RELOAD_INTERVAL_MS", "100"),
+        ],
+    )
+    .await;
+    Setup {
+        _pg: pg,
+        rail,
+        rg,
+        _dir: dir,
+        file,
+    }
+}
+
+fn locks(rg: &support::Railguard, secret: Option<&str>) -> LockClient {
+    let client = rg.lock_client();
+    match secret {
+        Some(secret) => client.with_bearer(secret).unwrap(),
+        None => client,
+    }
+}
+
+fn rail(rg: &support::Railguard, secret: Option<&str>) -> RailClient {
+    let client = RailClient::new(rg.proxy_url(""));
+    match secret {
+        Some(secret) => client.with_bearer(secret).unwrap(),
+        None => client,
+    }
+}
+
+/// A raw request to one of railguard's listeners, with an optional bearer secret.
+async fn call(
+    method: Method,
+    url: &str,
+    secret: Option<&str>,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> support::Reply {
+    let mut request = Request::builder().method(method).uri(url);
+    if let Some(secret) = secret {
+        request = request.header("authorization", format!("Bearer {secret}"));
+    }
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    support::Http::new()
+        .send(request)
+        .await
+        .expect("railguard answers")
+}
+
+async fn metrics(rg: &support::Railguard) -> String {
+    let reply = call(
+        Method::GET,
+        &format!("http://{}/metrics", rg.admin),
+        Some(READER),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.body
+}
+
+fn refusals(metrics: &str, listener: &str, reason: &str) -> u64 {
+    let series =
+        format!("railguard_auth_refusals_total{{listener=\"{listener}\",reason=\"{reason}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .unwrap_or_else(|| panic!("no {series} in the metrics"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+async fn mark(rg: &support::Railguard, account: &str) -> i64 {
+    let reply = call(
+        Method::POST,
+        &format!("http://{}/marks", rg.admin),
+        Some(READER),
+        &[("content-type", "application/json")],
+        &format!("{{\"account\":\"{account}\"}}"),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.json()["mark"].as_i64().unwrap_or(0)
+}
+
+#[tokio::test]
+async fn the_lock_api_grants_only_to_identities_on_their_keys_and_holds_them_as_holder() {
+    let s = setup().await;
+    let rg = &s.rg;
+    let ttl = Duration::from_secs(5);
+
+    // No credentials, an unknown secret, a malformed header: 401, with the challenge.
+    for (secret, why) in [(None, "none"), (Some("rgs_nobody"), "unknown")] {
+        let e = locks(rg, secret)
+            .acquire("acct-eu-1", "eu", ttl, Duration::ZERO)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, SdkError::Unauthenticated(_)), "{why}: {e:?}");
+    }
+    let raw = call(
+        Method::POST,
+        &format!("{}/v1/locks/acct-eu-1/acquire", rg.lock_url()),
+        None,
+        &[("authorization", "Basic ZXU6ZXU=")],
+        r#"{"ttl_ms":1000}"#,
+    )
+    .await;
+    assert_eq!(raw.status, StatusCode::UNAUTHORIZED, "{}", raw.body);
+    assert_eq!(raw.json()["error"], "unauthenticated");
+    assert!(
+        raw.headers["www-authenticate"]
+            .to_str()
+            .unwrap()
+            .starts_with("Bearer")
+    );
+
+    // A key outside the identity's patterns, an operator on the lock API, a holder that is
+    // not the identity: 403.
+    let e = locks(rg, Some(EU))
+        .acquire("acct-us-1", "eu", ttl, Duration::ZERO)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, SdkError::Forbidden(_)), "{e:?}");
+    let e = locks(rg, Some(ONCALL))
+        .acquire("acct-eu-1", "oncall", ttl, Duration::ZERO)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, SdkError::Forbidden(_)), "{e:?}");
+    let e = locks(rg, Some(EU))
+        .acquire("acct-eu-1", "somebody-else", ttl, Duration::ZERO)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, SdkError::Forbidden(_)), "{e:?}");
+    // Inspect is a lock-API call too: another identity's key is not shown.
+    let e = locks(rg, Some(US)).inspect("acct-eu-1").await.unwrap_err();
+    assert!(matches!(e, SdkError::Forbidden(_)), "{e:?}");
+
+    // Nothing was granted by any of those: the key is free for eu, whose grant names it.
+    let status = locks(rg, Some(EU)).inspect("acct-eu-1").await.unwrap();
+    assert!(status.holder.is_none(), "nothing granted: {status:?}");
+    let grant = locks(rg, Some(EU))
+        .acquire("acct-eu-1", "eu", ttl, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(grant.holder(), "eu");
+    assert!(
+        grant.fencing_proof().starts_with("v2."),
+        "bound to its identity"
+    );
+    // The holder field may be left out: the identity is the holder.
+    let raw = call(
+        Method::POST,
+        &format!("{}/v1/locks/acct-eu-2/acquire", rg.lock_url()),
+        Some(EU),
+        &[("content-type", "application/json")],
+        r#"{"ttl_ms":1000}"#,
+    )
+    .await;
+    assert_eq!(raw.status, StatusCode::OK, "{}", raw.body);
+    assert_eq!(raw.json()["holder"], "eu");
+    locks(rg, Some(EU)).release(grant).await.unwrap();
+
+    let m = metrics(rg).await;
+    assert!(refusals(&m, "lock", "unauthenticated") >= 3, "{m}");
+    assert!(refusals(&m, "lock", "forbidden") >= 4, "{m}");
+}
+
+#[tokio::test]
+async fn the_proxy_forwards_only_an_identitys_own_grant_on_its_own_accounts() {
+    let s = setup().await;
+    let rg = &s.rg;
+    let ttl = Duration::from_secs(5);
+    let body = || Bytes::from_static(br#"{"amount":100}"#);
+    let grant = locks(rg, Some(EU))
+        .acquire("acct-eu-7", "eu", ttl, Duration::ZERO)
+        .await
+        .unwrap();
+
+    // No credentials: 401, not forwarded.
+    let reply = rail(rg, None)
+        .post(&grant, "acct-eu-7", "/payments", body(), Some("k-1"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+    // eu2 may pay on acct-eu-*, but this grant is eu's: 403.
+    let reply = rail(rg, Some(EU2))
+        .post(&grant, "acct-eu-7", "/payments", body(), Some("k-2"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::FORBIDDEN);
+    let json: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+    assert_eq!(json["error"], "forbidden");
+    assert!(json["message"].as_str().unwrap().contains("eu2"), "{json}");
+    // us may not pay on acct-eu-* at all; an operator on the proxy neither.
+    for secret in [US, ONCALL] {
+        let reply = rail(rg, Some(secret))
+            .post(&grant, "acct-eu-7", "/payments", body(), Some("k-3"))
+            .await
+            .unwrap();
+        assert_eq!(reply.status, StatusCode::FORBIDDEN);
+    }
+    // A worker presenting its own grant on another account's header: the account check
+    // refuses it before any proof is looked at.
+    let reply = rail(rg, Some(EU))
+        .post(&grant, "acct-us-1", "/payments", body(), Some("k-4"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::FORBIDDEN);
+    assert!(s.rail.ledger().is_empty(), "nothing forwarded");
+    assert_eq!(mark(rg, "acct-eu-7").await, 0, "no mark moved");
+
+    // The grant's own identity pays; the rail never sees railguard's credentials.
+    let reply = rail(rg, Some(EU))
+        .post(&grant, "acct-eu-7", "/payments", body(), Some("k-5"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+    let ledger = s.rail.ledger();
+    assert_eq!(ledger.len(), 1);
+    assert!(
+        ledger[0].header("authorization").is_none(),
+        "{:?}",
+        ledger[0].headers
+    );
+    assert_eq!(mark(rg, "acct-eu-7").await, grant.token().get());
+
+    let m = metrics(rg).await;
+    assert_eq!(refusals(&m, "proxy", "unauthenticated"), 1, "{m}");
+    assert_eq!(refusals(&m, "proxy", "forbidden"), 4, "{m}");
+    assert!(
+        m.lines()
+            .any(|l| l == "railguard_requests_total{outcome=\"forbidden\"} 4"),
+        "{m}"
+    );
+}
+
+async fn audit_rows(pg: &support::Pg) -> i64 {
+    pg.client()
+        .await
+        .query_one("SELECT count(*) FROM railguard_audit", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test]
+async fn the_admin_listener_needs_an_operator_and_write_for_actions() {
+    let s = setup().await;
+    let rg = &s.rg;
+    let admin = |path: &str| format!("http://{}{path}", rg.admin);
+    let forget = r#"{"account":"acct-eu-1","key":"k-1"}"#;
+    let json = [("content-type", "application/json")];
+
+    // Probes stay open: a load balancer asks them without credentials.
+    for path in ["/healthz", "/readyz"] {
+        let reply = call(Method::GET, &admin(path), None, &[], "").await;
+        assert_eq!(reply.status, StatusCode::OK, "{path}");
+    }
+    // Without credentials, or with a worker's: nothing is read.
+    for (secret, status) in [
+        (None, StatusCode::UNAUTHORIZED),
+        (Some(EU), StatusCode::FORBIDDEN),
+    ] {
+        for (method, path) in [
+            (Method::GET, "/metrics"),
+            (Method::GET, "/openapi.yaml"),
+            (Method::POST, "/marks"),
+            (Method::POST, "/idempotency/forget"),
+            (Method::POST, "/recover"),
+            (Method::GET, "/no-such-route"),
+        ] {
+            let reply = call(method.clone(), &admin(path), secret, &json, forget).await;
+            assert_eq!(
+                reply.status, status,
+                "{method} {path} with {secret:?}: {}",
+                reply.body
+            );
+        }
+    }
+    // A read-only operator reads, but forgets and recovers nothing.
+    let reply = call(Method::GET, &admin("/openapi.yaml"), Some(READER), &[], "").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    for path in ["/idempotency/forget", "/recover"] {
+        let body = if path == "/recover" {
+            r#"{"account":"acct-eu-1","reason":"test"}"#
+        } else {
+            forget
+        };
+        let reply = call(Method::POST, &admin(path), Some(READER), &json, body).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::FORBIDDEN,
+            "{path}: {}",
+            reply.body
+        );
+    }
+    assert_eq!(
+        audit_rows(&s._pg).await,
+        0,
+        "nothing was attempted, so nothing audited"
+    );
+    // An operator with write reaches the action (no such record: 404), and it is audited.
+    let reply = call(
+        Method::POST,
+        &admin("/idempotency/forget"),
+        Some(ONCALL),
+        &json,
+        forget,
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::NOT_FOUND, "{}", reply.body);
+
+    let m = metrics(rg).await;
+    assert_eq!(refusals(&m, "admin", "unauthenticated"), 6, "{m}");
+    assert_eq!(refusals(&m, "admin", "forbidden"), 8, "{m}");
+}
+
+#[tokio::test]
+async fn a_changed_credentials_file_is_in_force_without_a_restart_and_a_broken_one_is_not() {
+    let s = setup().await;
+    let rg = &s.rg;
+    let inspect =
+        |secret: &'static str| async move { locks(rg, Some(secret)).inspect("acct-late-1").await };
+    assert!(matches!(
+        inspect(LATE).await,
+        Err(SdkError::Unauthenticated(_))
+    ));
+
+    // Add an identity: in force within a few reload intervals.
+    let late = format!(
+        "[[worker]]\nname = \"late\"\nsecrets = [\"{}\"]\naccounts = [\"acct-late-*\"]\n",
+        secret::digest_text(LATE)
+    );
+    write_atomically(&s.file, &credentials(&late));
+    wait_for(|| async { inspect(LATE).await.is_ok() }).await;
+
+    // A broken version is refused; the last good one stays.
+    write_atomically(&s.file, "[[worker]]\nname = \"late\"\n");
+    wait_for(|| async {
+        let m = metrics(rg).await;
+        m.contains("railguard_credentials_reloads_total{outcome=\"failed\"} 1")
+    })
+    .await;
+    assert!(
+        inspect(LATE).await.is_ok(),
+        "the last good version stays in force"
+    );
+    assert!(locks(rg, Some(EU)).inspect("acct-eu-1").await.is_ok());
+
+    // Rotation's last step: the old secret removed, refused at once after the reload.
+    write_atomically(&s.file, &late);
+    wait_for(|| async {
+        matches!(
+            locks(rg, Some(EU)).inspect("acct-eu-1").await,
+            Err(SdkError::Unauthenticated(_))
+        )
+    })
+    .await;
+    assert!(inspect(LATE).await.is_ok());
+}
+
+#[tokio::test]
+async fn an_identity_over_its_lock_rate_gets_429_and_others_are_not_slowed() {
+    let s = setup().await;
+    let rg = &s.rg;
+    let slow = locks(rg, Some(SLOW));
+    let mut limited = 0;
+    for _ in 0..10 {
+        match slow.inspect("acct-slow-1").await {
+            Ok(_) => {}
+            Err(SdkError::RateLimited) => limited += 1,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    // Two per second, a second's worth at once: at most 2 + what refilled meanwhile pass.
+    assert!(limited >= 5, "{limited} of 10 limited");
+    for _ in 0..10 {
+        locks(rg, Some(EU)).inspect("acct-eu-1").await.unwrap();
+    }
+    let m = metrics(rg).await;
+    assert_eq!(refusals(&m, "lock", "rate_limited"), limited, "{m}");
+}
+
+/// Replaces `path` by a rename, as configuration management tools do.
+fn write_atomically(path: &Path, text: &str) {
+    let next = path.with_extension("next");
+    std::fs::write(&next, text).unwrap();
+    std::fs::rename(&next, path).unwrap();
+}
+
+async fn wait_for<F, Fut>(mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..100 {
+        if done().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("not within 5 s");
+}
