@@ -403,7 +403,7 @@ mod tests {
             (format!("[[worker]]\nname = \"eu\"\nsecrets = [\"{A}\"]\naccounts = [\"x\"]\ncolour = 1\n"), "worker[0]"),
             (format!("[[worker]]\nname = \"e u\"\nsecrets = [\"{A}\"]\naccounts = [\"x\"]\n"), "worker[0].name"),
             ("[[worker]]\nname = \"eu\"\nsecrets = [\"hunter2hunter2hunter2\"]\naccounts = [\"x\"]\n".to_string(), "worker[0].secrets[0]"),
-            (format!("[[worker]]\nname = \"eu\"\naccounts = [\"x\"]\n"), "worker[0].secrets"),
+            ("[[worker]]\nname = \"eu\"\naccounts = [\"x\"]\n".to_string(), "worker[0].secrets"),
             (format!("[[worker]]\nname = \"eu\"\nsecrets = [\"{A}\"]\naccounts = []\n"), "worker[0].accounts[0]"),
             (format!("[[worker]]\nname = \"eu\"\nsecrets = [\"{A}\"]\naccounts = [\"x\"]\nkeys = [\"\"]\n"), "worker[0].keys[0]"),
             (format!("[[worker]]\nname = \"a\"\nsecrets = [\"{A}\"]\naccounts = [\"x\"]\n[[worker]]\nname = \"b\"\nsecrets = [\"{A}\"]\naccounts = [\"x\"]\n"), "worker[1].secrets[0]"),
