@@ -107,6 +107,7 @@ impl Admin {
             return None;
         }
         auth.metrics.refused(Listener::Admin, Refusal::Forbidden);
+        tracing::warn!(identity = %identity.name, path, "admin request refused: not permitted");
         let what = match permission {
             Permission::Read => "read",
             Permission::Write => "write",

@@ -97,6 +97,8 @@ pub struct AuthMetrics {
     refusals: IntCounterVec,
     reloads: IntCounterVec,
     identities: IntGauge,
+    /// 1 while the file on disk is not the version in force (its last change failed).
+    stale: IntGauge,
 }
 
 impl AuthMetrics {
@@ -124,6 +126,12 @@ impl AuthMetrics {
             "Identities in the credentials file in force (0 with authentication off).",
         )
         .expect("valid metric");
+        let stale = IntGauge::new(
+            "railguard_credentials_stale",
+            "1 while the credentials file on disk cannot be used and an older version is in \
+             force: a removed secret may still be accepted.",
+        )
+        .expect("valid metric");
         for listener in [Listener::Proxy, Listener::Lock, Listener::Admin] {
             for reason in [
                 Refusal::Unauthenticated,
@@ -145,10 +153,14 @@ impl AuthMetrics {
         registry
             .register(Box::new(identities.clone()))
             .expect("register");
+        registry
+            .register(Box::new(stale.clone()))
+            .expect("register");
         Self {
             refusals,
             reloads,
             identities,
+            stale,
         }
     }
 
@@ -274,12 +286,14 @@ impl Authenticator {
                     "credentials file changed; the new version is in force");
                 *self.current.write().expect("not poisoned") = Arc::new(credentials);
                 self.metrics.reloads.with_label_values(&["loaded"]).inc();
+                self.metrics.stale.set(0);
                 true
             }
             Err(e) => {
                 tracing::error!(error = %e,
                     "credentials file changed but cannot be used; the last good version stays in force");
                 self.metrics.reloads.with_label_values(&["failed"]).inc();
+                self.metrics.stale.set(1);
                 false
             }
         }
@@ -408,5 +422,13 @@ mod tests {
         );
         let failed = auth.metrics.reloads.with_label_values(&["failed"]).get();
         assert_eq!(failed, 2);
+        assert_eq!(auth.metrics.stale.get(), 1);
+        std::fs::write(&path, worker("a", "rgs_c")).unwrap();
+        assert!(auth.reload_if_changed());
+        assert_eq!(
+            auth.metrics.stale.get(),
+            0,
+            "a good version is in force again"
+        );
     }
 }

@@ -323,6 +323,8 @@ impl<B: LockBackend> LockApi<B> {
         } = identity.role
         else {
             auth.metrics.refused(Listener::Lock, Refusal::Forbidden);
+            tracing::warn!(identity = %identity.name,
+                "lock request refused: an operator credential opens nothing on the lock API");
             return Err(ApiError::Forbidden(
                 "an operator credential opens nothing on the lock API".into(),
             ));
@@ -339,6 +341,8 @@ impl<B: LockBackend> LockApi<B> {
         match (identity, &self.auth) {
             (Some(identity), Some(auth)) if !identity.may_lock(key.as_str()) => {
                 auth.metrics.refused(Listener::Lock, Refusal::Forbidden);
+                tracing::warn!(identity = %identity.name, key = key.as_str(),
+                    "lock request refused: the identity may not lock this key");
                 Err(ApiError::Forbidden(format!(
                     "identity {:?} may not lock {:?}",
                     identity.name,
@@ -438,6 +442,8 @@ impl<B: LockBackend> LockApi<B> {
                 if let Some(auth) = &self.auth {
                     auth.metrics.refused(Listener::Lock, Refusal::Forbidden);
                 }
+                tracing::warn!(identity = %identity.name,
+                    "acquire refused: its holder is not the authenticated identity");
                 return Err(ApiError::Forbidden(format!(
                     "the holder is the authenticated identity {:?}; leave `holder` out or send that",
                     identity.name
