@@ -473,3 +473,45 @@ where
     }
     panic!("not within 5 s");
 }
+
+#[test]
+fn check_config_and_serve_refuse_a_broken_credentials_file_naming_file_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("railguard.toml");
+    let creds = dir.path().join("credentials.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[auth]\ncredentials_file = \"{}\"\n[database]\nurl = \"postgres://127.0.0.1:1/x\"\n",
+            creds.display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(&creds, credentials("")).unwrap();
+    let ok = support::railguard_command(&["check-config"], &config, &[]);
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(ok.status.success(), "{stdout} {}", String::from_utf8_lossy(&ok.stderr));
+    assert!(stdout.contains("6 identities"), "{stdout}");
+
+    std::fs::write(
+        &creds,
+        credentials("[[worker]]\nname = \"x\"\nsecrets = [\"rgs_pasted_by_mistake_0123456789\"]\naccounts = [\"*\"]\n"),
+    )
+    .unwrap();
+    for command in ["check-config", "serve"] {
+        let out = support::railguard_command(&[command], &config, &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{command}: {stderr}");
+        assert!(stderr.contains(creds.to_str().unwrap()), "{command}: {stderr}");
+        assert!(stderr.contains("worker[4].secrets[0]"), "{command}: {stderr}");
+        assert!(!stderr.contains("rgs_pasted_by_mistake_0123456789"), "{command}: {stderr}");
+    }
+    // With authentication on, proofs may not be switched off.
+    let out = support::railguard_command(
+        &["check-config"],
+        &config,
+        &[("RAILGUARD__FENCING__REQUIRE_PROOF", "false")],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fencing.require_proof"));
+}
