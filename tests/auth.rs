@@ -490,7 +490,11 @@ fn check_config_and_serve_refuse_a_broken_credentials_file_naming_file_and_key()
     std::fs::write(&creds, credentials("")).unwrap();
     let ok = support::railguard_command(&["check-config"], &config, &[]);
     let stdout = String::from_utf8_lossy(&ok.stdout);
-    assert!(ok.status.success(), "{stdout} {}", String::from_utf8_lossy(&ok.stderr));
+    assert!(
+        ok.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
     assert!(stdout.contains("6 identities"), "{stdout}");
 
     std::fs::write(
@@ -502,9 +506,18 @@ fn check_config_and_serve_refuse_a_broken_credentials_file_naming_file_and_key()
         let out = support::railguard_command(&[command], &config, &[]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{command}: {stderr}");
-        assert!(stderr.contains(creds.to_str().unwrap()), "{command}: {stderr}");
-        assert!(stderr.contains("worker[4].secrets[0]"), "{command}: {stderr}");
-        assert!(!stderr.contains("rgs_pasted_by_mistake_0123456789"), "{command}: {stderr}");
+        assert!(
+            stderr.contains(creds.to_str().unwrap()),
+            "{command}: {stderr}"
+        );
+        assert!(
+            stderr.contains("worker[4].secrets[0]"),
+            "{command}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("rgs_pasted_by_mistake_0123456789"),
+            "{command}: {stderr}"
+        );
     }
     // With authentication on, proofs may not be switched off.
     let out = support::railguard_command(
