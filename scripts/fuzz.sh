@@ -37,9 +37,19 @@ cargo fuzz build --sanitizer "$sanitizer" --target-dir "$target_dir"
 for target in "${targets[@]}"; do
     echo "==> fuzz $target for ${seconds}s"
     mkdir -p "$work/$target"
-    # -timeout: one input taking over 10 s is a hang, reported like a crash.
-    cargo fuzz run --sanitizer "$sanitizer" --target-dir "$target_dir" "$target" \
+    log="$work/$target.log"
+    # -timeout: one input taking over 10 s is a hang, reported like a crash. libFuzzer's
+    # progress lines go to the log; a failure prints its end (the panic and the input's path).
+    if ! cargo fuzz run --sanitizer "$sanitizer" --target-dir "$target_dir" "$target" \
         "$work/$target" "corpus/$target" -- \
-        -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1
+        -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+        >"$log" 2>&1; then
+        grep -m1 -A4 panicked "$log" || true
+        tail -n 20 "$log"
+        echo "error: fuzz target $target failed; its input is in fuzz/artifacts/$target/" >&2
+        exit 1
+    fi
+    grep -E '^(Done|stat::number_of_executed_units|stat::average_exec_per_sec)' "$log" || true
+    echo "corpus: $(find "$work/$target" -type f | wc -l) inputs (seeds: $(find "corpus/$target" -type f | wc -l))"
 done
 echo "==> fuzz: ${#targets[@]} targets ran ${seconds}s each without a crash"
