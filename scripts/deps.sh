@@ -7,7 +7,11 @@
 #   etcd-server                         throwaway etcd members for the tests (only with --test)
 #   prometheus                          promtool for the alert rules' tests, and a throwaway
 #                                       Prometheus for tests/alerts.rs (only with --test)
+<<<<<<< HEAD
 #   openssl                             the test kit's private CA for the TLS tests (only with --test)
+=======
+#   cargo-fuzz (crates.io)              builds and runs the fuzz targets in fuzz/ (only with --test)
+>>>>>>> wt-F
 set -euo pipefail
 
 have_pg_server() {
@@ -50,4 +54,9 @@ fi
 if ! command -v cargo >/dev/null; then
     echo "error: cargo not found; install Rust with rustup first" >&2
     exit 1
+fi
+
+if [ "${1:-}" = "--test" ] && ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "==> installing cargo-fuzz"
+    cargo install cargo-fuzz --locked --quiet
 fi

@@ -5,7 +5,9 @@
 #
 # Needs: a Rust toolchain (rustup), and root or sudo for apt-get when a package is missing.
 # Installs what is missing (scripts/deps.sh --test): postgresql, etcd-server, prometheus
-# (promtool), protobuf-compiler and libprotobuf-dev.
+# (promtool), protobuf-compiler and libprotobuf-dev, and cargo-fuzz from crates.io.
+# Last, every fuzz target runs for FUZZ_SECONDS (default 15) each (scripts/fuzz.sh); its build
+# goes to $CARGO_TARGET_DIR/fuzz. FUZZ_SECONDS=0 skips it.
 # The tests start their own PostgreSQL, etcd and Prometheus instances on free loopback ports
 # in temp dirs; they never touch a server already running on the machine.
 set -euo pipefail
@@ -31,3 +33,7 @@ echo "==> doc tests"
 cargo test --workspace --locked --doc
 echo "==> docs (broken links are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --locked --no-deps --quiet
+if [ "${FUZZ_SECONDS:-15}" != 0 ]; then
+    echo "==> fuzz targets, ${FUZZ_SECONDS:-15}s each"
+    scripts/fuzz.sh "${FUZZ_SECONDS:-15}"
+fi

@@ -37,7 +37,7 @@ use hyper::body::Incoming;
 use railguard_sdk::wire::{AcquireRequest, GrantResponse, RenewResponse, TokenRequest};
 use serde::Serialize;
 
-use super::service::LockService;
+use super::service::{LockLimits, LockService};
 use super::{LeaseSecret, LockBackend, LockError, LockKey, parse_holder};
 use crate::auth::{
     Authenticator, Identity, Listener, PeerCertificate, Refusal, Role, Unauthenticated,
@@ -384,11 +384,12 @@ impl<B: LockBackend> LockApi<B> {
                 Ok(json(StatusCode::OK, &inspection))
             }
             Operation::Acquire => {
-                let body: AcquireRequest = read_json(request).await?;
-                self.acquire(key, body, identity.as_deref()).await
+                let body = read_body(request).await?;
+                let asked = parse_acquire(&body, self.service.limits())?;
+                self.acquire(key, asked, identity.as_deref()).await
             }
             Operation::Renew => {
-                let (token, secret) = read_token(request).await?;
+                let (token, secret) = parse_token_body(&read_body(request).await?)?;
                 let renewed = self
                     .service
                     .renew(&key, token, &secret)
@@ -405,7 +406,7 @@ impl<B: LockBackend> LockApi<B> {
                 ))
             }
             Operation::Release => {
-                let (token, secret) = read_token(request).await?;
+                let (token, secret) = parse_token_body(&read_body(request).await?)?;
                 let released = self
                     .service
                     .release(&key, token, &secret)
@@ -427,18 +428,18 @@ impl<B: LockBackend> LockApi<B> {
     async fn acquire(
         &self,
         key: LockKey,
-        body: AcquireRequest,
+        asked: AcquireAsked,
         identity: Option<&Identity>,
     ) -> Result<Response<ResponseBody>, ApiError> {
-        let limits = self.service.limits();
+        let AcquireAsked { holder, ttl, wait } = asked;
         // With authentication on, the holder is the authenticated identity: a request may
         // leave `holder` out or repeat the identity's name, nothing else.
-        let holder = match identity {
-            None => parse_holder(&body.holder).map_err(ApiError::BadRequest)?,
-            Some(identity) if body.holder.is_empty() || body.holder == identity.name => {
-                identity.name.clone()
-            }
-            Some(identity) => {
+        let holder = match (identity, holder) {
+            (None, Some(holder)) => holder,
+            (None, None) => return Err(ApiError::BadRequest("holder is empty".into())),
+            (Some(identity), None) => identity.name.clone(),
+            (Some(identity), Some(holder)) if holder == identity.name => holder,
+            (Some(identity), Some(_)) => {
                 if let Some(auth) = &self.auth {
                     auth.metrics.refused(Listener::Lock, Refusal::Forbidden);
                 }
@@ -450,21 +451,6 @@ impl<B: LockBackend> LockApi<B> {
                 )));
             }
         };
-        let ttl = Duration::from_millis(body.ttl_ms);
-        if ttl < limits.min_ttl || ttl > limits.max_ttl {
-            return Err(ApiError::BadRequest(format!(
-                "ttl_ms must be between {} and {}",
-                limits.min_ttl.as_millis(),
-                limits.max_ttl.as_millis()
-            )));
-        }
-        let wait = Duration::from_millis(body.wait_ms);
-        if wait > limits.max_wait {
-            return Err(ApiError::BadRequest(format!(
-                "wait_ms must be at most {}",
-                limits.max_wait.as_millis()
-            )));
-        }
         let (grant, waited) = self
             .service
             .acquire(&key, &holder, ttl, wait)
@@ -497,10 +483,9 @@ impl<B: LockBackend> LockApi<B> {
     }
 }
 
-async fn read_json<T: serde::de::DeserializeOwned>(
-    request: Request<Incoming>,
-) -> Result<T, ApiError> {
-    let body = Limited::new(request.into_body(), MAX_BODY)
+/// Reads a request body whole, refusing one larger than [`MAX_BODY`].
+async fn read_body(request: Request<Incoming>) -> Result<Bytes, ApiError> {
+    Ok(Limited::new(request.into_body(), MAX_BODY)
         .collect()
         .await
         .map_err(|e| {
@@ -508,7 +493,16 @@ async fn read_json<T: serde::de::DeserializeOwned>(
                 "cannot read the body (at most {MAX_BODY} bytes): {e}"
             ))
         })?
-        .to_bytes();
+        .to_bytes())
+}
+
+/// Parses a request body as every body of this API is read: one JSON object, with no field
+/// its type does not know (`deny_unknown_fields`), and nothing after it. The error names the
+/// field that was wrong.
+///
+/// Public, like [`parse_acquire`] and [`parse_token_body`], so that the fuzz targets
+/// (`fuzz/`) and the property tests drive the API's real parsers.
+pub fn parse_json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     // A struct also deserializes from a JSON array of its fields in order; only an object is
     // a request body here.
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
@@ -517,7 +511,7 @@ async fn read_json<T: serde::de::DeserializeOwned>(
             "invalid JSON body: expected a JSON object".into(),
         ));
     }
-    let mut deserializer = serde_json::Deserializer::from_slice(&body);
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
     let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
         let path = e.path().to_string();
         let field = if path == "." {
@@ -533,8 +527,46 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     Ok(value)
 }
 
-async fn read_token(request: Request<Incoming>) -> Result<(FencingToken, LeaseSecret), ApiError> {
-    let body: TokenRequest = read_json(request).await?;
+/// What an acquire asks for, checked against the service's limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AcquireAsked {
+    /// A valid holder name ([`parse_holder`]), or `None` when the body leaves it out or
+    /// empty (allowed only with authentication on, where the identity is the holder).
+    pub holder: Option<String>,
+    /// Within `limits.min_ttl..=limits.max_ttl`.
+    pub ttl: Duration,
+    /// At most `limits.max_wait`.
+    pub wait: Duration,
+}
+
+/// Parses and checks the body of `POST /v1/locks/{key}/acquire`.
+pub fn parse_acquire(body: &[u8], limits: &LockLimits) -> Result<AcquireAsked, ApiError> {
+    let body: AcquireRequest = parse_json_body(body)?;
+    let holder = match body.holder.as_str() {
+        "" => None,
+        text => Some(parse_holder(text).map_err(ApiError::BadRequest)?),
+    };
+    let ttl = Duration::from_millis(body.ttl_ms);
+    if ttl < limits.min_ttl || ttl > limits.max_ttl {
+        return Err(ApiError::BadRequest(format!(
+            "ttl_ms must be between {} and {}",
+            limits.min_ttl.as_millis(),
+            limits.max_ttl.as_millis()
+        )));
+    }
+    let wait = Duration::from_millis(body.wait_ms);
+    if wait > limits.max_wait {
+        return Err(ApiError::BadRequest(format!(
+            "wait_ms must be at most {}",
+            limits.max_wait.as_millis()
+        )));
+    }
+    Ok(AcquireAsked { holder, ttl, wait })
+}
+
+/// Parses the body of renew and release: the grant's token and its lease secret.
+pub fn parse_token_body(body: &[u8]) -> Result<(FencingToken, LeaseSecret), ApiError> {
+    let body: TokenRequest = parse_json_body(body)?;
     let token = FencingToken::new(body.token)
         .ok_or_else(|| ApiError::BadRequest("token must be a positive integer".into()))?;
     let secret = body.lease_secret.ok_or_else(|| {
@@ -581,6 +613,128 @@ mod tests {
                 find(Some(action), Method::POST),
                 Err(ApiError::NotFound)
             ));
+        }
+    }
+}
+
+/// Properties of the request bodies, over generated requests (the fuzz target
+/// `lock_api_json` checks the same on arbitrary bytes).
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn message(error: ApiError) -> String {
+        match error {
+            ApiError::BadRequest(message) => message,
+            other => panic!("not a 400: {other}"),
+        }
+    }
+
+    fn secret() -> impl Strategy<Value = [u8; 32]> {
+        any::<[u8; 32]>()
+    }
+
+    proptest! {
+        #[test]
+        fn every_acquire_within_the_limits_is_read_as_sent(
+            holder in "[ -~]{1,256}",
+            ttl_ms in 10..=3_600_000u64,
+            wait_ms in prop::option::of(0..=300_000u64),
+        ) {
+            let mut body = serde_json::json!({ "holder": holder, "ttl_ms": ttl_ms });
+            if let Some(wait_ms) = wait_ms {
+                body["wait_ms"] = wait_ms.into();
+            }
+            let asked = parse_acquire(body.to_string().as_bytes(), &LockLimits::default());
+            prop_assert_eq!(
+                asked.unwrap(),
+                AcquireAsked {
+                    holder: Some(holder),
+                    ttl: Duration::from_millis(ttl_ms),
+                    wait: Duration::from_millis(wait_ms.unwrap_or(0)),
+                }
+            );
+        }
+
+        #[test]
+        fn a_ttl_or_wait_outside_the_limits_is_refused(
+            ttl_ms in prop_oneof![0..10u64, 3_600_001..=u64::MAX],
+            wait_ms in 300_001..=u64::MAX,
+        ) {
+            let limits = LockLimits::default();
+            let ttl = serde_json::json!({ "holder": "w", "ttl_ms": ttl_ms }).to_string();
+            prop_assert!(message(parse_acquire(ttl.as_bytes(), &limits).unwrap_err())
+                .contains("ttl_ms"));
+            let wait = serde_json::json!({ "holder": "w", "ttl_ms": 100, "wait_ms": wait_ms });
+            prop_assert!(message(parse_acquire(wait.to_string().as_bytes(), &limits).unwrap_err())
+                .contains("wait_ms"));
+        }
+
+        #[test]
+        fn a_holder_with_any_byte_outside_printable_ascii_is_refused_and_an_empty_one_is_absent(
+            holder in "[ -~]{0,20}",
+            other in any::<char>().prop_filter("not printable", |c| !(' '..='~').contains(c)),
+            at in any::<prop::sample::Index>(),
+        ) {
+            let mut bad = holder.clone();
+            bad.insert(at.index(holder.len() + 1), other);
+            let body = serde_json::json!({ "holder": bad, "ttl_ms": 100 }).to_string();
+            prop_assert!(message(parse_acquire(body.as_bytes(), &LockLimits::default())
+                .unwrap_err()).contains("holder"));
+            let empty = serde_json::json!({ "holder": "", "ttl_ms": 100 }).to_string();
+            prop_assert_eq!(
+                parse_acquire(empty.as_bytes(), &LockLimits::default()).unwrap().holder,
+                None
+            );
+        }
+
+        #[test]
+        fn an_unknown_field_is_refused_and_named(
+            field in "[a-z_]{1,12}".prop_filter("unknown", |f| {
+                !["holder", "ttl_ms", "wait_ms", "token", "lease_secret"].contains(&f.as_str())
+            }),
+            bytes in secret(),
+        ) {
+            let named = format!("`{field}`");
+            let acquire = serde_json::json!({ "holder": "w", "ttl_ms": 100, &field: 1 });
+            let error = parse_acquire(acquire.to_string().as_bytes(), &LockLimits::default());
+            prop_assert!(message(error.unwrap_err()).contains(&named));
+            let token = serde_json::json!({
+                "token": 1, "lease_secret": LeaseSecret(bytes).to_wire(), &field: 1,
+            });
+            let error = parse_token_body(token.to_string().as_bytes());
+            prop_assert!(message(error.unwrap_err()).contains(&named));
+        }
+
+        #[test]
+        fn every_token_and_secret_is_read_as_sent(token in 1..=i64::MAX, bytes in secret()) {
+            let secret = LeaseSecret(bytes);
+            let body = serde_json::json!({ "token": token, "lease_secret": secret.to_wire() });
+            let (read, read_secret) = parse_token_body(body.to_string().as_bytes()).unwrap();
+            prop_assert_eq!(read.get(), token);
+            prop_assert!(read_secret == secret);
+        }
+
+        #[test]
+        fn a_token_below_one_is_refused(token in i64::MIN..=0, bytes in secret()) {
+            let body = serde_json::json!({
+                "token": token, "lease_secret": LeaseSecret(bytes).to_wire(),
+            });
+            prop_assert!(message(parse_token_body(body.to_string().as_bytes()).unwrap_err())
+                .contains("token"));
+        }
+
+        #[test]
+        fn only_an_object_is_a_body(value in prop_oneof![
+            Just(serde_json::json!([1, "w", 100])),
+            any::<i64>().prop_map(serde_json::Value::from),
+            "[a-z]{0,8}".prop_map(serde_json::Value::from),
+        ]) {
+            let body = value.to_string();
+            prop_assert!(parse_acquire(body.as_bytes(), &LockLimits::default()).is_err());
+            prop_assert!(parse_token_body(body.as_bytes()).is_err());
         }
     }
 }

@@ -214,24 +214,16 @@ pub struct Extract<S> {
 }
 
 impl ExtractConfig {
-    /// Reads token and account, recording both on the request's span.
     fn fencing_headers(
         &self,
         headers: &http::HeaderMap,
     ) -> Result<(FencingToken, AccountId), BadRequest> {
-        let bad = |header: &HeaderName, reason: String| BadRequest::Header {
-            header: header.clone(),
-            reason,
-        };
-        let token_text = single_header(headers, &self.token_header)
-            .map_err(|e| bad(&self.token_header, e.to_string()))?;
-        let token =
-            FencingToken::parse(token_text).map_err(|e| bad(&self.token_header, e.to_string()))?;
-        let account_text = single_header(headers, &self.account_header)
-            .map_err(|e| bad(&self.account_header, e.to_string()))?;
-        let account = AccountId::parse(account_text, self.max_account_len)
-            .map_err(|e| bad(&self.account_header, e.to_string()))?;
-        Ok((token, account))
+        fencing_headers(
+            headers,
+            &self.token_header,
+            &self.account_header,
+            self.max_account_len,
+        )
     }
 
     /// RFC 9112 §3.2: an HTTP/1.1 request has exactly one `Host`; any `Host` must be a valid
@@ -259,20 +251,53 @@ impl ExtractConfig {
         }
     }
 
-    /// The idempotency key, if any: at most one, well-formed, and present when required.
     fn idempotency_key(&self, headers: &http::HeaderMap) -> Result<Option<String>, BadRequest> {
-        let name = &self.idempotency_header;
-        let bad = |reason: String| BadRequest::Header {
-            header: name.clone(),
-            reason,
-        };
-        match single_header(headers, name) {
-            Err(HeaderError::Missing) if !self.idempotency_required => Ok(None),
-            Err(e) => Err(bad(e.to_string())),
-            Ok(text) => crate::proxy::idempotency::parse_key(text)
-                .map(Some)
-                .map_err(bad),
-        }
+        idempotency_key(headers, &self.idempotency_header, self.idempotency_required)
+    }
+}
+
+/// Reads the fencing token (`token_header`) and the account (`account_header`, at most
+/// `max_account_len` bytes) from `headers`: each exactly once, in its C2 §2.2 wire form.
+///
+/// This is the proxy's own check, public so that the fuzz targets (`fuzz/`) and the property
+/// tests drive exactly what a request meets.
+pub fn fencing_headers(
+    headers: &HeaderMap,
+    token_header: &HeaderName,
+    account_header: &HeaderName,
+    max_account_len: usize,
+) -> Result<(FencingToken, AccountId), BadRequest> {
+    let bad = |header: &HeaderName, reason: String| BadRequest::Header {
+        header: header.clone(),
+        reason,
+    };
+    let token_text =
+        single_header(headers, token_header).map_err(|e| bad(token_header, e.to_string()))?;
+    let token = FencingToken::parse(token_text).map_err(|e| bad(token_header, e.to_string()))?;
+    let account_text =
+        single_header(headers, account_header).map_err(|e| bad(account_header, e.to_string()))?;
+    let account = AccountId::parse(account_text, max_account_len)
+        .map_err(|e| bad(account_header, e.to_string()))?;
+    Ok((token, account))
+}
+
+/// The idempotency key in header `name`, if any: at most one, well-formed
+/// ([`parse_key`](crate::proxy::idempotency::parse_key)), and present when `required`.
+pub fn idempotency_key(
+    headers: &HeaderMap,
+    name: &HeaderName,
+    required: bool,
+) -> Result<Option<String>, BadRequest> {
+    let bad = |reason: String| BadRequest::Header {
+        header: name.clone(),
+        reason,
+    };
+    match single_header(headers, name) {
+        Err(HeaderError::Missing) if !required => Ok(None),
+        Err(e) => Err(bad(e.to_string())),
+        Ok(text) => crate::proxy::idempotency::parse_key(text)
+            .map(Some)
+            .map_err(bad),
     }
 }
 
@@ -579,5 +604,88 @@ mod tests {
         assert_eq!(single_header(&headers, &name), Ok("1"));
         headers.append(&name, "2".parse().unwrap());
         assert_eq!(single_header(&headers, &name), Err(HeaderError::Repeated));
+    }
+}
+
+/// Properties of the fencing headers as the proxy reads them, over generated requests (the
+/// fuzz target `fence_headers` checks the same on arbitrary bytes).
+#[cfg(test)]
+mod properties {
+    use http::HeaderValue;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn names() -> [HeaderName; 3] {
+        [
+            HeaderName::from_static("fencing-token"),
+            HeaderName::from_static("fencing-account"),
+            HeaderName::from_static("idempotency-key"),
+        ]
+    }
+
+    fn request(token: &str, account: &str, key: &str) -> HeaderMap {
+        let [t, a, k] = names();
+        let mut headers = HeaderMap::new();
+        headers.append(t, token.parse().unwrap());
+        headers.append(a, account.parse().unwrap());
+        headers.append(k, key.parse().unwrap());
+        headers
+    }
+
+    proptest! {
+        #[test]
+        fn every_well_formed_request_is_read_as_sent(
+            token in 1..=i64::MAX,
+            account in "[!-~]{1,128}",
+            key in "[!-~]{1,255}",
+        ) {
+            let [t, a, k] = names();
+            let headers = request(&token.to_string(), &account, &key);
+            let (read, read_account) = fencing_headers(&headers, &t, &a, 128).unwrap();
+            prop_assert_eq!(read.get(), token);
+            prop_assert_eq!(read_account.as_str(), account.as_str());
+            prop_assert_eq!(idempotency_key(&headers, &k, true).unwrap(), Some(key));
+        }
+
+        #[test]
+        fn a_repeated_header_is_refused_whatever_its_values(
+            token in 1..=i64::MAX,
+            second in "[!-~]{1,20}",
+            which in 0..3usize,
+        ) {
+            let names = names();
+            let mut headers = request(&token.to_string(), "acct-1", "pay-1");
+            headers.append(&names[which], second.parse().unwrap());
+            let refused = if which == 2 {
+                idempotency_key(&headers, &names[2], false).map(|_| ()).unwrap_err()
+            } else {
+                fencing_headers(&headers, &names[0], &names[1], 128).map(|_| ()).unwrap_err()
+            };
+            let BadRequest::Header { header, reason } = refused else {
+                panic!("not a header error");
+            };
+            prop_assert_eq!(&header, &names[which]);
+            prop_assert_eq!(reason, HeaderError::Repeated.to_string());
+        }
+
+        #[test]
+        fn a_value_with_a_byte_outside_visible_ascii_is_refused(
+            text in "[!-~]{0,20}",
+            other in prop_oneof![Just(b' '), Just(b'\t'), 0x80u8..=0xff],
+            at in any::<prop::sample::Index>(),
+            which in 0..3usize,
+        ) {
+            let mut bad = text.clone().into_bytes();
+            bad.insert(at.index(bad.len() + 1), other);
+            let names = names();
+            let mut headers = request("5", "acct-1", "pay-1");
+            headers.insert(&names[which], HeaderValue::from_bytes(&bad).unwrap());
+            let refused = match which {
+                2 => idempotency_key(&headers, &names[2], false).is_err(),
+                _ => fencing_headers(&headers, &names[0], &names[1], 128).is_err(),
+            };
+            prop_assert!(refused, "{:?} accepted", String::from_utf8_lossy(&bad));
+        }
     }
 }

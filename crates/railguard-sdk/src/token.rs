@@ -156,3 +156,72 @@ mod tests {
         );
     }
 }
+
+/// Properties of the wire forms, over generated inputs (the fuzz target `fence_headers`
+/// checks the same on arbitrary bytes).
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn every_token_prints_and_parses_back(value in 1..=i64::MAX, zeros in 0..5usize) {
+            let token = FencingToken::new(value).unwrap();
+            prop_assert_eq!(FencingToken::parse(&token.to_string()), Ok(token));
+            let padded = format!("{}{token}", "0".repeat(zeros));
+            prop_assert_eq!(FencingToken::parse(&padded), Ok(token));
+        }
+
+        #[test]
+        fn a_token_with_any_other_byte_is_not_decimal(
+            digits in "[0-9]{0,10}",
+            other in any::<char>().prop_filter("not a digit", |c| !c.is_ascii_digit()),
+            at in any::<prop::sample::Index>(),
+        ) {
+            let mut text = digits.clone();
+            text.insert(at.index(digits.len() + 1), other);
+            prop_assert_eq!(FencingToken::parse(&text), Err(TokenError::NotDecimal));
+        }
+
+        #[test]
+        fn zero_and_too_large_are_out_of_range(
+            value in prop_oneof![Just(0i128), (i64::MAX as i128 + 1)..=u64::MAX as i128 * 8],
+        ) {
+            prop_assert_eq!(
+                FencingToken::parse(&value.to_string()),
+                Err(TokenError::OutOfRange)
+            );
+        }
+
+        #[test]
+        fn zero_and_negative_values_are_not_tokens(value in i64::MIN..=0) {
+            prop_assert_eq!(FencingToken::new(value), None);
+        }
+
+        #[test]
+        fn every_visible_ascii_account_within_the_limit_is_accepted(
+            text in "[!-~]{1,64}",
+            slack in 0..8usize,
+        ) {
+            let account = AccountId::parse(&text, text.len() + slack).unwrap();
+            prop_assert_eq!(account.as_str(), text.as_str());
+            prop_assert_eq!(
+                AccountId::parse(&text, text.len() - 1),
+                Err(AccountError::TooLong { max_len: text.len() - 1 })
+            );
+        }
+
+        #[test]
+        fn an_account_with_any_other_byte_is_refused(
+            text in "[!-~]{0,16}",
+            other in any::<char>().prop_filter("not visible ASCII", |c| !c.is_ascii_graphic()),
+            at in any::<prop::sample::Index>(),
+        ) {
+            let mut bad = text.clone();
+            bad.insert(at.index(text.len() + 1), other);
+            prop_assert_eq!(AccountId::parse(&bad, 1024), Err(AccountError::NotVisibleAscii));
+        }
+    }
+}

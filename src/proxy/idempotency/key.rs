@@ -65,3 +65,65 @@ mod tests {
         assert!(parse_key(&"k".repeat(256)).is_err());
     }
 }
+
+/// Properties of the key grammar and the fingerprint, over generated requests (the fuzz
+/// target `idempotency_fingerprint` checks the same on arbitrary bytes).
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn a_fingerprint_changes_when_any_byte_of_the_body_changes(
+            body in prop::collection::vec(any::<u8>(), 1..512),
+            at in any::<prop::sample::Index>(),
+            flip in 1..=255u8,
+        ) {
+            let print = fingerprint("POST", "/pay", &body);
+            prop_assert_eq!(&print, &fingerprint("POST", "/pay", &body), "deterministic");
+            let mut changed = body.clone();
+            changed[at.index(body.len())] ^= flip;
+            prop_assert_ne!(&print, &fingerprint("POST", "/pay", &changed));
+            prop_assert_ne!(&print, &fingerprint("POST", "/pay", &body[..body.len() - 1]));
+        }
+
+        #[test]
+        fn a_fingerprint_tells_where_the_path_ends_and_the_body_begins(
+            path in "/[a-z0-9/?=&]{0,30}",
+            body in "[a-z0-9]{1,30}",
+            split in any::<prop::sample::Index>(),
+        ) {
+            // Move a prefix of the body onto the path: the concatenation is the same, the
+            // request is not.
+            let at = 1 + split.index(body.len());
+            let moved = format!("{path}{}", &body[..at]);
+            prop_assert_ne!(
+                fingerprint("POST", &path, body.as_bytes()),
+                fingerprint("POST", &moved, &body.as_bytes()[at..])
+            );
+        }
+
+        #[test]
+        fn every_visible_ascii_key_of_1_to_255_bytes_is_accepted(key in "[!-~]{1,255}") {
+            prop_assert_eq!(parse_key(&key), Ok(key.clone()));
+        }
+
+        #[test]
+        fn a_key_with_any_other_byte_is_refused(
+            key in "[!-~]{0,254}",
+            other in any::<char>().prop_filter("not visible ASCII", |c| !c.is_ascii_graphic()),
+            at in any::<prop::sample::Index>(),
+        ) {
+            let mut bad = key.clone();
+            bad.insert(at.index(key.len() + 1), other);
+            prop_assert!(parse_key(&bad).is_err(), "{:?} accepted", bad);
+        }
+
+        #[test]
+        fn a_key_longer_than_255_bytes_is_refused(key in "[!-~]{256,400}") {
+            prop_assert!(parse_key(&key).is_err());
+        }
+    }
+}
