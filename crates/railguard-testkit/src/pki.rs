@@ -199,9 +199,18 @@ mod tests {
                 .args(["verify", "-CAfile", path_str(&pki.ca), path_str(&leaf.cert)])
                 .output()
                 .unwrap();
-            assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+            assert!(
+                ok.status.success(),
+                "{}",
+                String::from_utf8_lossy(&ok.stderr)
+            );
             let refused = Command::new("openssl")
-                .args(["verify", "-CAfile", path_str(&other.ca), path_str(&leaf.cert)])
+                .args([
+                    "verify",
+                    "-CAfile",
+                    path_str(&other.ca),
+                    path_str(&leaf.cert),
+                ])
                 .output()
                 .unwrap();
             assert!(!refused.status.success());
