@@ -69,7 +69,7 @@ impl Listener {
             limits: ListenerLimits::default(),
             tls: None,
             refusals: Refusal::counter(),
-            overloaded: overloaded,
+            overloaded,
         }
     }
 
