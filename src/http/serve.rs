@@ -110,7 +110,7 @@ impl From<TcpListener> for Listener {
 /// The default overload response: 503, a JSON body, `Retry-After: 1`.
 fn overloaded() -> Response<ResponseBody> {
     let mut response = Response::new(full(
-        r#"{"error":"overloaded","message":"too many requests in flight on this listener; nothing was done, retry later"}"#,
+        r#"{"error":"overloaded","message":"too many requests in flight on this listener; nothing was done, retry later","outcome":"none"}"#,
     ));
     *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
     let headers = response.headers_mut();
