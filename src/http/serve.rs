@@ -45,7 +45,7 @@ use tokio::task::JoinSet;
 
 use super::connection::{Activity, GuardedBody, InFlight, RequestGuard, Tracked};
 use super::{BoxError, Peer, Refusal, ResponseBody, full};
-use crate::config::ListenerLimits;
+use crate::config::{ListenerLimits, MIN_HEADER_BYTES};
 use crate::tls::server::{TlsServer, fingerprint};
 
 /// A bound socket and what the accept loop must know to serve it: its name in metrics and
@@ -171,7 +171,8 @@ pub async fn serve<F, S, B>(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(None)
-        .max_buf_size(limits.max_header_bytes)
+        // hyper panics below its minimum; the config refuses such values with the key named.
+        .max_buf_size(limits.max_header_bytes.max(MIN_HEADER_BYTES))
         .max_headers(limits.max_headers);
     builder
         .http2()
@@ -352,13 +353,16 @@ async fn http<S, B, T>(
     // HTTP/1: closes at once, as no request is in flight (or, on shutdown, after the one in
     // flight); HTTP/2: GOAWAY, then the open streams finish.
     connection.as_mut().graceful_shutdown();
-    let bound = match closing {
+    match closing {
         // Nothing is in flight: what is left is a client that does not read or close.
-        Some(_) => Duration::from_secs(1),
+        Some(_) => {
+            let _ = tokio::time::timeout(Duration::from_secs(1), connection).await;
+        }
         // The serve loop bounds the drain by the grace period and then aborts this task.
-        None => Duration::MAX,
-    };
-    let _ = tokio::time::timeout(bound, connection).await;
+        None => {
+            let _ = connection.await;
+        }
+    }
 }
 
 /// A connection's service behind the listener's in-flight limit.
