@@ -90,7 +90,7 @@ impl Admin {
         let permission = permission_for(request.method(), path)?;
         let identity = match auth.identify(
             request.headers(),
-            request.extensions().get::<PeerCertificate>(),
+            PeerCertificate::of(request.extensions()).as_ref(),
         ) {
             Ok(identity) => identity,
             Err(e) => {

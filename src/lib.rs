@@ -18,7 +18,8 @@
 //! - [`fast_forward`] — moving the token source past every mark after a restore or a
 //!   backend switch (C1 §1.7); [`lock::guard`] refuses grants until it has happened.
 //! - [`config`], [`server`] — how it is configured, started and stopped; [`http`] — the body
-//!   type and accept loop every listener shares.
+//!   type and accept loop every listener shares, with its limits; [`tls`] — TLS on the
+//!   listeners (certificates reloaded from their files, client certificates for mutual TLS).
 //!
 //! The design rests on ADR-002: a token is fixed when its grant is made and travels as a
 //! value. No API here re-reads a token, and nothing stores one where a writer could pick it up.
@@ -38,6 +39,7 @@ pub mod proxy;
 pub mod railsim;
 pub mod server;
 pub mod telemetry;
+pub mod tls;
 
 /// The worker SDK, which also defines the values and wire types the server speaks.
 pub use railguard_sdk as sdk;

@@ -100,6 +100,10 @@ pub struct Metrics {
     pub outcomes_lost: IntCounter,
     /// Requests per fence statement (group commit).
     pub fence_batch_size: Histogram,
+    /// Connections and requests a listener refused or closed to protect itself.
+    pub listener_refusals: IntCounterVec,
+    /// Reloads of a listener's TLS files.
+    pub listener_tls_reloads: IntCounterVec,
 }
 
 pub(crate) const LATENCY_BUCKETS: &[f64] = &[
@@ -181,8 +185,12 @@ impl Metrics {
              in flight and become in doubt. Should stay zero.",
         )
         .expect("valid metric");
+        let listener_refusals = crate::http::Refusal::counter();
+        let listener_tls_reloads = crate::tls::server::reload_counter();
         for metric in [
-            Box::new(fencing_proof_required.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(listener_refusals.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(listener_tls_reloads.clone()),
+            Box::new(fencing_proof_required.clone()),
             Box::new(unproven_tokens.clone()),
             Box::new(outcomes_pending.clone()),
             Box::new(outcomes_lost.clone()),
@@ -203,6 +211,11 @@ impl Metrics {
         for path in ["cache", "database"] {
             fence_check_seconds.with_label_values(&[path]);
         }
+        for listener in ["proxy", "admin", "lock"] {
+            for reason in crate::http::Refusal::ALL {
+                listener_refusals.with_label_values(&[listener, reason.as_str()]);
+            }
+        }
         Self {
             registry,
             fenced_out,
@@ -216,6 +229,8 @@ impl Metrics {
             outcomes_pending,
             outcomes_lost,
             fence_batch_size,
+            listener_refusals,
+            listener_tls_reloads,
         }
     }
 

@@ -484,6 +484,17 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn the_proxy_listeners_overload_answer_is_documented() {
+        let doc = Doc::load();
+        let rendered = render(crate::proxy::error::overloaded()).await;
+        for (path, method, operation) in doc.operations("proxy") {
+            if let Some(why) = doc.undocumented(&operation["responses"], &rendered) {
+                panic!("{method} {path}: the max_in_flight refusal: {why}");
+            }
+        }
+    }
+
     #[test]
     fn a_fenced_out_body_can_never_carry_the_mark() {
         let doc = Doc::load();

@@ -21,8 +21,9 @@ use tower::ServiceExt;
 use crate::admin::Admin;
 use crate::auth::{AuthMetrics, Authenticator, LockKeyShape};
 use crate::config::Config;
+use crate::config::ListenerConfig;
 use crate::db::{Database, DatabaseError};
-use crate::http::serve;
+use crate::http::{Listener, serve};
 use crate::lock::api::LockApi;
 use crate::lock::guard::SourceGuard;
 use crate::lock::{LockDatabase, Locks};
@@ -54,6 +55,12 @@ pub enum ServeError {
     ProofKey(String),
     #[error("credentials (key `auth.credentials_file`): {0}")]
     Credentials(#[from] crate::auth::CredentialsError),
+    #[error("key `{key}`: {source}")]
+    Tls {
+        key: &'static str,
+        #[source]
+        source: crate::tls::server::TlsError,
+    },
     #[error("the embedded PostgreSQL exited unexpectedly ({0}); see its log in the data directory")]
     EmbeddedDied(String),
 }
@@ -80,7 +87,7 @@ impl Listeners {
         })
     }
 
-    fn addr(listener: &TcpListener) -> String {
+    fn addr(listener: &Listener) -> String {
         listener
             .local_addr()
             .map_or_else(|e| e.to_string(), |a| a.to_string())
@@ -96,6 +103,12 @@ pub async fn run(
     let metrics = Arc::new(Metrics::new());
     // Credentials first: a broken file fails the start before anything is opened.
     let auth = load_credentials(&config, &metrics)?;
+    // TLS files are read before anything else starts: a listener that cannot serve its
+    // certificate stops railguard at start with the key named.
+    let proxy_listener = listener(listeners.proxy, "proxy", &config.proxy.listener, &metrics)?
+        .answering_overload_with(proxy::error::overloaded);
+    let lock_listener = listener(listeners.lock, "lock", &config.lock.listener, &metrics)?;
+    let admin_listener = listener(listeners.admin, "admin", &config.admin.listener, &metrics)?;
     if !config.fencing.enforce {
         tracing::error!(
             "!!! FENCING IS DISABLED (fencing.enforce = false) !!! Stale tokens WILL reach the \
@@ -242,20 +255,23 @@ pub async fn run(
         let _ = rx.wait_for(|stop| *stop).await;
     };
     tracing::info!(
-        proxy = %Listeners::addr(&listeners.proxy),
-        admin = %Listeners::addr(&listeners.admin),
-        lock = %Listeners::addr(&listeners.lock),
+        proxy = %Listeners::addr(&proxy_listener),
+        admin = %Listeners::addr(&admin_listener),
+        lock = %Listeners::addr(&lock_listener),
+        proxy.tls = config.proxy.listener.settings().tls.is_some(),
+        admin.tls = config.admin.listener.settings().tls.is_some(),
+        lock.tls = config.lock.listener.settings().tls.is_some(),
         upstream = %config.proxy.upstream,
         backend = config.lock.backend.name(),
         enforce = config.fencing.enforce,
         "railguard serving"
     );
     let proxy_task = tokio::spawn(serve(
-        listeners.proxy,
-        move |peer| {
+        proxy_listener,
+        move |peer: crate::http::Peer| {
             let stack = stack.clone();
             hyper::service::service_fn(move |mut request: http::Request<hyper::body::Incoming>| {
-                request.extensions_mut().insert(ClientAddr(peer));
+                request.extensions_mut().insert(ClientAddr(peer.addr));
                 stack.clone().oneshot(request)
             })
         },
@@ -263,7 +279,7 @@ pub async fn run(
         grace,
     ));
     let lock_task = tokio::spawn(serve(
-        listeners.lock,
+        lock_listener,
         move |_peer| {
             let api = lock_api.clone();
             hyper::service::service_fn(move |request| api.clone().handle(request))
@@ -272,7 +288,7 @@ pub async fn run(
         grace,
     ));
     let admin_task = tokio::spawn(serve(
-        listeners.admin,
+        admin_listener,
         move |_peer| {
             let admin = admin.clone();
             hyper::service::service_fn(move |request| admin.clone().handle(request))
@@ -321,6 +337,31 @@ pub async fn run(
         Some(status) => Err(ServeError::EmbeddedDied(status)),
         None => Ok(()),
     }
+}
+
+/// A bound listener with its section's limits and TLS (`name` is also the section).
+fn listener(
+    tcp: TcpListener,
+    name: &'static str,
+    config: &ListenerConfig,
+    metrics: &Metrics,
+) -> Result<Listener, ServeError> {
+    let settings = config.settings();
+    let mut listener = Listener::new(tcp, name)
+        .with_limits(settings.limits)
+        .counting_refusals_in(metrics.listener_refusals.clone());
+    if let Some(files) = settings.tls {
+        let key = match name {
+            "proxy" => "proxy.tls_cert_file",
+            "admin" => "admin.tls_cert_file",
+            _ => "lock.tls_cert_file",
+        };
+        let tls =
+            crate::tls::server::TlsServer::load(files, name, metrics.listener_tls_reloads.clone())
+                .map_err(|source| ServeError::Tls { key, source })?;
+        listener = listener.with_tls(Arc::new(tls));
+    }
+    Ok(listener)
 }
 
 /// The `[proxy]` and `[fencing]` settings the extract layer needs.

@@ -224,6 +224,14 @@ fn review_every_key_has_a_working_environment_override() {
                 ("fencing.lock_key_template", _) => {
                     ("pay:{account}".into(), "pay:{account}".into())
                 }
+                (k, _)
+                    if k.ends_with(".tls_cert_file")
+                        || k.ends_with(".tls_key_file")
+                        || k.ends_with(".tls_client_ca_file") =>
+                {
+                    ("/tmp/x.pem".into(), "/tmp/x.pem".into())
+                }
+                (k, _) if k.ends_with(".tls_client_auth") => ("required".into(), "required".into()),
                 ("log.format", _) => ("json".into(), "json".into()),
                 ("log.level", _) => ("debug".into(), "debug".into()),
                 (_, toml::Value::Integer(i)) => ((i + 1).to_string(), toml::Value::Integer(i + 1)),
@@ -242,6 +250,29 @@ fn review_every_key_has_a_working_environment_override() {
             }
             if dotted == "etcd.tls_key_file" {
                 env.insert("RAILGUARD__ETCD__TLS_CERT_FILE".into(), "/tmp/c.pem".into());
+            }
+            // A listener's TLS keys need each other too: a certificate with its key, and client
+            // certificates with a CA and a certificate of the listener's own.
+            let listener_tls = ["tls_cert_file", "tls_key_file", "tls_client_ca_file"];
+            let companions: &[&str] = match key.as_str() {
+                "tls_cert_file" => &["tls_key_file"],
+                "tls_key_file" => &["tls_cert_file"],
+                "tls_client_ca_file" | "tls_client_auth" => &listener_tls,
+                _ => &[],
+            };
+            for companion in companions {
+                env.entry(format!(
+                    "RAILGUARD__{}__{}",
+                    section.to_uppercase(),
+                    companion.to_uppercase()
+                ))
+                .or_insert_with(|| "/tmp/c.pem".into());
+            }
+            if key == "tls_client_ca_file" {
+                env.insert(
+                    format!("RAILGUARD__{}__TLS_CLIENT_AUTH", section.to_uppercase()),
+                    "optional".into(),
+                );
             }
             let config = Config::parse("", "empty.toml", &env)
                 .unwrap_or_else(|e| panic!("{var}={raw:?} refused: {e}"));

@@ -29,9 +29,19 @@ use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 pub use credentials::{Credentials, CredentialsError, Identity, LockKeyShape, Permission, Role};
 
 /// The verified client certificate of the request's connection: the SHA-256 of its DER.
-/// Inserted into request extensions by the listener when mutual TLS is on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerCertificate(pub [u8; 32]);
+
+impl PeerCertificate {
+    /// The certificate of the connection a request came on, from the [`crate::http::Peer`]
+    /// the listener puts in every request's extensions (mutual TLS only).
+    pub fn of(extensions: &http::Extensions) -> Option<Self> {
+        extensions
+            .get::<crate::http::Peer>()
+            .and_then(|peer| peer.client_cert_sha256)
+            .map(Self)
+    }
+}
 
 /// Why a request has no identity: a 401.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

@@ -16,6 +16,7 @@
 //! takes an integer, a boolean takes `true`/`false`, a string takes the text as it is. An
 //! override for a key that does not exist is an error, like an unknown key in the file.
 
+mod listener;
 mod values;
 
 use std::collections::BTreeMap;
@@ -26,6 +27,9 @@ use std::time::Duration;
 use http::HeaderName;
 use serde::{Deserialize, Serialize};
 
+pub use listener::{
+    ClientAuth, ListenerConfig, ListenerLimits, ListenerSettings, ListenerTls, MIN_HEADER_BYTES,
+};
 pub use values::{DatabaseUrl, LockBackendKind, LockKeyTemplate, Upstream};
 use values::{header, millis, secs};
 
@@ -90,6 +94,9 @@ pub struct ProxyConfig {
     pub proof_header: HeaderName,
     /// Longest account id accepted, in bytes.
     pub max_account_len: usize,
+    /// TLS and limits of the proxy listener (`config::listener`).
+    #[serde(flatten)]
+    pub listener: ListenerConfig,
 }
 
 impl Default for ProxyConfig {
@@ -106,6 +113,7 @@ impl Default for ProxyConfig {
             idempotency_header: HeaderName::from_static("idempotency-key"),
             proof_header: HeaderName::from_static("fencing-proof"),
             max_account_len: 128,
+            listener: ListenerConfig::default(),
         }
     }
 }
@@ -142,12 +150,16 @@ impl ProxyConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
+    /// TLS and limits of the admin listener (`config::listener`).
+    #[serde(flatten)]
+    pub listener: ListenerConfig,
 }
 
 impl Default for AdminConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 9100)),
+            listener: ListenerConfig::default(),
         }
     }
 }
@@ -171,6 +183,9 @@ pub struct LockConfig {
     /// Longest sleep between attempts of a waiter, should a release notification be lost.
     #[serde(rename = "poll_interval_ms", with = "millis")]
     pub poll_interval: Duration,
+    /// TLS and limits of the lock listener (`config::listener`).
+    #[serde(flatten)]
+    pub listener: ListenerConfig,
 }
 
 impl Default for LockConfig {
@@ -182,6 +197,7 @@ impl Default for LockConfig {
             max_wait: Duration::from_secs(300),
             max_waiters: 10_000,
             poll_interval: Duration::from_millis(500),
+            listener: ListenerConfig::default(),
         }
     }
 }
@@ -631,7 +647,10 @@ impl Config {
     /// Each section's own checks, then the rules that span sections.
     fn validate(&self) -> Result<(), Invalid> {
         self.proxy.validate()?;
+        self.proxy.listener.validate("proxy")?;
+        self.admin.listener.validate("admin")?;
         self.lock.validate()?;
+        self.lock.listener.validate("lock")?;
         if self.lock.backend == LockBackendKind::Etcd {
             self.etcd.validate()?;
         }

@@ -1,11 +1,15 @@
 //! What every listener shares, whatever it serves: the response body type, a body from bytes,
-//! and the accept loop. It knows nothing of fencing, locks or the rail, so that the proxy, the
+//! the accept loop with its limits, and who is on the other end of a connection ([`Peer`]). It knows nothing of fencing, locks or the rail, so that the proxy, the
 //! lock API, the admin listener and the rail simulator can all build on it without importing
 //! one another.
 
+mod connection;
 mod serve;
 
-pub use serve::serve;
+pub use connection::Refusal;
+pub use serve::{Listener, serve};
+
+use std::net::SocketAddr;
 
 use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
@@ -22,4 +26,15 @@ pub fn full(bytes: impl Into<Bytes>) -> ResponseBody {
     Full::new(bytes.into())
         .map_err(|never| match never {})
         .boxed_unsync()
+}
+
+/// Who is on the other end of a connection: given to the factory of each connection's service,
+/// and carried by each of its requests as an extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    pub addr: SocketAddr,
+    /// The SHA-256 of the DER of the client's leaf certificate, verified against the
+    /// listener's client CA during the TLS handshake. `None` on plain TCP, or when the client
+    /// sent no certificate (`tls_client_auth = "optional"`).
+    pub client_cert_sha256: Option<[u8; 32]>,
 }

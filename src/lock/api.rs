@@ -310,7 +310,7 @@ impl<B: LockBackend> LockApi<B> {
         let identity = auth
             .identify(
                 request.headers(),
-                request.extensions().get::<PeerCertificate>(),
+                PeerCertificate::of(request.extensions()).as_ref(),
             )
             .map_err(|e| {
                 auth.metrics

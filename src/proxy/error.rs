@@ -99,6 +99,22 @@ impl Rejection {
     }
 }
 
+/// The answer to a request the proxy listener had no room for (`proxy.max_in_flight`): 503,
+/// `overloaded`, nothing forwarded. Counted in `railguard_listener_refusals_total`, not as an
+/// `outcome`: the request never entered the proxy's stack.
+pub fn overloaded() -> Response<ResponseBody> {
+    Rejection::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        Outcome::Internal,
+        "overloaded",
+        Origin::Proxy,
+        "too many requests in flight on this listener (proxy.max_in_flight); nothing was \
+         forwarded, retry later"
+            .into(),
+    )
+    .into_response()
+}
+
 /// Every error type with a response of its own, one line per type, in the order each cause
 /// is tried against them. `crate::openapi` checks that each one's response is documented.
 const RESPONDERS: &[fn(&(dyn Error + 'static)) -> Option<Rejection>] = &[

@@ -329,7 +329,7 @@ where
             let caller = authorize::caller(
                 config.auth.as_ref(),
                 request.headers(),
-                request.extensions().get::<crate::auth::PeerCertificate>(),
+                crate::auth::PeerCertificate::of(request.extensions()).as_ref(),
             )?;
             config.host(request.version(), request.headers())?;
             let (token, account) = config.fencing_headers(request.headers())?;

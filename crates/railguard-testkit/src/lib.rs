@@ -9,7 +9,8 @@
 //! - [`Railguard`]: railguard itself, with a config written for the test and overrides on top.
 //! - [`Http`]: an HTTP client over real sockets; [`Metrics`]: a strict Prometheus text parser.
 //! - [`Prometheus`]: a real Prometheus server scraping railguard and evaluating alert rules.
-//! - [`Pki`]: a throwaway certificate authority (the `openssl` command) for TLS tests.
+//! - [`Pki`]: a throwaway certificate authority (the `openssl` command) for TLS tests;
+//!   [`TlsClient`]: HTTP/1.1 over TLS to a listener, with or without a client certificate.
 //! - [`Relay`]: a TCP relay whose delay a test turns up, to make a slow network.
 //! - [`World`]: all of the above for one lock backend, and [`suite!`] to run the same
 //!   behavioural cases on every backend.
@@ -28,6 +29,7 @@ mod prometheus_server;
 mod rail;
 pub mod relay;
 mod serve;
+mod tls;
 mod world;
 
 pub use etcd::{EtcdBuilder, EtcdCluster};
@@ -40,6 +42,7 @@ pub use prometheus_server::Prometheus;
 pub use rail::Rail;
 pub use relay::Relay;
 pub use serve::{Railguard, binary as railguard_binary, run_command as railguard_command};
+pub use tls::{TlsClient, TlsReply, hex};
 pub use world::{Backend, World};
 
 /// Why a launcher could not start what it launches.

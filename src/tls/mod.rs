@@ -1,0 +1,3 @@
+//! TLS with rustls (the `ring` provider).
+
+pub mod server;

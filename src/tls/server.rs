@@ -1,0 +1,229 @@
+//! TLS on railguard's own listeners: the certificate a listener serves, re-read when its files
+//! change, and, for mutual TLS, the CA that client certificates must chain to.
+//!
+//! [`TlsServer`] holds the rustls configuration of one listener. Each handshake takes the
+//! current one from [`TlsServer::acceptor`]; that call is also where a change is noticed: at
+//! most once a second it compares the files' metadata (modification time, size, inode) with
+//! what was last loaded, and on a change builds a new configuration from the files. A
+//! handshake that starts after the replacement sees the new certificate; connections already
+//! open keep theirs. Files that do not parse (a half-written key, a certificate without its
+//! key) are logged and counted, and the configuration in use stays, so a botched rotation never
+//! takes a listener down. The CA file is re-read the same way.
+//!
+//! Every listener speaks HTTP/2 and HTTP/1.1, and says so with ALPN (`h2`, `http/1.1`).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use prometheus::IntCounterVec;
+use rustls::RootCertStore;
+use rustls::ServerConfig;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
+
+use crate::config::{ClientAuth, ListenerTls};
+
+/// How often, at most, the files are checked for a change.
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// Why a listener's TLS files could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: not PEM of the expected kind: {message}", path.display())]
+    Pem { path: PathBuf, message: String },
+    #[error("{}: no certificate in the file", path.display())]
+    NoCertificate { path: PathBuf },
+    #[error("{}: {message}", path.display())]
+    ClientCa { path: PathBuf, message: String },
+    #[error("the certificate and key cannot be used together: {0}")]
+    Rustls(#[from] rustls::Error),
+}
+
+/// One listener's TLS configuration, reloaded when its files change.
+pub struct TlsServer {
+    files: ListenerTls,
+    state: Mutex<State>,
+    listener: &'static str,
+    reloads: IntCounterVec,
+}
+
+struct State {
+    config: Arc<ServerConfig>,
+    /// The files' metadata at the last attempt to load them, successful or not.
+    stamps: Stamps,
+    checked: Instant,
+}
+
+/// What tells that a file was replaced or rewritten.
+#[derive(Debug, PartialEq, Eq)]
+struct Stamps(Vec<Option<(SystemTime, u64, u64)>>);
+
+impl Stamps {
+    fn of(files: &ListenerTls) -> Stamps {
+        use std::os::unix::fs::MetadataExt;
+        let stamp = |path: &Path| {
+            let m = std::fs::metadata(path).ok()?;
+            Some((m.modified().ok()?, m.len(), m.ino()))
+        };
+        let mut stamps = vec![stamp(&files.cert_file), stamp(&files.key_file)];
+        if let Some(ca) = &files.client_ca_file {
+            stamps.push(stamp(ca));
+        }
+        Stamps(stamps)
+    }
+}
+
+impl TlsServer {
+    /// Loads `files` for the listener named `listener`; `reloads` counts later reloads by
+    /// `listener` and `result` (`ok`, `error`).
+    pub fn load(
+        files: ListenerTls,
+        listener: &'static str,
+        reloads: IntCounterVec,
+    ) -> Result<TlsServer, TlsError> {
+        let stamps = Stamps::of(&files);
+        let config = Arc::new(build(&files)?);
+        Ok(TlsServer {
+            files,
+            state: Mutex::new(State {
+                config,
+                stamps,
+                checked: Instant::now(),
+            }),
+            listener,
+            reloads,
+        })
+    }
+
+    /// The acceptor for a new handshake, with the files' current contents (see the module
+    /// docs).
+    pub fn acceptor(&self) -> TlsAcceptor {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.checked.elapsed() >= CHECK_EVERY {
+            state.checked = Instant::now();
+            let stamps = Stamps::of(&self.files);
+            if stamps != state.stamps {
+                state.stamps = stamps;
+                match build(&self.files) {
+                    Ok(config) => {
+                        state.config = Arc::new(config);
+                        self.reloads.with_label_values(&[self.listener, "ok"]).inc();
+                        tracing::info!(listener = self.listener,
+                            cert = %self.files.cert_file.display(),
+                            "TLS files changed: reloaded");
+                    }
+                    Err(e) => {
+                        self.reloads
+                            .with_label_values(&[self.listener, "error"])
+                            .inc();
+                        tracing::error!(listener = self.listener, error = %e,
+                            "TLS files changed but cannot be used; still serving the previous \
+                             certificate");
+                    }
+                }
+            }
+        }
+        TlsAcceptor::from(state.config.clone())
+    }
+}
+
+/// A rustls server configuration from `files`.
+fn build(files: &ListenerTls) -> Result<ServerConfig, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let certs = read_certs(&files.cert_file)?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate {
+            path: files.cert_file.clone(),
+        });
+    }
+    let key = PrivateKeyDer::from_pem_file(&files.key_file).map_err(|e| pem(&files.key_file, e))?;
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()?;
+    let builder = match (files.client_auth, &files.client_ca_file) {
+        (ClientAuth::None, _) => builder.with_no_client_auth(),
+        (_, None) => {
+            // Validation requires the CA file whenever client certificates are asked for.
+            return Err(TlsError::ClientCa {
+                path: PathBuf::new(),
+                message: "client certificates are asked for but no CA file is set".into(),
+            });
+        }
+        (auth, Some(ca_file)) => {
+            let ca_error = |message: String| TlsError::ClientCa {
+                path: ca_file.clone(),
+                message,
+            };
+            let mut roots = RootCertStore::empty();
+            for ca in read_certs(ca_file)? {
+                roots
+                    .add(ca)
+                    .map_err(|e| ca_error(format!("not a usable CA certificate: {e}")))?;
+            }
+            if roots.is_empty() {
+                return Err(ca_error("no CA certificate in the file".into()));
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+            let verifier = match auth {
+                ClientAuth::Optional => verifier.allow_unauthenticated(),
+                _ => verifier,
+            };
+            let verifier = verifier
+                .build()
+                .map_err(|e| ca_error(format!("cannot verify clients with it: {e}")))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder.with_single_cert(certs, key)?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    CertificateDer::pem_file_iter(path)
+        .map_err(|e| pem(path, e))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem(path, e))
+}
+
+fn pem(path: &Path, e: rustls::pki_types::pem::Error) -> TlsError {
+    match e {
+        rustls::pki_types::pem::Error::Io(source) => TlsError::Read {
+            path: path.to_path_buf(),
+            source,
+        },
+        other => TlsError::Pem {
+            path: path.to_path_buf(),
+            message: other.to_string(),
+        },
+    }
+}
+
+/// The SHA-256 of a certificate's DER encoding: its fingerprint.
+pub fn fingerprint(cert: &CertificateDer<'_>) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(cert.as_ref()).into()
+}
+
+/// The counter of certificate reloads, by `listener` and `result` (`ok`, `error`), not yet
+/// registered anywhere.
+pub fn reload_counter() -> IntCounterVec {
+    IntCounterVec::new(
+        prometheus::Opts::new(
+            "railguard_listener_tls_reloads_total",
+            "Reloads of a listener's TLS files after they changed, by listener and result: \
+             ok, or error (the files did not parse and the previous certificate stays).",
+        ),
+        &["listener", "result"],
+    )
+    .expect("valid metric")
+}

@@ -1,0 +1,349 @@
+//! TLS on railguard's listeners, over real sockets: a listener serving TLS, mutual TLS (a
+//! client certificate from the trusted CA is accepted and its fingerprint reaches the service;
+//! one from another CA, or none when one is required, is refused at the handshake), a
+//! certificate replaced on disk served to the next handshake without a restart, and every
+//! refusal counted.
+
+use railguard_testkit as support;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use http_body_util::Full;
+use prometheus::IntCounterVec;
+use railguard::config::{ClientAuth, ListenerLimits, ListenerTls};
+use railguard::http::{Listener, Peer, Refusal, serve};
+use railguard::tls::server::{TlsServer, reload_counter};
+use support::{Http, Issued, Pg, Pki, Rail, Railguard, TlsClient, hex, init_tracing};
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+
+/// A TLS listener in this process whose service answers with the client certificate's
+/// fingerprint as the accept loop handed it over (`none` without one).
+struct Echo {
+    addr: SocketAddr,
+    refusals: IntCounterVec,
+    reloads: IntCounterVec,
+    _stop: oneshot::Sender<()>,
+}
+
+impl Echo {
+    async fn start(tls: ListenerTls, limits: ListenerLimits) -> Echo {
+        init_tracing();
+        let reloads = reload_counter();
+        let refusals = Refusal::counter();
+        let server = TlsServer::load(tls, "proxy", reloads.clone()).expect("TLS files load");
+        let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = tcp.local_addr().unwrap();
+        let listener = Listener::new(tcp, "proxy")
+            .with_limits(limits)
+            .with_tls(Arc::new(server))
+            .counting_refusals_in(refusals.clone());
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(serve(
+            listener,
+            |peer: Peer| {
+                hyper::service::service_fn(move |request: http::Request<_>| {
+                    // The request carries the same Peer as the factory was given.
+                    let same = request.extensions().get::<Peer>() == Some(&peer);
+                    let body = match peer.client_cert_sha256 {
+                        Some(sha) if same => hex(&sha),
+                        None if same => "none".to_string(),
+                        _ => "the request's Peer differs from the connection's".to_string(),
+                    };
+                    async move {
+                        Ok::<_, Infallible>(Response::new(
+                            Full::new(Bytes::from(body)).map_err(|never| match never {}),
+                        ))
+                    }
+                })
+            },
+            async move {
+                let _ = stopped.await;
+            },
+            Duration::from_secs(1),
+        ));
+        Echo {
+            addr,
+            refusals,
+            reloads,
+            _stop: stop,
+        }
+    }
+
+    fn refused(&self, reason: Refusal) -> u64 {
+        self.refusals
+            .with_label_values(&["proxy", reason.as_str()])
+            .get()
+    }
+
+    /// Waits (bounded) until `reason` has been counted `n` times: the server counts after
+    /// the client has seen the refusal.
+    async fn wait_refused(&self, reason: Refusal, n: u64) {
+        for _ in 0..200 {
+            if self.refused(reason) >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!(self.refused(reason), n, "{} refusals", reason.as_str());
+    }
+}
+
+use http_body_util::BodyExt as _;
+
+fn files(server: &Issued, ca: Option<&Path>, client_auth: ClientAuth) -> ListenerTls {
+    ListenerTls {
+        cert_file: server.cert.clone(),
+        key_file: server.key.clone(),
+        client_ca_file: ca.map(Path::to_path_buf),
+        client_auth,
+    }
+}
+
+#[tokio::test]
+async fn a_tls_listener_serves_https_and_refuses_cleartext_at_the_handshake() {
+    let pki = Pki::new();
+    let server = pki.server("railguard");
+    let echo = Echo::start(
+        files(&server, None, ClientAuth::None),
+        ListenerLimits::default(),
+    )
+    .await;
+    let reply = TlsClient::new(&pki.ca, None)
+        .get(echo.addr, "/")
+        .await
+        .expect("an HTTPS request");
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.body, "none", "no client certificate was asked for");
+    assert_eq!(reply.server_cert_sha256, server.fingerprint_sha256());
+    assert_eq!(reply.alpn.as_deref(), Some(&b"http/1.1"[..]));
+
+    // Cleartext HTTP to a TLS port gets no HTTP answer, and is counted.
+    let plain = Http::new().get(&format!("http://{}/", echo.addr)).await;
+    assert!(plain.is_err(), "{plain:?}");
+    echo.wait_refused(Refusal::TlsHandshake, 1).await;
+
+    // A client that does not trust this CA refuses the server.
+    let other = Pki::new();
+    let refused = TlsClient::new(&other.ca, None).get(echo.addr, "/").await;
+    assert!(refused.unwrap_err().starts_with("handshake"));
+}
+
+#[tokio::test]
+async fn required_client_certificates_from_the_trusted_ca_pass_with_their_fingerprint_others_are_refused()
+ {
+    let pki = Pki::new();
+    let server = pki.server("railguard");
+    let echo = Echo::start(
+        files(&server, Some(&pki.ca), ClientAuth::Required),
+        ListenerLimits::default(),
+    )
+    .await;
+    let worker = pki.client("worker-eu");
+    let reply = TlsClient::new(&pki.ca, Some(&worker))
+        .get(echo.addr, "/")
+        .await
+        .expect("a trusted client certificate is accepted");
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(
+        reply.body,
+        worker.fingerprint_sha256(),
+        "the service sees the SHA-256 of the client's certificate"
+    );
+    let another = pki.client("worker-us");
+    let reply = TlsClient::new(&pki.ca, Some(&another))
+        .get(echo.addr, "/")
+        .await
+        .unwrap();
+    assert_eq!(reply.body, another.fingerprint_sha256());
+    assert_ne!(reply.body, worker.fingerprint_sha256());
+    assert_eq!(echo.refused(Refusal::TlsHandshake), 0);
+
+    // A certificate from another CA: refused, and the request never reaches the service.
+    // (The other CA lives as long as its files are used.)
+    let other = Pki::new();
+    let stranger = other.client("worker-eu");
+    let refused = TlsClient::new(&pki.ca, Some(&stranger))
+        .get(echo.addr, "/")
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+    echo.wait_refused(Refusal::TlsHandshake, 1).await;
+
+    // No certificate at all: refused too.
+    let refused = TlsClient::new(&pki.ca, None).get(echo.addr, "/").await;
+    assert!(refused.is_err(), "{refused:?}");
+    echo.wait_refused(Refusal::TlsHandshake, 2).await;
+}
+
+#[tokio::test]
+async fn optional_client_certificates_serve_clients_without_one_but_still_refuse_untrusted_ones() {
+    let pki = Pki::new();
+    let server = pki.server("railguard");
+    let echo = Echo::start(
+        files(&server, Some(&pki.ca), ClientAuth::Optional),
+        ListenerLimits::default(),
+    )
+    .await;
+    let anonymous = TlsClient::new(&pki.ca, None)
+        .get(echo.addr, "/")
+        .await
+        .unwrap();
+    assert_eq!(anonymous.body, "none");
+    let worker = pki.client("worker-eu");
+    let reply = TlsClient::new(&pki.ca, Some(&worker))
+        .get(echo.addr, "/")
+        .await
+        .unwrap();
+    assert_eq!(reply.body, worker.fingerprint_sha256());
+    // (The other CA lives as long as its files are used.)
+    let other = Pki::new();
+    let stranger = other.client("worker-eu");
+    let refused = TlsClient::new(&pki.ca, Some(&stranger))
+        .get(echo.addr, "/")
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+    echo.wait_refused(Refusal::TlsHandshake, 1).await;
+}
+
+#[tokio::test]
+async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one_is_not() {
+    let pki = Pki::new();
+    let (first, second) = (pki.server("first"), pki.server("second"));
+    let dir = tempfile::tempdir().unwrap();
+    let live = Issued {
+        cert: dir.path().join("cert.pem"),
+        key: dir.path().join("key.pem"),
+    };
+    // Replace the files the way a rotation does: write aside, then rename over.
+    let install = |from: &Issued| {
+        for (src, dst) in [(&from.cert, &live.cert), (&from.key, &live.key)] {
+            let aside = dst.with_extension("new");
+            std::fs::copy(src, &aside).unwrap();
+            std::fs::rename(&aside, dst).unwrap();
+        }
+    };
+    install(&first);
+    let echo = Echo::start(
+        files(&live, None, ClientAuth::None),
+        ListenerLimits::default(),
+    )
+    .await;
+    let client = TlsClient::new(&pki.ca, None);
+    let served = || async { client.get(echo.addr, "/").await.unwrap().server_cert_sha256 };
+    assert_eq!(served().await, first.fingerprint_sha256());
+
+    install(&second);
+    let mut seen = served().await;
+    for _ in 0..100 {
+        if seen == second.fingerprint_sha256() {
+            break;
+        }
+        assert_eq!(seen, first.fingerprint_sha256());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        seen = served().await;
+    }
+    assert_eq!(
+        seen,
+        second.fingerprint_sha256(),
+        "the new certificate, without a restart"
+    );
+    let ok = |reloads: &IntCounterVec, result| reloads.with_label_values(&["proxy", result]).get();
+    assert_eq!(ok(&echo.reloads, "ok"), 1);
+
+    // A key that does not parse: the error is counted, the second certificate stays.
+    std::fs::write(&live.key, "-----BEGIN PRIVATE KEY-----\nnot a key\n").unwrap();
+    for _ in 0..100 {
+        assert_eq!(served().await, second.fingerprint_sha256());
+        if ok(&echo.reloads, "error") >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ok(&echo.reloads, "error"), 1);
+    assert_eq!(served().await, second.fingerprint_sha256());
+}
+
+#[tokio::test]
+async fn a_client_that_opens_a_connection_and_never_says_hello_is_dropped() {
+    let pki = Pki::new();
+    let server = pki.server("railguard");
+    let limits = ListenerLimits {
+        header_read_timeout: Duration::from_millis(300),
+        ..ListenerLimits::default()
+    };
+    let echo = Echo::start(files(&server, None, ClientAuth::None), limits).await;
+    let mut silent = TcpStream::connect(echo.addr).await.unwrap();
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut buf))
+        .await
+        .expect("the server closes the connection");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    echo.wait_refused(Refusal::TlsHandshake, 1).await;
+    // Meanwhile, and after, the listener serves.
+    let reply = TlsClient::new(&pki.ca, None)
+        .get(echo.addr, "/")
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn railguard_serves_its_lock_api_over_mutual_tls_from_its_config() {
+    init_tracing();
+    let pki = Pki::new();
+    let server = pki.server("railguard");
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let (cert, key, ca) = (
+        server.cert.display().to_string(),
+        server.key.display().to_string(),
+        pki.ca.display().to_string(),
+    );
+    let rg = Railguard::start(
+        &pg.url(),
+        &rail.url(),
+        &[
+            ("RAILGUARD__LOCK__TLS_CERT_FILE", &cert),
+            ("RAILGUARD__LOCK__TLS_KEY_FILE", &key),
+            ("RAILGUARD__LOCK__TLS_CLIENT_CA_FILE", &ca),
+            ("RAILGUARD__LOCK__TLS_CLIENT_AUTH", "required"),
+        ],
+    )
+    .await;
+    let worker = pki.client("worker-eu");
+    let reply = TlsClient::new(&pki.ca, Some(&worker))
+        .get(rg.lock, "/v1/locks/acct-1")
+        .await
+        .expect("the lock API over mutual TLS");
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.server_cert_sha256, server.fingerprint_sha256());
+
+    let refused = TlsClient::new(&pki.ca, None)
+        .get(rg.lock, "/v1/locks/acct-1")
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+    let key = "railguard_listener_refusals_total{listener=\"lock\",reason=\"tls_handshake\"}";
+    let mut refusals = 0.0;
+    for _ in 0..100 {
+        refusals = rg.metrics().await.get(key);
+        if refusals >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(refusals, 1.0);
+    // The other listeners stay plain: the admin listener answered the metrics over HTTP.
+    assert_eq!(
+        rg.metrics()
+            .await
+            .get("railguard_listener_refusals_total{listener=\"proxy\",reason=\"tls_handshake\"}"),
+        0.0
+    );
+}
