@@ -7,11 +7,8 @@
 #   etcd-server                         throwaway etcd members for the tests (only with --test)
 #   prometheus                          promtool for the alert rules' tests, and a throwaway
 #                                       Prometheus for tests/alerts.rs (only with --test)
-<<<<<<< HEAD
 #   openssl                             the test kit's private CA for the TLS tests (only with --test)
-=======
 #   cargo-fuzz (crates.io)              builds and runs the fuzz targets in fuzz/ (only with --test)
->>>>>>> wt-F
 set -euo pipefail
 
 have_pg_server() {
