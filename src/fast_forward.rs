@@ -95,10 +95,10 @@ pub async fn paydb_highest(paydb: &PaydbFence, timeout: Duration) -> Result<i64,
         quoted(&paydb.table)
     );
     let read = async {
-        let (client, connection) = tokio_postgres::connect(&paydb.url, tokio_postgres::NoTls)
+        // TLS as the paydb URL asks (`sslmode`, `sslrootcert`: see `tls::postgres`).
+        let (client, connection) = crate::db::connect(&paydb.url, timeout)
             .await
-            .map_err(|e| format!("cannot connect: {e}"))?;
-        let connection = tokio::spawn(connection);
+            .map_err(|e| e.to_string())?;
         let row = client.query_one(&sql, &[]).await.map_err(|e| e.to_string());
         connection.abort();
         Ok::<i64, String>(row?.get(0))

@@ -19,7 +19,8 @@
 //!   backend switch (C1 §1.7); [`lock::guard`] refuses grants until it has happened.
 //! - [`config`], [`server`] — how it is configured, started and stopped; [`http`] — the body
 //!   type and accept loop every listener shares, with its limits; [`tls`] — TLS on the
-//!   listeners (certificates reloaded from their files, client certificates for mutual TLS).
+//!   listeners (certificates reloaded from their files, client certificates for mutual TLS)
+//!   and to the rail and PostgreSQL.
 //!
 //! The design rests on ADR-002: a token is fixed when its grant is made and travels as a
 //! value. No API here re-reads a token, and nothing stores one where a writer could pick it up.

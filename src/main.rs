@@ -258,13 +258,13 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Command::CheckConfig { config: path } => match load(&path) {
-                Ok(config) => match check_credentials(&config) {
+                Ok(config) => match tls_files(&config).and_then(|()| check_credentials(&config)) {
                     Ok(identities) => {
                         println!("{}: ok — {}{identities}", path.display(), summary(&config));
                         ExitCode::SUCCESS
                     }
                     Err(e) => {
-                        eprintln!("railguard: configuration error: {e}");
+                        eprintln!("railguard: configuration error: {}: {e}", path.display());
                         ExitCode::from(2)
                     }
                 },
@@ -557,23 +557,18 @@ async fn run_fast_forward(
 /// `railguard migrate --status`: read only.
 async fn migration_status(config: &Config) -> ExitCode {
     use railguard::db::migrate::{self, MigrationState};
-    let railguard::config::DatabaseUrl::Postgres(url) = &config.database.url else {
+    let railguard::config::DatabaseUrl::Postgres(_) = &config.database.url else {
         return fail(
             &"migrate --status needs database.url = \"postgres://…\": the embedded database is \
               private to `railguard serve`; its /readyz says whether the schema is current",
         );
     };
-    let connected = tokio::time::timeout(
-        config.database.timeout.max(Duration::from_secs(2)),
-        tokio_postgres::connect(url, tokio_postgres::NoTls),
-    )
-    .await;
+    let timeout = config.database.timeout.max(Duration::from_secs(2));
+    let url = railguard::db::url_of(&config.database);
+    let connected = tokio::time::timeout(timeout, railguard::db::connect(&url, timeout)).await;
     let client = match connected {
-        Ok(Ok((client, connection))) => {
-            tokio::spawn(connection);
-            client
-        }
-        Ok(Err(e)) => return fail(&format!("database.url: cannot connect: {e}")),
+        Ok(Ok((client, _connection))) => client,
+        Ok(Err(e)) => return fail(&format!("database.url: {e}")),
         Err(_) => return fail(&"database.url: no answer from the database"),
     };
     let list = match migrate::status(&client).await {
@@ -711,6 +706,17 @@ fn check_credentials(config: &Config) -> Result<String, String> {
     let credentials = railguard::auth::Credentials::load(&config.auth.credentials_file, &shape)
         .map_err(|e| format!("auth.credentials_file: {e}"))?;
     Ok(format!(", {} identities", credentials.names().len()))
+}
+
+/// Reads the TLS files the config names (the rail's; the database URL's `sslmode` and CA), as
+/// `serve` will, without connecting to anything.
+fn tls_files(config: &Config) -> Result<(), String> {
+    railguard::tls::client::rail_tls(&config.proxy).map_err(|e| e.to_string())?;
+    if let railguard::config::DatabaseUrl::Postgres(_) = &config.database.url {
+        railguard::tls::postgres::connect_config(&railguard::db::url_of(&config.database))
+            .map_err(|e| format!("database.url: {e}"))?;
+    }
+    Ok(())
 }
 
 fn fail(error: &dyn std::fmt::Display) -> ExitCode {

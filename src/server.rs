@@ -49,6 +49,8 @@ pub enum ServeError {
     },
     #[error("{0}")]
     Database(#[from] DatabaseError),
+    #[error("TLS to the rail: {0}")]
+    RailTls(#[from] crate::tls::client::TlsFileError),
     #[error("cannot take this process's instance lock in PostgreSQL")]
     Instance,
     #[error("cannot read or create the grant proof key in PostgreSQL: {0}")]
@@ -117,6 +119,8 @@ pub async fn run(
         );
     }
     let mut shutdown = std::pin::pin!(shutdown);
+    // The rail's TLS files are read once, now: a bad one stops the start, naming its key.
+    let rail_tls = crate::tls::client::rail_tls(&config.proxy)?;
     let mut database = tokio::select! {
         database = Database::open(&config.database) => database?,
         () = &mut shutdown => {
@@ -207,6 +211,7 @@ pub async fn run(
     ));
     let forward = Forward::new(
         config.proxy.upstream.clone(),
+        rail_tls,
         config.proxy.upstream_connect_timeout,
         config.proxy.late_answer_wait,
         metrics.clone(),

@@ -215,6 +215,10 @@ fn review_every_key_has_a_working_environment_override() {
                 ("etcd.tls_ca_file", _) | ("etcd.tls_cert_file", _) | ("etcd.tls_key_file", _) => {
                     ("/tmp/x.pem".into(), "/tmp/x.pem".into())
                 }
+                ("proxy.upstream_ca_file", _)
+                | ("proxy.upstream_cert_file", _)
+                | ("proxy.upstream_key_file", _)
+                | ("database.tls_ca_file", _) => ("/tmp/x.pem".into(), "/tmp/x.pem".into()),
                 ("database.url", _) => ("postgres://u@h/db".into(), "postgres://u@h/db".into()),
                 ("auth.credentials_file", _) => (
                     "/tmp/review-creds.toml".into(),
@@ -272,6 +276,27 @@ fn review_every_key_has_a_working_environment_override() {
                 env.insert(
                     format!("RAILGUARD__{}__TLS_CLIENT_AUTH", section.to_uppercase()),
                     "optional".into(),
+                );
+            }
+            // The rail's TLS files need an https:// upstream, its CA, and each other.
+            if dotted.starts_with("proxy.upstream_") && dotted.ends_with("_file") {
+                env.insert(
+                    "RAILGUARD__PROXY__UPSTREAM".into(),
+                    "https://10.0.0.9:9999".into(),
+                );
+                env.entry("RAILGUARD__PROXY__UPSTREAM_CA_FILE".into())
+                    .or_insert_with(|| "/tmp/ca.pem".into());
+            }
+            if dotted == "proxy.upstream_cert_file" {
+                env.insert(
+                    "RAILGUARD__PROXY__UPSTREAM_KEY_FILE".into(),
+                    "/tmp/k.pem".into(),
+                );
+            }
+            if dotted == "proxy.upstream_key_file" {
+                env.insert(
+                    "RAILGUARD__PROXY__UPSTREAM_CERT_FILE".into(),
+                    "/tmp/c.pem".into(),
                 );
             }
             let config = Config::parse("", "empty.toml", &env)

@@ -62,12 +62,19 @@ pub struct Config {
 pub struct ProxyConfig {
     /// Address the proxy listens on (HTTP/1.1 and cleartext HTTP/2).
     pub listen: SocketAddr,
-    /// The rail, `http://host:port`. Request paths are appended to it.
+    /// The rail, `http://host:port` or `https://host:port`. Request paths are appended to it.
     pub upstream: Upstream,
+    /// PEM CA certificate(s) an `https://` rail's certificate must chain to. Required for
+    /// `https://`: the system's roots are not used (name the distribution's bundle to trust
+    /// the public CAs).
+    pub upstream_ca_file: String,
+    /// PEM client certificate and key railguard presents to a rail that requires one.
+    pub upstream_cert_file: String,
+    pub upstream_key_file: String,
     /// Deadline for a whole request: body, fence check and the rail's response headers.
     #[serde(rename = "request_timeout_ms", with = "millis")]
     pub request_timeout: Duration,
-    /// Deadline for opening a TCP connection to the rail.
+    /// Deadline for opening a TCP connection to the rail, and again for its TLS handshake.
     #[serde(rename = "upstream_connect_timeout_ms", with = "millis")]
     pub upstream_connect_timeout: Duration,
     /// How long a forward whose request deadline passed (the client got 504) keeps waiting
@@ -104,6 +111,9 @@ impl Default for ProxyConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             upstream: Upstream::parse("http://127.0.0.1:9090").expect("valid default"),
+            upstream_ca_file: String::new(),
+            upstream_cert_file: String::new(),
+            upstream_key_file: String::new(),
             request_timeout: Duration::from_secs(10),
             upstream_connect_timeout: Duration::from_secs(2),
             late_answer_wait: Duration::from_secs(30),
@@ -126,6 +136,29 @@ impl ProxyConfig {
             self.upstream_connect_timeout,
         )?;
         positive("proxy.late_answer_wait_ms", self.late_answer_wait)?;
+        if self.upstream.is_https() && self.upstream_ca_file.is_empty() {
+            return Err((
+                "proxy.upstream_ca_file",
+                "an https:// upstream needs a CA certificate file (PEM); the system's roots are \
+                 not used"
+                    .into(),
+            ));
+        }
+        if self.upstream_cert_file.is_empty() != self.upstream_key_file.is_empty() {
+            return Err((
+                "proxy.upstream_key_file",
+                "upstream_cert_file and upstream_key_file go together".into(),
+            ));
+        }
+        let tls = !self.upstream_ca_file.is_empty() || !self.upstream_cert_file.is_empty();
+        if tls && !self.upstream.is_https() {
+            return Err((
+                "proxy.upstream",
+                "TLS files are set (proxy.upstream_ca_file, upstream_cert_file): the upstream \
+                 must be https://"
+                    .into(),
+            ));
+        }
         nonzero("proxy.max_body_bytes", self.max_body_bytes)?;
         nonzero("proxy.max_account_len", self.max_account_len as u64)?;
         // Each header carries one thing: two roles on one header would let one value be read
@@ -315,6 +348,10 @@ pub struct DatabaseConfig {
     /// compare-and-set.
     #[serde(rename = "timeout_ms", with = "millis")]
     pub timeout: Duration,
+    /// PEM CA certificate(s) the server's certificate must chain to, for a URL that does not
+    /// name its own `sslrootcert`. The URL's `sslmode` says whether TLS is used and what is
+    /// checked (libpq's meaning: `verify-full` checks the CA and the host name).
+    pub tls_ca_file: String,
 }
 
 impl Default for DatabaseConfig {
@@ -324,6 +361,7 @@ impl Default for DatabaseConfig {
             data_dir: PathBuf::from("/var/tmp/railguard/pg"),
             pool_size: 16,
             timeout: Duration::from_secs(2),
+            tls_ca_file: String::new(),
         }
     }
 }
@@ -922,8 +960,10 @@ mod tests {
 
     #[test]
     fn validation_names_the_key() {
-        let err = parse("[proxy]\nupstream = \"https://rail:443\"\n", &[]).unwrap_err();
+        let err = parse("[proxy]\nupstream = \"ftp://rail:443\"\n", &[]).unwrap_err();
         assert_eq!(err.key.as_deref(), Some("proxy.upstream"));
+        let err = parse("[proxy]\nupstream = \"https://rail:443\"\n", &[]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("proxy.upstream_ca_file"));
         let err = parse("[database]\npool_size = 0\n", &[]).unwrap_err();
         assert_eq!(err.key.as_deref(), Some("database.pool_size"));
         let err = parse("[database]\nurl = \"mysql://x\"\n", &[]).unwrap_err();
@@ -938,6 +978,40 @@ mod tests {
         assert_eq!(err.key.as_deref(), Some("proxy.proof_header"));
         let err = parse("[log]\nformat = \"xml\"\n", &[]).unwrap_err();
         assert_eq!(err.key.as_deref(), Some("log.format"));
+    }
+
+    #[test]
+    fn tls_to_the_rail_needs_an_https_upstream_and_a_ca() {
+        let config = parse(
+            "[proxy]\nupstream = \"https://rail.internal:8443\"\nupstream_ca_file = \"/etc/rg/ca.pem\"\n",
+            &[],
+        )
+        .unwrap();
+        assert!(config.proxy.upstream.is_https());
+        assert_eq!(
+            config.proxy.upstream.to_string(),
+            "https://rail.internal:8443"
+        );
+        let err = parse(
+            "[proxy]\nupstream = \"http://rail:80\"\nupstream_ca_file = \"/ca.pem\"\n",
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("proxy.upstream"));
+        let err = parse(
+            "[proxy]\nupstream = \"https://rail\"\nupstream_ca_file = \"/ca.pem\"\n",
+            &[("RAILGUARD__PROXY__UPSTREAM_CERT_FILE", "/client.pem")],
+        )
+        .unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("proxy.upstream_key_file"));
+        let err = parse("[proxy]\nupstream = \"https://u:p@rail\"\n", &[]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("proxy.upstream"));
+        let config = parse(
+            "",
+            &[("RAILGUARD__DATABASE__TLS_CA_FILE", "/etc/rg/pg-ca.pem")],
+        )
+        .unwrap();
+        assert_eq!(config.database.tls_ca_file, "/etc/rg/pg-ca.pem");
     }
 
     #[test]

@@ -55,8 +55,8 @@ pub(crate) mod header {
     }
 }
 
-/// Where the rail is: `http://host:port`, no path (request paths are appended), no TLS (it is
-/// terminated elsewhere).
+/// Where the rail is: `http://host:port` or `https://host:port` (TLS verified against
+/// `proxy.upstream_ca_file`), no path (request paths are appended).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Upstream {
     pub scheme: Scheme,
@@ -66,21 +66,28 @@ pub struct Upstream {
 impl Upstream {
     pub fn parse(text: &str) -> Result<Self, String> {
         let uri: http::Uri = text.parse().map_err(|e| format!("not a URL: {e}"))?;
-        if uri.scheme_str() != Some("http") {
-            return Err(
-                "must be an http://host:port URL (TLS to the rail is terminated elsewhere)".into(),
-            );
-        }
+        let scheme = match uri.scheme_str() {
+            Some("http") => Scheme::HTTP,
+            Some("https") => Scheme::HTTPS,
+            _ => return Err("must be an http://host:port or https://host:port URL".into()),
+        };
         let Some(authority) = uri.authority().cloned() else {
-            return Err("must be an http://host:port URL".into());
+            return Err("must be an http://host:port or https://host:port URL".into());
         };
         if uri.path_and_query().is_some_and(|p| p.as_str() != "/") {
             return Err("must not have a path or query".into());
         }
-        Ok(Self {
-            scheme: Scheme::HTTP,
-            authority,
-        })
+        if authority.as_str().contains('@') {
+            return Err("must not carry credentials".into());
+        }
+        Ok(Self { scheme, authority })
+    }
+}
+
+impl Upstream {
+    /// Whether the rail is reached over TLS.
+    pub fn is_https(&self) -> bool {
+        self.scheme == Scheme::HTTPS
     }
 }
 
@@ -224,11 +231,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn upstream_is_http_host_port_only() {
+    fn upstream_is_http_or_https_host_port_only() {
         let up = Upstream::parse("http://127.0.0.1:9090").unwrap();
         assert_eq!(up.to_string(), "http://127.0.0.1:9090");
+        assert!(!up.is_https());
         assert!(Upstream::parse("http://rail:1/").is_ok());
-        assert!(Upstream::parse("https://rail:443").is_err());
+        let up = Upstream::parse("https://rail:443").unwrap();
+        assert!(up.is_https());
+        assert_eq!(up.to_string(), "https://rail:443");
+        assert!(Upstream::parse("ftp://rail:21").is_err());
+        assert!(Upstream::parse("https://user:pw@rail:443").is_err());
         assert!(Upstream::parse("http://rail:1/pay").is_err());
         assert!(Upstream::parse("http:///x").is_err());
         assert!(Upstream::parse("nowhere").is_err());

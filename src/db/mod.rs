@@ -10,9 +10,9 @@ pub mod server;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tokio_postgres::NoTls;
 
 use crate::config::{DatabaseConfig, DatabaseUrl};
+use crate::tls::postgres::{PgConnect, SslMode};
 pub use server::{Access, PostgresServer, ServerError, ServerOptions};
 
 /// Why a statement gave no answer: what every store built on the pool returns, so that no
@@ -52,9 +52,9 @@ impl From<deadpool_postgres::PoolError> for DbError {
 pub enum DatabaseError {
     #[error("embedded PostgreSQL: {0}")]
     Server(#[from] ServerError),
-    #[error("database.url is not a valid PostgreSQL URL: {0}")]
-    Url(tokio_postgres::Error),
-    #[error("cannot connect to PostgreSQL at {target}: {source}")]
+    #[error("database.url: {0}")]
+    Url(#[from] crate::tls::postgres::PgTlsError),
+    #[error("cannot connect to PostgreSQL at {target}: {}", causes(source))]
     Connect {
         target: String,
         #[source]
@@ -66,10 +66,28 @@ pub enum DatabaseError {
     Pool(String),
 }
 
+/// An error and its causes, `a: b: c`: tokio-postgres's own message ("error performing TLS
+/// handshake", "db error") leaves out the cause that says what went wrong.
+fn causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        let next = e.to_string();
+        // Wrappers that repeat their cause's text are not repeated.
+        if !text.ends_with(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        cause = e.source();
+    }
+    text
+}
+
 /// The pool, and the embedded server when there is one.
 pub struct Database {
     pub pool: Pool,
-    /// Where the database is, for connections outside the pool (LISTEN).
+    /// Where the database is, for connections outside the pool (LISTEN): `database.url`
+    /// with `database.tls_ca_file` folded in as `sslrootcert` ([`url_of`]).
     pub url: String,
     pub server: Option<PostgresServer>,
 }
@@ -78,7 +96,7 @@ impl Database {
     /// Starts the embedded server if configured, migrates, and builds the pool.
     pub async fn open(config: &DatabaseConfig) -> Result<Self, DatabaseError> {
         let (url, server) = match &config.url {
-            DatabaseUrl::Postgres(url) => (url.clone(), None),
+            DatabaseUrl::Postgres(_) => (url_of(config), None),
             DatabaseUrl::Embedded => {
                 let options = ServerOptions {
                     data_dir: config.data_dir.clone(),
@@ -124,11 +142,20 @@ impl Database {
     }
 }
 
-pub(crate) fn pg_config(
-    url: &str,
-    timeout: Duration,
-) -> Result<tokio_postgres::Config, DatabaseError> {
-    let mut config: tokio_postgres::Config = url.parse().map_err(DatabaseError::Url)?;
+/// The connection string of a `postgres://` `database.url`, with `database.tls_ca_file` as
+/// its `sslrootcert` unless it names one itself (see `tls::postgres`).
+pub fn url_of(config: &DatabaseConfig) -> String {
+    crate::tls::postgres::with_root_cert(
+        &config.url.to_string(),
+        std::path::Path::new(&config.tls_ca_file),
+    )
+}
+
+/// Settings and TLS connector for `url`, with railguard's timeouts (`sslmode` honoured; see
+/// `tls::postgres`).
+pub(crate) fn pg_config(url: &str, timeout: Duration) -> Result<PgConnect, DatabaseError> {
+    let mut connect = crate::tls::postgres::connect_config(url)?;
+    let config = &mut connect.config;
     // A statement that cannot finish in time is cancelled by the server rather than committed
     // after we stopped waiting; a peer that stops acknowledging is given up on as quickly.
     let timeout_ms = timeout.as_millis().max(1);
@@ -143,18 +170,30 @@ pub(crate) fn pg_config(
             "-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms}"
         ))
         .application_name("railguard");
-    Ok(config)
+    Ok(connect)
+}
+
+/// One connection outside the pool, TLS as `url` asks: for commands that need a single
+/// session. The connection's driver runs on a task of its own.
+pub async fn connect(
+    url: &str,
+    timeout: Duration,
+) -> Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), DatabaseError> {
+    let PgConnect { config, tls, .. } = pg_config(url, timeout)?;
+    let target = redact(url);
+    let (client, conn) = config
+        .connect(tls)
+        .await
+        .map_err(|source| DatabaseError::Connect { target, source })?;
+    let conn = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok((client, conn))
 }
 
 /// Applies pending migrations over a connection of its own.
 pub async fn migrate_url(url: &str, timeout: Duration) -> Result<usize, DatabaseError> {
-    let config = pg_config(url, timeout)?;
-    let target = redact(url);
-    let (mut client, conn) = config
-        .connect(NoTls)
-        .await
-        .map_err(|source| DatabaseError::Connect { target, source })?;
-    let conn = tokio::spawn(conn);
+    let (mut client, conn) = connect(url, timeout).await?;
     let applied = migrate::migrate(&mut client).await?;
     drop(client);
     let _ = conn.await;
@@ -163,9 +202,17 @@ pub async fn migrate_url(url: &str, timeout: Duration) -> Result<usize, Database
 
 /// A pool whose connections are opened lazily and checked for closure when reused.
 pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
+    let PgConnect { config, tls, mode } = pg_config(url, timeout)?;
+    // Asked for TLS, yet nothing to authenticate the server with (libpq's `require` without a
+    // root certificate): said once. The default `prefer` is not worth a warning at every start.
+    if mode == SslMode::Require && !tls.authenticates_server() {
+        tracing::warn!(sslmode = ?mode,
+            "sslmode=require without a CA (sslrootcert or database.tls_ca_file): sessions are \
+             encrypted, but the server is not authenticated");
+    }
     let manager = Manager::from_config(
-        pg_config(url, timeout)?,
-        NoTls,
+        config,
+        tls,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },

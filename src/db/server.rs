@@ -302,12 +302,21 @@ impl PostgresServer {
             }
             let url = self.url();
             let probe = async {
-                let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+                // TLS if the server offers it (a test cluster may accept nothing else); its
+                // certificate is not checked: the data directory it names is.
+                let connect =
+                    crate::tls::postgres::connect_config(&url).map_err(|e| e.to_string())?;
+                let (client, conn) = connect
+                    .config
+                    .connect(connect.tls)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 let conn = tokio::spawn(conn);
                 let result = client
                     .query_one("SHOW data_directory", &[])
                     .await
-                    .map(|row| row.get::<_, String>(0));
+                    .map(|row| row.get::<_, String>(0))
+                    .map_err(|e| e.to_string());
                 drop(client);
                 let _ = conn.await;
                 result

@@ -508,7 +508,13 @@ pub async fn listen_for_releases(
     use futures_util::StreamExt;
     let mut backoff = Duration::from_millis(100);
     loop {
-        match tokio_postgres::connect(&url, tokio_postgres::NoTls).await {
+        // TLS as the URL asks (`tls::postgres`); a URL that cannot be used is retried like
+        // a failed connect, and logged.
+        let connected = match crate::tls::postgres::connect_config(&url) {
+            Ok(c) => c.config.connect(c.tls).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match connected {
             Ok((client, mut connection)) => {
                 let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
                 let driver = tokio::spawn(async move {

@@ -4,7 +4,8 @@
 //! named in `Connection`) are dropped both ways; the client's address is appended to
 //! `X-Forwarded-For`; the client's `Host` moves to `X-Forwarded-Host` and the rail's authority
 //! becomes the new `Host`; `Via` names railguard. Requests from HTTP/2 clients go to the rail as HTTP/1.1 over a
-//! pooled keep-alive connection.
+//! pooled keep-alive connection — over TLS for an `https://` rail (`tls::client`): a failed
+//! handshake is a failed connect, so the request was not sent.
 //!
 //! A failure here happens *after* the mark advanced; `fence` explains why that is safe. The
 //! client cannot tell whether the rail acted on a request that timed out, which is what
@@ -25,6 +26,7 @@ use hyper::body::Body as _;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use rustls::ClientConfig;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower::Service;
@@ -34,11 +36,33 @@ use super::idempotency::MaybeSent;
 use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
 use crate::config::Upstream;
 use crate::metrics::Metrics;
+use crate::tls::client::RailConnector;
 
-/// The rail could not be reached, or broke off its answer.
+/// The rail could not be reached, or broke off its answer. Its message gives the causes (a
+/// refused connection, a TLS certificate the CA does not vouch for) and whether the request
+/// can have reached the rail.
 #[derive(Debug, thiserror::Error)]
-#[error("the rail could not be reached: {0}")]
+#[error("{}", describe(.0, *.1))]
 pub struct UpstreamUnavailable(#[source] pub BoxError, pub Sent);
+
+fn describe(error: &BoxError, sent: Sent) -> String {
+    let mut causes = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        causes.push_str(": ");
+        causes.push_str(&e.to_string());
+        cause = e.source();
+    }
+    match sent {
+        Sent::Never => {
+            format!("the rail could not be reached ({causes}); the request was not sent")
+        }
+        Sent::Maybe => format!(
+            "the rail could not be reached or broke off its answer ({causes}); it may have \
+             received the request"
+        ),
+    }
+}
 
 /// Whether a failed request can have reached the rail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,7 +177,7 @@ impl LateForwards {
 
 #[derive(Clone)]
 pub struct Forward {
-    client: Client<HttpConnector, Tracked>,
+    client: Client<RailConnector, Tracked>,
     upstream: Arc<Upstream>,
     late_answer_wait: Duration,
     late: LateForwards,
@@ -161,16 +185,20 @@ pub struct Forward {
 }
 
 impl Forward {
+    /// `tls` is the client configuration for an `https://` upstream
+    /// (`tls::client::rail_client_config`); the handshake gets `connect_timeout` too.
     pub fn new(
         upstream: Upstream,
+        tls: Option<Arc<ClientConfig>>,
         connect_timeout: Duration,
         late_answer_wait: Duration,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(connect_timeout));
-        connector.set_nodelay(true);
-        connector.set_keepalive(Some(Duration::from_secs(30)));
+        let mut http = HttpConnector::new();
+        http.set_connect_timeout(Some(connect_timeout));
+        http.set_nodelay(true);
+        http.set_keepalive(Some(Duration::from_secs(30)));
+        let connector = RailConnector::new(http, tls, connect_timeout);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(4096)

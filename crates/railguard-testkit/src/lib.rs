@@ -11,6 +11,7 @@
 //! - [`Prometheus`]: a real Prometheus server scraping railguard and evaluating alert rules.
 //! - [`Pki`]: a throwaway certificate authority (the `openssl` command) for TLS tests;
 //!   [`TlsClient`]: HTTP/1.1 over TLS to a listener, with or without a client certificate.
+//! - [`TlsFront`]: a TLS-terminating front that makes the rail simulator an `https://` rail.
 //! - [`Relay`]: a TCP relay whose delay a test turns up, to make a slow network.
 //! - [`World`]: all of the above for one lock backend, and [`suite!`] to run the same
 //!   behavioural cases on every backend.
@@ -30,6 +31,7 @@ mod rail;
 pub mod relay;
 mod serve;
 mod tls;
+mod tls_front;
 mod world;
 
 pub use etcd::{EtcdBuilder, EtcdCluster};
@@ -43,6 +45,7 @@ pub use rail::Rail;
 pub use relay::Relay;
 pub use serve::{Railguard, binary as railguard_binary, run_command as railguard_command};
 pub use tls::{TlsClient, TlsReply, hex};
+pub use tls_front::TlsFront;
 pub use world::{Backend, World};
 
 /// Why a launcher could not start what it launches.

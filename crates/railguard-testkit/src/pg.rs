@@ -14,6 +14,7 @@ use tempfile::TempDir;
 
 use railguard::db::{Access, PostgresServer, ServerOptions};
 
+use crate::Issued;
 use crate::process::{children_of, signal};
 use crate::{LaunchError, free_loopback_port};
 
@@ -32,6 +33,7 @@ pub struct Pg {
 pub struct PgBuilder {
     durable: bool,
     temp_dir_in: Option<PathBuf>,
+    tls: Option<Issued>,
 }
 
 impl PgBuilder {
@@ -50,6 +52,14 @@ impl PgBuilder {
         self
     }
 
+    /// Serves TLS with `server`'s certificate (`ssl = on`) and accepts TCP connections over
+    /// TLS only: `pg_hba.conf` is replaced by `hostssl all all 127.0.0.1/32 trust`, so a
+    /// cleartext connection is refused.
+    pub fn tls(mut self, server: &Issued) -> Self {
+        self.tls = Some(server.clone());
+        self
+    }
+
     /// Initialises the cluster and waits until it accepts connections.
     pub async fn start(self) -> Result<Pg, LaunchError> {
         let mut temp = tempfile::Builder::new();
@@ -62,7 +72,7 @@ impl PgBuilder {
             what: "cannot create PostgreSQL's temp dir".into(),
             source,
         })?;
-        let (settings, initdb_args) = if self.durable {
+        let (mut settings, initdb_args): (Vec<(String, String)>, _) = if self.durable {
             (Vec::new(), Vec::new())
         } else {
             let settings = NOT_DURABLE_SETTINGS
@@ -71,6 +81,16 @@ impl PgBuilder {
                 .collect();
             (settings, vec!["--no-sync".to_string()])
         };
+        if self.tls.is_some() {
+            // Relative to the data directory, where `start` copies them.
+            for (name, value) in [
+                ("ssl", "on"),
+                ("ssl_cert_file", "server.crt"),
+                ("ssl_key_file", "server.key"),
+            ] {
+                settings.push((name.into(), value.into()));
+            }
+        }
         let options = ServerOptions {
             data_dir: dir.path().join("data"),
             port: free_loopback_port(),
@@ -79,9 +99,43 @@ impl PgBuilder {
             initdb_args,
         };
         let mut server = PostgresServer::init(options).await?;
+        if let Some(issued) = &self.tls {
+            serve_tls_only(server.data_dir(), issued)?;
+        }
         server.start().await?;
         Ok(Pg { server, _dir: dir })
     }
+}
+
+/// Copies the certificate and key into the data directory, owned by the server's user with
+/// the key at mode 0600 (PostgreSQL refuses a key others can read), and allows TLS only.
+fn serve_tls_only(data_dir: &std::path::Path, issued: &Issued) -> Result<(), LaunchError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let io = |what: &str| {
+        let what = what.to_string();
+        move |source| LaunchError::Io {
+            what: what.clone(),
+            source,
+        }
+    };
+    let owner = std::fs::metadata(data_dir).map_err(io("cannot read the data directory"))?;
+    for (from, to, mode) in [
+        (&issued.cert, "server.crt", 0o644),
+        (&issued.key, "server.key", 0o600),
+    ] {
+        let to = data_dir.join(to);
+        std::fs::copy(from, &to).map_err(io("cannot copy the server certificate"))?;
+        std::fs::set_permissions(&to, std::fs::Permissions::from_mode(mode))
+            .map_err(io("cannot set the key's mode"))?;
+        std::os::unix::fs::chown(&to, Some(owner.uid()), Some(owner.gid()))
+            .map_err(io("cannot hand the key to the server's user"))?;
+    }
+    std::fs::write(
+        data_dir.join("pg_hba.conf"),
+        "# TLS only (railguard-testkit PgBuilder::tls)\nhostssl all all 127.0.0.1/32 trust\n",
+    )
+    .map_err(io("cannot write pg_hba.conf"))?;
+    Ok(())
 }
 
 impl Pg {
@@ -166,12 +220,27 @@ impl Pg {
         }
     }
 
+    /// A connection of the test's own: TLS if the server offers it (certificate not
+    /// checked), so that a [TLS-only](PgBuilder::tls) cluster answers too.
     pub async fn client(&self) -> tokio_postgres::Client {
-        let (client, conn) = tokio_postgres::connect(&self.url(), tokio_postgres::NoTls)
+        self.client_with(&self.url())
             .await
-            .expect("connect");
+            .unwrap_or_else(|e| panic!("connect to the test cluster: {e}"))
+    }
+
+    /// A connection for `url` (this cluster's [`url`](Self::url) with its own `sslmode`,
+    /// `sslrootcert`, ...), TLS as railguard does it (`railguard::tls::postgres`).
+    pub async fn client_with(&self, url: &str) -> Result<tokio_postgres::Client, String> {
+        let connect = railguard::tls::postgres::connect_config(url).map_err(|e| e.to_string())?;
+        let (client, conn) = connect.config.connect(connect.tls).await.map_err(|e| {
+            // tokio-postgres's message leaves the cause (the server's words) out.
+            match std::error::Error::source(&e) {
+                Some(cause) => format!("{e}: {cause}"),
+                None => e.to_string(),
+            }
+        })?;
         tokio::spawn(conn);
-        client
+        Ok(client)
     }
 
     /// The account's high-water mark, read straight from the table.

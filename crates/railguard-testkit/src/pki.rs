@@ -102,6 +102,18 @@ impl Pki {
         )
     }
 
+    /// A server certificate for `dns` only (not `localhost`, not `127.0.0.1`): a server whose
+    /// certificate, from the right CA, names another host.
+    pub fn server_for(&self, name: &str, dns: &str) -> Issued {
+        self.issue(
+            name,
+            &format!(
+                "subjectAltName=DNS:{dns}\nextendedKeyUsage=serverAuth\n\
+                 basicConstraints=critical,CA:FALSE\n"
+            ),
+        )
+    }
+
     /// A client certificate whose subject CN is `name`.
     pub fn client(&self, name: &str) -> Issued {
         self.issue(

@@ -184,8 +184,13 @@ impl Railguard {
             ("embedded", None) => return None,
             (url, _) => url.to_string(),
         };
+        // TLS as the URL asks, as railguard does it.
+        let connect = railguard::tls::postgres::connect_config(&url)
+            .unwrap_or_else(|e| panic!("the test's database URL: {e}"));
         Some(
-            tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            connect
+                .config
+                .connect(connect.tls)
                 .await
                 .map(|(client, conn)| {
                     tokio::spawn(conn);
