@@ -20,8 +20,8 @@ pub mod rate;
 pub mod secret;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
-use std::time::{Duration, SystemTime};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 use http::{HeaderMap, HeaderValue, header};
 use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
@@ -182,22 +182,33 @@ impl AuthMetrics {
     }
 }
 
-/// What identifies a version of the file on disk, to notice a change.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Stamp {
-    modified: Option<SystemTime>,
-    len: u64,
-    inode: u64,
+/// One version of the file as read: the SHA-256 of its bytes, or of the read error. A content
+/// digest, not a stamp: a rewrite that keeps the size and the mtime (`cp -p`, `rsync -t`, two
+/// writes in one timestamp tick) is still a new version.
+type Version = [u8; 32];
+
+fn read_version(path: &Path) -> (Version, std::io::Result<String>) {
+    use sha2::{Digest as _, Sha256};
+    let read = std::fs::read(path);
+    let version: Version = match &read {
+        Ok(bytes) => Sha256::digest(bytes).into(),
+        Err(e) => Sha256::digest(format!("unreadable: {:?}", e.kind())).into(),
+    };
+    let text = read.and_then(|bytes| {
+        String::from_utf8(bytes)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()))
+    });
+    (version, text)
 }
 
-fn stamp(path: &Path) -> Option<Stamp> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(path).ok()?;
-    Some(Stamp {
-        modified: meta.modified().ok(),
-        len: meta.len(),
-        inode: meta.ino(),
-    })
+/// What the watcher has seen of the file.
+#[derive(Debug)]
+struct Seen {
+    /// The version last acted on (put in force, or refused).
+    settled: Version,
+    /// A newer version seen once: it is acted on when the next look finds it unchanged, so a
+    /// file caught half-way through an in-place write is never put in force.
+    pending: Option<Version>,
 }
 
 /// The credentials in force, and where they come from.
@@ -205,7 +216,7 @@ pub struct Authenticator {
     path: PathBuf,
     shape: LockKeyShape,
     current: RwLock<Arc<Credentials>>,
-    stamp: RwLock<Option<Stamp>>,
+    seen: Mutex<Seen>,
     pub metrics: AuthMetrics,
     /// The lock API's per-identity rate limit.
     pub lock_rate: rate::RateLimiter,
@@ -227,14 +238,22 @@ impl Authenticator {
         lock_requests_per_s: u32,
         metrics: AuthMetrics,
     ) -> Result<Arc<Self>, CredentialsError> {
-        let stamped = stamp(path);
-        let credentials = Credentials::load(path, &shape)?;
+        // One read: the version remembered is the one put in force.
+        let (settled, text) = read_version(path);
+        let file = path.display().to_string();
+        let credentials = match text {
+            Ok(text) => Credentials::parse(&text, &file, &shape)?,
+            Err(_) => Credentials::load(path, &shape)?,
+        };
         metrics.identities.set(credentials.names().len() as i64);
         Ok(Arc::new(Self {
             path: path.to_path_buf(),
             shape,
             current: RwLock::new(Arc::new(credentials)),
-            stamp: RwLock::new(stamped),
+            seen: Mutex::new(Seen {
+                settled,
+                pending: None,
+            }),
             metrics,
             lock_rate: rate::RateLimiter::new(lock_requests_per_s),
         }))
@@ -279,15 +298,33 @@ impl Authenticator {
         }
     }
 
-    /// Re-reads the file if it changed since the last look. Returns whether a new version
-    /// came into force.
+    /// Reads the file and acts on a new version once two looks in a row found the same bytes
+    /// (so a new version is in force within two `reload_interval_ms`). Returns whether a new
+    /// version came into force.
     pub fn reload_if_changed(&self) -> bool {
-        let now = stamp(&self.path);
-        if *self.stamp.read().expect("not poisoned") == now {
-            return false;
+        let (version, text) = read_version(&self.path);
+        {
+            let mut seen = self.seen.lock().expect("not poisoned");
+            if version == seen.settled {
+                seen.pending = None;
+                return false;
+            }
+            if seen.pending != Some(version) {
+                seen.pending = Some(version);
+                return false;
+            }
+            seen.settled = version;
+            seen.pending = None;
         }
-        *self.stamp.write().expect("not poisoned") = now;
-        match Credentials::load(&self.path, &self.shape) {
+        let file = self.path.display().to_string();
+        let parsed = text
+            .map_err(|e| CredentialsError {
+                file: file.clone(),
+                key: "(file)".into(),
+                message: format!("cannot read the credentials file: {e}"),
+            })
+            .and_then(|text| Credentials::parse(&text, &file, &self.shape));
+        match parsed {
             Ok(credentials) => {
                 self.metrics
                     .identities
@@ -418,13 +455,20 @@ mod tests {
         assert!(!auth.reload_if_changed(), "unchanged");
         // Rotation: the new secret is added beside the old one, then the old one removed.
         std::fs::write(&path, worker("a", "rgs_b") + "\n").unwrap();
+        assert!(
+            !auth.reload_if_changed(),
+            "a new version waits for a second look"
+        );
+        assert!(id("rgs_a").is_ok());
         assert!(auth.reload_if_changed());
         assert!(id("rgs_b").is_ok());
         assert_eq!(id("rgs_a").unwrap_err(), Unauthenticated::Unknown);
         std::fs::write(&path, "[[worker]]\nname = ").unwrap();
         assert!(!auth.reload_if_changed());
+        assert!(!auth.reload_if_changed());
         assert!(id("rgs_b").is_ok(), "the last good version stays in force");
         std::fs::remove_file(&path).unwrap();
+        assert!(!auth.reload_if_changed());
         assert!(!auth.reload_if_changed());
         assert!(
             id("rgs_b").is_ok(),
@@ -434,11 +478,50 @@ mod tests {
         assert_eq!(failed, 2);
         assert_eq!(auth.metrics.stale.get(), 1);
         std::fs::write(&path, worker("a", "rgs_c")).unwrap();
+        assert!(!auth.reload_if_changed());
         assert!(auth.reload_if_changed());
         assert_eq!(
             auth.metrics.stale.get(),
             0,
             "a good version is in force again"
+        );
+    }
+
+    #[test]
+    fn a_rewrite_that_keeps_size_and_mtime_is_a_new_version() {
+        let (dir, auth) = authenticator(&worker("a", "rgs_a"));
+        let path = dir.path().join("credentials.toml");
+        let id = |s: &str| auth.identify(&headers(&[&format!("Bearer {s}")]), None);
+        let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+        // The same length, written in place, the mtime put back (`cp -p`, `rsync -t`).
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        std::io::Write::write_all(&mut &file, worker("a", "rgs_z").as_bytes()).unwrap();
+        file.set_modified(mtime).unwrap();
+        drop(file);
+        auth.reload_if_changed();
+        auth.reload_if_changed();
+        assert!(id("rgs_z").is_ok(), "the new secret is in force");
+        assert_eq!(id("rgs_a").unwrap_err(), Unauthenticated::Unknown);
+    }
+
+    #[test]
+    fn a_version_seen_once_is_not_put_in_force() {
+        let full = worker("a", "rgs_a") + "keys = [\"k-1\"]\n";
+        let (dir, auth) = authenticator(&full);
+        let path = dir.path().join("credentials.toml");
+        let id = || auth.identify(&headers(&["Bearer rgs_a"]), None).unwrap();
+        assert!(!id().may_lock("k-2"));
+        // Caught half-way through an in-place write: valid TOML, and without its `keys` line
+        // the worker would get its accounts' keys.
+        std::fs::write(&path, &full[..full.find("keys").unwrap()]).unwrap();
+        assert!(!auth.reload_if_changed());
+        assert!(!id().may_lock("k-2"), "a version seen once is not in force");
+        std::fs::write(&path, &full).unwrap();
+        assert!(!auth.reload_if_changed());
+        assert!(!auth.reload_if_changed());
+        assert!(
+            !id().may_lock("k-2"),
+            "the partial version never came into force"
         );
     }
 }
