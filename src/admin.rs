@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde::Deserialize;
 
@@ -186,17 +186,24 @@ impl Admin {
         }
     }
 
-    /// A small JSON body, or why not (for a 400).
+    /// A small JSON body, or the answer why not: 400, or 408 when it did not arrive within
+    /// the listener's `header_read_timeout_ms` (nothing was done either way).
     async fn read_json<T: serde::de::DeserializeOwned>(
         request: Request<Incoming>,
         expected: &str,
-    ) -> Result<T, String> {
-        let body = Limited::new(request.into_body(), 4096)
-            .collect()
-            .await
-            .map_err(|e| format!("cannot read the body: {e}"))?
-            .to_bytes();
-        serde_json::from_slice(&body).map_err(|e| format!("expected {expected}: {e}"))
+    ) -> Result<T, Response<ResponseBody>> {
+        let body = match crate::http::read_small_body(request, 4096).await {
+            Ok(body) => body,
+            Err(e @ crate::http::SmallBodyError::TimedOut(_)) => {
+                return Err(reply(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "text/plain",
+                    format!("{e}; nothing was done\n"),
+                ));
+            }
+            Err(e) => return Err(bad_request(e.to_string())),
+        };
+        serde_json::from_slice(&body).map_err(|e| bad_request(format!("expected {expected}: {e}")))
     }
 
     /// The request's account, or why not (for a 400).
@@ -210,7 +217,7 @@ impl Admin {
     async fn mark(&self, request: Request<Incoming>) -> Response<ResponseBody> {
         let asked: MarkRequest = match Self::read_json(request, "{\"account\"}").await {
             Ok(asked) => asked,
-            Err(why) => return bad_request(why),
+            Err(refused) => return refused,
         };
         let account = match self.account(&asked.account) {
             Ok(account) => account,
@@ -236,7 +243,7 @@ impl Admin {
         let asked: RecoverRequest =
             match Self::read_json(request, "{\"account\", \"reason\"}").await {
                 Ok(asked) => asked,
-                Err(why) => return bad_request(why),
+                Err(refused) => return refused,
             };
         let account = match self.account(&asked.account) {
             Ok(account) => account,
@@ -295,7 +302,7 @@ impl Admin {
     async fn forget(&self, request: Request<Incoming>) -> Response<ResponseBody> {
         let asked: ForgetRequest = match Self::read_json(request, "{\"account\", \"key\"}").await {
             Ok(asked) => asked,
-            Err(why) => return bad_request(why),
+            Err(refused) => return refused,
         };
         let account = match self.account(&asked.account) {
             Ok(account) => account,

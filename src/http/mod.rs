@@ -10,10 +10,13 @@ pub use connection::Refusal;
 pub use serve::{Listener, serve};
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use bytes::Bytes;
+use http::Request;
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
 
 /// An error of any layer, as tower and hyper pass them around.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -37,4 +40,43 @@ pub struct Peer {
     /// listener's client CA during the TLS handshake. `None` on plain TCP, or when the client
     /// sent no certificate (`tls_client_auth = "optional"`).
     pub client_cert_sha256: Option<[u8; 32]>,
+}
+
+/// How long a request's body may take to arrive once its head has: the listener's
+/// `header_read_timeout_ms`, put on every request by the accept loop. While a request is in
+/// flight the connection's own timeouts do not run (a lock acquire may wait for minutes with
+/// nothing to read), so a reader of a body bounds the read with this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodyTimeout(pub Duration);
+
+/// Why a small request body could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum SmallBodyError {
+    /// The client sent the head and then not the whole body in time: 408, nothing was done.
+    #[error("the request body did not arrive within {} ms", .0.as_millis())]
+    TimedOut(Duration),
+    /// Larger than allowed, or broken off: 400.
+    #[error("cannot read the body (at most {max} bytes): {why}")]
+    Unreadable { max: usize, why: String },
+}
+
+/// Reads a request body of at most `max` bytes whole, within the request's [`BodyTimeout`]
+/// (10 s on a request that carries none).
+pub async fn read_small_body(
+    request: Request<Incoming>,
+    max: usize,
+) -> Result<Bytes, SmallBodyError> {
+    let timeout = request
+        .extensions()
+        .get::<BodyTimeout>()
+        .map_or(Duration::from_secs(10), |t| t.0);
+    let read = Limited::new(request.into_body(), max).collect();
+    match tokio::time::timeout(timeout, read).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) => Err(SmallBodyError::Unreadable {
+            max,
+            why: e.to_string(),
+        }),
+        Err(_) => Err(SmallBodyError::TimedOut(timeout)),
+    }
 }

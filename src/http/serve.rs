@@ -15,8 +15,12 @@
 //!   first, and for TLS a handshake: the work the limit exists to refuse.)
 //! - past `max_in_flight` requests being served, a request is answered by the listener's
 //!   overload response (503, `Retry-After: 1`) without reaching the service.
-//! - a request head over `max_header_bytes` or `max_headers` is answered 431 by hyper and the
-//!   connection closed.
+//! - a request head over `max_header_bytes` or `max_headers` is answered 431: by hyper for
+//!   HTTP/1, which closes the connection; over HTTP/2, hyper bounds the header bytes and the
+//!   header count is checked here, per stream.
+//! - while a request is in flight the connection's timeouts do not run (a lock acquire may
+//!   wait for minutes); the lock and admin APIs read their small bodies within
+//!   `header_read_timeout_ms` ([`super::BodyTimeout`]), the proxy within its request timeout.
 //! - a request head, or a TLS handshake, slower than `header_read_timeout_ms`, and a
 //!   connection idle for `idle_timeout_ms`, are closed (see `connection` for when each runs).
 //!   hyper's own HTTP/1 header timer is not used: it also runs between requests, which would
@@ -44,7 +48,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use super::connection::{Activity, GuardedBody, InFlight, RequestGuard, Tracked};
-use super::{BoxError, Peer, Refusal, ResponseBody, full};
+use super::{BodyTimeout, BoxError, Peer, Refusal, ResponseBody, full};
 use crate::config::{ListenerLimits, MIN_HEADER_BYTES};
 use crate::tls::server::{TlsServer, fingerprint};
 
@@ -323,6 +327,8 @@ async fn http<S, B, T>(
         refusals: shared.refusals.clone(),
         name: shared.name,
         overloaded: shared.overloaded,
+        max_headers: shared.limits.max_headers,
+        body_timeout: BodyTimeout(shared.limits.header_read_timeout),
     };
     let io = TokioIo::new(Tracked::new(stream, activity.clone()));
     let connection = shared.builder.serve_connection(io, service);
@@ -374,6 +380,9 @@ struct Limited<S> {
     refusals: IntCounterVec,
     name: &'static str,
     overloaded: fn() -> Response<ResponseBody>,
+    /// hyper counts HTTP/1 header lines itself; an HTTP/2 request's headers are counted here.
+    max_headers: usize,
+    body_timeout: BodyTimeout,
 }
 
 impl<S, B> hyper::service::Service<Request<Incoming>> for Limited<S>
@@ -389,9 +398,19 @@ where
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
     fn call(&self, mut request: Request<Incoming>) -> Self::Future {
-        match RequestGuard::enter(&self.in_flight, &self.activity) {
+        let entered = RequestGuard::enter(&self.in_flight, &self.activity);
+        // hyper refuses an HTTP/1 head with too many lines before parsing it; an HTTP/2
+        // request's headers are counted here, before anything else looks at them.
+        if request.headers().len() > self.max_headers {
+            self.refused(Refusal::HeadersTooLarge);
+            let guard = entered.unwrap_or_else(|guard| guard);
+            let response = too_many_headers(self.max_headers);
+            return Box::pin(async move { Ok(response.map(|body| GuardedBody::new(body, guard))) });
+        }
+        match entered {
             Ok(guard) => {
                 request.extensions_mut().insert(self.peer);
+                request.extensions_mut().insert(self.body_timeout);
                 let future = self.inner.call(request);
                 Box::pin(async move {
                     let response = future.await?;
@@ -399,12 +418,30 @@ where
                 })
             }
             Err(guard) => {
-                self.refusals
-                    .with_label_values(&[self.name, Refusal::InFlight.as_str()])
-                    .inc();
+                self.refused(Refusal::InFlight);
                 let response = (self.overloaded)();
                 Box::pin(async move { Ok(response.map(|body| GuardedBody::new(body, guard))) })
             }
         }
     }
+}
+
+impl<S> Limited<S> {
+    fn refused(&self, reason: Refusal) {
+        self.refusals
+            .with_label_values(&[self.name, reason.as_str()])
+            .inc();
+    }
+}
+
+/// 431 for a request with more than `max` headers: nothing of it was acted on.
+fn too_many_headers(max: usize) -> Response<ResponseBody> {
+    let mut response = Response::new(full(format!(
+        "too many request headers (at most {max}); nothing was done\n"
+    )));
+    *response.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    response
 }

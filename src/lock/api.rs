@@ -32,7 +32,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use railguard_sdk::wire::{AcquireRequest, GrantResponse, RenewResponse, TokenRequest};
 use serde::Serialize;
@@ -42,7 +41,7 @@ use super::{LeaseSecret, LockBackend, LockError, LockKey, parse_holder};
 use crate::auth::{
     Authenticator, Identity, Listener, PeerCertificate, Refusal, Role, Unauthenticated,
 };
-use crate::http::{ResponseBody, full};
+use crate::http::{ResponseBody, SmallBodyError, full};
 use crate::proof::ProofKey;
 use crate::token::FencingToken;
 
@@ -54,6 +53,9 @@ const MAX_BODY: usize = 16 * 1024;
 pub enum ApiError {
     #[error("{0}")]
     BadRequest(String),
+    /// The body did not arrive in time: nothing was done.
+    #[error("{0}; nothing was done")]
+    BodyTimeout(String),
     #[error("no such route; see /v1/locks/{{key}}")]
     NotFound,
     #[error("method not allowed here")]
@@ -170,6 +172,7 @@ impl ApiError {
     pub(crate) fn into_response(self) -> Response<ResponseBody> {
         let (status, code) = match &self {
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            ApiError::BodyTimeout(_) => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::Unauthenticated(_) => (StatusCode::UNAUTHORIZED, "unauthenticated"),
             ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
@@ -217,6 +220,10 @@ impl ApiError {
         use Operation::{Acquire, Release, Renew};
         let mut examples = vec![
             (ApiError::BadRequest("bad".into()), Operation::ALL.to_vec()),
+            (
+                ApiError::BodyTimeout("the request body did not arrive".into()),
+                vec![Acquire, Renew, Release],
+            ),
             (ApiError::NotFound, vec![]),
             (
                 ApiError::Unauthenticated(Unauthenticated::Missing),
@@ -240,6 +247,7 @@ impl ApiError {
         for (example, _) in &examples {
             match example {
                 ApiError::BadRequest(_)
+                | ApiError::BodyTimeout(_)
                 | ApiError::NotFound
                 | ApiError::Unauthenticated(_)
                 | ApiError::Forbidden(_)
@@ -483,17 +491,16 @@ impl<B: LockBackend> LockApi<B> {
     }
 }
 
-/// Reads a request body whole, refusing one larger than [`MAX_BODY`].
+/// Reads a request body whole, refusing one larger than [`MAX_BODY`] or slower than the
+/// listener's `header_read_timeout_ms` (a client that sends a head and then nothing would hold
+/// an in-flight slot for ever).
 async fn read_body(request: Request<Incoming>) -> Result<Bytes, ApiError> {
-    Ok(Limited::new(request.into_body(), MAX_BODY)
-        .collect()
+    crate::http::read_small_body(request, MAX_BODY)
         .await
-        .map_err(|e| {
-            ApiError::BadRequest(format!(
-                "cannot read the body (at most {MAX_BODY} bytes): {e}"
-            ))
-        })?
-        .to_bytes())
+        .map_err(|e| match e {
+            SmallBodyError::TimedOut(_) => ApiError::BodyTimeout(e.to_string()),
+            SmallBodyError::Unreadable { .. } => ApiError::BadRequest(e.to_string()),
+        })
 }
 
 /// Parses a request body as every body of this API is read: one JSON object, with no field
