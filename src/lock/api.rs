@@ -180,6 +180,7 @@ impl ApiError {
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::Lock(LockError::Held) => (StatusCode::CONFLICT, "held"),
             ApiError::Lock(LockError::Lost) => (StatusCode::GONE, "lost"),
+            ApiError::Lock(LockError::OtherHolder) => (StatusCode::FORBIDDEN, "forbidden"),
             ApiError::Lock(LockError::TooManyWaiters(_)) => {
                 (StatusCode::TOO_MANY_REQUESTS, "too_many_waiters")
             }
@@ -234,6 +235,7 @@ impl ApiError {
             (ApiError::MethodNotAllowed, vec![]),
             (ApiError::Lock(LockError::Held), vec![Acquire]),
             (ApiError::Lock(LockError::Lost), vec![Renew, Release]),
+            (ApiError::Lock(LockError::OtherHolder), vec![Renew, Release]),
             (ApiError::Lock(LockError::TooManyWaiters(1)), vec![Acquire]),
             (
                 ApiError::Lock(LockError::SourceBehind(crate::lock::guard::BEHIND_MESSAGE)),
@@ -257,6 +259,7 @@ impl ApiError {
                 | ApiError::Lock(
                     LockError::Held
                     | LockError::Lost
+                    | LockError::OtherHolder
                     | LockError::TooManyWaiters(_)
                     | LockError::SourceBehind(_),
                 ) => {}
@@ -344,6 +347,15 @@ impl<B: LockBackend> LockApi<B> {
         Ok(Some(identity))
     }
 
+    /// A renew's or release's error as answered, a grant of another identity counted as a
+    /// refusal.
+    fn lock_error(&self, operation: Operation, error: LockError) -> ApiError {
+        if let (LockError::OtherHolder, Some(auth)) = (&error, &self.auth) {
+            auth.metrics.refused(Listener::Lock, Refusal::Forbidden);
+        }
+        ApiError::from_lock(operation, error)
+    }
+
     /// 403 unless `identity` (if any) may touch `key`.
     fn authorize(&self, identity: Option<&Identity>, key: &LockKey) -> Result<(), ApiError> {
         match (identity, &self.auth) {
@@ -382,6 +394,9 @@ impl<B: LockBackend> LockApi<B> {
         let key = LockKey::parse(key).map_err(ApiError::BadRequest)?;
         let operation = Operation::find(action, request.method())?;
         self.authorize(identity.as_deref(), &key)?;
+        // With authentication on, renew and release also need the grant to be the caller's:
+        // a lease secret that leaked to another identity renews or ends nothing (403).
+        let caller = identity.as_deref().map(|identity| identity.name.as_str());
         match operation {
             Operation::Inspect => {
                 let inspection = self
@@ -400,9 +415,9 @@ impl<B: LockBackend> LockApi<B> {
                 let (token, secret) = parse_token_body(&read_body(request).await?)?;
                 let renewed = self
                     .service
-                    .renew(&key, token, &secret)
+                    .renew(&key, token, &secret, caller)
                     .await
-                    .map_err(|e| ApiError::from_lock(Operation::Renew, e))?;
+                    .map_err(|e| self.lock_error(Operation::Renew, e))?;
                 Ok(json(
                     StatusCode::OK,
                     &RenewResponse {
@@ -417,9 +432,9 @@ impl<B: LockBackend> LockApi<B> {
                 let (token, secret) = parse_token_body(&read_body(request).await?)?;
                 let released = self
                     .service
-                    .release(&key, token, &secret)
+                    .release(&key, token, &secret, caller)
                     .await
-                    .map_err(|e| ApiError::from_lock(Operation::Release, e))?;
+                    .map_err(|e| self.lock_error(Operation::Release, e))?;
                 let mut body = serde_json::json!({
                     "key": key.as_str(),
                     "released": true,

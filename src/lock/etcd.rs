@@ -202,6 +202,7 @@ impl EtcdLocks {
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> Result<i64, LockError> {
         let Some(kv) = kv else {
             return Err(self.lost_noticed());
@@ -209,8 +210,10 @@ impl EtcdLocks {
         if kv.mod_revision() != token.get() {
             return Err(self.lost_noticed());
         }
-        let stored = serde_json::from_slice::<Entry>(kv.value())
-            .map(|e| e.secret_sha256)
+        let entry = serde_json::from_slice::<Entry>(kv.value()).ok();
+        let stored = entry
+            .as_ref()
+            .map(|e| e.secret_sha256.as_str())
             .unwrap_or_default();
         if stored.is_empty() || stored != crate::proof::hex(&secret.digest()) {
             if let Some(metrics) = &self.metrics {
@@ -219,6 +222,14 @@ impl EtcdLocks {
             tracing::warn!(lock.key = %key,
                 "a renew or release named the key's current grant with the wrong lease secret");
             return Err(LockError::Lost);
+        }
+        // Only once the token and secret matched, so the answer confirms nothing new.
+        if let Some(caller) = caller
+            && entry.is_some_and(|e| e.holder != caller)
+        {
+            tracing::warn!(lock.key = %key, caller,
+                "a renew or release presented the grant of another identity");
+            return Err(LockError::OtherHolder);
         }
         Ok(kv.lease())
     }
@@ -553,12 +564,13 @@ impl LockBackend for EtcdLocks {
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> Result<Renewed, LockError> {
         self.bounded(async {
             let mut client = self.client().await?;
             let path = self.path(key);
             let found = client.get(path.as_str(), None).await.map_err(unavailable)?;
-            let lease = self.authorise(found.kvs().first(), key, token, secret)?;
+            let lease = self.authorise(found.kvs().first(), key, token, secret, caller)?;
             if lease == 0 {
                 return Err(self.lost_noticed());
             }
@@ -598,12 +610,13 @@ impl LockBackend for EtcdLocks {
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> Result<Released, LockError> {
         self.bounded(async {
             let mut client = self.client().await?;
             let path = self.path(key);
             let found = client.get(path.as_str(), None).await.map_err(unavailable)?;
-            self.authorise(found.kvs().first(), key, token, secret)?;
+            self.authorise(found.kvs().first(), key, token, secret, caller)?;
             let before_us = now_us();
             let release = Txn::new()
                 .when([Compare::mod_revision(

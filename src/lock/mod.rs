@@ -143,6 +143,10 @@ pub enum LockError {
     /// The token source guard refuses to grant ([`guard`]): nothing was granted.
     #[error("{0}")]
     SourceBehind(&'static str),
+    /// A renew or release presented a live grant's token and lease secret, but the grant was
+    /// issued to another authenticated identity: nothing was renewed or released (403).
+    #[error("this grant was issued to another identity")]
+    OtherHolder,
 }
 
 /// One backend's mechanics. Implementations decide nothing about waiting or fairness; they
@@ -180,21 +184,27 @@ pub trait LockBackend: Send + Sync + 'static {
     /// `Lost` otherwise — the same answer whether the grant ended or the secret is wrong, so
     /// that no guess is ever confirmed. A secret that does not match the key's current grant
     /// counts in `lock_rejected_secrets_total`.
+    ///
+    /// `caller` is the authenticated identity asking (`None` with authentication off): a grant
+    /// whose holder is another identity is refused with `OtherHolder` — checked only once the
+    /// token and secret matched, so the answer confirms nothing a guesser did not know.
     fn renew(
         &self,
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> impl Future<Output = Result<Renewed, LockError>> + Send;
 
     /// Ends the grant `(key, token)` if `secret` is its secret and it still holds the key,
     /// returning when it ended in the backend's clock (µs since the Unix epoch); `Lost`
-    /// otherwise, with the same care as `renew`.
+    /// otherwise, with the same care as `renew` (and the same `caller` check).
     fn release(
         &self,
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> impl Future<Output = Result<Released, LockError>> + Send;
 
     /// Diagnosis only: never returns a token.
@@ -254,10 +264,11 @@ impl LockBackend for AnyBackend {
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> Result<Renewed, LockError> {
         match self {
-            AnyBackend::Postgres(b) => b.renew(key, token, secret).await,
-            AnyBackend::Etcd(b) => b.renew(key, token, secret).await,
+            AnyBackend::Postgres(b) => b.renew(key, token, secret, caller).await,
+            AnyBackend::Etcd(b) => b.renew(key, token, secret, caller).await,
         }
     }
 
@@ -266,10 +277,11 @@ impl LockBackend for AnyBackend {
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> Result<Released, LockError> {
         match self {
-            AnyBackend::Postgres(b) => b.release(key, token, secret).await,
-            AnyBackend::Etcd(b) => b.release(key, token, secret).await,
+            AnyBackend::Postgres(b) => b.release(key, token, secret, caller).await,
+            AnyBackend::Etcd(b) => b.release(key, token, secret, caller).await,
         }
     }
 

@@ -71,7 +71,7 @@ FROM lock_entry WHERE key = $1";
 
 const RENEW_SQL: &str = "\
 UPDATE lock_entry SET expires_at = clock_timestamp() + ttl_ms * interval '1 millisecond'
-WHERE key = $1 AND token = $2 AND secret_sha256 = $3
+WHERE key = $1 AND token = $2 AND secret_sha256 = $3 AND ($4::text IS NULL OR holder = $4)
   AND ended_at IS NULL AND expires_at > clock_timestamp()
 RETURNING (extract(epoch FROM expires_at) * 1000000)::bigint, ttl_ms";
 
@@ -79,7 +79,7 @@ pub const RELEASE_SQL: &str = "\
 WITH ended AS (
     UPDATE lock_entry
     SET ended_at = clock_timestamp(), expires_at = clock_timestamp(), released = true
-    WHERE key = $1 AND token = $2 AND secret_sha256 = $3
+    WHERE key = $1 AND token = $2 AND secret_sha256 = $3 AND ($4::text IS NULL OR holder = $4)
       AND ended_at IS NULL AND expires_at > clock_timestamp()
     RETURNING key, ended_at)
 SELECT pg_notify('railguard_lock_released', key)::text,
@@ -89,18 +89,22 @@ FROM ended";
 /// After a renew or release matched nothing: notes the expiry of the caller's own grant if
 /// it ran out and was not yet taken over (once, so that the takeover does not count it
 /// again); says whether the secret failed to match the key's current grant (a probe); and
-/// finds the caller's own grant already released (a repeated release).
+/// finds the caller's own grant already released (a repeated release); and whether the
+/// token and secret matched a grant whose holder is another identity than the caller `$4`.
 const MISSED_SQL: &str = "\
 WITH noticed AS (
     UPDATE lock_entry SET ended_at = expires_at
-    WHERE key = $1 AND token = $2 AND secret_sha256 = $3
+    WHERE key = $1 AND token = $2 AND secret_sha256 = $3 AND ($4::text IS NULL OR holder = $4)
       AND ended_at IS NULL AND expires_at <= clock_timestamp()
     RETURNING 1)
 SELECT (SELECT count(*) FROM noticed),
        COALESCE((SELECT token = $2 AND secret_sha256 IS DISTINCT FROM $3
                  FROM lock_entry WHERE key = $1), false),
        (SELECT (extract(epoch FROM ended_at) * 1000000)::bigint FROM lock_entry
-        WHERE key = $1 AND token = $2 AND secret_sha256 = $3 AND released)";
+        WHERE key = $1 AND token = $2 AND secret_sha256 = $3 AND released
+          AND ($4::text IS NULL OR holder = $4)),
+       COALESCE((SELECT $4::text IS NOT NULL AND holder IS DISTINCT FROM $4
+                 FROM lock_entry WHERE key = $1 AND token = $2 AND secret_sha256 = $3), false)";
 
 /// Ends whatever live grant an acquire attempt with this secret made (see [`Undelivered`]).
 const REVOKE_SQL: &str = "\
@@ -168,11 +172,17 @@ impl PgLocks {
         key: &LockKey,
         token: FencingToken,
         digest: &[u8],
+        caller: Option<&str>,
     ) -> Result<Option<i64>, LockError> {
         let row = client
-            .query_one(MISSED_SQL, &[&key.as_str(), &token.get(), &digest])
+            .query_one(MISSED_SQL, &[&key.as_str(), &token.get(), &digest, &caller])
             .await
             .map_err(db)?;
+        if row.get::<_, bool>(3) {
+            tracing::warn!(lock.key = %key, caller,
+                "a renew or release presented the grant of another identity");
+            return Err(LockError::OtherHolder);
+        }
         if row.get::<_, i64>(0) > 0 {
             self.metrics.expiries.inc();
         }
@@ -410,13 +420,17 @@ impl LockBackend for PgLocks {
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> Result<Renewed, LockError> {
         let digest = secret.digest();
         self.bounded(async {
             let client = self.client().await?;
             let renew = client.prepare_cached(RENEW_SQL).await.map_err(db)?;
             match client
-                .query_opt(&renew, &[&key.as_str(), &token.get(), &digest.as_slice()])
+                .query_opt(
+                    &renew,
+                    &[&key.as_str(), &token.get(), &digest.as_slice(), &caller],
+                )
                 .await
                 .map_err(db)?
             {
@@ -428,7 +442,7 @@ impl LockBackend for PgLocks {
                     })
                 }
                 None => {
-                    self.missed(&client, key, token, &digest).await?;
+                    self.missed(&client, key, token, &digest, caller).await?;
                     Err(LockError::Lost)
                 }
             }
@@ -441,13 +455,17 @@ impl LockBackend for PgLocks {
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> Result<Released, LockError> {
         let digest = secret.digest();
         self.bounded(async {
             let client = self.client().await?;
             let release = client.prepare_cached(RELEASE_SQL).await.map_err(db)?;
             let rows = client
-                .query(&release, &[&key.as_str(), &token.get(), &digest.as_slice()])
+                .query(
+                    &release,
+                    &[&key.as_str(), &token.get(), &digest.as_slice(), &caller],
+                )
                 .await
                 .map_err(db)?;
             match rows.first() {
@@ -457,7 +475,7 @@ impl LockBackend for PgLocks {
                 }),
                 // Released already, by an earlier attempt of this same release whose answer
                 // was lost: the outcome the caller asked for.
-                None => match self.missed(&client, key, token, &digest).await? {
+                None => match self.missed(&client, key, token, &digest, caller).await? {
                     Some(at_us) => Ok(Released {
                         at_us,
                         revision: None,

@@ -136,7 +136,11 @@ impl<B: LockBackend> LockService<B> {
                         lock.token = grant.token.get(),
                         "ending a grant made while the token source is behind the fencing marks"
                     );
-                    if let Err(e) = self.backend.release(key, grant.token, &grant.secret).await {
+                    if let Err(e) = self
+                        .backend
+                        .release(key, grant.token, &grant.secret, None)
+                        .await
+                    {
                         tracing::error!(error = %e, lock.token = grant.token.get(),
                             "could not end the grant; it runs out with its lease, unused");
                     }
@@ -230,11 +234,12 @@ impl<B: LockBackend> LockService<B> {
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> Result<Renewed, LockError> {
         let span = tracing::info_span!("lock.renew", lock.key = %key, lock.token = token.get(), lock.backend = self.backend.name());
         let result = self
             .backend
-            .renew(key, token, secret)
+            .renew(key, token, secret, caller)
             .instrument(span)
             .await;
         match &result {
@@ -251,11 +256,12 @@ impl<B: LockBackend> LockService<B> {
         key: &LockKey,
         token: FencingToken,
         secret: &LeaseSecret,
+        caller: Option<&str>,
     ) -> Result<Released, LockError> {
         let span = tracing::info_span!("lock.release", lock.key = %key, lock.token = token.get(), lock.backend = self.backend.name());
         let result = self
             .backend
-            .release(key, token, secret)
+            .release(key, token, secret, caller)
             .instrument(span)
             .await;
         match &result {
