@@ -420,6 +420,7 @@ fn load_credentials(
             suffix: template.suffix().to_string(),
         },
         config.auth.lock_requests_per_s,
+        config.auth.lock_in_flight_per_identity,
         auth_metrics,
     )?;
     tracing::info!(file = %config.auth.credentials_file.display(),

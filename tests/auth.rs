@@ -53,6 +53,11 @@ struct Setup {
 }
 
 async fn setup() -> Setup {
+    setup_with(&[]).await
+}
+
+/// `setup` with more environment overrides for railguard.
+async fn setup_with(env: &[(&str, &str)]) -> Setup {
     support::init_tracing();
     let pg = support::Pg::start().await;
     let rail = support::Rail::start().await;
@@ -63,9 +68,13 @@ async fn setup() -> Setup {
         &pg.url(),
         &rail.url(),
         &[
-            ("RAILGUARD__AUTH__CREDENTIALS_FILE", file.to_str().unwrap()),
-            ("RAILGUARD__AUTH__RELOAD_INTERVAL_MS", "100"),
-        ],
+            &[
+                ("RAILGUARD__AUTH__CREDENTIALS_FILE", file.to_str().unwrap()),
+                ("RAILGUARD__AUTH__RELOAD_INTERVAL_MS", "100"),
+            ],
+            env,
+        ]
+        .concat(),
     )
     .await;
     Setup {
@@ -451,6 +460,162 @@ async fn an_identity_over_its_lock_rate_gets_429_and_others_are_not_slowed() {
     }
     let m = metrics(rg).await;
     assert_eq!(refusals(&m, "lock", "rate_limited"), limited, "{m}");
+}
+
+/// Acquires `key` for the identity of `secret` over the raw API: (token, lease secret).
+async fn raw_acquire(rg: &support::Railguard, secret: &str, key: &str) -> (i64, String) {
+    let reply = call(
+        Method::POST,
+        &format!("{}/v1/locks/{key}/acquire", rg.lock_url()),
+        Some(secret),
+        &[("content-type", "application/json")],
+        r#"{"ttl_ms":10000}"#,
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let grant = reply.json();
+    (
+        grant["token"].as_i64().unwrap(),
+        grant["lease_secret"].as_str().unwrap().to_string(),
+    )
+}
+
+/// A lease secret that leaked to another identity whose patterns cover the key renews and
+/// ends nothing: 403, counted; the holder's own renew and release still work.
+#[tokio::test]
+async fn renew_and_release_of_another_identitys_grant_are_forbidden() {
+    let s = setup().await;
+    let rg = &s.rg;
+    let (token, lease_secret) = raw_acquire(rg, EU, "acct-eu-7").await;
+    let body = format!(r#"{{"token":{token},"lease_secret":"{lease_secret}"}}"#);
+    let before = refusals(&metrics(rg).await, "lock", "forbidden");
+    for action in ["renew", "release"] {
+        let reply = call(
+            Method::POST,
+            &format!("{}/v1/locks/acct-eu-7/{action}", rg.lock_url()),
+            Some(EU2),
+            &[("content-type", "application/json")],
+            &body,
+        )
+        .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::FORBIDDEN,
+            "{action}: {}",
+            reply.body
+        );
+        assert_eq!(reply.json()["error"], "forbidden");
+    }
+    assert_eq!(
+        refusals(&metrics(rg).await, "lock", "forbidden"),
+        before + 2
+    );
+    // Still eu's: inspect names it, and eu renews then releases it.
+    let held = call(
+        Method::GET,
+        &format!("{}/v1/locks/acct-eu-7", rg.lock_url()),
+        Some(EU),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(held.json()["holder"], "eu", "{}", held.body);
+    for action in ["renew", "release"] {
+        let reply = call(
+            Method::POST,
+            &format!("{}/v1/locks/acct-eu-7/{action}", rg.lock_url()),
+            Some(EU),
+            &[("content-type", "application/json")],
+            &body,
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{action}: {}", reply.body);
+    }
+    // A wrong secret is still `lost` for everyone: the 403 needs the grant's own secret.
+    let (token, _) = raw_acquire(rg, EU, "acct-eu-8").await;
+    let wrong = format!(r#"{{"token":{token},"lease_secret":"{}"}}"#, "0".repeat(64));
+    for who in [EU, EU2] {
+        let reply = call(
+            Method::POST,
+            &format!("{}/v1/locks/acct-eu-8/renew", rg.lock_url()),
+            Some(who),
+            &[("content-type", "application/json")],
+            &wrong,
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::GONE, "{}", reply.body);
+    }
+}
+
+/// Found by review: the rate limit bounds how often an identity asks, not how many of its
+/// requests are open, and a waiting acquire stays open. One worker's waits must not fill the
+/// lock listener's `max_in_flight` and starve the others.
+#[tokio::test]
+async fn one_identitys_waiting_acquires_do_not_starve_other_identities() {
+    let s = setup_with(&[
+        ("RAILGUARD__LOCK__MAX_IN_FLIGHT", "4"),
+        ("RAILGUARD__AUTH__LOCK_IN_FLIGHT_PER_IDENTITY", "3"),
+    ])
+    .await;
+    let rg = &s.rg;
+    raw_acquire(rg, EU, "acct-eu-w").await;
+    let url = format!("{}/v1/locks/acct-eu-w/acquire", rg.lock_url());
+    let waits: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                call(
+                    Method::POST,
+                    &url,
+                    Some(EU),
+                    &[("content-type", "application/json")],
+                    r#"{"ttl_ms":1000,"wait_ms":3000}"#,
+                )
+                .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // eu's fourth open request is refused at once, nothing granted...
+    let fourth = call(
+        Method::POST,
+        &url,
+        Some(EU),
+        &[("content-type", "application/json")],
+        r#"{"ttl_ms":1000,"wait_ms":3000}"#,
+    )
+    .await;
+    assert_eq!(
+        fourth.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{}",
+        fourth.body
+    );
+    assert_eq!(fourth.json()["error"], "rate_limited");
+    // ...and eu2 is served from the listener's last slot.
+    let other = call(
+        Method::GET,
+        &format!("{}/v1/locks/acct-eu-2", rg.lock_url()),
+        Some(EU2),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::OK, "{}", other.body);
+    for wait in waits {
+        let reply = wait.await.unwrap();
+        assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.body);
+    }
+    // The waits' slots came back.
+    let again = call(
+        Method::GET,
+        &format!("{}/v1/locks/acct-eu-w", rg.lock_url()),
+        Some(EU),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
 }
 
 /// Replaces `path` by a rename, as configuration management tools do.

@@ -14,6 +14,7 @@
 //! asking for a key, account or action it may not → 403. Neither says which identities exist
 //! or what they may do.
 
+pub mod concurrency;
 pub mod credentials;
 pub mod pattern;
 pub mod rate;
@@ -220,6 +221,8 @@ pub struct Authenticator {
     pub metrics: AuthMetrics,
     /// The lock API's per-identity rate limit.
     pub lock_rate: rate::RateLimiter,
+    /// The lock API's per-identity bound on requests in flight (waiting acquires included).
+    pub lock_in_flight: Arc<concurrency::InFlightByIdentity>,
 }
 
 impl std::fmt::Debug for Authenticator {
@@ -236,6 +239,7 @@ impl Authenticator {
         path: &Path,
         shape: LockKeyShape,
         lock_requests_per_s: u32,
+        lock_in_flight_per_identity: usize,
         metrics: AuthMetrics,
     ) -> Result<Arc<Self>, CredentialsError> {
         // One read: the version remembered is the one put in force.
@@ -256,6 +260,7 @@ impl Authenticator {
             }),
             metrics,
             lock_rate: rate::RateLimiter::new(lock_requests_per_s),
+            lock_in_flight: concurrency::InFlightByIdentity::new(lock_in_flight_per_identity),
         }))
     }
 
@@ -389,7 +394,7 @@ mod tests {
         let path = dir.path().join("credentials.toml");
         std::fs::write(&path, text).unwrap();
         let metrics = AuthMetrics::register(&Registry::new());
-        let auth = Authenticator::load(&path, LockKeyShape::default(), 10, metrics).unwrap();
+        let auth = Authenticator::load(&path, LockKeyShape::default(), 10, 10, metrics).unwrap();
         (dir, auth)
     }
 

@@ -559,6 +559,9 @@ pub struct AuthConfig {
     pub reload_interval: Duration,
     /// Lock-API requests per second per identity, unless the identity has its own limit.
     pub lock_requests_per_s: u32,
+    /// Lock-API requests one identity may have open at once (waiting acquires included), so
+    /// that one worker cannot fill the lock listener's `max_in_flight`.
+    pub lock_in_flight_per_identity: usize,
 }
 
 impl Default for AuthConfig {
@@ -567,6 +570,7 @@ impl Default for AuthConfig {
             credentials_file: PathBuf::new(),
             reload_interval: Duration::from_secs(1),
             lock_requests_per_s: 200,
+            lock_in_flight_per_identity: 100,
         }
     }
 }
@@ -588,6 +592,12 @@ impl AuthConfig {
         if !(1..=1_000_000).contains(&self.lock_requests_per_s) {
             return Err((
                 "auth.lock_requests_per_s",
+                "must be between 1 and 1000000".into(),
+            ));
+        }
+        if !(1..=1_000_000).contains(&self.lock_in_flight_per_identity) {
+            return Err((
+                "auth.lock_in_flight_per_identity",
                 "must be between 1 and 1000000".into(),
             ));
         }

@@ -66,6 +66,10 @@ pub enum ApiError {
     Forbidden(String),
     #[error("too many lock requests from this identity; slow down")]
     RateLimited,
+    #[error(
+        "this identity already has {0} lock requests open (waiting acquires included); nothing was done"
+    )]
+    TooManyOpen(usize),
     #[error(transparent)]
     Lock(#[from] LockError),
     #[error("the lock backend did not answer in time: {why}. {meaning}")]
@@ -176,7 +180,9 @@ impl ApiError {
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::Unauthenticated(_) => (StatusCode::UNAUTHORIZED, "unauthenticated"),
             ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
-            ApiError::RateLimited => (StatusCode::TOO_MANY_REQUESTS, "rate_limited"),
+            ApiError::RateLimited | ApiError::TooManyOpen(_) => {
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limited")
+            }
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::Lock(LockError::Held) => (StatusCode::CONFLICT, "held"),
             ApiError::Lock(LockError::Lost) => (StatusCode::GONE, "lost"),
@@ -232,6 +238,7 @@ impl ApiError {
             ),
             (ApiError::Forbidden("no".into()), Operation::ALL.to_vec()),
             (ApiError::RateLimited, Operation::ALL.to_vec()),
+            (ApiError::TooManyOpen(100), Operation::ALL.to_vec()),
             (ApiError::MethodNotAllowed, vec![]),
             (ApiError::Lock(LockError::Held), vec![Acquire]),
             (ApiError::Lock(LockError::Lost), vec![Renew, Release]),
@@ -254,6 +261,7 @@ impl ApiError {
                 | ApiError::Unauthenticated(_)
                 | ApiError::Forbidden(_)
                 | ApiError::RateLimited
+                | ApiError::TooManyOpen(_)
                 | ApiError::MethodNotAllowed
                 | ApiError::Unavailable { .. }
                 | ApiError::Lock(
@@ -280,6 +288,12 @@ fn json(status: StatusCode, value: &impl Serialize) -> Response<ResponseBody> {
         .body(full(Bytes::from(body)))
         .expect("static response parts")
 }
+
+/// Who asks (with authentication on), and their request's slot in its in-flight bound.
+type Caller = (
+    Option<Arc<Identity>>,
+    Option<crate::auth::concurrency::InFlightGuard>,
+);
 
 pub struct LockApi<B> {
     service: Arc<LockService<B>>,
@@ -313,10 +327,12 @@ impl<B: LockBackend> LockApi<B> {
         }
     }
 
-    /// The caller's identity, if authentication is on: 401 without one, 429 over its rate.
-    fn authenticate(&self, request: &Request<Incoming>) -> Result<Option<Arc<Identity>>, ApiError> {
+    /// The caller's identity, if authentication is on, and its request counted in its
+    /// in-flight bound until the guard is dropped: 401 without one, 429 over its rate or with
+    /// `auth.lock_in_flight_per_identity` requests already open.
+    fn authenticate(&self, request: &Request<Incoming>) -> Result<Caller, ApiError> {
         let Some(auth) = &self.auth else {
-            return Ok(None);
+            return Ok((None, None));
         };
         let identity = auth
             .identify(
@@ -344,7 +360,13 @@ impl<B: LockBackend> LockApi<B> {
             auth.metrics.refused(Listener::Lock, Refusal::RateLimited);
             return Err(ApiError::RateLimited);
         }
-        Ok(Some(identity))
+        let Some(open) = auth.lock_in_flight.enter(&identity.name) else {
+            auth.metrics.refused(Listener::Lock, Refusal::RateLimited);
+            tracing::warn!(identity = %identity.name, max = auth.lock_in_flight.max(),
+                "lock request refused: the identity has too many requests open");
+            return Err(ApiError::TooManyOpen(auth.lock_in_flight.max()));
+        };
+        Ok((Some(identity), Some(open)))
     }
 
     /// A renew's or release's error as answered, a grant of another identity counted as a
@@ -384,7 +406,8 @@ impl<B: LockBackend> LockApi<B> {
     }
 
     async fn route(&self, request: Request<Incoming>) -> Result<Response<ResponseBody>, ApiError> {
-        let identity = self.authenticate(&request)?;
+        // `_open` counts this request against its identity's bound until it is answered.
+        let (identity, _open) = self.authenticate(&request)?;
         let path = request.uri().path().to_string();
         let rest = path.strip_prefix("/v1/locks/").ok_or(ApiError::NotFound)?;
         let (key, action) = match rest.split_once('/') {
