@@ -395,6 +395,7 @@ fn extract_config(
             source,
         },
         auth,
+        account_in_path: config.fencing.account_in_path.clone(),
     }
 }
 

@@ -618,6 +618,60 @@ async fn one_identitys_waiting_acquires_do_not_starve_other_identities() {
     assert_eq!(again.status, StatusCode::OK, "{}", again.body);
 }
 
+/// Found by review: account patterns are checked against `Fencing-Account`, and nothing tied
+/// that header to the account the payment moves money on. With `fencing.account_in_path` a
+/// request whose path names another account is refused before the fence: a grant on one
+/// account never carries a payment on another.
+#[tokio::test]
+async fn the_path_must_name_the_fenced_account_when_account_in_path_is_set() {
+    let s = setup_with(&[(
+        "RAILGUARD__FENCING__ACCOUNT_IN_PATH",
+        "/accounts/{account}/",
+    )])
+    .await;
+    let rg = &s.rg;
+    let body = || Bytes::from_static(br#"{"amount":100}"#);
+    let grant = locks(rg, Some(EU))
+        .acquire("acct-eu-5", "eu", Duration::from_secs(5), Duration::ZERO)
+        .await
+        .unwrap();
+    for (path, key) in [
+        ("/accounts/acct-us-1/payments", "k-1"),
+        ("/accounts/acct-eu-55/payments", "k-2"),
+        ("/payments?account=acct-eu-5", "k-3"),
+        ("/accounts/acct%2Deu%2D5/payments", "k-4"),
+    ] {
+        let reply = rail(rg, Some(EU))
+            .post(&grant, "acct-eu-5", path, body(), Some(key))
+            .await
+            .unwrap();
+        assert_eq!(reply.status, StatusCode::FORBIDDEN, "{path}");
+        let json: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+        assert!(
+            json["message"]
+                .as_str()
+                .unwrap()
+                .contains("/accounts/{account}/"),
+            "{json}"
+        );
+    }
+    assert!(s.rail.ledger().is_empty(), "nothing forwarded");
+    assert_eq!(mark(rg, "acct-eu-5").await, 0, "no mark moved");
+    let reply = rail(rg, Some(EU))
+        .post(
+            &grant,
+            "acct-eu-5",
+            "/accounts/acct-eu-5/payments",
+            body(),
+            Some("k-5"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+    assert_eq!(s.rail.ledger().len(), 1);
+    assert_eq!(refusals(&metrics(rg).await, "proxy", "forbidden"), 4);
+}
+
 /// Replaces `path` by a rename, as configuration management tools do.
 fn write_atomically(path: &Path, text: &str) {
     let next = path.with_extension("next");

@@ -225,6 +225,9 @@ fn review_every_key_has_a_working_environment_override() {
                     "/tmp/review-creds.toml".into(),
                 ),
                 ("database.data_dir", _) => ("/tmp/review-pg".into(), "/tmp/review-pg".into()),
+                ("fencing.account_in_path", _) => {
+                    ("/accounts/{account}/".into(), "/accounts/{account}/".into())
+                }
                 ("fencing.lock_key_template", _) => {
                     ("pay:{account}".into(), "pay:{account}".into())
                 }

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 pub use listener::{
     ClientAuth, ListenerConfig, ListenerLimits, ListenerSettings, ListenerTls, MIN_HEADER_BYTES,
 };
-pub use values::{DatabaseUrl, LockBackendKind, LockKeyTemplate, Upstream};
+pub use values::{AccountPathTemplate, DatabaseUrl, LockBackendKind, LockKeyTemplate, Upstream};
 use values::{header, millis, secs};
 
 /// Prefix of environment variables that override config keys: `RAILGUARD__PROXY__LISTEN`.
@@ -403,6 +403,10 @@ pub struct FencingConfig {
     pub require_proof: bool,
     /// The lock key whose grants fence an account: `{account}` is replaced by the account id.
     pub lock_key_template: LockKeyTemplate,
+    /// Where the rail's request path names the account (`/accounts/{account}/`): a request
+    /// whose path does not name its `Fencing-Account` is refused (403). `""`: not checked.
+    #[serde(with = "values::account_path")]
+    pub account_in_path: Option<AccountPathTemplate>,
 }
 
 impl Default for FencingConfig {
@@ -414,6 +418,7 @@ impl Default for FencingConfig {
             batch_concurrency: 4,
             require_proof: true,
             lock_key_template: LockKeyTemplate::default(),
+            account_in_path: None,
         }
     }
 }

@@ -168,6 +168,97 @@ impl LockBackendKind {
     }
 }
 
+/// Where a rail's request path names its account (`fencing.account_in_path`, e.g.
+/// `/accounts/{account}/`): the proxy then forwards a request only if its path names the
+/// account it is fenced on, so a grant of one account never carries a payment of another.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccountPathTemplate {
+    prefix: String,
+    suffix: String,
+}
+
+impl AccountPathTemplate {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text.matches("{account}").count() != 1 {
+            return Err("must contain `{account}` exactly once".into());
+        }
+        let (prefix, suffix) = text.split_once("{account}").expect("counted above");
+        if !prefix.starts_with('/') {
+            return Err("must start with `/` (it is matched against the request path)".into());
+        }
+        if prefix.contains('?') || suffix.contains('?') {
+            return Err("matches the path only: no `?`".into());
+        }
+        Ok(Self {
+            prefix: prefix.into(),
+            suffix: suffix.into(),
+        })
+    }
+
+    /// Whether `path` (without its query) names `account` where the template says. The path
+    /// is compared as sent: a percent-encoded account does not match.
+    pub fn names(&self, path: &str, account: &str) -> bool {
+        let Some(rest) = path
+            .strip_prefix(self.prefix.as_str())
+            .and_then(|rest| rest.strip_prefix(account))
+        else {
+            return false;
+        };
+        if self.suffix.is_empty() {
+            rest.is_empty() || rest.starts_with('/')
+        } else {
+            rest.starts_with(self.suffix.as_str())
+        }
+    }
+}
+
+impl fmt::Display for AccountPathTemplate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{{account}}{}", self.prefix, self.suffix)
+    }
+}
+
+impl Serialize for AccountPathTemplate {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for AccountPathTemplate {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        AccountPathTemplate::parse(&text).map_err(D::Error::custom)
+    }
+}
+
+/// `fencing.account_in_path`: `""` is off.
+pub(crate) mod account_path {
+    use super::AccountPathTemplate;
+    use serde::{Deserialize, Deserializer, Serializer, de::Error as _};
+
+    pub(crate) fn serialize<S: Serializer>(
+        value: &Option<AccountPathTemplate>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(template) => s.collect_str(template),
+            None => s.serialize_str(""),
+        }
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<AccountPathTemplate>, D::Error> {
+        let text = String::deserialize(d)?;
+        if text.is_empty() {
+            return Ok(None);
+        }
+        AccountPathTemplate::parse(&text)
+            .map(Some)
+            .map_err(D::Error::custom)
+    }
+}
+
 /// The lock key whose grants fence an account: the template with `{account}` in it once,
 /// kept as the text around it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -229,6 +320,31 @@ impl<'de> Deserialize<'de> for LockKeyTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_account_path_template_matches_the_account_where_it_says() {
+        let t = AccountPathTemplate::parse("/accounts/{account}/").unwrap();
+        assert!(t.names("/accounts/acct-1/payments", "acct-1"));
+        assert!(!t.names("/accounts/acct-12/payments", "acct-1"));
+        assert!(
+            !t.names("/accounts/acct-1", "acct-1"),
+            "the suffix is required"
+        );
+        assert!(!t.names("/accounts/acct-us-1/payments", "acct-1"));
+        assert!(!t.names("/x/accounts/acct-1/payments", "acct-1"));
+        assert!(!t.names("/accounts/acct%2D1/payments", "acct-1"));
+        let open = AccountPathTemplate::parse("/pay/{account}").unwrap();
+        assert!(open.names("/pay/a", "a") && open.names("/pay/a/1", "a"));
+        assert!(!open.names("/pay/ab", "a"), "an account is a whole segment");
+        for bad in [
+            "accounts/{account}",
+            "/a/{account}/{account}",
+            "/a/b",
+            "/a?x={account}",
+        ] {
+            assert!(AccountPathTemplate::parse(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn upstream_is_http_or_https_host_port_only() {

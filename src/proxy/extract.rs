@@ -81,6 +81,8 @@ pub struct ExtractConfig {
     pub grants: GrantCheck,
     /// `None`: authentication is off (see `super::authorize`).
     pub auth: Option<std::sync::Arc<crate::auth::Authenticator>>,
+    /// `fencing.account_in_path`: where the path must name the request's account.
+    pub account_in_path: Option<crate::config::AccountPathTemplate>,
 }
 
 /// How a token is tied to the account it is presented for.
@@ -336,6 +338,14 @@ where
             if let Some(caller) = &caller {
                 authorize::may_pay_on(config.auth.as_ref(), caller, account.as_str())?;
             }
+            if let Some(template) = &config.account_in_path
+                && !template.names(request.uri().path(), account.as_str())
+            {
+                authorize::forbidden(
+                    config.auth.as_ref(),
+                    format!("the request path does not name the Fencing-Account at {template}"),
+                )?;
+            }
             let evidence = config
                 .grants
                 .check(
@@ -487,6 +497,7 @@ mod tests {
                 source: Arc::new(IssuedUpTo(1 << 40)),
             },
             auth: None,
+            account_in_path: None,
         }
     }
 
