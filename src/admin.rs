@@ -404,6 +404,9 @@ pub struct AdminEndpoint {
     /// The operator's bearer secret (`$RAILGUARD_SECRET`), for a railguard with
     /// authentication on.
     pub secret: Option<String>,
+    /// Whether the listener serves TLS only (`admin.tls_cert_file`). The commands speak plain
+    /// HTTP, so they refuse to call such a listener rather than send the secret in clear text.
+    pub tls: bool,
 }
 
 /// POSTs `body` to `path` on the admin listener `admin`; its text, as an error unless 200.
@@ -419,6 +422,13 @@ async fn ask_within(
 ) -> Result<String, String> {
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::TokioExecutor;
+    if admin.tls {
+        return Err(format!(
+            "the admin listener at {} serves TLS only (admin.tls_cert_file) and this command \
+             speaks plain HTTP: nothing was sent (not ${SECRET_VAR} either)",
+            admin.addr
+        ));
+    }
     let host = if admin.addr.ip().is_unspecified() {
         SocketAddr::from(([127, 0, 0, 1], admin.addr.port()))
     } else {

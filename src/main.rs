@@ -293,6 +293,14 @@ fn main() -> ExitCode {
                     Err(code) => return code,
                 };
                 let listen = config.lock.listen;
+                if config.lock.listener.settings().tls.is_some() {
+                    return fail(&format!(
+                        "inspect {key}: the lock listener at {listen} serves TLS only \
+                         (lock.tls_cert_file) and this command speaks plain HTTP: nothing was \
+                         sent (not ${} either)",
+                        railguard::admin::SECRET_VAR
+                    ));
+                }
                 let host = if listen.ip().is_unspecified() {
                     SocketAddr::from(([127, 0, 0, 1], listen.port()))
                 } else {
@@ -690,6 +698,7 @@ fn admin_endpoint(config: &Config) -> railguard::admin::AdminEndpoint {
     railguard::admin::AdminEndpoint {
         addr: config.admin.listen,
         secret: cli_secret(),
+        tls: config.admin.listener.settings().tls.is_some(),
     }
 }
 
