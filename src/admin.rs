@@ -177,10 +177,12 @@ impl Admin {
             Verdict::Unchecked => Err("the token source has not been checked against the \
                  fencing marks yet; the lock API grants nothing"
                 .into()),
-            Verdict::Behind { position, mark } => Err(format!(
-                "the token source ({}) is at {position}, behind the highest fencing mark \
-                 {mark}; the lock API grants nothing until `railguard fast-forward` has run \
-                 (docs/operations.md)",
+            // No numbers: /readyz needs no credentials, and the highest mark is for operators
+            // only (ADR-002 §A2.3). The guard's log line has the position and the mark.
+            Verdict::Behind { .. } => Err(format!(
+                "the token source ({}) is behind the highest fencing mark (the log line \
+                 \"THE TOKEN SOURCE IS BEHIND THE FENCING MARKS\" has both numbers); the lock API grants nothing \
+                 until `railguard fast-forward` has run (docs/operations.md)",
                 self.guard.source().name()
             )),
         }
