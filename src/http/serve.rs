@@ -182,7 +182,11 @@ pub async fn serve<F, S, B>(
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(limits.h2_max_concurrent_streams)
-        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+        // A hard cap at twice the limit: h2 refuses a larger head itself, uncounted; a head
+        // between the two reaches `Limited`, which answers 431 and counts it.
+        .max_header_list_size(
+            u32::try_from(limits.max_header_bytes.saturating_mul(2)).unwrap_or(u32::MAX),
+        );
     for reason in Refusal::ALL {
         refusals.with_label_values(&[name, reason.as_str()]);
     }
@@ -328,6 +332,7 @@ async fn http<S, B, T>(
         name: shared.name,
         overloaded: shared.overloaded,
         max_headers: shared.limits.max_headers,
+        max_header_bytes: shared.limits.max_header_bytes,
         body_timeout: BodyTimeout(shared.limits.header_read_timeout),
     };
     let io = TokioIo::new(Tracked::new(stream, activity.clone()));
@@ -380,8 +385,10 @@ struct Limited<S> {
     refusals: IntCounterVec,
     name: &'static str,
     overloaded: fn() -> Response<ResponseBody>,
-    /// hyper counts HTTP/1 header lines itself; an HTTP/2 request's headers are counted here.
+    /// hyper counts HTTP/1 header lines and bytes itself; an HTTP/2 request's headers are
+    /// counted and measured here.
     max_headers: usize,
+    max_header_bytes: usize,
     body_timeout: BodyTimeout,
 }
 
@@ -399,9 +406,13 @@ where
 
     fn call(&self, mut request: Request<Incoming>) -> Self::Future {
         let entered = RequestGuard::enter(&self.in_flight, &self.activity);
-        // hyper refuses an HTTP/1 head with too many lines before parsing it; an HTTP/2
-        // request's headers are counted here, before anything else looks at them.
-        if request.headers().len() > self.max_headers {
+        // hyper refuses an HTTP/1 head with too many lines or bytes before parsing it; an
+        // HTTP/2 request's headers are counted and measured here, before anything else looks
+        // at them.
+        if request.headers().len() > self.max_headers
+            || (request.version() == http::Version::HTTP_2
+                && header_list_size(&request) > self.max_header_bytes)
+        {
             self.refused(Refusal::HeadersTooLarge);
             let guard = entered.unwrap_or_else(|guard| guard);
             let response = too_many_headers(self.max_headers);
@@ -434,10 +445,35 @@ impl<S> Limited<S> {
     }
 }
 
-/// 431 for a request with more than `max` headers: nothing of it was acted on.
+/// An HTTP/2 request head's size as SETTINGS_MAX_HEADER_LIST_SIZE counts it (RFC 9113 §6.5.2:
+/// name, value and 32 octets a field), pseudo-headers included.
+fn header_list_size<B>(request: &Request<B>) -> usize {
+    let uri = request.uri();
+    let pseudo = [
+        (":method", request.method().as_str().len()),
+        (
+            ":path",
+            uri.path_and_query().map_or(1, |p| p.as_str().len()),
+        ),
+        (":scheme", uri.scheme_str().map_or(0, str::len)),
+        (
+            ":authority",
+            uri.authority().map_or(0, |a| a.as_str().len()),
+        ),
+    ];
+    let pseudo: usize = pseudo.iter().map(|(n, v)| n.len() + v + 32).sum();
+    pseudo
+        + request
+            .headers()
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len() + 32)
+            .sum::<usize>()
+}
+
+/// 431 for a request head over the listener's limits: nothing of it was acted on.
 fn too_many_headers(max: usize) -> Response<ResponseBody> {
     let mut response = Response::new(full(format!(
-        "too many request headers (at most {max}); nothing was done\n"
+        "request head too large (at most {max} headers and max_header_bytes); nothing was done\n"
     )));
     *response.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
     response
