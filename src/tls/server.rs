@@ -14,7 +14,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use prometheus::IntCounterVec;
 use rustls::RootCertStore;
@@ -66,15 +66,14 @@ struct State {
 
 /// What tells that a file was replaced or rewritten.
 #[derive(Debug, PartialEq, Eq)]
-struct Stamps(Vec<Option<(SystemTime, u64, u64)>>);
+struct Stamps(Vec<Option<[u8; 32]>>);
 
 impl Stamps {
+    /// The SHA-256 of each file's contents: a replacement that keeps size and mtime (`cp -p`,
+    /// `rsync -t`) is still noticed. The files are a few kB, read at most once a second.
     fn of(files: &ListenerTls) -> Stamps {
-        use std::os::unix::fs::MetadataExt;
-        let stamp = |path: &Path| {
-            let m = std::fs::metadata(path).ok()?;
-            Some((m.modified().ok()?, m.len(), m.ino()))
-        };
+        use sha2::{Digest as _, Sha256};
+        let stamp = |path: &Path| std::fs::read(path).ok().map(|b| Sha256::digest(b).into());
         let mut stamps = vec![stamp(&files.cert_file), stamp(&files.key_file)];
         if let Some(ca) = &files.client_ca_file {
             stamps.push(stamp(ca));
