@@ -268,8 +268,8 @@ impl PgTls {
                 builder.with_root_certificates(roots).with_no_client_auth(),
             ),
             (_, Some(roots)) => {
-                let verifier = ChainOnly {
-                    roots: Arc::new(roots),
+                let verifier = AnyName {
+                    roots: Some(Arc::new(roots)),
                     provider: provider.clone(),
                 };
                 (
@@ -284,7 +284,10 @@ impl PgTls {
                 Verify::Nothing,
                 builder
                     .dangerous()
-                    .with_custom_certificate_verifier(Arc::new(Unverified { provider }))
+                    .with_custom_certificate_verifier(Arc::new(AnyName {
+                        roots: None,
+                        provider,
+                    }))
                     .with_no_client_auth(),
             ),
         };
@@ -296,14 +299,17 @@ impl PgTls {
     }
 }
 
-/// Checks that the server's certificate chains to the CA, whatever name it is for.
+/// Checks the server's certificate without its name: that it chains to the CA (`roots`;
+/// libpq's `verify-ca`, and `prefer`/`require` when a CA is configured), or nothing at all
+/// (`None`: libpq's `require` without a root certificate — the session is encrypted and the
+/// handshake signatures are checked, but the server is not authenticated).
 #[derive(Debug)]
-struct ChainOnly {
-    roots: Arc<RootCertStore>,
+struct AnyName {
+    roots: Option<Arc<RootCertStore>>,
     provider: Arc<CryptoProvider>,
 }
 
-impl ServerCertVerifier for ChainOnly {
+impl ServerCertVerifier for AnyName {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -312,69 +318,17 @@ impl ServerCertVerifier for ChainOnly {
         _ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
+        let Some(roots) = &self.roots else {
+            return Ok(ServerCertVerified::assertion());
+        };
         let cert = ParsedCertificate::try_from(end_entity)?;
         verify_server_cert_signed_by_trust_anchor(
             &cert,
-            &self.roots,
+            roots,
             intermediates,
             now,
             self.provider.signature_verification_algorithms.all,
         )?;
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider
-            .signature_verification_algorithms
-            .supported_schemes()
-    }
-}
-
-/// Accepts any certificate (libpq's `require` without a root certificate): the session is
-/// encrypted, and its handshake signatures are still checked, but the server is not
-/// authenticated.
-#[derive(Debug)]
-struct Unverified {
-    provider: Arc<CryptoProvider>,
-}
-
-impl ServerCertVerifier for Unverified {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
         Ok(ServerCertVerified::assertion())
     }
 

@@ -167,7 +167,9 @@ async fn native_cycle(client: &mut Client, name: &str) -> Result<StatusCode, Str
 
 /// The pgbench script of one cycle: the backend's acquire statement, its token captured with
 /// `\gset`, then the backend's release statement with that token. The parameters are written
-/// in (`$1` the key, `$2` the holder, `$3` the lease), nothing else is changed.
+/// in (acquire: `$1` the key, `$2` the holder, `$3` the lease, `$4` the secret's digest;
+/// release: `$1` the key, `$2` the token, `$3` the digest, `$4` no caller identity), nothing
+/// else is changed.
 pub(crate) fn pgbench_script() -> String {
     let key = format!("'{KEY_PREFIX}' || :client_id");
     let acquire = ACQUIRE_SQL
@@ -178,7 +180,9 @@ pub(crate) fn pgbench_script() -> String {
     let release = RELEASE_SQL
         .replace("$1", &key)
         .replace("$2", ":token")
-        .replace("$3", BENCH_SECRET_DIGEST);
+        .replace("$3", BENCH_SECRET_DIGEST)
+        // The caller's identity: none, as for the lock API with authentication off.
+        .replace("$4", "NULL");
     format!("{acquire} \\gset\n{release};\n")
 }
 
