@@ -29,9 +29,11 @@ pub struct Bounds {
     pub accounts: u8,
     /// Acquire attempts per worker (PostgreSQL: `nextval` draws; etcd: grants).
     pub acquires_per_worker: u8,
+    /// Grants in the whole run (an acquire that would make one more does not happen).
+    pub max_grants: u8,
     pub payments_per_account: u8,
-    /// Submits a worker may repeat after giving up waiting for an answer.
-    pub retries_per_worker: u8,
+    /// Submits repeated after giving up waiting for an answer, by all workers together.
+    pub retries: u8,
     /// Proxy processes; a submit goes to the account's proxy (`account % proxies`).
     pub proxies: u8,
     /// Whether the network may drop messages (it always delays and reorders them).
@@ -42,18 +44,15 @@ impl fmt::Display for Bounds {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} workers, {} account(s), {} acquire(s) per worker, {} payment(s) per account, \
-             {} retr{} per worker, {} prox{}, {} network",
+            "{} workers, {} account(s), {} acquire(s) per worker, {} grants in all, \
+             {} payment(s) per account, {} retr{} in all, {} prox{}, {} network",
             self.workers,
             self.accounts,
             self.acquires_per_worker,
+            self.max_grants,
             self.payments_per_account,
-            self.retries_per_worker,
-            if self.retries_per_worker == 1 {
-                "y"
-            } else {
-                "ies"
-            },
+            self.retries,
+            if self.retries == 1 { "y" } else { "ies" },
             self.proxies,
             if self.proxies == 1 { "y" } else { "ies" },
             if self.lossy {
@@ -71,6 +70,9 @@ pub struct FencingModel {
     pub backend: Backend,
     pub variant: Option<Variant>,
     pub bounds: Bounds,
+    /// Workers are interchangeable: states that differ only by a renaming of workers (of the
+    /// same account) are explored once. Off when a trace is to be read.
+    pub symmetry: bool,
     /// The `always` properties already reported violated in this run: each is reported once,
     /// at the first violating state the search visits. stateright would otherwise replace a
     /// discovery with every later one, and breadth-first order's first is a shortest.
@@ -87,6 +89,8 @@ pub struct ProtocolState {
     pub network: Network,
     pub rail: Rail,
     pub seen: Observations,
+    /// Retries the workers may still make.
+    pub retries_left: u8,
 }
 
 /// One step.
@@ -265,6 +269,7 @@ impl FencingModel {
             backend,
             variant: None,
             bounds,
+            symmetry: false,
             reported: Arc::default(),
         }
     }
@@ -283,7 +288,16 @@ impl FencingModel {
             backend: variant.backend(),
             variant: Some(variant),
             bounds,
+            symmetry: false,
             reported: Arc::default(),
+        }
+    }
+
+    /// The same model, exploring states up to a renaming of workers.
+    pub fn with_symmetry(self) -> Self {
+        Self {
+            symmetry: true,
+            ..self
         }
     }
 
@@ -393,19 +407,27 @@ impl FencingModel {
         if let Some((grant, _)) = worker.phase.grant()
             && !s.lock.is_live(grant)
             && !matches!(worker.phase, Phase::Completed { .. })
+            && worker.acquires_left > 0
         {
+            // A worker that can acquire no more and stops is the same, for every property,
+            // as one that pauses for ever: only one that may acquire again needs this step.
             actions.push(Action::NoticeLost(w));
         }
         match worker.phase {
             Phase::Idle if worker.acquires_left > 0 => {
+                let room = s.lock.grants.len() < self.bounds.max_grants as usize;
                 if self.draws() {
                     actions.push(Action::Draw(w));
-                } else if !s.lock.is_held(worker.account) {
+                } else if room && !s.lock.is_held(worker.account) {
                     actions.push(Action::Acquire(w));
                 }
             }
             Phase::Idle => {}
-            Phase::Drawn { .. } => actions.push(Action::Lock(w)),
+            Phase::Drawn { .. } => {
+                if s.lock.grants.len() < self.bounds.max_grants as usize {
+                    actions.push(Action::Lock(w));
+                }
+            }
             Phase::Holding { .. } => {
                 let claimable = s.paydb.claimable(worker.account);
                 if claimable.is_empty() {
@@ -420,7 +442,7 @@ impl FencingModel {
                     actions.push(Action::Submit { worker: w, proxy });
                 }
             }
-            Phase::Awaiting { .. } if worker.retries_left > 0 => {
+            Phase::Awaiting { .. } if s.retries_left > 0 => {
                 for proxy in self.proxies_for(worker.account) {
                     actions.push(Action::Retry { worker: w, proxy });
                 }
@@ -568,6 +590,40 @@ impl FencingModel {
     }
 }
 
+impl ProtocolState {
+    /// Renames workers so that they are in sorted order of their own state (workers of one
+    /// account are interchangeable; grants, messages and requests name workers by number and
+    /// are renamed with them). Two states that differ only by such a renaming become one.
+    fn rename_workers_canonically(&mut self) {
+        let mut order: Vec<u8> = (0..self.workers.len() as u8).collect();
+        order.sort_by(|a, b| self.workers[*a as usize].cmp(&self.workers[*b as usize]));
+        if order.iter().enumerate().all(|(i, w)| i as u8 == *w) {
+            return;
+        }
+        let mut renamed = vec![0u8; order.len()];
+        for (new, old) in order.iter().enumerate() {
+            renamed[*old as usize] = new as u8;
+        }
+        self.workers = order
+            .iter()
+            .map(|old| self.workers[*old as usize].clone())
+            .collect();
+        for grant in &mut self.lock.grants {
+            grant.worker = renamed[grant.worker as usize];
+        }
+        for task in &mut self.fence.tasks {
+            task.worker = renamed[task.worker as usize];
+        }
+        self.fence.tasks.sort();
+        for msg in &mut self.network.in_flight {
+            if let Msg::Submit { worker, .. } | Msg::Reply { worker, .. } = msg {
+                *worker = renamed[*worker as usize];
+            }
+        }
+        self.network.in_flight.sort();
+    }
+}
+
 impl Model for FencingModel {
     type State = ProtocolState;
     type Action = Action;
@@ -581,7 +637,6 @@ impl Model for FencingModel {
                     account: w % b.accounts,
                     phase: Phase::Idle,
                     acquires_left: b.acquires_per_worker,
-                    retries_left: b.retries_per_worker,
                 })
                 .collect(),
             paydb: PayDb::new(b.accounts, b.payments_per_account),
@@ -589,6 +644,7 @@ impl Model for FencingModel {
             network: Network::default(),
             rail: Rail::default(),
             seen: Observations::default(),
+            retries_left: b.retries,
         }]
     }
 
@@ -676,7 +732,7 @@ impl Model for FencingModel {
             }
             Action::Submit { worker, proxy } => self.submit(&mut s, worker, proxy),
             Action::Retry { worker, proxy } => {
-                s.workers[worker as usize].retries_left -= 1;
+                s.retries_left -= 1;
                 self.submit(&mut s, worker, proxy);
             }
             Action::Complete(w) => {
@@ -739,6 +795,9 @@ impl Model for FencingModel {
                     reply: Reply::UpstreamTimeout,
                 });
             }
+        }
+        if self.symmetry {
+            s.rename_workers_canonically();
         }
         Some(s)
     }

@@ -12,7 +12,7 @@
 use crate::lock::{GrantId, Token};
 
 /// Where a worker is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Phase {
     Idle,
     /// PostgreSQL: `nextval` returned `token`; the acquire statement has not run yet.
@@ -62,12 +62,10 @@ impl Phase {
 }
 
 /// One worker: the account it works for, where it is, and what it may still do.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Worker {
     pub account: u8,
     pub phase: Phase,
     /// Acquire attempts left (PostgreSQL: draws; etcd and the per-row variant: grants).
     pub acquires_left: u8,
-    /// Retries of a submit left.
-    pub retries_left: u8,
 }

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release -p railguard-model -- [--backend postgres|etcd|both] [--workers N]
-//!     [--accounts N] [--acquires N] [--payments N] [--retries N] [--proxies N] [--lossy]
+//!     [--accounts N] [--acquires N] [--grants N] [--payments N] [--retries N] [--proxies N] [--lossy]
 //!     [--variant NAME|all] [--threads N]
 //! ```
 //!
@@ -45,8 +45,9 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
             workers: 3,
             accounts: 1,
             acquires_per_worker: 2,
+            max_grants: 4,
             payments_per_account: 2,
-            retries_per_worker: 1,
+            retries: 1,
             proxies: 1,
             lossy: true,
         },
@@ -73,8 +74,9 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
             "--workers" => b.workers = number(args.next(), &flag)?,
             "--accounts" => b.accounts = number(args.next(), &flag)?,
             "--acquires" => b.acquires_per_worker = number(args.next(), &flag)?,
+            "--grants" => b.max_grants = number(args.next(), &flag)?,
             "--payments" => b.payments_per_account = number(args.next(), &flag)?,
-            "--retries" => b.retries_per_worker = number(args.next(), &flag)?,
+            "--retries" => b.retries = number(args.next(), &flag)?,
             "--proxies" => b.proxies = number(args.next(), &flag)?,
             "--lossy" => b.lossy = true,
             "--no-loss" => b.lossy = false,
