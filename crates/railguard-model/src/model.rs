@@ -40,6 +40,71 @@ pub struct Bounds {
     pub lossy: bool,
 }
 
+impl Bounds {
+    /// Where every variant is caught: two workers of one account, one grant each, two
+    /// payments, one retry. Small enough to explore completely without the variant too.
+    pub const VARIANTS: Bounds = Bounds {
+        workers: 2,
+        accounts: 1,
+        acquires_per_worker: 1,
+        max_grants: 2,
+        payments_per_account: 2,
+        retries: 1,
+        proxies: 1,
+        lossy: false,
+    };
+
+    /// CI's check of the protocol as designed: three workers contending for one account, a
+    /// retry, a lossy network.
+    pub const THREE_WORKERS: Bounds = Bounds {
+        workers: 3,
+        accounts: 1,
+        acquires_per_worker: 1,
+        max_grants: 3,
+        payments_per_account: 2,
+        retries: 1,
+        proxies: 1,
+        lossy: true,
+    };
+
+    /// CI's check with workers that acquire again after they released or lost their grant.
+    pub const REACQUIRE: Bounds = Bounds {
+        workers: 2,
+        accounts: 1,
+        acquires_per_worker: 2,
+        max_grants: 3,
+        payments_per_account: 2,
+        retries: 0,
+        proxies: 1,
+        lossy: false,
+    };
+
+    /// CI's check with two accounts (two keys: tokens jump by the other key's grants).
+    pub const TWO_ACCOUNTS: Bounds = Bounds {
+        workers: 3,
+        accounts: 2,
+        acquires_per_worker: 1,
+        max_grants: 3,
+        payments_per_account: 1,
+        retries: 1,
+        proxies: 1,
+        lossy: false,
+    };
+
+    /// Bigger than CI can afford, explored by the ignored test (and the binary) in a release
+    /// build: three workers that may each acquire twice, three grants in all, a retry.
+    pub const LARGE: Bounds = Bounds {
+        workers: 3,
+        accounts: 1,
+        acquires_per_worker: 2,
+        max_grants: 3,
+        payments_per_account: 2,
+        retries: 1,
+        proxies: 1,
+        lossy: false,
+    };
+}
+
 impl fmt::Display for Bounds {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

@@ -4,8 +4,10 @@
 //! ```text
 //! cargo run --release -p railguard-model -- [--backend postgres|etcd|both] [--workers N]
 //!     [--accounts N] [--acquires N] [--grants N] [--payments N] [--retries N] [--proxies N] [--lossy]
-//!     [--variant NAME|all] [--threads N]
+//!     [--variant NAME|all] [--threads N] [--no-symmetry]
 //! ```
+//!
+//! The protocol as designed is explored up to a renaming of workers unless `--no-symmetry`.
 //!
 //! Without `--variant` it checks the protocol as designed and fails (exit 1) on any
 //! violation or unreached `sometimes`; `--variant all` checks every variant at the given
@@ -36,6 +38,7 @@ struct Args {
     bounds: Bounds,
     variants: Vec<Variant>,
     threads: usize,
+    symmetry: bool,
 }
 
 fn parse(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
@@ -53,6 +56,7 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
         },
         variants: Vec::new(),
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        symmetry: true,
     };
     let number = |value: Option<String>, flag: &str| -> Result<u8, String> {
         value
@@ -79,6 +83,7 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
             "--retries" => b.retries = number(args.next(), &flag)?,
             "--proxies" => b.proxies = number(args.next(), &flag)?,
             "--lossy" => b.lossy = true,
+            "--no-symmetry" => parsed.symmetry = false,
             "--no-loss" => b.lossy = false,
             "--threads" => parsed.threads = number(args.next(), &flag)?.into(),
             "--variant" => {
@@ -111,11 +116,11 @@ fn main() -> ExitCode {
     let mut failed = false;
     if args.variants.is_empty() {
         for backend in args.backends {
-            let outcome = run(
-                FencingModel::correct(backend, args.bounds),
-                args.threads,
-                None,
-            );
+            let mut model = FencingModel::correct(backend, args.bounds);
+            if args.symmetry {
+                model = model.with_symmetry();
+            }
+            let outcome = run(model, args.threads, None);
             println!("{}", outcome.summary());
             for name in outcome.violations() {
                 failed = true;
