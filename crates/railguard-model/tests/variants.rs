@@ -17,8 +17,11 @@ fn assert_caught(variant: Variant) {
     let trace = outcome.trace(broken).unwrap_or_else(|| {
         panic!("variant `{variant}` was not caught: no counterexample to {broken}")
     });
-    println!("breaks: {:?}", outcome.violations());
     println!("shortest counterexample to {broken}:\n{trace}");
+    for other in outcome.violations().into_iter().filter(|p| *p != broken) {
+        let trace = outcome.trace(other).expect("a violation has a trace");
+        println!("also breaks {other}; shortest counterexample:\n{trace}");
+    }
 
     let baseline = run(FencingModel::correct(variant.backend(), bounds), 1, None);
     assert!(
