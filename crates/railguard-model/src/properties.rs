@@ -1,6 +1,6 @@
 //! What must always hold, and what must be reachable for the model to mean anything.
 //!
-//! The `always` properties judge the system by its ground truth: the lock service's ledger of
+//! The `always` properties (INV-05 split in two: at the rail, at paydb) judge the system by its ground truth: the lock service's ledger of
 //! grants (in the order they were made), the rail's arrivals (each with the grant that really
 //! sent it) and paydb's record of the grant that wrote each row last. A token is only what a
 //! request *says*; these properties ask what actually happened.
@@ -16,8 +16,10 @@ use crate::paydb::PaymentState;
 
 pub const INV_02: &str = "INV-02 the rail never receives the same payment twice";
 pub const INV_04: &str = "INV-04 tokens for a key strictly increase across grants";
-pub const INV_05: &str =
-    "INV-05 no request or paydb write of a superseded grant lands after a newer grant's";
+pub const INV_05_RAIL: &str =
+    "INV-05 (rail) no request of a superseded grant is recorded by the rail after a newer grant's";
+pub const INV_05_PAYDB: &str =
+    "INV-05 (paydb) no fenced UPDATE of a superseded grant matches after a newer grant's";
 pub const INV_06: &str = "INV-06 at most one unexpired grant per key (lock service's view)";
 pub const EQUAL_TOKEN_SAME_GRANT: &str = "equal token => same grant";
 
@@ -52,8 +54,11 @@ pub fn all() -> Vec<Property<FencingModel>> {
         Property::always(INV_04, |m, s: &ProtocolState| {
             m.judge(INV_04, tokens_strictly_increase(s))
         }),
-        Property::always(INV_05, |m, s: &ProtocolState| {
-            m.judge(INV_05, no_superseded_write_after_newer(s))
+        Property::always(INV_05_RAIL, |m, s: &ProtocolState| {
+            m.judge(INV_05_RAIL, rail_in_grant_order(s))
+        }),
+        Property::always(INV_05_PAYDB, |m, s: &ProtocolState| {
+            m.judge(INV_05_PAYDB, !s.seen.stale_paydb_write)
         }),
         Property::always(INV_06, |m, s: &ProtocolState| {
             m.judge(INV_06, one_live_grant_per_key(s))
@@ -101,17 +106,17 @@ fn tokens_strictly_increase(s: &ProtocolState) -> bool {
     })
 }
 
-/// INV-05: per account, the grants of the rail's arrivals never go back to an older grant,
-/// and no paydb UPDATE of a grant matched after a newer grant had written the row.
-fn no_superseded_write_after_newer(s: &ProtocolState) -> bool {
+/// INV-05 at the rail: per account, the grants of the rail's arrivals never go back to an
+/// older grant. (At paydb: no UPDATE of a grant matched after a newer grant had written the
+/// row, which [`Observations::stale_paydb_write`] records.)
+fn rail_in_grant_order(s: &ProtocolState) -> bool {
     let arrivals = &s.rail.arrivals;
-    let rail_in_grant_order = arrivals.iter().enumerate().all(|(i, a)| {
+    arrivals.iter().enumerate().all(|(i, a)| {
         arrivals[..i]
             .iter()
             .filter(|earlier| earlier.account == a.account)
             .all(|earlier| earlier.grant <= a.grant)
-    });
-    rail_in_grant_order && !s.seen.stale_paydb_write
+    })
 }
 
 /// INV-06: per key, at most one grant is live in the lock service's ledger.

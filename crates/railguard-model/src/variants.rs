@@ -104,10 +104,10 @@ impl Variant {
             Variant::LeaseIdToken => p::INV_04,
             Variant::WallClockToken => p::INV_04,
             Variant::NoTakeoverTokenGuard => p::INV_04,
-            Variant::NoForwardOrder => p::INV_05,
-            Variant::TurnReleasedOnSend => p::INV_05,
-            Variant::TurnReleasedOnUpstreamTimeout => p::INV_05,
-            Variant::TwoProxiesNoRouting => p::INV_05,
+            Variant::NoForwardOrder => p::INV_05_RAIL,
+            Variant::TurnReleasedOnSend => p::INV_05_RAIL,
+            Variant::TurnReleasedOnUpstreamTimeout => p::INV_05_RAIL,
+            Variant::TwoProxiesNoRouting => p::INV_05_RAIL,
             Variant::NoIdempotencyKeys => p::INV_02,
         }
     }
