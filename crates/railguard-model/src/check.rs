@@ -25,8 +25,6 @@ pub struct Outcome {
     /// Every property with a discovery: a counterexample for an `always`, an example for a
     /// `sometimes`.
     pub discoveries: BTreeMap<&'static str, Path<ProtocolState, Action>>,
-    /// The search ended because the state space was exhausted (not stopped at a discovery).
-    pub exhausted: bool,
 }
 
 /// Explores `model` breadth-first, on `threads` threads; stops early once `stop_at` (a
@@ -40,14 +38,12 @@ pub fn run(model: FencingModel, threads: usize, stop_at: Option<&'static str>) -
     }
     let checker = builder.spawn_bfs().join();
     let discoveries: BTreeMap<_, _> = checker.discoveries().into_iter().collect();
-    let exhausted = stop_at.is_none_or(|name| !discoveries.contains_key(name));
     Outcome {
         model,
         unique_states: checker.unique_state_count(),
         max_depth: checker.max_depth(),
         elapsed: started.elapsed(),
         discoveries,
-        exhausted,
     }
 }
 
@@ -76,9 +72,7 @@ impl Outcome {
 
     /// The trace of `property`'s discovery, rendered, if there is one.
     pub fn trace(&self, property: &str) -> Option<String> {
-        self.discoveries
-            .get(property)
-            .map(|path| render(&self.model, path))
+        self.discoveries.get(property).map(render)
     }
 
     /// One line: what was checked and how big it was.
@@ -98,7 +92,7 @@ impl Outcome {
 }
 
 /// A path as numbered steps, each with what it changed that matters.
-pub fn render(_model: &FencingModel, path: &Path<ProtocolState, Action>) -> String {
+pub fn render(path: &Path<ProtocolState, Action>) -> String {
     let steps = path.clone().into_vec();
     let mut out = String::new();
     for (i, window) in steps.windows(2).enumerate() {
