@@ -85,3 +85,17 @@ fn two_proxies_without_routing_break_inv05() {
 fn no_idempotency_keys_breaks_inv02() {
     assert_caught(Variant::NoIdempotencyKeys);
 }
+
+/// Exploring up to a renaming of workers (as the protocol-as-designed tests do) hides no
+/// violation: every variant is still caught with symmetry on.
+#[test]
+fn symmetry_hides_no_violation() {
+    for variant in Variant::ALL {
+        let model = FencingModel::with_variant(variant, Bounds::VARIANTS).with_symmetry();
+        let outcome = run(model, 1, Some(variant.breaks()));
+        assert!(
+            outcome.discoveries.contains_key(variant.breaks()),
+            "with symmetry, `{variant}` is not caught"
+        );
+    }
+}

@@ -3,15 +3,15 @@
 //!
 //! ```text
 //! cargo run --release -p railguard-model -- [--backend postgres|etcd|both] [--workers N]
-//!     [--accounts N] [--acquires N] [--grants N] [--payments N] [--retries N] [--proxies N] [--lossy]
-//!     [--variant NAME|all] [--threads N] [--no-symmetry]
+//!     [--accounts N] [--acquires N] [--grants N] [--payments N] [--retries N]
+//!     [--proxies N] [--lossy | --no-loss] [--variant NAME|all] [--threads N] [--no-symmetry]
 //! ```
 //!
-//! The protocol as designed is explored up to a renaming of workers unless `--no-symmetry`.
-//!
-//! Without `--variant` it checks the protocol as designed and fails (exit 1) on any
-//! violation or unreached `sometimes`; `--variant all` checks every variant at the given
-//! bounds and fails if one is not caught. Variant names are the `Variant` names in kebab case
+//! The bounds start from `Bounds::THREE_WORKERS` (CI's) and each flag changes one of them.
+//! Without `--variant` it checks the protocol as designed, up to a renaming of workers unless
+//! `--no-symmetry`, and fails (exit 1) on any violation or unreached `sometimes`;
+//! `--variant all` checks every variant at the given bounds (breadth-first, one thread) and
+//! fails if one is not caught. Variant names are the `Variant` names in kebab case
 //! (`reread-token-at-write`, `no-forward-order`, …).
 
 use std::process::ExitCode;
@@ -44,16 +44,7 @@ struct Args {
 fn parse(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
     let mut parsed = Args {
         backends: vec![Backend::Postgres, Backend::Etcd],
-        bounds: Bounds {
-            workers: 3,
-            accounts: 1,
-            acquires_per_worker: 2,
-            max_grants: 4,
-            payments_per_account: 2,
-            retries: 1,
-            proxies: 1,
-            lossy: true,
-        },
+        bounds: Bounds::THREE_WORKERS,
         variants: Vec::new(),
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         symmetry: true,
