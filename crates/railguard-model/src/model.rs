@@ -1,0 +1,873 @@
+//! The [`stateright::Model`]: the whole system's state, the actions that may happen next in
+//! it, and what each one does.
+//!
+//! Every action is one atomic step of one component: a worker's step, a lock service event
+//! (a lease expiring, etcd deleting an expired key, the wall clock stepping back), the network
+//! delivering or dropping one message, or a proxy taking the next step of one request. The
+//! checker tries every order of them.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use stateright::{Model, Property};
+
+use crate::Backend;
+use crate::lock::{GrantId, Key, LockService, Token};
+use crate::network::{Arrival, Msg, Network, Rail, Reply};
+use crate::paydb::{FencedWrite, PayDb, PaymentState};
+use crate::properties::{self, Observations};
+use crate::proxy::{Checked, Fence, FenceRules, Stage, Started, Task};
+use crate::variants::Variant;
+use crate::worker::{Phase, Worker};
+
+/// How big the system is: what keeps the state space finite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Bounds {
+    pub workers: u8,
+    /// Worker `w` works for account `w % accounts`; account `a`'s lock key is `a`.
+    pub accounts: u8,
+    /// Acquire attempts per worker (PostgreSQL: `nextval` draws; etcd: grants).
+    pub acquires_per_worker: u8,
+    /// Grants in the whole run (an acquire that would make one more does not happen).
+    pub max_grants: u8,
+    pub payments_per_account: u8,
+    /// Submits repeated after giving up waiting for an answer, by all workers together.
+    pub retries: u8,
+    /// Proxy processes; a submit goes to the account's proxy (`account % proxies`).
+    pub proxies: u8,
+    /// Whether the network may drop messages (it always delays and reorders them).
+    pub lossy: bool,
+}
+
+impl Bounds {
+    /// Where every variant is caught: two workers of one account, one grant each, two
+    /// payments, one retry. Small enough to explore completely without the variant too.
+    pub const VARIANTS: Bounds = Bounds {
+        workers: 2,
+        accounts: 1,
+        acquires_per_worker: 1,
+        max_grants: 2,
+        payments_per_account: 2,
+        retries: 1,
+        proxies: 1,
+        lossy: false,
+    };
+
+    /// CI's check of the protocol as designed: three workers contending for one account, a
+    /// retry, a lossy network.
+    pub const THREE_WORKERS: Bounds = Bounds {
+        workers: 3,
+        accounts: 1,
+        acquires_per_worker: 1,
+        max_grants: 3,
+        payments_per_account: 2,
+        retries: 1,
+        proxies: 1,
+        lossy: true,
+    };
+
+    /// CI's check with workers that acquire again after they released or lost their grant.
+    pub const REACQUIRE: Bounds = Bounds {
+        workers: 2,
+        accounts: 1,
+        acquires_per_worker: 2,
+        max_grants: 3,
+        payments_per_account: 2,
+        retries: 0,
+        proxies: 1,
+        lossy: false,
+    };
+
+    /// CI's check with two accounts (two keys: tokens jump by the other key's grants).
+    pub const TWO_ACCOUNTS: Bounds = Bounds {
+        workers: 3,
+        accounts: 2,
+        acquires_per_worker: 1,
+        max_grants: 3,
+        payments_per_account: 1,
+        retries: 1,
+        proxies: 1,
+        lossy: false,
+    };
+
+    /// Bigger than CI can afford, explored by the ignored test (and the binary) in a release
+    /// build: three workers that may each acquire twice, three grants in all, a retry.
+    pub const LARGE: Bounds = Bounds {
+        workers: 3,
+        accounts: 1,
+        acquires_per_worker: 2,
+        max_grants: 3,
+        payments_per_account: 2,
+        retries: 1,
+        proxies: 1,
+        lossy: false,
+    };
+}
+
+impl fmt::Display for Bounds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} workers, {} account(s), {} acquire(s) per worker, {} grants in all, \
+             {} payment(s) per account, {} retr{} in all, {} prox{}, {} network",
+            self.workers,
+            self.accounts,
+            self.acquires_per_worker,
+            self.max_grants,
+            self.payments_per_account,
+            self.retries,
+            if self.retries == 1 { "y" } else { "ies" },
+            self.proxies,
+            if self.proxies == 1 { "y" } else { "ies" },
+            if self.lossy {
+                "lossy, reordering"
+            } else {
+                "reordering"
+            }
+        )
+    }
+}
+
+/// The protocol at some size, as designed or with one [`Variant`].
+#[derive(Debug, Clone)]
+pub struct FencingModel {
+    pub backend: Backend,
+    pub variant: Option<Variant>,
+    pub bounds: Bounds,
+    /// Workers are interchangeable: states that differ only by a renaming of workers (of the
+    /// same account) are explored once. Off when a trace is to be read.
+    pub symmetry: bool,
+    /// The `always` properties already reported violated in this run: each is reported once,
+    /// at the first violating state the search visits. stateright would otherwise replace a
+    /// discovery with every later one, and breadth-first order's first is a shortest.
+    reported: Arc<Mutex<BTreeSet<&'static str>>>,
+}
+
+/// The whole system at one moment.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ProtocolState {
+    pub lock: LockService,
+    pub workers: Vec<Worker>,
+    pub paydb: PayDb,
+    pub fence: Fence,
+    pub network: Network,
+    pub rail: Rail,
+    pub seen: Observations,
+    /// Retries the workers may still make.
+    pub retries_left: u8,
+}
+
+/// One step.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// PostgreSQL: the worker's acquire draws `nextval`.
+    Draw(u8),
+    /// PostgreSQL: the acquire statement runs with the drawn token.
+    Lock(u8),
+    /// etcd (or the per-row-version variant): the acquire, one transaction.
+    Acquire(u8),
+    Expire(GrantId),
+    /// etcd deletes the key of an expired lease.
+    Reap(Key),
+    ClockStepsBack,
+    /// A renewal answers "lost": the worker stops.
+    NoticeLost(u8),
+    Claim {
+        worker: u8,
+        payment: u8,
+    },
+    Submit {
+        worker: u8,
+        proxy: u8,
+    },
+    Retry {
+        worker: u8,
+        proxy: u8,
+    },
+    Complete(u8),
+    Release(u8),
+    Deliver(Msg),
+    Drop(Msg),
+    /// A proxy asks for the request's turn, looks at the mark once more, and forwards.
+    Start(Task),
+    /// A proxy stops waiting for the rail's answer (504).
+    GiveUp(Task),
+}
+
+fn worker_name(w: u8) -> String {
+    format!("W{}", w + 1)
+}
+
+fn account_name(a: u8) -> char {
+    (b'A' + a) as char
+}
+
+impl fmt::Display for Msg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Msg::Submit {
+                worker,
+                proxy,
+                account,
+                token,
+                grant,
+                payment,
+            } => write!(
+                f,
+                "submit {}→P{}: account {} payment {} token {} (grant g{})",
+                worker_name(worker),
+                proxy + 1,
+                account_name(account),
+                payment + 1,
+                token,
+                grant + 1
+            ),
+            Msg::Forward {
+                proxy,
+                account,
+                token,
+                grant,
+                payment,
+            } => write!(
+                f,
+                "forward P{}→rail: account {} payment {} token {} (grant g{})",
+                proxy + 1,
+                account_name(account),
+                payment + 1,
+                token,
+                grant + 1
+            ),
+            Msg::RailAnswer {
+                proxy,
+                account,
+                token,
+                payment,
+                ..
+            } => write!(
+                f,
+                "rail answer →P{}: account {} payment {} token {} paid",
+                proxy + 1,
+                account_name(account),
+                payment + 1,
+                token
+            ),
+            Msg::Reply {
+                worker,
+                payment,
+                reply,
+                ..
+            } => write!(
+                f,
+                "reply →{}: payment {} {}",
+                worker_name(worker),
+                payment + 1,
+                match reply {
+                    Reply::Paid => "200 paid",
+                    Reply::FencedOut => "409 fenced_out",
+                    Reply::InFlight => "409 in_flight",
+                    Reply::UpstreamTimeout => "504 upstream timeout",
+                }
+            ),
+        }
+    }
+}
+
+impl fmt::Display for Task {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "P{}'s request of {} (account {} payment {} token {}, grant g{})",
+            self.proxy + 1,
+            worker_name(self.worker),
+            account_name(self.account),
+            self.payment + 1,
+            self.token,
+            self.grant + 1
+        )
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Action::Draw(w) => write!(f, "{} draws nextval('fencing_token_seq')", worker_name(*w)),
+            Action::Lock(w) => write!(f, "{} runs the acquire statement", worker_name(*w)),
+            Action::Acquire(w) => write!(f, "{} acquires", worker_name(*w)),
+            Action::Expire(g) => write!(f, "the lease of g{} expires", g + 1),
+            Action::Reap(k) => write!(f, "etcd deletes account {}'s expired key", account_name(*k)),
+            Action::ClockStepsBack => write!(f, "the wall clock steps back (NTP)"),
+            Action::NoticeLost(w) => write!(f, "{}'s renewal answers lost", worker_name(*w)),
+            Action::Claim { worker, payment } => write!(
+                f,
+                "{} claims payment {} (paydb fenced UPDATE)",
+                worker_name(*worker),
+                payment + 1
+            ),
+            Action::Submit { worker, proxy } => {
+                write!(f, "{} submits through P{}", worker_name(*worker), proxy + 1)
+            }
+            Action::Retry { worker, proxy } => write!(
+                f,
+                "{} times out and retries through P{}",
+                worker_name(*worker),
+                proxy + 1
+            ),
+            Action::Complete(w) => write!(
+                f,
+                "{} completes the payment (paydb fenced UPDATE)",
+                worker_name(*w)
+            ),
+            Action::Release(w) => write!(f, "{} releases", worker_name(*w)),
+            Action::Deliver(m) => write!(f, "deliver {m}"),
+            Action::Drop(m) => write!(f, "lose {m}"),
+            Action::Start(t) => write!(f, "start {t}: turn, last look, forward"),
+            Action::GiveUp(t) => write!(f, "give up waiting for the rail: {t}"),
+        }
+    }
+}
+
+impl FencingModel {
+    /// The protocol as designed.
+    pub fn correct(backend: Backend, bounds: Bounds) -> Self {
+        Self {
+            backend,
+            variant: None,
+            bounds,
+            symmetry: false,
+            reported: Arc::default(),
+        }
+    }
+
+    /// The protocol with one variant, on the backend the variant concerns.
+    pub fn with_variant(variant: Variant, bounds: Bounds) -> Self {
+        let bounds = if variant == Variant::TwoProxiesNoRouting {
+            Bounds {
+                proxies: bounds.proxies.max(2),
+                ..bounds
+            }
+        } else {
+            bounds
+        };
+        Self {
+            backend: variant.backend(),
+            variant: Some(variant),
+            bounds,
+            symmetry: false,
+            reported: Arc::default(),
+        }
+    }
+
+    /// The same model, exploring states up to a renaming of workers.
+    pub fn with_symmetry(self) -> Self {
+        Self {
+            symmetry: true,
+            ..self
+        }
+    }
+
+    /// The same model, with no violation reported yet: for a new run of the checker.
+    pub(crate) fn for_new_run(self) -> Self {
+        Self {
+            reported: Arc::default(),
+            ..self
+        }
+    }
+
+    /// The verdict of `always` property `name` on a state where its condition is `holds`:
+    /// false only for the first violating state of the run (see `reported`).
+    pub fn judge(&self, name: &'static str, holds: bool) -> bool {
+        holds
+            || !self
+                .reported
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(name)
+    }
+
+    fn is(&self, variant: Variant) -> bool {
+        self.variant == Some(variant)
+    }
+
+    fn rules(&self) -> FenceRules {
+        FenceRules {
+            ordering: !self.is(Variant::NoForwardOrder),
+            turn_until_answer: !self.is(Variant::TurnReleasedOnSend),
+            idempotency: !self.is(Variant::NoIdempotencyKeys),
+        }
+    }
+
+    /// PostgreSQL with `nextval` drawn before the row lock (every PostgreSQL model but the
+    /// per-row-version variant).
+    fn draws(&self) -> bool {
+        self.backend == Backend::Postgres && !self.is(Variant::PerRowVersionToken)
+    }
+
+    /// The proxies `account`'s submits may go to.
+    fn proxies_for(&self, account: u8) -> std::ops::Range<u8> {
+        if self.is(Variant::TwoProxiesNoRouting) {
+            0..self.bounds.proxies
+        } else {
+            let p = account % self.bounds.proxies;
+            p..p + 1
+        }
+    }
+
+    /// The token a worker presents when it writes: its grant's, or under the §A2.3 trap the
+    /// key's token now.
+    fn presented(&self, s: &ProtocolState, account: u8, own: Token) -> Token {
+        if self.is(Variant::RereadTokenAtWrite) {
+            s.lock.current_token(account).unwrap_or(own)
+        } else {
+            own
+        }
+    }
+
+    /// The proxy refused a request of `grant`: note the fencing, and T-042 if a newer grant
+    /// of the account has already reached the rail.
+    fn fenced_at_proxy(s: &mut ProtocolState, account: u8, grant: GrantId) {
+        s.seen.fenced_at_proxy = true;
+        if s.rail
+            .arrivals
+            .iter()
+            .any(|a| a.account == account && a.grant > grant)
+        {
+            s.seen.t042 = true;
+        }
+    }
+
+    fn paydb_write(
+        &self,
+        s: &mut ProtocolState,
+        worker: u8,
+        grant: GrantId,
+        token: Token,
+        payment: u8,
+        to: PaymentState,
+    ) -> bool {
+        let account = s.workers[worker as usize].account;
+        let presented = self.presented(s, account, token);
+        match s
+            .paydb
+            .fenced_update(account, presented, grant, payment, to)
+        {
+            FencedWrite::FencedOut => {
+                s.seen.fenced_at_paydb = true;
+                s.workers[worker as usize].phase = Phase::Idle;
+                false
+            }
+            FencedWrite::Updated {
+                stale,
+                token_shared,
+            } => {
+                s.seen.stale_paydb_write |= stale;
+                s.seen.paydb_token_shared |= token_shared;
+                true
+            }
+        }
+    }
+
+    fn worker_actions(&self, s: &ProtocolState, w: u8, actions: &mut Vec<Action>) {
+        let worker = &s.workers[w as usize];
+        if let Some((grant, _)) = worker.phase.grant()
+            && !s.lock.is_live(grant)
+            && !matches!(worker.phase, Phase::Completed { .. })
+            && worker.acquires_left > 0
+        {
+            // A worker that can acquire no more and stops is the same, for every property,
+            // as one that pauses for ever: only one that may acquire again needs this step.
+            actions.push(Action::NoticeLost(w));
+        }
+        match worker.phase {
+            Phase::Idle if worker.acquires_left > 0 => {
+                let room = s.lock.grants.len() < self.bounds.max_grants as usize;
+                if self.draws() {
+                    actions.push(Action::Draw(w));
+                } else if room && !s.lock.is_held(worker.account) {
+                    actions.push(Action::Acquire(w));
+                }
+            }
+            Phase::Idle => {}
+            Phase::Drawn { .. } => {
+                if s.lock.grants.len() < self.bounds.max_grants as usize {
+                    actions.push(Action::Lock(w));
+                }
+            }
+            Phase::Holding { .. } => {
+                let claimable = s.paydb.claimable(worker.account);
+                if claimable.is_empty() {
+                    actions.push(Action::Release(w));
+                }
+                for payment in claimable {
+                    actions.push(Action::Claim { worker: w, payment });
+                }
+            }
+            Phase::Claimed { .. } => {
+                for proxy in self.proxies_for(worker.account) {
+                    actions.push(Action::Submit { worker: w, proxy });
+                }
+            }
+            Phase::Awaiting { .. } if s.retries_left > 0 => {
+                for proxy in self.proxies_for(worker.account) {
+                    actions.push(Action::Retry { worker: w, proxy });
+                }
+            }
+            Phase::Awaiting { .. } => {}
+            Phase::Paid { .. } => actions.push(Action::Complete(w)),
+            Phase::Completed { .. } => actions.push(Action::Release(w)),
+        }
+    }
+
+    fn submit(&self, s: &mut ProtocolState, w: u8, proxy: u8) {
+        let worker = &s.workers[w as usize];
+        let (Phase::Claimed {
+            grant,
+            token,
+            payment,
+        }
+        | Phase::Awaiting {
+            grant,
+            token,
+            payment,
+        }) = worker.phase
+        else {
+            unreachable!("only a claimed payment is submitted")
+        };
+        let account = worker.account;
+        let presented = self.presented(s, account, token);
+        s.network.send(Msg::Submit {
+            worker: w,
+            proxy,
+            account,
+            token: presented,
+            grant,
+            payment,
+        });
+        s.workers[w as usize].phase = Phase::Awaiting {
+            grant,
+            token,
+            payment,
+        };
+    }
+
+    fn deliver(&self, s: &mut ProtocolState, msg: Msg) {
+        let rules = self.rules();
+        match msg {
+            Msg::Submit {
+                worker,
+                proxy,
+                account,
+                token,
+                grant,
+                payment,
+            } => {
+                let reply = match s
+                    .fence
+                    .check(rules, proxy, account, token, grant, payment, worker)
+                {
+                    Checked::Accepted => None,
+                    Checked::FencedOut => {
+                        Self::fenced_at_proxy(s, account, grant);
+                        Some(Reply::FencedOut)
+                    }
+                    Checked::Answered(reply) => Some(reply),
+                };
+                if let Some(reply) = reply {
+                    s.network.send(Msg::Reply {
+                        worker,
+                        grant,
+                        payment,
+                        reply,
+                    });
+                }
+            }
+            Msg::Forward {
+                proxy,
+                account,
+                token,
+                grant,
+                payment,
+            } => {
+                s.rail.arrivals.push(Arrival {
+                    account,
+                    payment,
+                    token,
+                    grant,
+                });
+                s.network.send(Msg::RailAnswer {
+                    proxy,
+                    account,
+                    token,
+                    grant,
+                    payment,
+                });
+            }
+            Msg::RailAnswer {
+                proxy,
+                account,
+                token,
+                grant,
+                payment,
+            } => {
+                let task = Task {
+                    proxy,
+                    account,
+                    token,
+                    grant,
+                    payment,
+                    worker: s.lock.grants[grant as usize].worker,
+                    stage: Stage::Forwarded,
+                };
+                if let Some(task) = s.fence.answered(rules, &task) {
+                    s.network.send(Msg::Reply {
+                        worker: task.worker,
+                        grant,
+                        payment,
+                        reply: Reply::Paid,
+                    });
+                }
+            }
+            Msg::Reply {
+                worker,
+                grant,
+                payment,
+                reply,
+            } => {
+                let w = &mut s.workers[worker as usize];
+                if let Phase::Awaiting {
+                    grant: g,
+                    token,
+                    payment: p,
+                } = w.phase
+                    && (g, p) == (grant, payment)
+                {
+                    w.phase = match reply {
+                        Reply::Paid => Phase::Paid {
+                            grant,
+                            token,
+                            payment,
+                        },
+                        Reply::FencedOut | Reply::InFlight | Reply::UpstreamTimeout => Phase::Idle,
+                    };
+                }
+            }
+        }
+    }
+}
+
+impl ProtocolState {
+    /// Renames workers so that they are in sorted order of their own state (workers of one
+    /// account are interchangeable; grants, messages and requests name workers by number and
+    /// are renamed with them). Two states that differ only by such a renaming become one.
+    fn rename_workers_canonically(&mut self) {
+        let mut order: Vec<u8> = (0..self.workers.len() as u8).collect();
+        order.sort_by(|a, b| self.workers[*a as usize].cmp(&self.workers[*b as usize]));
+        if order.iter().enumerate().all(|(i, w)| i as u8 == *w) {
+            return;
+        }
+        let mut renamed = vec![0u8; order.len()];
+        for (new, old) in order.iter().enumerate() {
+            renamed[*old as usize] = new as u8;
+        }
+        self.workers = order
+            .iter()
+            .map(|old| self.workers[*old as usize].clone())
+            .collect();
+        for grant in &mut self.lock.grants {
+            grant.worker = renamed[grant.worker as usize];
+        }
+        for task in &mut self.fence.tasks {
+            task.worker = renamed[task.worker as usize];
+        }
+        self.fence.tasks.sort();
+        for msg in &mut self.network.in_flight {
+            if let Msg::Submit { worker, .. } | Msg::Reply { worker, .. } = msg {
+                *worker = renamed[*worker as usize];
+            }
+        }
+        self.network.in_flight.sort();
+    }
+}
+
+impl Model for FencingModel {
+    type State = ProtocolState;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<ProtocolState> {
+        let b = self.bounds;
+        vec![ProtocolState {
+            lock: LockService::new(self.backend, b.accounts),
+            workers: (0..b.workers)
+                .map(|w| Worker {
+                    account: w % b.accounts,
+                    phase: Phase::Idle,
+                    acquires_left: b.acquires_per_worker,
+                })
+                .collect(),
+            paydb: PayDb::new(b.accounts, b.payments_per_account),
+            fence: Fence::new(b.proxies, b.accounts, b.payments_per_account),
+            network: Network::default(),
+            rail: Rail::default(),
+            seen: Observations::default(),
+            retries_left: b.retries,
+        }]
+    }
+
+    fn actions(&self, s: &ProtocolState, actions: &mut Vec<Action>) {
+        for w in 0..self.bounds.workers {
+            self.worker_actions(s, w, actions);
+        }
+        for (g, grant) in s.lock.grants.iter().enumerate() {
+            if grant.status == crate::lock::GrantStatus::Live {
+                actions.push(Action::Expire(g as GrantId));
+            }
+        }
+        for key in s.lock.reapable() {
+            actions.push(Action::Reap(key));
+        }
+        if self.is(Variant::WallClockToken) && s.lock.clock_may_step_back() {
+            actions.push(Action::ClockStepsBack);
+        }
+        let rules = self.rules();
+        for task in &s.fence.tasks {
+            if s.fence.can_start(rules, task) {
+                actions.push(Action::Start(task.clone()));
+            }
+            if task.stage == Stage::Forwarded && self.is(Variant::TurnReleasedOnUpstreamTimeout) {
+                actions.push(Action::GiveUp(task.clone()));
+            }
+        }
+        for msg in s.network.deliverable() {
+            actions.push(Action::Deliver(msg.clone()));
+            if self.bounds.lossy {
+                actions.push(Action::Drop(msg.clone()));
+            }
+        }
+    }
+
+    fn next_state(&self, last: &ProtocolState, action: Action) -> Option<ProtocolState> {
+        let mut s = last.clone();
+        match action {
+            Action::Draw(w) => {
+                let token = s.lock.draw();
+                let worker = &mut s.workers[w as usize];
+                worker.acquires_left -= 1;
+                worker.phase = Phase::Drawn { token };
+            }
+            Action::Lock(w) => {
+                let worker = &s.workers[w as usize];
+                let Phase::Drawn { token } = worker.phase else {
+                    unreachable!("only a drawn token locks")
+                };
+                let account = worker.account;
+                let granted = s.lock.pg_lock(account, w, token, self.variant);
+                s.workers[w as usize].phase = match granted {
+                    Some(grant) => Phase::Holding { grant, token },
+                    None => Phase::Idle,
+                };
+            }
+            Action::Acquire(w) => {
+                let account = s.workers[w as usize].account;
+                let granted = if self.backend == Backend::Etcd {
+                    s.lock.etcd_acquire(account, w, self.variant)
+                } else {
+                    s.lock.pg_lock_per_row_version(account, w)
+                };
+                let grant = granted.expect("acquire is offered only for a free key");
+                let token = s.lock.grants[grant as usize].token;
+                let worker = &mut s.workers[w as usize];
+                worker.acquires_left -= 1;
+                worker.phase = Phase::Holding { grant, token };
+            }
+            Action::Expire(g) => s.lock.expire(g),
+            Action::Reap(k) => s.lock.reap(k),
+            Action::ClockStepsBack => s.lock.step_clock_back(),
+            Action::NoticeLost(w) => s.workers[w as usize].phase = Phase::Idle,
+            Action::Claim { worker: w, payment } => {
+                let Phase::Holding { grant, token } = s.workers[w as usize].phase else {
+                    unreachable!("only a holder claims")
+                };
+                if self.paydb_write(&mut s, w, grant, token, payment, PaymentState::Submitting) {
+                    s.workers[w as usize].phase = Phase::Claimed {
+                        grant,
+                        token,
+                        payment,
+                    };
+                }
+            }
+            Action::Submit { worker, proxy } => self.submit(&mut s, worker, proxy),
+            Action::Retry { worker, proxy } => {
+                s.retries_left -= 1;
+                self.submit(&mut s, worker, proxy);
+            }
+            Action::Complete(w) => {
+                let Phase::Paid {
+                    grant,
+                    token,
+                    payment,
+                } = s.workers[w as usize].phase
+                else {
+                    unreachable!("only a paid payment completes")
+                };
+                if self.paydb_write(&mut s, w, grant, token, payment, PaymentState::Done) {
+                    s.workers[w as usize].phase = Phase::Completed { grant, token };
+                }
+            }
+            Action::Release(w) => {
+                let (grant, _) = s.workers[w as usize]
+                    .phase
+                    .grant()
+                    .expect("only a holder releases");
+                s.lock.release(grant, self.variant);
+                s.workers[w as usize].phase = Phase::Idle;
+            }
+            Action::Deliver(msg) => {
+                if !s.network.take(&msg) {
+                    return None;
+                }
+                self.deliver(&mut s, msg);
+            }
+            Action::Drop(msg) => {
+                if !s.network.take(&msg) {
+                    return None;
+                }
+            }
+            Action::Start(task) => match s.fence.start(self.rules(), &task) {
+                Started::FencedOut => {
+                    Self::fenced_at_proxy(&mut s, task.account, task.grant);
+                    s.network.send(Msg::Reply {
+                        worker: task.worker,
+                        grant: task.grant,
+                        payment: task.payment,
+                        reply: Reply::FencedOut,
+                    });
+                }
+                Started::Waiting => {}
+                Started::Forwarded => s.network.send(Msg::Forward {
+                    proxy: task.proxy,
+                    account: task.account,
+                    token: task.token,
+                    grant: task.grant,
+                    payment: task.payment,
+                }),
+            },
+            Action::GiveUp(task) => {
+                s.fence.give_up(self.rules(), &task);
+                s.network.send(Msg::Reply {
+                    worker: task.worker,
+                    grant: task.grant,
+                    payment: task.payment,
+                    reply: Reply::UpstreamTimeout,
+                });
+            }
+        }
+        if self.symmetry {
+            s.rename_workers_canonically();
+        }
+        Some(s)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        properties::all()
+    }
+}

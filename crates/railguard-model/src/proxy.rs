@@ -1,0 +1,291 @@
+//! The rail proxy's fencing point (`src/proxy/fence/`): one or more proxy processes sharing
+//! one PostgreSQL database.
+//!
+//! In the database: `rail_high_water` (one mark per account) and the idempotency records
+//! (C3 §3.1), written in the same commit as the compare-and-set. In each process: the mark
+//! cache (lower bounds of the marks, used only to refuse) and the per-account forwarding order
+//! (`ordering.rs`): a slot per account with the tickets alive, the highest token admitted or
+//! asking, the token whose forwards are in flight and how many there are; the slot is
+//! forgotten when its last ticket is dropped.
+//!
+//! One request goes through the steps of `fence::enforce`:
+//! 1. **check** (on arrival): refused at once if below the cached mark; otherwise it takes its
+//!    ticket and runs the compare-and-set `token >= mark ⇒ mark := token`, creating its
+//!    idempotency record in the same commit;
+//! 2. **start** (later, as its own step): `Ticket::admit` — raise the slot's highest; refused
+//!    if below it; admitted if no forward of another token is in flight, else it waits — then
+//!    the last look at the mark in the database, then the forward is sent, holding the ticket;
+//! 3. **answered**: the rail's answer drops the ticket (passing the turn on) and completes the
+//!    record. A refusal after the compare-and-set forgets the record: nothing was sent.
+
+use crate::lock::{GrantId, Token};
+use crate::network::Reply;
+
+/// An idempotency record of one (account, payment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Record {
+    Absent,
+    InFlight,
+    Completed,
+}
+
+/// One account's slot in one process's forwarding order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Slot {
+    pub tickets: u8,
+    pub highest: Token,
+    pub epoch: Token,
+    pub in_flight: u8,
+}
+
+/// What one proxy process keeps in memory.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ProxyProcess {
+    pub slots: Vec<Slot>,
+    pub cache: Vec<Token>,
+}
+
+/// Where an accepted request is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Stage {
+    /// Its compare-and-set committed; it has not asked for its turn yet.
+    Accepted,
+    /// It asked for its turn; a forward of a lower token is still in flight.
+    Waiting,
+    /// Its forward was sent; it holds its turn until the rail answers.
+    Forwarded,
+}
+
+/// A request inside a proxy, past its compare-and-set.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Task {
+    pub proxy: u8,
+    pub account: u8,
+    pub token: Token,
+    pub grant: GrantId,
+    pub payment: u8,
+    pub worker: u8,
+    pub stage: Stage,
+}
+
+/// Which of the proxy's rules are in force (the variants switch them off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FenceRules {
+    /// The per-account forwarding order.
+    pub ordering: bool,
+    /// The turn is held until the rail answers (else: passed on when the forward is sent).
+    pub turn_until_answer: bool,
+    /// Submits carry `Idempotency-Key`.
+    pub idempotency: bool,
+}
+
+/// What the check step decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Checked {
+    /// 409: below the cached mark, or the compare-and-set refused it.
+    FencedOut,
+    /// Not forwarded, answered from the idempotency record.
+    Answered(Reply),
+    Accepted,
+}
+
+/// What the start step decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Started {
+    /// A higher token was admitted meanwhile, or the last look found a higher mark: 409.
+    FencedOut,
+    Waiting,
+    Forwarded,
+}
+
+/// The proxies and their shared database.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Fence {
+    pub marks: Vec<Token>,
+    pub records: Vec<Vec<Record>>,
+    pub processes: Vec<ProxyProcess>,
+    /// Requests past their compare-and-set, sorted.
+    pub tasks: Vec<Task>,
+}
+
+impl Fence {
+    pub fn new(proxies: u8, accounts: u8, payments: u8) -> Self {
+        Self {
+            marks: vec![0; accounts as usize],
+            records: vec![vec![Record::Absent; payments as usize]; accounts as usize],
+            processes: (0..proxies)
+                .map(|_| ProxyProcess {
+                    slots: vec![Slot::default(); accounts as usize],
+                    cache: vec![0; accounts as usize],
+                })
+                .collect(),
+            tasks: Vec::new(),
+        }
+    }
+
+    fn raise_cache(&mut self, proxy: u8, account: u8, lower_bound: Token) {
+        let cached = &mut self.processes[proxy as usize].cache[account as usize];
+        *cached = (*cached).max(lower_bound);
+    }
+
+    fn slot(&mut self, proxy: u8, account: u8) -> &mut Slot {
+        &mut self.processes[proxy as usize].slots[account as usize]
+    }
+
+    /// `Drop for Ticket`: the last ticket of an account forgets its slot.
+    fn drop_ticket(&mut self, proxy: u8, account: u8, admitted: bool) {
+        let slot = self.slot(proxy, account);
+        slot.tickets -= 1;
+        if admitted {
+            slot.in_flight -= 1;
+        }
+        if slot.tickets == 0 {
+            *slot = Slot::default();
+        }
+    }
+
+    fn add_task(&mut self, task: Task) {
+        let at = self.tasks.partition_point(|t| *t < task);
+        self.tasks.insert(at, task);
+    }
+
+    fn take_task(&mut self, task: &Task) -> Option<Task> {
+        let at = self.tasks.iter().position(|t| t == task)?;
+        Some(self.tasks.remove(at))
+    }
+
+    /// Step 1: the cache, the ticket, the compare-and-set and the idempotency record.
+    #[allow(clippy::too_many_arguments)]
+    pub fn check(
+        &mut self,
+        rules: FenceRules,
+        proxy: u8,
+        account: u8,
+        token: Token,
+        grant: GrantId,
+        payment: u8,
+        worker: u8,
+    ) -> Checked {
+        if token < self.processes[proxy as usize].cache[account as usize] {
+            return Checked::FencedOut;
+        }
+        if rules.ordering {
+            self.slot(proxy, account).tickets += 1;
+        }
+        if token < self.marks[account as usize] {
+            self.raise_cache(proxy, account, token + 1);
+            if rules.ordering {
+                self.drop_ticket(proxy, account, false);
+            }
+            return Checked::FencedOut;
+        }
+        self.marks[account as usize] = token;
+        self.raise_cache(proxy, account, token);
+        if rules.idempotency {
+            let record = &mut self.records[account as usize][payment as usize];
+            let answer = match *record {
+                Record::Absent => None,
+                Record::InFlight => Some(Reply::InFlight),
+                Record::Completed => Some(Reply::Paid),
+            };
+            if let Some(answer) = answer {
+                if rules.ordering {
+                    self.drop_ticket(proxy, account, false);
+                }
+                return Checked::Answered(answer);
+            }
+            *record = Record::InFlight;
+        }
+        self.add_task(Task {
+            proxy,
+            account,
+            token,
+            grant,
+            payment,
+            worker,
+            stage: Stage::Accepted,
+        });
+        Checked::Accepted
+    }
+
+    /// Whether `task` can take its start step now (a waiting one only when it would be
+    /// admitted or refused).
+    pub fn can_start(&self, rules: FenceRules, task: &Task) -> bool {
+        match task.stage {
+            Stage::Accepted => true,
+            Stage::Forwarded => false,
+            Stage::Waiting => {
+                let slot = &self.processes[task.proxy as usize].slots[task.account as usize];
+                !rules.ordering
+                    || task.token < slot.highest
+                    || task.token == slot.epoch
+                    || slot.in_flight == 0
+            }
+        }
+    }
+
+    /// Step 2: `Ticket::admit`, the last look at the mark, and the forward.
+    pub fn start(&mut self, rules: FenceRules, task: &Task) -> Started {
+        let mut task = self.take_task(task).expect("a task to start exists");
+        let (proxy, account, token) = (task.proxy, task.account, task.token);
+        if rules.ordering {
+            let slot = self.slot(proxy, account);
+            slot.highest = slot.highest.max(token);
+            if token < slot.highest {
+                self.refuse(rules, &task, false, token + 1);
+                return Started::FencedOut;
+            }
+            if token == slot.epoch || slot.in_flight == 0 {
+                slot.epoch = token;
+                slot.in_flight += 1;
+            } else {
+                task.stage = Stage::Waiting;
+                self.add_task(task);
+                return Started::Waiting;
+            }
+        }
+        let mark = self.marks[account as usize];
+        if mark > token {
+            self.refuse(rules, &task, true, mark);
+            return Started::FencedOut;
+        }
+        if rules.ordering && !rules.turn_until_answer {
+            self.drop_ticket(proxy, account, true);
+        }
+        task.stage = Stage::Forwarded;
+        self.add_task(task);
+        Started::Forwarded
+    }
+
+    /// A refusal after the compare-and-set: nothing was sent, the record is forgotten.
+    fn refuse(&mut self, rules: FenceRules, task: &Task, admitted: bool, cache_to: Token) {
+        self.raise_cache(task.proxy, task.account, cache_to);
+        if rules.ordering {
+            self.drop_ticket(task.proxy, task.account, admitted);
+        }
+        if rules.idempotency {
+            self.records[task.account as usize][task.payment as usize] = Record::Absent;
+        }
+    }
+
+    /// Step 3: the rail's answer to `task`'s forward. `None` when nobody waits for it any more.
+    pub fn answered(&mut self, rules: FenceRules, task: &Task) -> Option<Task> {
+        let task = self.take_task(task)?;
+        if rules.ordering && rules.turn_until_answer {
+            self.drop_ticket(task.proxy, task.account, true);
+        }
+        if rules.idempotency {
+            self.records[task.account as usize][task.payment as usize] = Record::Completed;
+        }
+        Some(task)
+    }
+
+    /// The upstream timeout: the proxy stops waiting for the rail and drops its ticket; the
+    /// record stays in flight (in doubt).
+    pub fn give_up(&mut self, rules: FenceRules, task: &Task) {
+        let task = self.take_task(task).expect("a task to give up exists");
+        if rules.ordering && rules.turn_until_answer {
+            self.drop_ticket(task.proxy, task.account, true);
+        }
+    }
+}

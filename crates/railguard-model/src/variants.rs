@@ -1,0 +1,120 @@
+//! The alternatives ADR-002 rejected, and the real code's guards removed one at a time.
+//!
+//! Each variant changes exactly one rule of the model. A variant that the checker could not
+//! catch would mean either the model is too weak to see the hazard or the hazard is not real;
+//! the tests assert a counterexample exists for each, and that the same bounds pass without
+//! the variant, so that the failure is the variant's.
+
+use crate::Backend;
+
+/// One deliberate departure from the protocol as designed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// ADR-002 §A2.3: the worker re-reads "the current token" of the key (etcd: its
+    /// ModRevision now; PostgreSQL: the row's token now) when it writes to paydb or submits.
+    RereadTokenAtWrite,
+    /// etcd: the token is the key's CreateRevision; an in-place steal keeps it (§A2.5).
+    CreateRevisionToken,
+    /// PostgreSQL: a per-row version column instead of the global sequence, and release
+    /// deletes the row (§A2.5).
+    PerRowVersionToken,
+    /// etcd: the lease ID is the token; lease IDs are unique but not ordered (§A2.5).
+    LeaseIdToken,
+    /// The token is a wall-clock reading, and the clock may step back once (an NTP step).
+    WallClockToken,
+    /// PostgreSQL: the takeover condition without `e.token < EXCLUDED.token`; a draw that
+    /// stalled between `nextval` and the row lock takes the key with a lower token.
+    NoTakeoverTokenGuard,
+    /// The proxy without its per-account forwarding order: an accepted lower token's
+    /// forward may still be in the network when a higher one is sent.
+    NoForwardOrder,
+    /// The forwarding order's turn is passed on when the forward is *sent*, not when the rail
+    /// has answered.
+    TurnReleasedOnSend,
+    /// The proxy gives up waiting for the rail (504) and passes the turn on while the forward
+    /// may still be in the network — what `ordering.rs` does after an upstream timeout.
+    TurnReleasedOnUpstreamTimeout,
+    /// Two proxy processes share one database, and a worker sends each submit to either.
+    TwoProxiesNoRouting,
+    /// No `Idempotency-Key`: a retry of a payment whose answer was lost reaches the rail again.
+    NoIdempotencyKeys,
+}
+
+impl Variant {
+    /// Every variant, in the order of the docs' table.
+    pub const ALL: [Variant; 11] = [
+        Variant::RereadTokenAtWrite,
+        Variant::CreateRevisionToken,
+        Variant::PerRowVersionToken,
+        Variant::LeaseIdToken,
+        Variant::WallClockToken,
+        Variant::NoTakeoverTokenGuard,
+        Variant::NoForwardOrder,
+        Variant::TurnReleasedOnSend,
+        Variant::TurnReleasedOnUpstreamTimeout,
+        Variant::TwoProxiesNoRouting,
+        Variant::NoIdempotencyKeys,
+    ];
+
+    /// The backend whose semantics the variant changes (or the one it is checked with).
+    pub fn backend(self) -> Backend {
+        match self {
+            Variant::CreateRevisionToken
+            | Variant::LeaseIdToken
+            | Variant::WallClockToken
+            | Variant::RereadTokenAtWrite => Backend::Etcd,
+            Variant::PerRowVersionToken
+            | Variant::NoTakeoverTokenGuard
+            | Variant::NoForwardOrder
+            | Variant::TurnReleasedOnSend
+            | Variant::TurnReleasedOnUpstreamTimeout
+            | Variant::TwoProxiesNoRouting
+            | Variant::NoIdempotencyKeys => Backend::Postgres,
+        }
+    }
+
+    /// What the variant is, in one line.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Variant::RereadTokenAtWrite => "§A2.3 re-read of the token at write time",
+            Variant::CreateRevisionToken => "etcd CreateRevision as the token, in-place steal",
+            Variant::PerRowVersionToken => "per-row version column, release deletes the row",
+            Variant::LeaseIdToken => "etcd lease ID as the token",
+            Variant::WallClockToken => "wall-clock token, the clock steps back",
+            Variant::NoTakeoverTokenGuard => {
+                "PostgreSQL takeover without `e.token < EXCLUDED.token`"
+            }
+            Variant::NoForwardOrder => "proxy without its per-account forwarding order",
+            Variant::TurnReleasedOnSend => "forwarding turn passed on at send, not at the answer",
+            Variant::TurnReleasedOnUpstreamTimeout => {
+                "forwarding turn passed on after an upstream timeout (504)"
+            }
+            Variant::TwoProxiesNoRouting => "two proxies on one database, no routing by account",
+            Variant::NoIdempotencyKeys => "no idempotency keys on submits",
+        }
+    }
+
+    /// The property the variant is expected to break (it may break others too).
+    pub fn breaks(self) -> &'static str {
+        use crate::properties as p;
+        match self {
+            Variant::RereadTokenAtWrite => p::EQUAL_TOKEN_SAME_GRANT,
+            Variant::CreateRevisionToken => p::EQUAL_TOKEN_SAME_GRANT,
+            Variant::PerRowVersionToken => p::INV_04,
+            Variant::LeaseIdToken => p::INV_04,
+            Variant::WallClockToken => p::INV_04,
+            Variant::NoTakeoverTokenGuard => p::INV_04,
+            Variant::NoForwardOrder => p::INV_05_RAIL,
+            Variant::TurnReleasedOnSend => p::INV_05_RAIL,
+            Variant::TurnReleasedOnUpstreamTimeout => p::INV_05_RAIL,
+            Variant::TwoProxiesNoRouting => p::INV_05_RAIL,
+            Variant::NoIdempotencyKeys => p::INV_02,
+        }
+    }
+}
+
+impl std::fmt::Display for Variant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.describe())
+    }
+}

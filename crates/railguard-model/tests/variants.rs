@@ -1,0 +1,101 @@
+//! Every alternative ADR-002 rejected, and every guard of the real code removed, is caught:
+//! the checker finds a counterexample to the property the variant breaks, and prints it. The
+//! same bounds without the variant hold that property in every reachable state, so each
+//! failure is the variant's doing, not the bounds'.
+
+use railguard_model::{Bounds, FencingModel, Variant, run};
+
+/// Explores `variant` completely at the variants' bounds: the property it breaks must have a
+/// counterexample (printed, shortest first: breadth-first, one thread). Then the protocol as
+/// designed at the same bounds must hold that property.
+fn assert_caught(variant: Variant) {
+    let broken = variant.breaks();
+    let model = FencingModel::with_variant(variant, Bounds::VARIANTS);
+    let bounds = model.bounds;
+    let outcome = run(model, 1, None);
+    println!("{}", outcome.summary());
+    let trace = outcome.trace(broken).unwrap_or_else(|| {
+        panic!("variant `{variant}` was not caught: no counterexample to {broken}")
+    });
+    println!("shortest counterexample to {broken}:\n{trace}");
+    for other in outcome.violations().into_iter().filter(|p| *p != broken) {
+        let trace = outcome.trace(other).expect("a violation has a trace");
+        println!("also breaks {other}; shortest counterexample:\n{trace}");
+    }
+
+    let baseline = run(FencingModel::correct(variant.backend(), bounds), 1, None);
+    assert!(
+        !baseline.discoveries.contains_key(broken),
+        "without the variant, {broken} must hold at the same bounds ({})",
+        baseline.summary()
+    );
+}
+
+#[test]
+fn reread_token_at_write_breaks_equal_token_same_grant() {
+    assert_caught(Variant::RereadTokenAtWrite);
+}
+
+#[test]
+fn create_revision_token_breaks_equal_token_same_grant() {
+    assert_caught(Variant::CreateRevisionToken);
+}
+
+#[test]
+fn per_row_version_token_breaks_inv04() {
+    assert_caught(Variant::PerRowVersionToken);
+}
+
+#[test]
+fn lease_id_token_breaks_inv04() {
+    assert_caught(Variant::LeaseIdToken);
+}
+
+#[test]
+fn wall_clock_token_breaks_inv04() {
+    assert_caught(Variant::WallClockToken);
+}
+
+#[test]
+fn takeover_without_token_guard_breaks_inv04() {
+    assert_caught(Variant::NoTakeoverTokenGuard);
+}
+
+#[test]
+fn proxy_without_forward_order_breaks_inv05() {
+    assert_caught(Variant::NoForwardOrder);
+}
+
+#[test]
+fn turn_released_on_send_breaks_inv05() {
+    assert_caught(Variant::TurnReleasedOnSend);
+}
+
+#[test]
+fn turn_released_on_upstream_timeout_breaks_inv05() {
+    assert_caught(Variant::TurnReleasedOnUpstreamTimeout);
+}
+
+#[test]
+fn two_proxies_without_routing_break_inv05() {
+    assert_caught(Variant::TwoProxiesNoRouting);
+}
+
+#[test]
+fn no_idempotency_keys_breaks_inv02() {
+    assert_caught(Variant::NoIdempotencyKeys);
+}
+
+/// Exploring up to a renaming of workers (as the protocol-as-designed tests do) hides no
+/// violation: every variant is still caught with symmetry on.
+#[test]
+fn symmetry_hides_no_violation() {
+    for variant in Variant::ALL {
+        let model = FencingModel::with_variant(variant, Bounds::VARIANTS).with_symmetry();
+        let outcome = run(model, 1, Some(variant.breaks()));
+        assert!(
+            outcome.discoveries.contains_key(variant.breaks()),
+            "with symmetry, `{variant}` is not caught"
+        );
+    }
+}
