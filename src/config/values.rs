@@ -346,6 +346,38 @@ mod tests {
         }
     }
 
+    // FAILS ON MAIN: the path was compared as sent, so dot segments after the account (which
+    // the rail, or any server or proxy in between, resolves per RFC 3986 §5.2.4) carried a
+    // payment to another account past the check: `/accounts/acct-1/../acct-2/payments`.
+    #[test]
+    fn an_account_path_with_dot_segments_or_encoded_separators_names_no_account() {
+        let t = AccountPathTemplate::parse("/accounts/{account}/").unwrap();
+        let open = AccountPathTemplate::parse("/pay/{account}").unwrap();
+        for path in [
+            "/accounts/acct-1/../acct-2/payments",
+            "/accounts/acct-1/./../acct-2/payments",
+            "/accounts/acct-1/%2e%2e/acct-2/payments",
+            "/accounts/acct-1/%2E./acct-2/payments",
+            "/accounts/acct-1/..;/acct-2/payments",
+            "/accounts/acct-1/x/../../acct-2/payments",
+            "/accounts/acct-1/..%2facct-2/payments",
+            "/accounts/acct-1/%2F..%2Facct-2/payments",
+            "/accounts/acct-1/..\\acct-2/payments",
+            "/accounts/acct-1/.",
+        ] {
+            assert!(!t.names(path, "acct-1"), "{path}");
+        }
+        assert!(!open.names("/pay/acct-1/../acct-2", "acct-1"));
+        assert!(!open.names("/pay/acct-1/..", "acct-1"));
+        // An account that is itself a dot segment or holds a separator names nothing.
+        assert!(!open.names("/pay/../admin", ".."));
+        assert!(!t.names("/accounts/a/../b/payments", "a/../b"));
+        assert!(!t.names("/accounts/a%2fb/payments", "a%2fb"));
+        // Dots inside a segment are ordinary characters.
+        assert!(t.names("/accounts/acct-1/pay.v2/..x/", "acct-1"));
+        assert!(t.names("/accounts/acct.1/payments", "acct.1"));
+    }
+
     #[test]
     fn upstream_is_http_or_https_host_port_only() {
         let up = Upstream::parse("http://127.0.0.1:9090").unwrap();
