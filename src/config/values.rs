@@ -196,8 +196,14 @@ impl AccountPathTemplate {
     }
 
     /// Whether `path` (without its query) names `account` where the template says. The path
-    /// is compared as sent: a percent-encoded account does not match.
+    /// is compared as sent: a percent-encoded account does not match. A path the rail (or
+    /// anything in between) could resolve to another one names no account: a dot segment
+    /// (`.`, `..`, percent-encoded, or before a `;` parameter), a backslash or an encoded
+    /// `/` or `\` anywhere; so does an account that is a dot segment or holds a separator.
     pub fn names(&self, path: &str, account: &str) -> bool {
+        if !plain_segment(account) || !resolves_to_itself(path) {
+            return false;
+        }
         let Some(rest) = path
             .strip_prefix(self.prefix.as_str())
             .and_then(|rest| rest.strip_prefix(account))
@@ -210,6 +216,29 @@ impl AccountPathTemplate {
             rest.starts_with(self.suffix.as_str())
         }
     }
+}
+
+/// Whether `text` is one path segment that no server resolves away: not `.` or `..` (in any
+/// spelling) and without `/`, `\\` or `%`.
+fn plain_segment(text: &str) -> bool {
+    !text.contains(['/', '\\', '%', ';', '?', '#']) && !dot_segment(text)
+}
+
+/// Whether `path` has no dot segment, backslash or percent-encoded `/` or `\\`, so that
+/// normalising it (RFC 3986 §5.2.4, or a server's own habits) cannot change it.
+fn resolves_to_itself(path: &str) -> bool {
+    let lower = path.to_ascii_lowercase();
+    !lower.contains('\\')
+        && !lower.contains("%2f")
+        && !lower.contains("%5c")
+        && !lower.split('/').any(dot_segment)
+}
+
+/// `.` or `..`, also as `%2e`, and also with a `;` parameter after it (`..;`).
+fn dot_segment(segment: &str) -> bool {
+    let segment = segment.split(';').next().unwrap_or_default();
+    let decoded = segment.to_ascii_lowercase().replace("%2e", ".");
+    decoded == "." || decoded == ".."
 }
 
 impl fmt::Display for AccountPathTemplate {
