@@ -485,7 +485,26 @@ async fn raw_acquire(rg: &support::Railguard, secret: &str, key: &str) -> (i64, 
 #[tokio::test]
 async fn renew_and_release_of_another_identitys_grant_are_forbidden() {
     let s = setup().await;
-    let rg = &s.rg;
+    another_identitys_grant_is_forbidden(&s.rg).await;
+}
+
+/// Review 12b: the etcd backend answers as PostgreSQL does (403 only with the grant's own
+/// token and secret, 410 for a wrong secret, the holder unaffected).
+#[tokio::test]
+async fn etcd_renew_and_release_of_another_identitys_grant_are_forbidden() {
+    let etcd = support::EtcdCluster::single().await;
+    let endpoints = etcd.endpoints_csv();
+    let s = setup_with(&[
+        ("RAILGUARD__LOCK__BACKEND", "etcd"),
+        ("RAILGUARD__ETCD__ENDPOINTS", &endpoints),
+    ])
+    .await;
+    another_identitys_grant_is_forbidden(&s.rg).await;
+    drop(s);
+    drop(etcd);
+}
+
+async fn another_identitys_grant_is_forbidden(rg: &support::Railguard) {
     let (token, lease_secret) = raw_acquire(rg, EU, "acct-eu-7").await;
     let body = format!(r#"{{"token":{token},"lease_secret":"{lease_secret}"}}"#);
     let before = refusals(&metrics(rg).await, "lock", "forbidden");
@@ -640,6 +659,9 @@ async fn the_path_must_name_the_fenced_account_when_account_in_path_is_set() {
         ("/accounts/acct-eu-55/payments", "k-2"),
         ("/payments?account=acct-eu-5", "k-3"),
         ("/accounts/acct%2Deu%2D5/payments", "k-4"),
+        // Review 12b (FAILS ON MAIN): dot segments after the account, which the rail resolves.
+        ("/accounts/acct-eu-5/../acct-us-1/payments", "k-6"),
+        ("/accounts/acct-eu-5/%2e%2e/acct-us-1/payments", "k-7"),
     ] {
         let reply = rail(rg, Some(EU))
             .post(&grant, "acct-eu-5", path, body(), Some(key))
@@ -669,7 +691,7 @@ async fn the_path_must_name_the_fenced_account_when_account_in_path_is_set() {
         .unwrap();
     assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
     assert_eq!(s.rail.ledger().len(), 1);
-    assert_eq!(refusals(&metrics(rg).await, "proxy", "forbidden"), 4);
+    assert_eq!(refusals(&metrics(rg).await, "proxy", "forbidden"), 6);
 }
 
 /// Replaces `path` by a rename, as configuration management tools do.
