@@ -769,3 +769,47 @@ fn check_config_and_serve_refuse_a_broken_credentials_file_naming_file_and_key()
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("fencing.require_proof"));
 }
+
+/// Review 12b: authentication turned on by a restart while a grant taken without it is
+/// live. The grant's holder is whatever name the worker sent (here `worker-7`, not an
+/// identity), so the holder check refuses the legitimate holder, token and secret right:
+/// it can neither renew nor release, and the key stays blocked until its TTL.
+// FAILS ON MAIN: renew and release are answered 403 `forbidden`.
+#[tokio::test]
+async fn a_grant_taken_before_authentication_was_on_is_renewed_and_released_after() {
+    support::init_tracing();
+    let pg = support::Pg::start().await;
+    let rail = support::Rail::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("credentials.toml");
+    std::fs::write(&file, credentials("")).unwrap();
+    let mut rg = support::Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let reply = call(
+        Method::POST,
+        &format!("{}/v1/locks/acct-eu-3/acquire", rg.lock_url()),
+        None,
+        &[("content-type", "application/json")],
+        r#"{"holder":"worker-7","ttl_ms":60000}"#,
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let grant = reply.json();
+    let body = format!(
+        r#"{{"token":{},"lease_secret":"{}"}}"#,
+        grant["token"],
+        grant["lease_secret"].as_str().unwrap()
+    );
+    rg.set_env("RAILGUARD__AUTH__CREDENTIALS_FILE", file.to_str().unwrap());
+    rg.restart().await;
+    for action in ["renew", "release"] {
+        let reply = call(
+            Method::POST,
+            &format!("{}/v1/locks/acct-eu-3/{action}", rg.lock_url()),
+            Some(EU),
+            &[("content-type", "application/json")],
+            &body,
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{action}: {}", reply.body);
+    }
+}
