@@ -813,3 +813,46 @@ async fn a_grant_taken_before_authentication_was_on_is_renewed_and_released_afte
         assert_eq!(reply.status, StatusCode::OK, "{action}: {}", reply.body);
     }
 }
+
+/// Review 12b: waiting acquires whose clients hang up give their identity's slots back at
+/// once, not when their `wait_ms` runs out.
+#[tokio::test]
+async fn waiting_acquires_whose_clients_hang_up_give_their_slots_back() {
+    use tokio::io::AsyncWriteExt as _;
+    let s = setup_with(&[("RAILGUARD__AUTH__LOCK_IN_FLIGHT_PER_IDENTITY", "2")]).await;
+    let rg = &s.rg;
+    raw_acquire(rg, EU, "acct-eu-h").await;
+    let body = r#"{"ttl_ms":1000,"wait_ms":20000}"#;
+    let request = format!(
+        "POST /v1/locks/acct-eu-h/acquire HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {EU}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut waiters = Vec::new();
+    for _ in 0..2 {
+        let mut c = tokio::net::TcpStream::connect(rg.lock).await.unwrap();
+        c.write_all(request.as_bytes()).await.unwrap();
+        waiters.push(c);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let url = format!("{}/v1/locks/acct-eu-h", rg.lock_url());
+    let inspect = || call(Method::GET, &url, Some(EU), &[], "");
+    assert_eq!(
+        inspect().await.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "both slots are open"
+    );
+    drop(waiters);
+    let started = std::time::Instant::now();
+    let mut status = StatusCode::TOO_MANY_REQUESTS;
+    while status == StatusCode::TOO_MANY_REQUESTS && started.elapsed() < Duration::from_secs(8) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        status = inspect().await.status;
+    }
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "the hung-up waits still held eu's slots after {:?}",
+        started.elapsed()
+    );
+}
