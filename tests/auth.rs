@@ -485,7 +485,26 @@ async fn raw_acquire(rg: &support::Railguard, secret: &str, key: &str) -> (i64, 
 #[tokio::test]
 async fn renew_and_release_of_another_identitys_grant_are_forbidden() {
     let s = setup().await;
-    let rg = &s.rg;
+    another_identitys_grant_is_forbidden(&s.rg).await;
+}
+
+/// Review 12b: the etcd backend answers as PostgreSQL does (403 only with the grant's own
+/// token and secret, 410 for a wrong secret, the holder unaffected).
+#[tokio::test]
+async fn etcd_renew_and_release_of_another_identitys_grant_are_forbidden() {
+    let etcd = support::EtcdCluster::single().await;
+    let endpoints = etcd.endpoints_csv();
+    let s = setup_with(&[
+        ("RAILGUARD__LOCK__BACKEND", "etcd"),
+        ("RAILGUARD__ETCD__ENDPOINTS", &endpoints),
+    ])
+    .await;
+    another_identitys_grant_is_forbidden(&s.rg).await;
+    drop(s);
+    drop(etcd);
+}
+
+async fn another_identitys_grant_is_forbidden(rg: &support::Railguard) {
     let (token, lease_secret) = raw_acquire(rg, EU, "acct-eu-7").await;
     let body = format!(r#"{{"token":{token},"lease_secret":"{lease_secret}"}}"#);
     let before = refusals(&metrics(rg).await, "lock", "forbidden");
@@ -640,6 +659,9 @@ async fn the_path_must_name_the_fenced_account_when_account_in_path_is_set() {
         ("/accounts/acct-eu-55/payments", "k-2"),
         ("/payments?account=acct-eu-5", "k-3"),
         ("/accounts/acct%2Deu%2D5/payments", "k-4"),
+        // Review 12b (FAILS ON MAIN): dot segments after the account, which the rail resolves.
+        ("/accounts/acct-eu-5/../acct-us-1/payments", "k-6"),
+        ("/accounts/acct-eu-5/%2e%2e/acct-us-1/payments", "k-7"),
     ] {
         let reply = rail(rg, Some(EU))
             .post(&grant, "acct-eu-5", path, body(), Some(key))
@@ -669,7 +691,7 @@ async fn the_path_must_name_the_fenced_account_when_account_in_path_is_set() {
         .unwrap();
     assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
     assert_eq!(s.rail.ledger().len(), 1);
-    assert_eq!(refusals(&metrics(rg).await, "proxy", "forbidden"), 4);
+    assert_eq!(refusals(&metrics(rg).await, "proxy", "forbidden"), 6);
 }
 
 /// Replaces `path` by a rename, as configuration management tools do.
@@ -746,4 +768,91 @@ fn check_config_and_serve_refuse_a_broken_credentials_file_naming_file_and_key()
     );
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("fencing.require_proof"));
+}
+
+/// Review 12b: authentication turned on by a restart while a grant taken without it is
+/// live. The grant's holder is whatever name the worker sent (here `worker-7`, not an
+/// identity), so the holder check refuses the legitimate holder, token and secret right:
+/// it can neither renew nor release, and the key stays blocked until its TTL.
+// FAILS ON MAIN: renew and release are answered 403 `forbidden`.
+#[tokio::test]
+async fn a_grant_taken_before_authentication_was_on_is_renewed_and_released_after() {
+    support::init_tracing();
+    let pg = support::Pg::start().await;
+    let rail = support::Rail::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("credentials.toml");
+    std::fs::write(&file, credentials("")).unwrap();
+    let mut rg = support::Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let reply = call(
+        Method::POST,
+        &format!("{}/v1/locks/acct-eu-3/acquire", rg.lock_url()),
+        None,
+        &[("content-type", "application/json")],
+        r#"{"holder":"worker-7","ttl_ms":60000}"#,
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let grant = reply.json();
+    let body = format!(
+        r#"{{"token":{},"lease_secret":"{}"}}"#,
+        grant["token"],
+        grant["lease_secret"].as_str().unwrap()
+    );
+    rg.set_env("RAILGUARD__AUTH__CREDENTIALS_FILE", file.to_str().unwrap());
+    rg.restart().await;
+    for action in ["renew", "release"] {
+        let reply = call(
+            Method::POST,
+            &format!("{}/v1/locks/acct-eu-3/{action}", rg.lock_url()),
+            Some(EU),
+            &[("content-type", "application/json")],
+            &body,
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{action}: {}", reply.body);
+    }
+}
+
+/// Review 12b: waiting acquires whose clients hang up give their identity's slots back at
+/// once, not when their `wait_ms` runs out.
+#[tokio::test]
+async fn waiting_acquires_whose_clients_hang_up_give_their_slots_back() {
+    use tokio::io::AsyncWriteExt as _;
+    let s = setup_with(&[("RAILGUARD__AUTH__LOCK_IN_FLIGHT_PER_IDENTITY", "2")]).await;
+    let rg = &s.rg;
+    raw_acquire(rg, EU, "acct-eu-h").await;
+    let body = r#"{"ttl_ms":1000,"wait_ms":20000}"#;
+    let request = format!(
+        "POST /v1/locks/acct-eu-h/acquire HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {EU}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut waiters = Vec::new();
+    for _ in 0..2 {
+        let mut c = tokio::net::TcpStream::connect(rg.lock).await.unwrap();
+        c.write_all(request.as_bytes()).await.unwrap();
+        waiters.push(c);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let url = format!("{}/v1/locks/acct-eu-h", rg.lock_url());
+    let inspect = || call(Method::GET, &url, Some(EU), &[], "");
+    assert_eq!(
+        inspect().await.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "both slots are open"
+    );
+    drop(waiters);
+    let started = std::time::Instant::now();
+    let mut status = StatusCode::TOO_MANY_REQUESTS;
+    while status == StatusCode::TOO_MANY_REQUESTS && started.elapsed() < Duration::from_secs(8) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        status = inspect().await.status;
+    }
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "the hung-up waits still held eu's slots after {:?}",
+        started.elapsed()
+    );
 }

@@ -492,6 +492,31 @@ mod tests {
         );
     }
 
+    /// Review 12b: a file replaced by a directory keeps the last good version (stale), and a
+    /// file whose content flaps at every look is never put in force, half of it or not.
+    #[test]
+    fn a_directory_or_flapping_content_never_replaces_the_last_good_version() {
+        let (dir, auth) = authenticator(&worker("a", "rgs_a"));
+        let path = dir.path().join("credentials.toml");
+        let id = |s: &str| auth.identify(&headers(&[&format!("Bearer {s}")]), None);
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(!auth.reload_if_changed());
+        assert!(!auth.reload_if_changed());
+        assert!(id("rgs_a").is_ok());
+        assert_eq!(auth.metrics.stale.get(), 1);
+        std::fs::remove_dir(&path).unwrap();
+        for i in 0..6 {
+            let secret = if i % 2 == 0 { "rgs_b" } else { "rgs_c" };
+            std::fs::write(&path, worker("a", secret)).unwrap();
+            assert!(!auth.reload_if_changed(), "look {i}");
+        }
+        assert!(id("rgs_a").is_ok(), "no flapping version was put in force");
+        assert!(auth.reload_if_changed(), "the same bytes twice: in force");
+        assert!(id("rgs_c").is_ok());
+        assert_eq!(auth.metrics.stale.get(), 0);
+    }
+
     #[test]
     fn a_rewrite_that_keeps_size_and_mtime_is_a_new_version() {
         let (dir, auth) = authenticator(&worker("a", "rgs_a"));

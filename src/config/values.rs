@@ -196,8 +196,14 @@ impl AccountPathTemplate {
     }
 
     /// Whether `path` (without its query) names `account` where the template says. The path
-    /// is compared as sent: a percent-encoded account does not match.
+    /// is compared as sent: a percent-encoded account does not match. A path the rail (or
+    /// anything in between) could resolve to another one names no account: a dot segment
+    /// (`.`, `..`, percent-encoded, or before a `;` parameter), a backslash or an encoded
+    /// `/` or `\` anywhere; so does an account that is a dot segment or holds a separator.
     pub fn names(&self, path: &str, account: &str) -> bool {
+        if !plain_segment(account) || !resolves_to_itself(path) {
+            return false;
+        }
         let Some(rest) = path
             .strip_prefix(self.prefix.as_str())
             .and_then(|rest| rest.strip_prefix(account))
@@ -210,6 +216,29 @@ impl AccountPathTemplate {
             rest.starts_with(self.suffix.as_str())
         }
     }
+}
+
+/// Whether `text` is one path segment that no server resolves away: not `.` or `..` (in any
+/// spelling) and without `/`, `\\` or `%`.
+fn plain_segment(text: &str) -> bool {
+    !text.contains(['/', '\\', '%', ';', '?', '#']) && !dot_segment(text)
+}
+
+/// Whether `path` has no dot segment, backslash or percent-encoded `/` or `\\`, so that
+/// normalising it (RFC 3986 §5.2.4, or a server's own habits) cannot change it.
+fn resolves_to_itself(path: &str) -> bool {
+    let lower = path.to_ascii_lowercase();
+    !lower.contains('\\')
+        && !lower.contains("%2f")
+        && !lower.contains("%5c")
+        && !lower.split('/').any(dot_segment)
+}
+
+/// `.` or `..`, also as `%2e`, and also with a `;` parameter after it (`..;`).
+fn dot_segment(segment: &str) -> bool {
+    let segment = segment.split(';').next().unwrap_or_default();
+    let decoded = segment.to_ascii_lowercase().replace("%2e", ".");
+    decoded == "." || decoded == ".."
 }
 
 impl fmt::Display for AccountPathTemplate {
@@ -344,6 +373,38 @@ mod tests {
         ] {
             assert!(AccountPathTemplate::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    // FAILS ON MAIN: the path was compared as sent, so dot segments after the account (which
+    // the rail, or any server or proxy in between, resolves per RFC 3986 §5.2.4) carried a
+    // payment to another account past the check: `/accounts/acct-1/../acct-2/payments`.
+    #[test]
+    fn an_account_path_with_dot_segments_or_encoded_separators_names_no_account() {
+        let t = AccountPathTemplate::parse("/accounts/{account}/").unwrap();
+        let open = AccountPathTemplate::parse("/pay/{account}").unwrap();
+        for path in [
+            "/accounts/acct-1/../acct-2/payments",
+            "/accounts/acct-1/./../acct-2/payments",
+            "/accounts/acct-1/%2e%2e/acct-2/payments",
+            "/accounts/acct-1/%2E./acct-2/payments",
+            "/accounts/acct-1/..;/acct-2/payments",
+            "/accounts/acct-1/x/../../acct-2/payments",
+            "/accounts/acct-1/..%2facct-2/payments",
+            "/accounts/acct-1/%2F..%2Facct-2/payments",
+            "/accounts/acct-1/..\\acct-2/payments",
+            "/accounts/acct-1/.",
+        ] {
+            assert!(!t.names(path, "acct-1"), "{path}");
+        }
+        assert!(!open.names("/pay/acct-1/../acct-2", "acct-1"));
+        assert!(!open.names("/pay/acct-1/..", "acct-1"));
+        // An account that is itself a dot segment or holds a separator names nothing.
+        assert!(!open.names("/pay/../admin", ".."));
+        assert!(!t.names("/accounts/a/../b/payments", "a/../b"));
+        assert!(!t.names("/accounts/a%2fb/payments", "a%2fb"));
+        // Dots inside a segment are ordinary characters.
+        assert!(t.names("/accounts/acct-1/pay.v2/..x/", "acct-1"));
+        assert!(t.names("/accounts/acct.1/payments", "acct.1"));
     }
 
     #[test]

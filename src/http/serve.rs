@@ -445,8 +445,10 @@ impl<S> Limited<S> {
     }
 }
 
-/// An HTTP/2 request head's size as SETTINGS_MAX_HEADER_LIST_SIZE counts it (RFC 9113 §6.5.2:
-/// name, value and 32 octets a field), pseudo-headers included.
+/// An HTTP/2 request head's size as HTTP/1 would send it, so that `max_header_bytes` means
+/// the same on both: a field's name, value and 4 octets (`: ` and CRLF), the pseudo-headers
+/// standing for the request line. (SETTINGS_MAX_HEADER_LIST_SIZE adds 32 octets a field, RFC
+/// 9113 §6.5.2; h2's own cap, at twice the limit, counts that way.)
 fn header_list_size<B>(request: &Request<B>) -> usize {
     let uri = request.uri();
     let pseudo = [
@@ -461,12 +463,12 @@ fn header_list_size<B>(request: &Request<B>) -> usize {
             uri.authority().map_or(0, |a| a.as_str().len()),
         ),
     ];
-    let pseudo: usize = pseudo.iter().map(|(n, v)| n.len() + v + 32).sum();
+    let pseudo: usize = pseudo.iter().map(|(n, v)| n.len() + v + 4).sum();
     pseudo
         + request
             .headers()
             .iter()
-            .map(|(name, value)| name.as_str().len() + value.len() + 32)
+            .map(|(name, value)| name.as_str().len() + value.len() + 4)
             .sum::<usize>()
 }
 
