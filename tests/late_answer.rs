@@ -42,6 +42,56 @@ async fn a_newer_grant_never_overtakes_a_forward_that_is_late_in_the_network() {
     );
 }
 
+/// The order the rail sees when token 5's request spends `delay` on its way there (its client
+/// gets 504 at 1 s) and token 7 pays on the same account right after that 504.
+async fn arrival_order(late_answer_wait_ms: &str, delay: Duration) -> Vec<String> {
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let rg = Railguard::start(
+        &pg.url(),
+        &slow_path.url(),
+        &[
+            ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "1000"),
+            ("RAILGUARD__PROXY__LATE_ANSWER_WAIT_MS", late_answer_wait_ms),
+        ],
+    )
+    .await;
+    let http = rg.http();
+    slow_path.set_delay(delay);
+    let late = http.pay_with(&rg, 5, "acct-late").await;
+    assert_eq!(late.status, StatusCode::GATEWAY_TIMEOUT, "{}", late.body);
+    slow_path.set_delay(Duration::ZERO);
+    let newer = http.pay_with(&rg, 7, "acct-late").await;
+    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    // Both have reached the rail before the ledger is read.
+    tokio::time::sleep(delay).await;
+    rail.ledger()
+        .iter()
+        .filter_map(|e| e.token.clone())
+        .collect()
+}
+
+/// Found by the model checker (docs/protocol.md, "upstream timeout"): a finite
+/// `late_answer_wait_ms` is a clock, and a forward held in the network longer than it is
+/// overtaken by a newer grant's. With 0 (no limit) the turn passes on only when the rail
+/// answers, so the same delay cannot reorder.
+#[tokio::test]
+async fn with_no_limit_on_the_late_answer_wait_no_delay_reorders_the_rail() {
+    init_tracing();
+    let delay = Duration::from_millis(1600);
+    assert_eq!(
+        arrival_order("1", delay).await,
+        ["7", "5"],
+        "a 1 ms wait passes the turn on while token 5 is still in the network"
+    );
+    assert_eq!(
+        arrival_order("0", delay).await,
+        ["5", "7"],
+        "with no limit token 7 waited for the rail's answer to token 5"
+    );
+}
+
 #[tokio::test]
 async fn a_graceful_stop_waits_for_a_late_answer_within_its_grace() {
     init_tracing();

@@ -80,7 +80,9 @@ pub struct ProxyConfig {
     /// How long a forward whose request deadline passed (the client got 504) keeps waiting
     /// for the rail's answer before its connection is closed. Meanwhile no higher token's
     /// forward for the account starts, so a late request cannot reach the rail after a newer
-    /// grant's.
+    /// grant's. Zero: no limit — the turn passes on only when the rail answers or the
+    /// connection to it fails (INV-05 under any delay, at the price of an account blocked in
+    /// this process while the rail holds an answer back).
     #[serde(rename = "late_answer_wait_ms", with = "millis")]
     pub late_answer_wait: Duration,
     /// Largest request body accepted; larger bodies get 413 and are never forwarded.
@@ -116,7 +118,8 @@ impl Default for ProxyConfig {
             upstream_key_file: String::new(),
             request_timeout: Duration::from_secs(10),
             upstream_connect_timeout: Duration::from_secs(2),
-            late_answer_wait: Duration::from_secs(30),
+            // No limit: safety never depends on a clock (INV-07).
+            late_answer_wait: Duration::ZERO,
             max_body_bytes: 1024 * 1024,
             token_header: HeaderName::from_static("fencing-token"),
             account_header: HeaderName::from_static("fencing-account"),
@@ -135,7 +138,6 @@ impl ProxyConfig {
             "proxy.upstream_connect_timeout_ms",
             self.upstream_connect_timeout,
         )?;
-        positive("proxy.late_answer_wait_ms", self.late_answer_wait)?;
         if self.upstream.is_https() && self.upstream_ca_file.is_empty() {
             return Err((
                 "proxy.upstream_ca_file",

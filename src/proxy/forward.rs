@@ -283,9 +283,18 @@ impl Service<FencedRequest> for Forward {
                             let counted = this.late.start();
                             tokio::spawn(
                                 async move {
-                                    let late = tokio::time::timeout(wait, pending).await;
+                                    // Zero is no limit: only the rail's answer, or the end of
+                                    // the connection (after which nothing more of the request
+                                    // can reach the rail), passes the turn on.
+                                    let answered = if wait.is_zero() {
+                                        pending.await.is_ok()
+                                    } else {
+                                        tokio::time::timeout(wait, pending)
+                                            .await
+                                            .is_ok_and(|r| r.is_ok())
+                                    };
                                     tracing::info!(
-                                        answered = late.is_ok(),
+                                        answered,
                                         "a forward past its deadline ended; the account's turn passes on"
                                     );
                                     drop(turn);
