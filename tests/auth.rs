@@ -480,6 +480,24 @@ async fn raw_acquire(rg: &support::Railguard, secret: &str, key: &str) -> (i64, 
     )
 }
 
+/// POSTs `body` to the lock action `action` (`renew`, `release`) of `key` as `secret`.
+async fn lock_action(
+    rg: &support::Railguard,
+    secret: &str,
+    key: &str,
+    action: &str,
+    body: &str,
+) -> support::Reply {
+    call(
+        Method::POST,
+        &format!("{}/v1/locks/{key}/{action}", rg.lock_url()),
+        Some(secret),
+        &[("content-type", "application/json")],
+        body,
+    )
+    .await
+}
+
 /// A lease secret that leaked to another identity whose patterns cover the key renews and
 /// ends nothing: 403, counted; the holder's own renew and release still work.
 #[tokio::test]
@@ -509,14 +527,7 @@ async fn another_identitys_grant_is_forbidden(rg: &support::Railguard) {
     let body = format!(r#"{{"token":{token},"lease_secret":"{lease_secret}"}}"#);
     let before = refusals(&metrics(rg).await, "lock", "forbidden");
     for action in ["renew", "release"] {
-        let reply = call(
-            Method::POST,
-            &format!("{}/v1/locks/acct-eu-7/{action}", rg.lock_url()),
-            Some(EU2),
-            &[("content-type", "application/json")],
-            &body,
-        )
-        .await;
+        let reply = lock_action(rg, EU2, "acct-eu-7", action, &body).await;
         assert_eq!(
             reply.status,
             StatusCode::FORBIDDEN,
@@ -540,28 +551,14 @@ async fn another_identitys_grant_is_forbidden(rg: &support::Railguard) {
     .await;
     assert_eq!(held.json()["holder"], "eu", "{}", held.body);
     for action in ["renew", "release"] {
-        let reply = call(
-            Method::POST,
-            &format!("{}/v1/locks/acct-eu-7/{action}", rg.lock_url()),
-            Some(EU),
-            &[("content-type", "application/json")],
-            &body,
-        )
-        .await;
+        let reply = lock_action(rg, EU, "acct-eu-7", action, &body).await;
         assert_eq!(reply.status, StatusCode::OK, "{action}: {}", reply.body);
     }
     // A wrong secret is still `lost` for everyone: the 403 needs the grant's own secret.
     let (token, _) = raw_acquire(rg, EU, "acct-eu-8").await;
     let wrong = format!(r#"{{"token":{token},"lease_secret":"{}"}}"#, "0".repeat(64));
     for who in [EU, EU2] {
-        let reply = call(
-            Method::POST,
-            &format!("{}/v1/locks/acct-eu-8/renew", rg.lock_url()),
-            Some(who),
-            &[("content-type", "application/json")],
-            &wrong,
-        )
-        .await;
+        let reply = lock_action(rg, who, "acct-eu-8", "renew", &wrong).await;
         assert_eq!(reply.status, StatusCode::GONE, "{}", reply.body);
     }
 }
@@ -802,14 +799,7 @@ async fn a_grant_taken_before_authentication_was_on_is_renewed_by_nobody_and_run
     rg.set_env("RAILGUARD__AUTH__CREDENTIALS_FILE", file.to_str().unwrap());
     rg.restart().await;
     for action in ["renew", "release"] {
-        let reply = call(
-            Method::POST,
-            &format!("{}/v1/locks/acct-eu-3/{action}", rg.lock_url()),
-            Some(EU),
-            &[("content-type", "application/json")],
-            &body,
-        )
-        .await;
+        let reply = lock_action(&rg, EU, "acct-eu-3", action, &body).await;
         assert_eq!(
             reply.status,
             StatusCode::FORBIDDEN,

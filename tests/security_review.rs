@@ -441,21 +441,7 @@ async fn too_many_headers_over_http2_get_431_too() {
     let rg = &s.rg;
     let mut count = Vec::new();
     for http2 in [false, true] {
-        let mut request = Request::get(format!("{}/v1/locks/acct-eu-1", rg.lock_url()))
-            .header("authorization", format!("Bearer {EU}"));
-        for i in 0..300 {
-            request = request.header(format!("x-h{i}"), "v");
-        }
-        let request = request.body(Full::new(Bytes::new())).unwrap();
-        let client = if http2 {
-            support::Http::http2()
-        } else {
-            support::Http::new()
-        };
-        let reply = tokio::time::timeout(Duration::from_secs(10), client.send(request))
-            .await
-            .unwrap();
-        count.push((http2, reply.map(|r| r.status)));
+        count.push((http2, get_with_headers(rg, http2, 300, "v").await));
     }
     for (http2, status) in &count {
         assert!(
@@ -463,6 +449,31 @@ async fn too_many_headers_over_http2_get_431_too() {
             "http2={http2}: 300 headers were answered {status:?}"
         );
     }
+}
+
+/// The status of a lock-API GET with `count` extra headers of `value`, over HTTP/1 or HTTP/2.
+async fn get_with_headers(
+    rg: &support::Railguard,
+    http2: bool,
+    count: usize,
+    value: &str,
+) -> Result<StatusCode, String> {
+    let mut request = Request::get(format!("{}/v1/locks/acct-eu-1", rg.lock_url()))
+        .header("authorization", format!("Bearer {EU}"));
+    for i in 0..count {
+        request = request.header(format!("x-h{i:02}"), value);
+    }
+    let request = request.body(Full::new(Bytes::new())).unwrap();
+    let client = if http2 {
+        support::Http::http2()
+    } else {
+        support::Http::new()
+    };
+    tokio::time::timeout(Duration::from_secs(10), client.send(request))
+        .await
+        .unwrap()
+        .map(|r| r.status)
+        .map_err(|e| format!("{e:?}"))
 }
 
 /// An HTTP/2 frame: 9-byte header and payload.
@@ -687,21 +698,7 @@ async fn a_head_served_over_http1_is_served_over_http2() {
     let value = "v".repeat(380);
     let mut answers = Vec::new();
     for http2 in [false, true] {
-        let mut request = Request::get(format!("{}/v1/locks/acct-eu-1", rg.lock_url()))
-            .header("authorization", format!("Bearer {EU}"));
-        for i in 0..80 {
-            request = request.header(format!("x-h{i:02}"), value.as_str());
-        }
-        let request = request.body(Full::new(Bytes::new())).unwrap();
-        let client = if http2 {
-            support::Http::http2()
-        } else {
-            support::Http::new()
-        };
-        let reply = tokio::time::timeout(Duration::from_secs(10), client.send(request))
-            .await
-            .unwrap();
-        answers.push((http2, reply.map(|r| r.status)));
+        answers.push((http2, get_with_headers(rg, http2, 80, value.as_str()).await));
     }
     for (http2, status) in &answers {
         assert!(
