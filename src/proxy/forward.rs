@@ -175,10 +175,14 @@ impl LateForwards {
     }
 }
 
+/// Forwards to the rail. Cloned for every request, so everything it holds is behind one `Arc`.
 #[derive(Clone)]
-pub struct Forward {
+pub struct Forward(Arc<Rail>);
+
+/// What every forward shares: the pooled client, the rail's address, and the late forwards.
+struct Rail {
     client: Client<RailConnector, Tracked>,
-    upstream: Arc<Upstream>,
+    upstream: Upstream,
     late_answer_wait: Duration,
     late: LateForwards,
     metrics: Arc<Metrics>,
@@ -203,20 +207,20 @@ impl Forward {
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(4096)
             .build(connector);
-        Self {
+        Self(Arc::new(Rail {
             client,
-            upstream: Arc::new(upstream),
+            upstream,
             late_answer_wait,
             late: LateForwards::default(),
             metrics,
-        }
+        }))
     }
 }
 
 impl Forward {
     /// The forwards of this stack still waiting for a late answer (for a graceful shutdown).
     pub fn late_forwards(&self) -> LateForwards {
-        self.late.clone()
+        self.0.late.clone()
     }
 }
 
@@ -230,8 +234,9 @@ impl Service<FencedRequest> for Forward {
     }
 
     fn call(&mut self, fenced: FencedRequest) -> Self::Future {
-        let this = self.clone();
-        let span = tracing::info_span!("rail.forward",
+        let this = self.0.clone();
+        // At debug, as `fence.check`: `proxy.request` carries the token at info.
+        let span = tracing::debug_span!("rail.forward",
             lock.token = fenced.token.get(), account = %fenced.account, status = tracing::field::Empty);
         Box::pin(
             async move {
@@ -328,7 +333,7 @@ impl Service<FencedRequest> for Forward {
     }
 }
 
-impl Forward {
+impl Rail {
     fn upstream_request(
         &self,
         request: Request<Bytes>,

@@ -48,7 +48,7 @@ pub(crate) const TOKEN: i64 = 1_000_000;
 pub(crate) const STALE_MARK: i64 = 2_000_000;
 const STALE_TOKEN: i64 = 1;
 pub(crate) const ACCOUNT_PREFIX: &str = "acct-";
-const STALE_PREFIX: &str = "stale-";
+pub(crate) const STALE_PREFIX: &str = "stale-";
 /// How many accounts the stale phase uses (fewer if `accounts` is smaller). All of them stay
 /// in the proxy's mark cache, so the phase measures the cache path.
 const STALE_ACCOUNTS: u64 = 1_000;
@@ -657,7 +657,7 @@ fn sample_of(
 
 /// Sends one accepted payment for each of `{prefix}1..={count}` at `token`, from `connections`
 /// connections at once.
-async fn advance_all(
+pub(crate) async fn advance_all(
     target: SocketAddr,
     prefix: &str,
     count: u64,
@@ -831,7 +831,7 @@ fn peak_rss_kib() -> Option<u64> {
 }
 
 /// `2026-12-03 14:05 UTC`, without a date crate (days-to-civil, proleptic Gregorian).
-fn utc_now() -> String {
+pub(crate) fn utc_now() -> String {
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())

@@ -29,7 +29,7 @@ use railguard::http::BoxError;
 pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The payment every request carries. Its content is irrelevant to the fence.
-const BODY: &[u8] = br#"{"amount_cents":100,"currency":"EUR"}"#;
+pub(crate) const BODY: &[u8] = br#"{"amount_cents":100,"currency":"EUR"}"#;
 
 /// Which accounts requests name: `{prefix}{n}` with `n` uniform in `1..=count`.
 #[derive(Debug, Clone)]
@@ -182,7 +182,7 @@ async fn worker(load: Arc<Load>, id: u64, budget: u64, deadline: Instant) -> Loa
 /// The grant-proof key of the benchmark's throwaway database: seeded before any proxy starts
 /// (a proxy keeps the key it finds), so that every payment carries the proof a worker's grant
 /// would, computed per request as a worker without a cached grant would.
-const BENCH_PROOF_KEY: [u8; 32] = *b"railguard-bench-grant-proof-key!";
+pub(crate) const BENCH_PROOF_KEY: [u8; 32] = *b"railguard-bench-grant-proof-key!";
 
 /// Migrates the database at `url` and stores [`BENCH_PROOF_KEY`] as its grant-proof key.
 pub(crate) async fn seed_proof_key(url: &str) -> Result<(), String> {

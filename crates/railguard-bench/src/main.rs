@@ -14,6 +14,7 @@ mod locks;
 mod pgbench;
 mod report;
 mod rss;
+mod wire;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -56,6 +57,19 @@ struct Cli {
     /// for --connections).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=140))]
     lock_clients: u64,
+    /// The wire suite's upstream: nginx answering itself, or `railguard rail-sim`.
+    #[arg(long, value_enum, default_value_t = wire::UpstreamKind::Static)]
+    upstream: wire::UpstreamKind,
+    /// The wire suite: measured seconds of each phase at one connection (0 skips them).
+    #[arg(long, default_value_t = 5)]
+    latency_secs: u64,
+    /// The wire suite: fencing.batch_concurrency of its railguards (default: the config's).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
+    batch_concurrency: Option<u64>,
+    /// The wire suite: record a perf profile of the proxy in each proxy phase into this
+    /// directory (slows the proxy: the run's rates are then not comparable).
+    #[arg(long)]
+    profile_dir: Option<std::path::PathBuf>,
     /// Open client connections for the proxy RSS measurement (0 skips it).
     #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     rss_connections: u64,
@@ -66,6 +80,8 @@ enum BenchSuite {
     Proxy,
     Locks,
     Etcd,
+    /// railguard and nginx as processes of their own under wrk (not part of `all`).
+    Wire,
     All,
 }
 
@@ -82,6 +98,10 @@ fn main() -> ExitCode {
         suite,
         lock_clients,
         rss_connections,
+        upstream,
+        latency_secs,
+        batch_concurrency,
+        profile_dir,
     } = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -100,6 +120,27 @@ fn main() -> ExitCode {
             BenchSuite::Locks => vec![Suite::Locks],
             BenchSuite::Etcd => vec![Suite::Etcd],
             BenchSuite::All => Suite::ALL.to_vec(),
+            BenchSuite::Wire => {
+                let options = wire::WireOptions {
+                    duration: Duration::from_secs(duration_secs),
+                    warmup: Duration::from_secs(warmup_secs),
+                    repeats,
+                    connections: connections as usize,
+                    accounts,
+                    pool_size,
+                    upstream,
+                    latency_duration: Duration::from_secs(latency_secs),
+                    batch_concurrency: batch_concurrency.map(|c| c as usize),
+                    profile_dir,
+                };
+                return match wire::run(options).await {
+                    Ok(report) => {
+                        print!("{}", report.to_markdown());
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(&e),
+                };
+            }
         };
         let options = bench::BenchOptions {
             suites,

@@ -8,12 +8,17 @@
 //! 3. One compare-and-set in PostgreSQL decides. Stale: 409, nothing forwarded.
 //! 4. Accepted: the request waits for its turn; a higher token admitted in the meantime in
 //!    this process makes it stale after all (409).
-//! 5. Just before the forward starts, the account's mark is read again (a read, grouped, no
-//!    commit): if another railguard process has accepted a higher token since step 3, this
-//!    one is stale now and is refused (409, counted in `lock_fenced_out_total`, logged with
-//!    both tokens), instead of reaching the rail after the newer one. What remains is the
-//!    moment between that read and the first byte on the wire; `ordering` explains why
-//!    closing it completely would need a row lock held across the send.
+//! 5. If the request had to wait in step 4, the account's mark is read again just before the
+//!    forward starts (a read, grouped, no commit): if another railguard process has accepted a
+//!    higher token since step 3, this one is stale now and is refused (409, counted in
+//!    `lock_fenced_out_total`, logged with both tokens), instead of reaching the rail after the
+//!    newer one. A request admitted without waiting skips the read: its compare-and-set
+//!    committed a moment ago and is as fresh a look as the read would be, and the read was a
+//!    second database statement and two task hand-offs on every request (issue 13). What
+//!    remains either way is the moment between the last look and the first byte on the wire;
+//!    `ordering` explains why closing it completely would need a row lock held across the
+//!    send. With each account routed to one process, as the README requires, no other process
+//!    raises the mark and the look never refuses anything.
 //!
 //! **Why a mark advanced by a request whose forward then failed is safe.** The mark only says
 //! "a grant with this token exists": tokens come from grants, and a grant is issued only after
@@ -36,6 +41,7 @@ mod batch;
 mod mark_cache;
 mod ordering;
 mod recheck;
+mod refusal_log;
 mod store;
 
 use std::future::Future;
@@ -51,6 +57,7 @@ pub use self::store::{ADVANCE_SQL, Batching, HighWaterStore, StoreError, Verdict
 
 use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
+use self::refusal_log::RefusalLog;
 use super::forward::UpstreamTimeout;
 use super::idempotency::NewRecord;
 use super::{BoxError, FencedRequest, ProxyResponse};
@@ -101,7 +108,12 @@ pub struct FencePoint<H = HighWaterStore> {
     order: Arc<ForwardOrder>,
     metrics: Arc<Metrics>,
     enforce: bool,
+    refusals: RefusalLog,
 }
+
+/// Refusals of stale tokens logged per second at most (every one is counted): see
+/// `refusal_log`.
+const REFUSALS_LOGGED_PER_SECOND: u64 = 20;
 
 impl<H: HighWater> FencePoint<H> {
     pub fn new(marks: H, cache_capacity: u64, metrics: Arc<Metrics>, enforce: bool) -> Self {
@@ -112,6 +124,7 @@ impl<H: HighWater> FencePoint<H> {
             order: ForwardOrder::new(),
             metrics,
             enforce,
+            refusals: RefusalLog::new(REFUSALS_LOGGED_PER_SECOND),
         }
     }
 
@@ -138,8 +151,12 @@ impl<H: HighWater> FencePoint<H> {
     }
 
     fn fenced_out(&self, account: AccountId, token: FencingToken, why: &'static str) -> BoxError {
-        tracing::warn!(lock.token = token.get(), account = %account, why,
-            "stale fencing token refused: a lease expired under a live holder");
+        if let Some(left_out) = self.refusals.admit() {
+            tracing::warn!(lock.token = token.get(), account = %account, why, left_out,
+                "stale fencing token refused: a lease expired under a live holder \
+                 (left_out: refusals not logged since the last such line; all are counted in \
+                 lock_fenced_out_total)");
+        }
         FencedOut { account, token }.into()
     }
 }
@@ -206,7 +223,9 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let point = self.point.clone();
-        let span = tracing::info_span!("fence.check",
+        // At debug: the request's span (`proxy.request`) carries the token and account at info,
+        // and a span per step at info costs more than the check itself when nothing is logged.
+        let span = tracing::debug_span!("fence.check",
             lock.token = request.token.get(), account = %request.account, verdict = tracing::field::Empty);
         Box::pin(async move {
             if point.enforce {
@@ -288,27 +307,35 @@ where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
     H: HighWater,
 {
-    match tokio::time::timeout_at(request.deadline, ticket.admit(token)).await {
-        Ok(Ok(())) => {}
+    let waited = match tokio::time::timeout_at(request.deadline, ticket.admit(token)).await {
+        Ok(Ok(waited)) => waited,
         Ok(Err(_superseded)) => {
             point.cache.raise_past(&account, token);
             return Err(point.fenced_out(account, token, "a higher token was admitted meanwhile"));
         }
         Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
-    }
-    // The last look: has another railguard accepted a higher token for this account since our
-    // compare-and-set? Then ours must not reach the rail after it.
-    match tokio::time::timeout_at(request.deadline, point.marks.current_mark(&account)).await {
-        Ok(Ok(mark)) if mark > token.get() => {
-            point.cache.raise(&account, mark);
-            tracing::warn!(lock.token = token.get(), account = %account, mark,
-                "a token superseded in the database after its compare-and-set (another \
-                 railguard accepted a newer grant) was refused before its forward started");
-            return Err(point.fenced_out(account, token, "superseded before its forward started"));
+    };
+    // The last look, after a wait for earlier forwards: has another railguard accepted a
+    // higher token for this account since our compare-and-set? Then ours must not reach the
+    // rail after it. A request admitted without waiting goes straight on: its compare-and-set,
+    // committed a moment ago, is as fresh a look at the mark as a read would be.
+    if waited {
+        match tokio::time::timeout_at(request.deadline, point.marks.current_mark(&account)).await {
+            Ok(Ok(mark)) if mark > token.get() => {
+                point.cache.raise(&account, mark);
+                tracing::warn!(lock.token = token.get(), account = %account, mark,
+                    "a token superseded in the database after its compare-and-set (another \
+                     railguard accepted a newer grant) was refused before its forward started");
+                return Err(point.fenced_out(
+                    account,
+                    token,
+                    "superseded before its forward started",
+                ));
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(FenceUnavailable(e).into()),
+            Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
         }
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => return Err(FenceUnavailable(e).into()),
-        Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
     }
     // The ticket travels with the request: the forward holds it until the rail has answered
     // (or it gave up waiting for a late answer); only then may a higher token for this
@@ -502,22 +529,83 @@ mod tests {
         assert!(marks.records.ended().is_empty(), "no record was made");
     }
 
+    /// A fence whose rail holds the first request it gets until `release` is notified, and
+    /// counts what reached it.
+    fn fence_with_held_rail(
+        marks: &Arc<MemoryMarks>,
+        forwarded: &Arc<AtomicUsize>,
+        release: &Arc<tokio::sync::Notify>,
+    ) -> impl Service<
+        FencedRequest,
+        Response = ProxyResponse,
+        Error = BoxError,
+        Future = Pin<Box<dyn Future<Output = Result<ProxyResponse, BoxError>> + Send>>,
+    > + Clone
+    + Send
+    + 'static {
+        let point = Arc::new(FencePoint::new(
+            marks.clone(),
+            100,
+            Arc::new(Metrics::new()),
+            true,
+        ));
+        let (forwarded, release) = (forwarded.clone(), release.clone());
+        FenceLayer::new(point).layer(service_fn(move |request: FencedRequest| {
+            let n = forwarded.fetch_add(1, Ordering::SeqCst);
+            let release = release.clone();
+            async move {
+                // The request holds its account's turn until the rail has answered.
+                let _turn = request.turn;
+                if n == 0 {
+                    release.notified().await;
+                }
+                Ok::<_, BoxError>(ProxyResponse::new(crate::http::full("ok")))
+            }
+        }))
+    }
+
     #[tokio::test]
-    async fn a_token_superseded_elsewhere_is_refused_before_the_forward_and_its_record_forgotten() {
+    async fn a_token_superseded_elsewhere_while_it_waited_is_refused_and_its_record_forgotten() {
         let marks = Arc::new(MemoryMarks::default());
-        *marks.elsewhere.lock().unwrap() = Some(12);
         let forwarded = Arc::new(AtomicUsize::new(0));
-        let error = fence(&marks, true, &forwarded)
-            .oneshot(request(10, Some("pay-1")))
-            .await
-            .unwrap_err();
+        let release = Arc::new(tokio::sync::Notify::new());
+        let service = fence_with_held_rail(&marks, &forwarded, &release);
+        // 9's forward is held at the rail; 10 passes its compare-and-set and waits its turn.
+        let first = tokio::spawn(service.clone().oneshot(request(9, None)));
+        while forwarded.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        let second = tokio::spawn(service.clone().oneshot(request(10, Some("pay-1"))));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Meanwhile another railguard accepts 12.
+        *marks.elsewhere.lock().unwrap() = Some(12);
+        release.notify_one();
+        first.await.unwrap().unwrap();
+        let error = second.await.unwrap().unwrap_err();
         assert!(error.downcast_ref::<FencedOut>().is_some(), "{error}");
-        assert_eq!(forwarded.load(Ordering::SeqCst), 0);
+        assert_eq!(
+            forwarded.load(Ordering::SeqCst),
+            1,
+            "10 never reached the rail"
+        );
         let ended = marks.records.ended();
         assert!(
             matches!(ended.as_slice(), [Ended::Forgotten(id)] if id.key == "pay-1"),
             "{ended:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_request_admitted_without_waiting_goes_on_from_its_compare_and_set() {
+        let marks = Arc::new(MemoryMarks::default());
+        // A read would say 12, but nothing made this request wait after its compare-and-set.
+        *marks.elsewhere.lock().unwrap() = Some(12);
+        let forwarded = Arc::new(AtomicUsize::new(0));
+        fence(&marks, true, &forwarded)
+            .oneshot(request(10, None))
+            .await
+            .unwrap();
+        assert_eq!(forwarded.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]

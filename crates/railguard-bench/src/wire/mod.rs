@@ -1,0 +1,479 @@
+//! The `wire` suite: railguard against nginx, each a process of its own, under load from `wrk`.
+//!
+//! The `proxy` suite runs everything in one process, which is quick to set up but cannot say
+//! what the proxy itself costs: the load generator, the rail simulator and the proxy share a
+//! runtime and a `/proc/self/stat`. Here every component is a separate process, so CPU time
+//! and context switches per request are read for each one from `/proc`:
+//!
+//! - the upstream: nginx answering `201` itself (`--upstream static`, the default: its cost is
+//!   small and the same in every phase) or `railguard rail-sim` (`--upstream rail-sim`);
+//! - nginx 1.22 as a plain reverse proxy in front of that upstream (keep-alive, HTTP/1.1,
+//!   `X-Forwarded-For`), one worker per CPU;
+//! - `railguard serve` twice on the same throwaway durable PostgreSQL: fencing enforced, and
+//!   fencing off (`fencing.enforce = false`: the compare-and-set still runs, nothing is
+//!   refused), each at the default configuration (log level `info`, its log to a file);
+//! - `wrk` sending what a worker sends (`wrk::Requests`): token, account, grant proof, and in
+//!   the phases that say so an `Idempotency-Key` unique across the run;
+//! - `pgbench` running the single-row compare-and-set on the same database.
+//!
+//! Phases run interleaved round-robin, each repetition after a warm-up, so every ratio divides
+//! two medians taken at the same time. A second group of phases measures latency at one
+//! connection: the p50 that railguard adds over the direct path, against one durable commit
+//! (pgbench's p50 at one client).
+
+mod procs;
+mod profiler;
+mod report;
+mod wrk;
+
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use railguard_testkit::Pg;
+
+use crate::bench::{ACCOUNT_PREFIX, STALE_MARK, STALE_PREFIX, TOKEN, advance_all, proxy_config};
+use crate::cpu;
+use crate::pgbench::{Pgbench, cas_script};
+use procs::{Spawned, Usage};
+pub(crate) use report::WireReport;
+use wrk::{Requests, Wrk};
+
+/// The stale phase's token: below every stale account's mark.
+const STALE_TOKEN: i64 = 1;
+/// Accounts of the stale phase (fewer if `accounts` is smaller).
+const STALE_ACCOUNTS: u64 = 1_000;
+
+/// Which upstream the proxies forward to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum UpstreamKind {
+    /// nginx answering 201 itself.
+    Static,
+    /// `railguard rail-sim`.
+    RailSim,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct WireOptions {
+    pub duration: Duration,
+    pub warmup: Duration,
+    pub repeats: u32,
+    pub connections: usize,
+    pub accounts: u64,
+    pub pool_size: usize,
+    pub upstream: UpstreamKind,
+    /// Measured seconds of each phase at one connection (0 skips them).
+    pub latency_duration: Duration,
+    /// `fencing.batch_concurrency` of both railguards (None: the default).
+    pub batch_concurrency: Option<usize>,
+    /// Record a `perf` profile of the proxy process during each measured proxy phase into
+    /// this directory (`perf record -e cpu-clock --call-graph dwarf`): it slows the proxy,
+    /// so a profiling run's rates are not comparable.
+    pub profile_dir: Option<std::path::PathBuf>,
+}
+
+/// What one phase sends load through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    Direct,
+    Nginx,
+    RailguardOff,
+    Fenced,
+    Pgbench,
+}
+
+/// One phase: a route, its requests, and how many connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Phase {
+    pub route: Route,
+    pub keys: bool,
+    pub stale: bool,
+    pub connections: usize,
+}
+
+impl Phase {
+    pub(crate) fn label(&self) -> String {
+        let what = match (self.route, self.stale) {
+            (Route::Direct, _) => "direct to the upstream".to_string(),
+            (Route::Nginx, _) => "nginx, plain reverse proxy".to_string(),
+            (Route::RailguardOff, _) => "railguard, fencing off".to_string(),
+            (Route::Fenced, true) => "railguard, stale token → 409".to_string(),
+            (Route::Fenced, false) => "railguard, fenced".to_string(),
+            (Route::Pgbench, _) => "pgbench, the same single-row CAS".to_string(),
+        };
+        let keys = match self.route {
+            Route::Pgbench => "",
+            _ if self.keys => ", with keys",
+            _ => ", no keys",
+        };
+        format!("{what}{keys}")
+    }
+
+    /// Whether every answer should be a 2xx (otherwise every answer should be a refusal).
+    fn accepted(&self) -> bool {
+        !self.stale
+    }
+}
+
+/// The phases, in the order each round runs them.
+fn phases(o: &WireOptions) -> Vec<Phase> {
+    let c = o.connections;
+    let p = |route, keys, stale, connections| Phase {
+        route,
+        keys,
+        stale,
+        connections,
+    };
+    let mut all = vec![
+        p(Route::Direct, true, false, c),
+        p(Route::Nginx, true, false, c),
+        p(Route::RailguardOff, false, false, c),
+        p(Route::Fenced, false, false, c),
+        p(Route::Fenced, true, false, c),
+        p(Route::Fenced, false, true, c),
+        p(Route::Pgbench, false, false, c),
+    ];
+    if !o.latency_duration.is_zero() {
+        all.extend([
+            p(Route::Direct, true, false, 1),
+            p(Route::Nginx, true, false, 1),
+            p(Route::Fenced, true, false, 1),
+            p(Route::Pgbench, false, false, 1),
+        ]);
+    }
+    all
+}
+
+/// One repetition of one phase.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sample {
+    pub rate: f64,
+    pub requests: u64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    /// CPU seconds of the proxy process (railguard or nginx with its workers).
+    pub proxy_cpu: f64,
+    pub proxy_switches: u64,
+    pub upstream_cpu: f64,
+    pub postgres_cpu: f64,
+    pub machine_busy: f64,
+    /// Mean rows per fence compare-and-set statement (railguard phases).
+    pub batch_rows: f64,
+    pub problems: Vec<String>,
+}
+
+/// The processes of a run.
+struct Components {
+    upstream: Spawned,
+    nginx: Spawned,
+    off: Spawned,
+    fenced: Spawned,
+}
+
+pub(crate) async fn run(options: WireOptions) -> Result<WireReport, String> {
+    let work = tempfile::Builder::new()
+        .prefix("railguard-wire-")
+        .tempdir_in("/var/tmp")
+        .map_err(|e| format!("cannot create a directory under /var/tmp: {e}"))?;
+    eprintln!("wire: starting PostgreSQL (durable) under /var/tmp");
+    let mut postgres = Pg::builder()
+        .durable(true)
+        .temp_dir_in("/var/tmp")
+        .start()
+        .await
+        .map_err(|e| e.to_string())?;
+    let result = with_postgres(&options, &postgres, work.path()).await;
+    let version = postgres.version().await;
+    postgres.server.stop().await;
+    let mut report = result?;
+    report.postgres = version;
+    Ok(report)
+}
+
+async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireReport, String> {
+    let url = pg.url();
+    crate::load::seed_proof_key(&url)
+        .await
+        .map_err(|e| format!("seeding the grant-proof key: {e}"))?;
+    let upstream = match o.upstream {
+        UpstreamKind::Static => procs::static_upstream(dir).await?,
+        UpstreamKind::RailSim => procs::rail_sim(dir).await?,
+    };
+    let cpus = std::thread::available_parallelism().map_or(2, usize::from);
+    let nginx = procs::nginx_proxy(dir, upstream.addr, cpus).await?;
+    let mut config = proxy_config(o.pool_size);
+    if let Some(concurrency) = o.batch_concurrency {
+        config.fencing.batch_concurrency = concurrency;
+    }
+    // One after the other: each migrates the database on start.
+    let fenced =
+        procs::railguard("railguard-fenced", dir, config.clone(), upstream.addr, &url).await?;
+    let mut off_config = config.clone();
+    off_config.fencing.enforce = false;
+    eprintln!(
+        "wire: starting railguard with fencing.enforce = false; the error it logs about that is expected"
+    );
+    let off = procs::railguard("railguard-off", dir, off_config, upstream.addr, &url).await?;
+    let components = Components {
+        upstream,
+        nginx,
+        off,
+        fenced,
+    };
+    let result = measure_all(o, pg, dir, &components).await;
+    let Components {
+        upstream,
+        nginx,
+        off,
+        fenced,
+    } = components;
+    for process in [fenced, off, nginx, upstream] {
+        process.stop().await;
+    }
+    result
+}
+
+async fn measure_all(
+    o: &WireOptions,
+    pg: &Pg,
+    dir: &Path,
+    c: &Components,
+) -> Result<WireReport, String> {
+    let stale_accounts = o.accounts.min(STALE_ACCOUNTS);
+    eprintln!(
+        "wire: raising {stale_accounts} accounts to {STALE_MARK} through the enforcing proxy"
+    );
+    advance_all(
+        c.fenced.addr,
+        STALE_PREFIX,
+        stale_accounts,
+        STALE_MARK,
+        o.connections,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let phases = phases(o);
+    let mut samples: Vec<(Phase, Vec<Sample>)> = phases.iter().map(|p| (*p, Vec::new())).collect();
+    let run = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    for rep in 1..=o.repeats {
+        for (index, (phase, done)) in samples.iter_mut().enumerate() {
+            let run_id = format!("{run}-{rep}-{index}");
+            let sample = measure(o, pg, dir, c, *phase, &run_id, stale_accounts).await;
+            eprintln!(
+                "wire: [{rep}/{}] {:<48} c={:<3} {:>9.0}/s  p50 {:>7.3} ms  proxy {:>5.1} µs/req  {:>4.2} cs/req  pg {:>5.1} µs/req  batch {:>5.1}{}",
+                o.repeats,
+                phase.label(),
+                phase.connections,
+                sample.rate,
+                sample.p50_us / 1000.0,
+                per_request_us(sample.proxy_cpu, sample.requests),
+                sample.proxy_switches as f64 / sample.requests.max(1) as f64,
+                per_request_us(sample.postgres_cpu, sample.requests),
+                sample.batch_rows,
+                if sample.problems.is_empty() {
+                    String::new()
+                } else {
+                    format!("  FLAGGED: {}", sample.problems.join("; "))
+                }
+            );
+            done.push(sample);
+        }
+    }
+    Ok(WireReport {
+        options: o.clone(),
+        date: crate::bench::utc_now(),
+        postgres: String::new(),
+        stale_accounts,
+        proxy_config: {
+            let mut config = proxy_config(o.pool_size);
+            if let Some(concurrency) = o.batch_concurrency {
+                config.fencing.batch_concurrency = concurrency;
+            }
+            config
+        },
+        samples,
+    })
+}
+
+pub(crate) fn per_request_us(cpu_secs: f64, requests: u64) -> f64 {
+    cpu_secs * 1e6 / requests.max(1) as f64
+}
+
+async fn measure(
+    o: &WireOptions,
+    pg: &Pg,
+    dir: &Path,
+    c: &Components,
+    phase: Phase,
+    run_id: &str,
+    stale_accounts: u64,
+) -> Sample {
+    let duration = if phase.connections == 1 {
+        o.latency_duration
+    } else {
+        o.duration
+    };
+    if phase.route == Route::Pgbench {
+        return measure_pgbench(o, pg, dir, phase, duration).await;
+    }
+    let (target, proxy) = match phase.route {
+        Route::Direct => (c.upstream.addr, None),
+        Route::Nginx => (c.nginx.addr, Some(&c.nginx)),
+        Route::RailguardOff => (c.off.addr, Some(&c.off)),
+        _ => (c.fenced.addr, Some(&c.fenced)),
+    };
+    let requests = if phase.stale {
+        Requests {
+            prefix: STALE_PREFIX,
+            count: stale_accounts,
+            token: STALE_TOKEN,
+            keys: phase.keys,
+        }
+    } else {
+        Requests {
+            prefix: ACCOUNT_PREFIX,
+            count: o.accounts,
+            token: TOKEN,
+            keys: phase.keys,
+        }
+    };
+    let script = match requests.script(dir, "load") {
+        Ok(script) => script,
+        Err(why) => return failed(why),
+    };
+    let wrk = |duration, run_id: String| Wrk {
+        target,
+        script: script.clone(),
+        connections: phase.connections,
+        duration,
+        run_id,
+    };
+    if !o.warmup.is_zero() {
+        let _ = wrk(o.warmup, format!("{run_id}-warm")).run().await;
+    }
+    let proxy_pid = proxy.and_then(Spawned::pid);
+    let admin = proxy.and_then(|p| p.admin);
+    let batches_before = procs::histogram(admin, "railguard_fence_batch_size").await;
+    let before = (
+        Usage::of(proxy_pid),
+        Usage::of(c.upstream.pid()),
+        cpu::Snapshot::take(pg.pid(), None),
+    );
+    let profile = match (&o.profile_dir, proxy_pid) {
+        (Some(dir), Some(pid)) if phase.connections > 1 => {
+            profiler::start(dir, &phase.label(), pid, duration).ok()
+        }
+        _ => None,
+    };
+    let result = wrk(duration, run_id.to_string()).run().await;
+    if let Some(profile) = profile {
+        profile.finish().await;
+    }
+    let after = (
+        Usage::of(proxy_pid),
+        Usage::of(c.upstream.pid()),
+        cpu::Snapshot::take(pg.pid(), None),
+    );
+    let batches_after = procs::histogram(admin, "railguard_fence_batch_size").await;
+    let result = match result {
+        Ok(result) => result,
+        Err(why) => return failed(why),
+    };
+    let statements = batches_after.1 - batches_before.1;
+    let batch_rows = if statements > 0.0 {
+        (batches_after.0 - batches_before.0) / statements
+    } else {
+        0.0
+    };
+    let (proxy_cpu, proxy_switches) = before.0.until(&after.0);
+    let (upstream_cpu, _) = before.1.until(&after.1);
+    let machine = before.2.until(&after.2);
+    let mut problems = Vec::new();
+    let expected_refusals = if phase.accepted() { 0 } else { result.requests };
+    if result.non_2xx != expected_refusals {
+        problems.push(if phase.accepted() {
+            format!(
+                "{} of {} answers were not 2xx",
+                result.non_2xx, result.requests
+            )
+        } else {
+            format!(
+                "{} of {} answers were refusals; all should be",
+                result.non_2xx, result.requests
+            )
+        });
+    }
+    if result.socket_errors > 0 {
+        problems.push(format!("{} socket errors", result.socket_errors));
+    }
+    Sample {
+        rate: result.rate,
+        requests: result.requests,
+        p50_us: result.p50_us,
+        p99_us: result.p99_us,
+        proxy_cpu,
+        proxy_switches,
+        upstream_cpu,
+        postgres_cpu: machine.postgres_secs,
+        machine_busy: machine.machine_busy,
+        batch_rows,
+        problems,
+    }
+}
+
+async fn measure_pgbench(
+    o: &WireOptions,
+    pg: &Pg,
+    dir: &Path,
+    phase: Phase,
+    duration: Duration,
+) -> Sample {
+    let pgbench = |duration| Pgbench {
+        bin_dir: pg.server.bin_dir().to_path_buf(),
+        port: pg.server.port(),
+        clients: phase.connections,
+        duration,
+        script: cas_script(o.accounts, ACCOUNT_PREFIX, TOKEN),
+    };
+    let work = dir.join(format!("pgbench-{}", phase.connections));
+    let _ = std::fs::remove_dir_all(&work);
+    if let Err(e) = std::fs::create_dir_all(&work) {
+        return failed(format!("{}: {e}", work.display()));
+    }
+    if !o.warmup.is_zero() {
+        let _ = pgbench(o.warmup).run(&work).await;
+        let _ = std::fs::remove_dir_all(&work);
+        let _ = std::fs::create_dir_all(&work);
+    }
+    let before = cpu::Snapshot::take(pg.pid(), None);
+    let result = pgbench(duration).run(&work).await;
+    let machine = before.until(&cpu::Snapshot::take(pg.pid(), None));
+    match result {
+        Ok(r) => Sample {
+            rate: r.tps,
+            requests: r.transactions,
+            p50_us: f64::from(r.percentile_us(0.50)),
+            p99_us: f64::from(r.percentile_us(0.99)),
+            postgres_cpu: machine.postgres_secs,
+            machine_busy: machine.machine_busy,
+            problems: if r.failed > 0 {
+                vec![format!(
+                    "{} of {} transactions failed",
+                    r.failed, r.transactions
+                )]
+            } else {
+                Vec::new()
+            },
+            ..Sample::default()
+        },
+        Err(why) => failed(why),
+    }
+}
+
+fn failed(why: String) -> Sample {
+    Sample {
+        problems: vec![why],
+        ..Sample::default()
+    }
+}

@@ -1,0 +1,349 @@
+//! The processes of the comparison, each started on its own so that its CPU time and context
+//! switches can be read from `/proc` without anything else mixed in: nginx as the static
+//! upstream and as a plain reverse proxy, `railguard rail-sim`, and `railguard serve`.
+//!
+//! Every process listens on 127.0.0.1 only, keeps its files in the run's temp dir, and is
+//! killed when its [`Spawned`] is dropped.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+use railguard::config::{Config, DatabaseUrl, Upstream};
+use railguard_testkit::{children_of, free_loopback_port};
+
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A started process, killed on drop.
+pub(crate) struct Spawned {
+    pub name: String,
+    pub addr: SocketAddr,
+    /// railguard's admin listener (its `/metrics`).
+    pub admin: Option<SocketAddr>,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Spawned {
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// The last lines of its log, for an error message.
+    pub(crate) fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(5).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+    }
+
+    /// Whether it has exited.
+    pub(crate) fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    pub(crate) async fn stop(mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from((Ipv4Addr::LOCALHOST, free_loopback_port()))
+}
+
+fn spawn(
+    name: &str,
+    command: &mut Command,
+    dir: &Path,
+    addr: SocketAddr,
+) -> Result<Spawned, String> {
+    let log = dir.join(format!("{name}.log"));
+    let out = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let err = out
+        .try_clone()
+        .map_err(|e| format!("{}: {e}", log.display()))?;
+    let child = command
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot start {name}: {e}"))?;
+    Ok(Spawned {
+        name: name.to_string(),
+        addr,
+        admin: None,
+        child,
+        log,
+    })
+}
+
+/// Waits until `addr` accepts TCP connections (the process is listening), or fails.
+async fn listening(spawned: &mut Spawned) -> Result<(), String> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if spawned.exited() {
+            return Err(format!(
+                "{} exited during start-up; its log ends: {}",
+                spawned.name,
+                spawned.log_tail()
+            ));
+        }
+        if tokio::net::TcpStream::connect(spawned.addr).await.is_ok() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "{} not listening within {READY_TIMEOUT:?}",
+                spawned.name
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Where nginx is: Debian's `nginx-light` (or any nginx) on the PATH or in /usr/sbin.
+fn nginx_binary() -> Result<PathBuf, String> {
+    for candidate in ["/usr/sbin/nginx", "/usr/bin/nginx"] {
+        if Path::new(candidate).exists() {
+            return Ok(candidate.into());
+        }
+    }
+    Err("nginx not found (apt-get install nginx-light; scripts/bench.sh installs it)".into())
+}
+
+/// The `nginx` directives every instance here shares: in the foreground, everything in `dir`,
+/// no access log (railguard keeps none either).
+fn nginx_preamble(dir: &Path, workers: usize) -> String {
+    // Its workers run as root when the benchmark does, so that they can use the run's dir.
+    let user = if is_root() { "user root;\n" } else { "" };
+    format!(
+        "{user}worker_processes {workers};\ndaemon off;\nmaster_process on;\n\
+         pid {dir}/nginx.pid;\nerror_log {dir}/error.log warn;\n\
+         events {{ worker_connections 4096; multi_accept on; }}\n",
+        dir = dir.display(),
+    )
+}
+
+fn nginx_http_common(dir: &Path) -> String {
+    let d = dir.display();
+    format!(
+        "access_log off;\nkeepalive_requests 10000000;\nkeepalive_timeout 120s;\n\
+         client_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\n\
+         fastcgi_temp_path {d}/fastcgi;\nuwsgi_temp_path {d}/uwsgi;\nscgi_temp_path {d}/scgi;\n"
+    )
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2).map(|u| u == "0"))
+        })
+        .unwrap_or(false)
+}
+
+async fn start_nginx(
+    name: &str,
+    dir: &Path,
+    config: String,
+    addr: SocketAddr,
+) -> Result<Spawned, String> {
+    let binary = nginx_binary()?;
+    let prefix = dir.join(name);
+    std::fs::create_dir_all(&prefix).map_err(|e| format!("{}: {e}", prefix.display()))?;
+    let path = prefix.join("nginx.conf");
+    std::fs::write(&path, config).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut command = Command::new(binary);
+    command.arg("-p").arg(&prefix).arg("-c").arg(&path);
+    let mut spawned = spawn(name, &mut command, dir, addr)?;
+    listening(&mut spawned).await?;
+    Ok(spawned)
+}
+
+/// nginx answering every request itself with a fixed 201 and a small JSON body: an upstream
+/// whose cost is small and the same for every phase. One worker.
+pub(crate) async fn static_upstream(dir: &Path) -> Result<Spawned, String> {
+    let addr = loopback();
+    let prefix = dir.join("upstream");
+    let config = format!(
+        "{}http {{\n{}server {{\n listen {addr} reuseport;\n location / {{\n  \
+         default_type application/json;\n  return 201 '{{\"status\":\"accepted\"}}';\n }}\n}}\n}}\n",
+        nginx_preamble(&prefix, 1),
+        nginx_http_common(&prefix),
+    );
+    start_nginx("upstream", dir, config, addr).await
+}
+
+/// nginx as a plain reverse proxy in front of `upstream`: keep-alive to the upstream, HTTP/1.1,
+/// `X-Forwarded-For` appended, as railguard does. As many workers as CPUs.
+pub(crate) async fn nginx_proxy(
+    dir: &Path,
+    upstream: SocketAddr,
+    workers: usize,
+) -> Result<Spawned, String> {
+    let addr = loopback();
+    let prefix = dir.join("nginx-proxy");
+    let config = format!(
+        "{}http {{\n{}upstream rail {{\n server {upstream};\n keepalive 256;\n \
+         keepalive_requests 10000000;\n}}\nserver {{\n listen {addr} reuseport;\n location / {{\n  \
+         proxy_pass http://rail;\n  proxy_http_version 1.1;\n  proxy_set_header Connection \"\";\n  \
+         proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n }}\n}}\n}}\n",
+        nginx_preamble(&prefix, workers),
+        nginx_http_common(&prefix),
+    );
+    start_nginx("nginx-proxy", dir, config, addr).await
+}
+
+/// `railguard rail-sim`, the rail simulator, as a process of its own.
+pub(crate) async fn rail_sim(dir: &Path) -> Result<Spawned, String> {
+    let addr = loopback();
+    let mut command = Command::new(railguard_testkit::railguard_binary());
+    command
+        .arg("rail-sim")
+        .arg("--listen")
+        .arg(addr.to_string())
+        .env("RUST_LOG", "warn");
+    let mut spawned = spawn("rail-sim", &mut command, dir, addr)?;
+    listening(&mut spawned).await?;
+    Ok(spawned)
+}
+
+/// `railguard serve` with `config` (listeners, upstream and database set here), ready once its
+/// `/readyz` answers 200.
+pub(crate) async fn railguard(
+    name: &str,
+    dir: &Path,
+    mut config: Config,
+    upstream: SocketAddr,
+    database_url: &str,
+) -> Result<Spawned, String> {
+    config.proxy.listen = loopback();
+    config.admin.listen = loopback();
+    config.lock.listen = loopback();
+    config.proxy.upstream = Upstream::parse(&format!("http://{upstream}"))?;
+    config.database.url = DatabaseUrl::Postgres(database_url.to_string());
+    let text = toml::to_string(&config).map_err(|e| format!("cannot write the config: {e}"))?;
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut command = Command::new(railguard_testkit::railguard_binary());
+    command.arg("serve").arg("--config").arg(&path);
+    let mut spawned = spawn(name, &mut command, dir, config.proxy.listen)?;
+    let admin = config.admin.listen;
+    spawned.admin = Some(admin);
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let mut probe = crate::load::Connection::new(admin);
+    loop {
+        if spawned.exited() {
+            return Err(format!(
+                "{name} exited during start-up; its log ends: {}",
+                spawned.log_tail()
+            ));
+        }
+        if let Ok((http::StatusCode::OK, _)) = probe.request("/readyz", None).await {
+            return Ok(spawned);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{name} not ready within {READY_TIMEOUT:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The sum and count of a histogram on railguard's `/metrics` (0, 0 when it cannot be read).
+pub(crate) async fn histogram(admin: Option<SocketAddr>, name: &str) -> (f64, f64) {
+    let Some(admin) = admin else {
+        return (0.0, 0.0);
+    };
+    let mut connection = crate::load::Connection::new(admin);
+    let Ok((_, body)) = connection.request("/metrics", None).await else {
+        return (0.0, 0.0);
+    };
+    let text = String::from_utf8_lossy(&body);
+    let value = |suffix: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name}_{suffix} ")))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (value("sum"), value("count"))
+}
+
+/// CPU time and context switches of a process and its children, cumulative.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Usage {
+    /// utime + stime of the process, its live children, and its reaped children, in ticks.
+    pub ticks: u64,
+    /// Voluntary and involuntary context switches of every thread of the process and its
+    /// children.
+    pub switches: u64,
+}
+
+impl Usage {
+    /// Reads the counters of `pid` and its children; zero when it cannot be read.
+    pub(crate) fn of(pid: Option<u32>) -> Self {
+        let Some(pid) = pid else {
+            return Self::default();
+        };
+        let mut usage = Self::default();
+        for (i, p) in std::iter::once(pid).chain(children_of(pid)).enumerate() {
+            if let Some((own, reaped)) = ticks(p) {
+                usage.ticks += own + if i == 0 { reaped } else { 0 };
+            }
+            usage.switches += switches(p);
+        }
+        usage
+    }
+
+    /// CPU seconds and switches from `self` until `later`.
+    pub(crate) fn until(&self, later: &Usage) -> (f64, u64) {
+        (
+            later.ticks.saturating_sub(self.ticks) as f64 / 100.0,
+            later.switches.saturating_sub(self.switches),
+        )
+    }
+}
+
+fn ticks(pid: u32) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = text[text.rfind(')')? + 1..].split_whitespace().collect();
+    let field = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+    Some((field(11)? + field(12)?, field(13)? + field(14)?))
+}
+
+/// Context switches summed over every thread of `pid`.
+fn switches(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("status")).ok())
+        .map(|status| {
+            status
+                .lines()
+                .filter(|l| {
+                    l.starts_with("voluntary_ctxt_switches:")
+                        || l.starts_with("nonvoluntary_ctxt_switches:")
+                })
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum::<u64>()
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_this_process() {
+        let usage = Usage::of(Some(std::process::id()));
+        assert!(usage.switches > 0, "{usage:?}");
+    }
+}

@@ -1,0 +1,339 @@
+//! The `wire` suite's markdown: medians per phase, ratios to nginx and to pgbench from the same
+//! run, and issue 13's targets with whether this run met them.
+
+use std::fmt::Write as _;
+
+use super::{Phase, Route, Sample, WireOptions, per_request_us};
+use railguard::config::Config;
+
+#[derive(Debug)]
+pub(crate) struct WireReport {
+    pub options: WireOptions,
+    pub date: String,
+    pub postgres: String,
+    pub stale_accounts: u64,
+    pub proxy_config: Config,
+    pub samples: Vec<(Phase, Vec<Sample>)>,
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
+    }
+}
+
+/// Medians of one phase.
+#[derive(Debug, Clone, Copy, Default)]
+struct Medians {
+    rate: f64,
+    p50_us: f64,
+    p99_us: f64,
+    proxy_us: f64,
+    switches: f64,
+    upstream_us: f64,
+    postgres_us: f64,
+    busy: f64,
+    batch_rows: f64,
+    flagged: usize,
+}
+
+fn medians(samples: &[Sample]) -> Medians {
+    let m = |f: &dyn Fn(&Sample) -> f64| median(samples.iter().map(f).collect());
+    Medians {
+        rate: m(&|s| s.rate),
+        p50_us: m(&|s| s.p50_us),
+        p99_us: m(&|s| s.p99_us),
+        proxy_us: m(&|s| per_request_us(s.proxy_cpu, s.requests)),
+        switches: m(&|s| s.proxy_switches as f64 / s.requests.max(1) as f64),
+        upstream_us: m(&|s| per_request_us(s.upstream_cpu, s.requests)),
+        postgres_us: m(&|s| per_request_us(s.postgres_cpu, s.requests)),
+        busy: m(&|s| s.machine_busy),
+        batch_rows: m(&|s| s.batch_rows),
+        flagged: samples.iter().filter(|s| !s.problems.is_empty()).count(),
+    }
+}
+
+impl WireReport {
+    fn find(&self, route: Route, keys: bool, stale: bool, connections: usize) -> Option<Medians> {
+        self.samples
+            .iter()
+            .find(|(p, _)| {
+                p.route == route
+                    && p.stale == stale
+                    && p.connections == connections
+                    && (route == Route::Pgbench || p.keys == keys)
+            })
+            .map(|(_, s)| medians(s))
+    }
+
+    pub(crate) fn to_markdown(&self) -> String {
+        let o = &self.options;
+        let mut out = String::new();
+        let _ = writeln!(out, "### railguard-bench --suite wire, {}\n", self.date);
+        let _ = writeln!(
+            out,
+            "- PostgreSQL: {}, durable (fsync on, synchronous_commit on), throwaway cluster under /var/tmp",
+            self.postgres
+        );
+        let _ = writeln!(
+            out,
+            "- Upstream: {}; nginx {} as the plain proxy, one worker per CPU; load from wrk \
+             (2 threads), {} connections, {} s × {} repetitions per phase interleaved \
+             round-robin, {} s warm-up before each",
+            match o.upstream {
+                super::UpstreamKind::Static => "nginx answering 201 itself (one worker)",
+                super::UpstreamKind::RailSim => "`railguard rail-sim`",
+            },
+            nginx_version(),
+            o.connections,
+            o.duration.as_secs(),
+            o.repeats,
+            o.warmup.as_secs()
+        );
+        let f = &self.proxy_config.fencing;
+        let _ = writeln!(
+            out,
+            "- railguard serve: default configuration (log level `{}`, to a file), \
+             database.pool_size = {}, fencing.batch_max = {}, fencing.batch_concurrency = {}; \
+             every request is a `POST /payments` with token, account ({} accounts, uniform) and \
+             grant proof; \"with keys\" adds an `Idempotency-Key` unique in the run; the stale \
+             phase sends token 1 on {} accounts raised beforehand",
+            self.proxy_config.log.level,
+            self.proxy_config.database.pool_size,
+            f.batch_max,
+            f.batch_concurrency,
+            o.accounts,
+            self.stale_accounts
+        );
+        let _ = writeln!(
+            out,
+            "- CPU and context switches per request: from `/proc` of each process (nginx: master \
+             and workers), divided by the requests wrk counted; PostgreSQL: the postmaster and \
+             all its backends\n"
+        );
+
+        let nginx = self.find(Route::Nginx, true, false, o.connections);
+        let direct = self.find(Route::Direct, true, false, o.connections);
+        let _ = writeln!(
+            out,
+            "| phase ({} connections) | req/s | × nginx | × direct | p50 ms | p99 ms | proxy CPU µs/req | × nginx | proxy ctx sw/req | PostgreSQL CPU µs/req | rows per CAS statement | upstream CPU µs/req | machine busy | flagged |",
+            o.connections
+        );
+        let _ = writeln!(
+            out,
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for (phase, samples) in self
+            .samples
+            .iter()
+            .filter(|(p, _)| p.connections == o.connections)
+        {
+            let m = medians(samples);
+            let ratio = |a: f64, b: Option<f64>| match b {
+                Some(b) if b > 0.0 && a > 0.0 => format!("{:.2}×", a / b),
+                _ => "—".into(),
+            };
+            let has_proxy = matches!(
+                phase.route,
+                Route::Nginx | Route::RailguardOff | Route::Fenced
+            );
+            let _ = writeln!(
+                out,
+                "| {} | {:.0} | {} | {} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {:.0}% | {} |",
+                phase.label(),
+                m.rate,
+                ratio(m.rate, nginx.map(|n| n.rate)),
+                ratio(m.rate, direct.map(|d| d.rate)),
+                m.p50_us / 1000.0,
+                m.p99_us / 1000.0,
+                if has_proxy {
+                    format!("{:.1}", m.proxy_us)
+                } else {
+                    "—".into()
+                },
+                if has_proxy {
+                    ratio(m.proxy_us, nginx.map(|n| n.proxy_us))
+                } else {
+                    "—".into()
+                },
+                if has_proxy {
+                    format!("{:.2}", m.switches)
+                } else {
+                    "—".into()
+                },
+                format!("{:.1}", m.postgres_us),
+                if m.batch_rows > 0.0 {
+                    format!("{:.1}", m.batch_rows)
+                } else {
+                    "—".into()
+                },
+                if phase.route == Route::Pgbench {
+                    "—".into()
+                } else {
+                    format!("{:.1}", m.upstream_us)
+                },
+                m.busy * 100.0,
+                m.flagged,
+            );
+        }
+        let latency: Vec<_> = self
+            .samples
+            .iter()
+            .filter(|(p, _)| p.connections == 1)
+            .collect();
+        if !latency.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nAt one connection ({} s per repetition):\n\n| phase (1 connection) | req/s | p50 ms | p99 ms | flagged |\n|---|---:|---:|---:|---:|",
+                o.latency_duration.as_secs()
+            );
+            for (phase, samples) in latency {
+                let m = medians(samples);
+                let _ = writeln!(
+                    out,
+                    "| {} | {:.0} | {:.3} | {:.3} | {} |",
+                    phase.label(),
+                    m.rate,
+                    m.p50_us / 1000.0,
+                    m.p99_us / 1000.0,
+                    m.flagged
+                );
+            }
+        }
+        self.targets(&mut out);
+        self.repetitions(&mut out);
+        out
+    }
+
+    /// Issue 13's targets against this run.
+    fn targets(&self, out: &mut String) {
+        let c = self.options.connections;
+        let (Some(nginx), Some(direct)) = (
+            self.find(Route::Nginx, true, false, c),
+            self.find(Route::Direct, true, false, c),
+        ) else {
+            return;
+        };
+        let keyed = self.find(Route::Fenced, true, false, c).unwrap_or_default();
+        let unkeyed = self
+            .find(Route::Fenced, false, false, c)
+            .unwrap_or_default();
+        let off = self
+            .find(Route::RailguardOff, false, false, c)
+            .unwrap_or_default();
+        let stale = self.find(Route::Fenced, false, true, c).unwrap_or_default();
+        let met = |ok: bool| if ok { "met" } else { "**not met**" };
+        let _ = writeln!(
+            out,
+            "\nIssue 13's targets, from this run:\n\n| target | measured | |\n|---|---|---|"
+        );
+        let r = keyed.rate / nginx.rate.max(1e-9);
+        let _ = writeln!(
+            out,
+            "| fenced with keys ≥ 0.6× nginx | {r:.2}× | {} |",
+            met(r >= 0.6)
+        );
+        let r = off.rate / nginx.rate.max(1e-9);
+        let _ = writeln!(
+            out,
+            "| fencing off ≥ 0.8× nginx | {r:.2}× | {} |",
+            met(r >= 0.8)
+        );
+        for (what, m) in [("fenced, with keys", keyed), ("fenced, no keys", unkeyed)] {
+            let r = m.proxy_us / nginx.proxy_us.max(1e-9);
+            let _ = writeln!(
+                out,
+                "| CPU per request ≤ 1.5× nginx's ({what}) | {:.1} µs vs {:.1} µs: {r:.2}× | {} |",
+                m.proxy_us,
+                nginx.proxy_us,
+                met(r <= 1.5)
+            );
+            let _ = writeln!(
+                out,
+                "| context switches per request ≤ nginx's ({what}) | {:.2} vs {:.2} | {} |",
+                m.switches,
+                nginx.switches,
+                met(m.switches <= nginx.switches)
+            );
+        }
+        for (what, m) in [("with keys", keyed), ("no keys", unkeyed)] {
+            let _ = writeln!(
+                out,
+                "| PostgreSQL CPU per fenced request ≤ 20 µs ({what}) | {:.1} µs | {} |",
+                m.postgres_us,
+                met(m.postgres_us <= 20.0)
+            );
+        }
+        let r = stale.rate / direct.rate.max(1e-9);
+        let _ = writeln!(
+            out,
+            "| stale rejections ≥ 0.9× direct | {r:.2}× | {} |",
+            met(r >= 0.9)
+        );
+        if let (Some(d1), Some(k1), Some(pg1)) = (
+            self.find(Route::Direct, true, false, 1),
+            self.find(Route::Fenced, true, false, 1),
+            self.find(Route::Pgbench, false, false, 1),
+        ) {
+            let added = (k1.p50_us - d1.p50_us) / 1000.0;
+            let bound = pg1.p50_us / 1000.0 + 0.1;
+            let _ = writeln!(
+                out,
+                "| added p50 at 1 connection ≤ one durable commit + 0.1 ms (with keys) | {added:.3} ms vs {bound:.3} ms | {} |",
+                met(added <= bound)
+            );
+        }
+    }
+
+    fn repetitions(&self, out: &mut String) {
+        let _ = writeln!(out, "\nEvery repetition (req/s), and what was flagged:\n");
+        for (phase, samples) in &self.samples {
+            let rates: Vec<String> = samples.iter().map(|s| format!("{:.0}", s.rate)).collect();
+            let _ = writeln!(
+                out,
+                "- {} (c={}): {}",
+                phase.label(),
+                phase.connections,
+                rates.join(", ")
+            );
+            for (i, s) in samples.iter().enumerate() {
+                for problem in &s.problems {
+                    let _ = writeln!(out, "  - repetition {}: {problem}", i + 1);
+                }
+            }
+        }
+    }
+}
+
+fn nginx_version() -> String {
+    std::process::Command::new("/usr/sbin/nginx")
+        .arg("-v")
+        .output()
+        .ok()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stderr)
+                .trim()
+                .trim_start_matches("nginx version: nginx/")
+                .to_string()
+        })
+        .unwrap_or_else(|| "?".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(vec![]), 0.0);
+    }
+}
