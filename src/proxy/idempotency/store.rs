@@ -23,7 +23,7 @@
 //! is why the proxy forwards `Idempotency-Key` to the rail: a rail that deduplicates by it
 //! absorbs the rest (README, "In doubt").
 //!
-//! **Completions are group-committed** ([`outcomes`](super::outcomes)): concurrent requests'
+//! **Completions are group-committed** (`outcomes`): concurrent requests'
 //! answers are stored by one statement and one commit, and each request still waits for the
 //! commit that holds its answer.
 //!
@@ -209,7 +209,7 @@ impl IdempotencyStore {
 
     /// Stores the rail's response: the record is `done` from now on. Only the request that
     /// owns the record can complete it. One statement for this record alone: the background
-    /// retry's. Requests' own completions are group-committed ([`outcomes`]).
+    /// retry's. Requests' own completions are group-committed (`outcomes`).
     pub async fn complete(
         &self,
         account: &AccountId,
