@@ -100,6 +100,8 @@ pub struct Metrics {
     pub outcomes_lost: IntCounter,
     /// Requests per fence statement (group commit).
     pub fence_batch_size: Histogram,
+    /// Idempotency-record completions per statement (group commit).
+    pub completion_batch_size: Histogram,
     /// Connections and requests a listener refused or closed to protect itself.
     pub listener_refusals: IntCounterVec,
     /// Reloads of a listener's TLS files.
@@ -157,6 +159,17 @@ impl Metrics {
             ]),
         )
         .expect("valid metric");
+        let completion_batch_size = Histogram::with_opts(
+            HistogramOpts::new(
+                "railguard_idempotency_completion_batch_size",
+                "Idempotency-record completions (the rail's answers stored for replay) grouped \
+                 into one statement and one commit.",
+            )
+            .buckets(vec![
+                1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0,
+            ]),
+        )
+        .expect("valid metric");
         let fencing_enforced = IntGauge::new(
             "railguard_fencing_enforced",
             "1 when the proxy refuses stale tokens, 0 when the kill switch is off.",
@@ -201,6 +214,7 @@ impl Metrics {
             Box::new(upstream_seconds.clone()),
             Box::new(fencing_enforced.clone()),
             Box::new(fence_batch_size.clone()),
+            Box::new(completion_batch_size.clone()),
         ] {
             registry.register(metric).expect("metric registered once");
         }
@@ -229,6 +243,7 @@ impl Metrics {
             outcomes_pending,
             outcomes_lost,
             fence_batch_size,
+            completion_batch_size,
             listener_refusals,
             listener_tls_reloads,
         }

@@ -184,22 +184,25 @@ pub async fn run(
     }
     locks.check_periodically(config.guard.interval);
 
+    let batching = Batching {
+        max_batch: config.fencing.batch_max,
+        concurrency: config.fencing.batch_concurrency,
+    };
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
         config.database.timeout,
+        batching.clone(),
         OutcomeMetrics {
             pending: metrics.outcomes_pending.clone(),
             lost: metrics.outcomes_lost.clone(),
+            batch_sizes: metrics.completion_batch_size.clone(),
         },
     );
     let records: Arc<dyn Records> = Arc::new(idempotency_store.clone());
     let marks = HighWaterStore::new(
         database.pool.clone(),
         config.database.timeout,
-        Batching {
-            max_batch: config.fencing.batch_max,
-            concurrency: config.fencing.batch_concurrency,
-        },
+        batching,
         metrics.fence_batch_size.clone(),
         instance,
         records.clone(),

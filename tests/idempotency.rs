@@ -469,3 +469,151 @@ async fn concurrent_accounts_share_commits() {
         );
     }
 }
+
+/// Completions are group-committed like the fence's compare-and-sets, and every request still
+/// hears its answer only once it is stored: right after the last answer, every record is
+/// `done` and every key replays its own answer.
+#[tokio::test]
+async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = rg.http();
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let (http, rg_url) = (http.clone(), rg.proxy_url("/payments"));
+        tasks.push(tokio::spawn(async move {
+            let account = format!("acct-{}", i % 20);
+            let key = format!("pay-{i}");
+            let reply = http
+                .pay(
+                    &rg_url,
+                    &[
+                        ("Fencing-Token", "3"),
+                        ("Fencing-Account", &account),
+                        ("Idempotency-Key", &key),
+                    ],
+                    &format!("{{\"n\":{i}}}"),
+                )
+                .await;
+            (account, key, i, reply)
+        }));
+    }
+    let mut answers = Vec::new();
+    for t in tasks {
+        let (account, key, i, reply) = t.await.unwrap();
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+        answers.push((account, key, i, reply.body));
+    }
+    assert_eq!(rail.ledger().len(), 200);
+    let done: i64 = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM idempotency_record WHERE state = 'done' AND status = 201",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(done, 200, "stored before any answer went out");
+    let m = rg.metrics().await;
+    let statements = m.get("railguard_idempotency_completion_batch_size_count");
+    let completions = m.get("railguard_idempotency_completion_batch_size_sum");
+    assert_eq!(completions, 200.0, "every completion went through a batch");
+    assert!((1.0..=200.0).contains(&statements), "{statements}");
+    for (account, key, i, body) in answers {
+        let again = pay(&http, &rg, 3, &account, &key, &format!("{{\"n\":{i}}}")).await;
+        assert_eq!(again.status, StatusCode::CREATED);
+        assert_eq!(again.headers.get("idempotency-replayed").unwrap(), "true");
+        assert_eq!(again.body, body, "{key} replays its own answer");
+    }
+    assert_eq!(rail.ledger().len(), 200, "no replay reached the rail");
+}
+
+/// A record removed while its request is at the rail (an operator forgot it; here deleted
+/// behind railguard's back) stays removed: the completion stores nothing, and the client still
+/// hears the rail's answer. A retry of the key is then a new payment, as forgetting means.
+#[tokio::test]
+async fn a_completion_whose_record_was_forgotten_does_not_resurrect_it() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_millis(600)).await;
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = rg.http();
+    let paying = {
+        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
+        tokio::spawn(async move {
+            http.pay(
+                &url,
+                &[
+                    ("Fencing-Token", "2"),
+                    ("Fencing-Account", "a"),
+                    ("Idempotency-Key", "forgotten"),
+                ],
+                "{}",
+            )
+            .await
+        })
+    };
+    // Its neighbour in the same account completes normally, in the same window.
+    let neighbour = {
+        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
+        tokio::spawn(async move {
+            http.pay(
+                &url,
+                &[
+                    ("Fencing-Token", "2"),
+                    ("Fencing-Account", "a"),
+                    ("Idempotency-Key", "kept"),
+                ],
+                "{}",
+            )
+            .await
+        })
+    };
+    for _ in 0..100 {
+        if rail.ledger().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(rail.ledger().len(), 2, "both reached the rail");
+    let client = pg.client().await;
+    let deleted = client
+        .execute(
+            "DELETE FROM idempotency_record WHERE account_id = 'a' AND idempotency_key = 'forgotten'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1, "the record was in flight");
+
+    let reply = paying.await.unwrap();
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    assert_eq!(neighbour.await.unwrap().status, StatusCode::CREATED);
+    let states: Vec<(String, String)> = client
+        .query(
+            "SELECT idempotency_key, state FROM idempotency_record ORDER BY idempotency_key",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(
+        states,
+        [("kept".to_string(), "done".to_string())],
+        "the forgotten record was not made again"
+    );
+    let retried = pay(&http, &rg, 2, "a", "forgotten", "{}").await;
+    assert_eq!(retried.status, StatusCode::CREATED);
+    assert!(!retried.headers.contains_key("idempotency-replayed"));
+    assert_eq!(
+        rail.ledger().len(),
+        3,
+        "forgotten means a retry is a new payment"
+    );
+}

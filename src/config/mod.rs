@@ -394,9 +394,11 @@ pub struct FencingConfig {
     pub enforce: bool,
     /// Accounts whose last-known mark is kept in memory to reject stale tokens early.
     pub cache_capacity: u64,
-    /// Most compare-and-sets grouped into one statement and one commit.
+    /// Most compare-and-sets grouped into one statement and one commit (and most
+    /// idempotency-record completions, grouped the same way).
     pub batch_max: usize,
-    /// Fence statements in flight at once (at most `database.pool_size`).
+    /// Fence statements in flight at once (at most `database.pool_size`); completion
+    /// statements too, separately.
     pub batch_concurrency: usize,
     /// Refuse (400) a token without a grant proof. `false` is a migration switch for workers
     /// that cannot send the proof yet: it logs a loud error at start, exports

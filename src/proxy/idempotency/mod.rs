@@ -18,6 +18,7 @@
 
 mod instance;
 mod key;
+mod outcomes;
 pub mod record;
 mod replay;
 pub mod store;
@@ -35,7 +36,8 @@ pub use self::record::{MaybeSent, NewRecord, RecordGuard, RecordId, Records};
 #[cfg(test)]
 pub(crate) use self::replay::{BODY_OMITTED, REPLAYED};
 pub use self::store::{
-    Forgot, IdempotencyStore, OutcomeMetrics, Record, RecordState, StoredResponse, sweep_forever,
+    CompletionError, Forgot, IdempotencyStore, OutcomeMetrics, Record, RecordState, StoredResponse,
+    sweep_forever,
 };
 
 use super::forward::{Sent, UpstreamTimeout};

@@ -23,17 +23,25 @@
 //! is why the proxy forwards `Idempotency-Key` to the rail: a rail that deduplicates by it
 //! absorbs the rest (README, "In doubt").
 //!
+//! **Completions are group-committed** (`outcomes`): concurrent requests'
+//! answers are stored by one statement and one commit, and each request still waits for the
+//! commit that holds its answer.
+//!
 //! **Outcomes are not dropped.** A completion (or a declaration of doubt) that cannot be
 //! stored at once, because the database is down, is retried in the background until it is,
 //! for up to an hour, so a payment that succeeded stays replayable.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use deadpool_postgres::Pool;
+use tokio::sync::{mpsc, oneshot};
 
+use super::outcomes::{self, Completion};
 use super::record::{BoxFuture, RecordId, Records};
 use crate::db::DbError;
+use crate::proxy::fence::Batching;
 use crate::token::AccountId;
 
 /// A stored response.
@@ -75,13 +83,18 @@ pub struct IdempotencyStore {
     pool: Pool,
     timeout: Duration,
     outcomes: OutcomeMetrics,
+    /// The completion batcher's queue ([`outcomes`]); `None` in the handle the batcher keeps
+    /// for its fallback, which only retries in the background.
+    completions: Option<mpsc::Sender<Completion>>,
 }
 
-/// How outcomes waiting for the database are shown.
+/// How outcomes are shown: those waiting for the database, those given up on, and how
+/// completions are grouped.
 #[derive(Clone)]
 pub struct OutcomeMetrics {
     pub pending: prometheus::IntGauge,
     pub lost: prometheus::IntCounter,
+    pub batch_sizes: prometheus::Histogram,
 }
 
 /// Most outcomes retried at once; past it, new ones are given up on (and counted).
@@ -97,11 +110,37 @@ enum Outcome {
 }
 
 impl IdempotencyStore {
-    pub fn new(pool: Pool, timeout: Duration, outcomes: OutcomeMetrics) -> Self {
+    /// Starts the completion batcher (it stops when the last clone of the store is dropped);
+    /// `batching` groups completions as the fence groups its compare-and-sets.
+    pub fn new(
+        pool: Pool,
+        timeout: Duration,
+        batching: Batching,
+        outcomes: OutcomeMetrics,
+    ) -> Self {
+        let (completions, queue) = mpsc::channel(outcomes::QUEUE_LIMIT);
+        // Not a clone of the store: the batcher must not hold its own queue open.
+        let retries = Self {
+            pool: pool.clone(),
+            timeout,
+            outcomes: outcomes.clone(),
+            completions: None,
+        };
+        let fallback: outcomes::Fallback = Arc::new(move |record: RecordId, response| {
+            retries.complete_eventually(record.account, record.key, record.owner, response);
+        });
+        tokio::spawn(outcomes::run(
+            pool.clone(),
+            batching,
+            outcomes.batch_sizes.clone(),
+            fallback,
+            queue,
+        ));
         Self {
             pool,
             timeout,
             outcomes,
+            completions: Some(completions),
         }
     }
 
@@ -169,7 +208,8 @@ impl IdempotencyStore {
     }
 
     /// Stores the rail's response: the record is `done` from now on. Only the request that
-    /// owns the record can complete it.
+    /// owns the record can complete it. One statement for this record alone: the background
+    /// retry's. Requests' own completions are group-committed (`outcomes`).
     pub async fn complete(
         &self,
         account: &AccountId,
@@ -177,7 +217,7 @@ impl IdempotencyStore {
         owner: &str,
         response: &StoredResponse,
     ) -> Result<(), DbError> {
-        let headers = serde_json::to_string(&response.headers).expect("headers serialize");
+        let headers = outcomes::headers_column(response);
         let body: Option<&[u8]> = response.body.as_deref();
         self.bounded(async {
             let client = self.client().await?;
@@ -192,7 +232,7 @@ impl IdempotencyStore {
                         &account.as_str(),
                         &key,
                         &owner,
-                        &(response.status as i16),
+                        &outcomes::status_column(response.status),
                         &headers,
                         &body,
                         &response.body.is_some(),
@@ -200,13 +240,52 @@ impl IdempotencyStore {
                 )
                 .await?;
             if stored == 0 {
-                tracing::error!(account = %account, key,
-                    "the rail answered a request whose idempotency record is gone (forgotten by \
-                     an operator, or removed by retention): a retry of this key is a new payment");
+                let record = RecordId {
+                    account: account.clone(),
+                    key: key.to_string(),
+                    owner: owner.to_string(),
+                };
+                outcomes::report_gone(&self.pool, &[&record]).await;
             }
             Ok(())
         })
         .await
+    }
+
+    /// Queues the completion of `record` for the next batch ([`outcomes`]). Once queued, it
+    /// is stored whether or not anyone waits for it.
+    fn queue_completion(
+        &self,
+        record: RecordId,
+        response: StoredResponse,
+    ) -> Result<QueuedCompletion, CompletionError> {
+        let completions = self.completions.as_ref().ok_or(CompletionError::Closed)?;
+        let (reply, stored) = oneshot::channel();
+        let claim = outcomes::Claim::default();
+        completions
+            .try_send(Completion {
+                record,
+                response,
+                claim: claim.clone(),
+                reply,
+            })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => CompletionError::Overloaded,
+                mpsc::error::TrySendError::Closed(_) => CompletionError::Closed,
+            })?;
+        Ok(QueuedCompletion {
+            stored,
+            claim,
+            timeout: self.timeout,
+        })
+    }
+
+    /// The rail's answer could not be stored now: the client hears it anyway, and the record
+    /// is completed as soon as the database takes it (a repeat meanwhile gets `in_flight`).
+    fn complete_later(&self, error: &CompletionError, record: RecordId, response: StoredResponse) {
+        tracing::warn!(error = %error, account = %record.account,
+            "could not store the rail's response for replay yet; retrying in the background");
+        self.complete_eventually(record.account, record.key, record.owner, response);
     }
 
     /// Says, for the owner, that its forward ended without an answer: the record is in doubt
@@ -408,19 +487,23 @@ impl Records for IdempotencyStore {
     }
 
     fn complete(&self, record: RecordId, response: StoredResponse) -> BoxFuture<'static, ()> {
+        // Queued now rather than when the future is first polled: from here on the completion
+        // is stored even if the caller stops waiting (its client hung up).
+        let queued = match self.queue_completion(record.clone(), response.clone()) {
+            Ok(queued) => queued,
+            Err(e) => {
+                self.complete_later(&e, record, response);
+                return Box::pin(async {});
+            }
+        };
         let store = self.clone();
         Box::pin(async move {
-            let RecordId {
-                account,
-                key,
-                owner,
-            } = record;
-            if let Err(e) = store.complete(&account, &key, &owner, &response).await {
-                // The rail acted; the client hears its answer now, and the record is completed
-                // as soon as the database takes it (a repeat meanwhile gets in_flight).
-                tracing::warn!(error = %e, account = %account,
-                    "could not store the rail's response for replay yet; retrying in the background");
-                store.complete_eventually(account, key, owner, response);
+            match queued.wait().await {
+                Ok(()) => {}
+                Err(Unstored::Retry(e)) => store.complete_later(&e, record, response),
+                Err(Unstored::InBatch(e)) => tracing::warn!(error = %e, account = %record.account,
+                    "the rail's response is not stored for replay yet; its batch keeps it, and \
+                     retries it in the background should the batch fail"),
             }
         })
     }
@@ -432,6 +515,58 @@ impl Records for IdempotencyStore {
     fn forget_unsent(&self, record: RecordId) {
         self.delete_unsent(record);
     }
+}
+
+/// A completion queued for a batch ([`IdempotencyStore::queue_completion`]).
+struct QueuedCompletion {
+    stored: oneshot::Receiver<Result<(), DbError>>,
+    claim: outcomes::Claim,
+    timeout: Duration,
+}
+
+/// Why a completion is not stored yet, and who stores it.
+enum Unstored {
+    /// The caller: its batch failed, or the caller stopped waiting before a batch took it.
+    Retry(CompletionError),
+    /// The batch that took it, still running when the caller stopped waiting: it either
+    /// commits, or hands the completion to the background retry itself.
+    InBatch(CompletionError),
+}
+
+impl QueuedCompletion {
+    /// Waits, within the store's timeout, for the commit that holds the completion.
+    async fn wait(mut self) -> Result<(), Unstored> {
+        match tokio::time::timeout(self.timeout, &mut self.stored).await {
+            Ok(Ok(result)) => return result.map_err(|e| Unstored::Retry(e.into())),
+            Ok(Err(_)) => return Err(Unstored::Retry(CompletionError::Closed)),
+            Err(_) => {}
+        }
+        // From here the batch can no longer answer us: either its answer is already here, or
+        // it finds us gone (and, should its statement fail, retries the completion itself).
+        self.stored.close();
+        match self.stored.try_recv() {
+            Ok(result) => result.map_err(|e| Unstored::Retry(e.into())),
+            Err(_) => {
+                let timeout = CompletionError::Db(DbError::Timeout(self.timeout));
+                if self.claim.for_retry() {
+                    Err(Unstored::Retry(timeout))
+                } else {
+                    Err(Unstored::InBatch(timeout))
+                }
+            }
+        }
+    }
+}
+
+/// A completion was not stored with its batch.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CompletionError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error("too many idempotency completions are waiting for the database")]
+    Overloaded,
+    #[error("the idempotency completion batcher has stopped")]
+    Closed,
 }
 
 /// What `forget_in_doubt` did.

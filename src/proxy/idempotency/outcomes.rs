@@ -1,0 +1,475 @@
+//! Group commit for idempotency-record completions.
+//!
+//! Every forwarded request with an `Idempotency-Key` ends by storing the rail's answer in its
+//! record, and its client hears that answer only once it is stored. One `UPDATE` with its own
+//! transaction, commit and pool checkout per request is a large part of PostgreSQL's work per
+//! request, so completions queue here instead, like the fence's compare-and-sets
+//! (`proxy::fence`'s `batch`): a batch takes every completion waiting when a statement slot
+//! frees up (at most `max_batch`), and stores them with one statement over `unnest` arrays —
+//! one round trip, one commit. While `concurrency` statements wait for their commits, the next
+//! batch fills. Each caller still waits for the commit that holds its row.
+//!
+//! **Exactness.** Each completion is one row of the statement, with the single-row
+//! completion's conditions: only the record's owner completes it, and only while it is in
+//! flight. A batch never holds one record twice (the second would match nothing); such a
+//! completion waits for a later batch. Rows are updated in key order, as the fence's batch
+//! locks the records it meets, so that the two do not deadlock on records in practice; that
+//! order comes from the plan (see [`COMPLETE_SQL`]). Should PostgreSQL ever pick another, a
+//! deadlock is still detected and cancels one of the two statements: a completion batch's
+//! completions are then retried in the background; a fence batch's requests are refused
+//! (503) with nothing forwarded.
+//!
+//! **Gone records.** A row the statement did not complete is looked up again: completed by its
+//! own owner already (an earlier attempt whose answer was lost with its connection, or a
+//! background retry that overtook this one) is success; otherwise the record is gone — an
+//! operator forgot it, or retention removed it — and that is logged, as the single-row
+//! completion does. Nothing here creates a record, so a forgotten one is never resurrected.
+//!
+//! **Callers that stop waiting.** A completion is queued when its request's guard hands it
+//! over, and from then on exactly one party answers for it ([`Claim`]): the batch that takes
+//! it, or — if its caller's wait passed the store's timeout first — the caller's background
+//! retry, and a batch skips it. A caller whose request was dropped (its client hung up) while
+//! waiting leaves its completion queued: the batch still stores it. A batch that fails tells
+//! its callers, who retry in the background; for a caller no longer listening, the batch
+//! hands its completion to that retry itself. So a completion is never dropped: at worst it is
+//! stored late (and a repeat meanwhile hears `in_flight`).
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use deadpool_postgres::Pool;
+use prometheus::Histogram;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+use super::record::RecordId;
+use super::store::StoredResponse;
+use crate::db::DbError;
+use crate::proxy::fence::Batching;
+
+/// Completes the in-flight records of a batch; returns the ones it completed. The rows come
+/// sorted by key into a nested loop over the primary key, so records are locked in key order,
+/// as the fence's batch locks the records it meets (an explicit `FOR UPDATE` in key order first
+/// doubled PostgreSQL's CPU per row: it writes a lock to each row before updating it).
+const COMPLETE_SQL: &str = "\
+UPDATE idempotency_record r
+SET state = 'done', status = u.status, headers = u.headers::jsonb, body = u.body,
+    body_stored = u.body_stored, completed_at = now()
+FROM (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int2[], $5::text[],
+                         $6::bytea[], $7::bool[])
+        AS u(account_id, key, owner, status, headers, body, body_stored)
+    ORDER BY account_id, key
+) AS u
+WHERE r.account_id = u.account_id AND r.idempotency_key = u.key AND r.owner = u.owner
+  AND r.state = 'in_flight'
+RETURNING r.account_id, r.idempotency_key";
+
+/// Which of these records their owners have completed already.
+pub(super) const COMPLETED_BY_OWNER_SQL: &str = "\
+SELECT r.account_id, r.idempotency_key
+FROM idempotency_record r
+    JOIN unnest($1::text[], $2::text[], $3::text[]) AS u(account_id, key, owner)
+    ON r.account_id = u.account_id AND r.idempotency_key = u.key AND r.owner = u.owner
+WHERE r.state = 'done'";
+
+/// Completions that may wait for a statement; past it, a completion goes to the background
+/// retry at once.
+pub(super) const QUEUE_LIMIT: usize = 16_384;
+
+/// One completion waiting for its commit.
+pub(super) struct Completion {
+    pub record: RecordId,
+    pub response: StoredResponse,
+    pub claim: Claim,
+    pub reply: oneshot::Sender<Result<(), DbError>>,
+}
+
+/// Who stores a queued completion: the batch that takes it, or the caller's background retry
+/// once the caller gave up waiting — whichever claims it first.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Claim(Arc<AtomicU8>);
+
+const QUEUED: u8 = 0;
+const BATCHED: u8 = 1;
+const RETRIED: u8 = 2;
+
+impl Claim {
+    /// The batch takes the completion, unless its caller's retry already has.
+    fn for_batch(&self) -> bool {
+        self.take(BATCHED)
+    }
+
+    /// The caller's retry takes the completion, unless a batch already has (which then answers
+    /// for it, falling back to the retry itself if its statement fails).
+    pub(super) fn for_retry(&self) -> bool {
+        self.take(RETRIED)
+    }
+
+    fn take(&self, by: u8) -> bool {
+        self.0
+            .compare_exchange(QUEUED, by, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    fn is_retried(&self) -> bool {
+        self.0.load(Ordering::Acquire) == RETRIED
+    }
+}
+
+/// Where a batch hands a completion whose statement failed and whose caller no longer waits:
+/// the background retry.
+pub(super) type Fallback = Arc<dyn Fn(RecordId, StoredResponse) + Send + Sync>;
+
+/// The batcher: runs until every sender is gone.
+pub(super) async fn run(
+    pool: Pool,
+    batching: Batching,
+    sizes: Histogram,
+    fallback: Fallback,
+    mut queue: mpsc::Receiver<Completion>,
+) {
+    let slots = Arc::new(Semaphore::new(batching.concurrency.max(1)));
+    let max_batch = batching.max_batch.max(1);
+    let mut waiting: VecDeque<Completion> = VecDeque::new();
+    loop {
+        if waiting.is_empty() {
+            match queue.recv().await {
+                Some(completion) => waiting.push_back(completion),
+                None => return,
+            }
+        }
+        let slot = slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("semaphore never closed");
+        // Everything that arrived while we waited for a slot rides along.
+        while waiting.len() < max_batch * 4 {
+            match queue.try_recv() {
+                Ok(completion) => waiting.push_back(completion),
+                Err(_) => break,
+            }
+        }
+        let batch = take_batch(&mut waiting, max_batch);
+        if batch.is_empty() {
+            continue;
+        }
+        sizes.observe(batch.len() as f64);
+        let (pool, fallback) = (pool.clone(), fallback.clone());
+        tokio::spawn(async move {
+            execute(&pool, &fallback, batch).await;
+            drop(slot);
+        });
+    }
+}
+
+/// Takes, in arrival order, the completions that can share one statement and claims them;
+/// leaves the rest.
+fn take_batch(waiting: &mut VecDeque<Completion>, max: usize) -> Vec<Completion> {
+    let mut batch = Vec::new();
+    let mut records: HashSet<(String, String)> = HashSet::new();
+    let mut later = VecDeque::new();
+    for completion in waiting.drain(..) {
+        if completion.claim.is_retried() {
+            continue; // its caller stopped waiting and retries it in the background
+        }
+        let key = (
+            completion.record.account.as_str().to_string(),
+            completion.record.key.clone(),
+        );
+        if batch.len() >= max || records.contains(&key) {
+            later.push_back(completion);
+            continue;
+        }
+        if !completion.claim.for_batch() {
+            continue; // claimed by its caller's retry just now
+        }
+        records.insert(key);
+        batch.push(completion);
+    }
+    *waiting = later;
+    batch
+}
+
+/// A batch, column by column.
+#[derive(Default)]
+struct Columns<'a> {
+    accounts: Vec<&'a str>,
+    keys: Vec<&'a str>,
+    owners: Vec<&'a str>,
+    statuses: Vec<i16>,
+    headers: Vec<String>,
+    bodies: Vec<Option<&'a [u8]>>,
+    body_stored: Vec<bool>,
+}
+
+impl<'a> Columns<'a> {
+    fn of(batch: &'a [Completion]) -> Self {
+        let mut columns = Columns::default();
+        for c in batch {
+            columns.accounts.push(c.record.account.as_str());
+            columns.keys.push(&c.record.key);
+            columns.owners.push(&c.record.owner);
+            columns.statuses.push(status_column(c.response.status));
+            columns.headers.push(headers_column(&c.response));
+            columns.bodies.push(c.response.body.as_deref());
+            columns.body_stored.push(c.response.body.is_some());
+        }
+        columns
+    }
+}
+
+/// `status` as the `smallint` column holds it.
+pub(super) fn status_column(status: u16) -> i16 {
+    status as i16
+}
+
+/// `headers` as the JSON text the `jsonb` column is cast from.
+pub(super) fn headers_column(response: &StoredResponse) -> String {
+    serde_json::to_string(&response.headers).expect("headers serialize")
+}
+
+async fn execute(pool: &Pool, fallback: &Fallback, batch: Vec<Completion>) {
+    let columns = Columns::of(&batch);
+    // No client-side timeout, as in the fence's batch: the server cancels a statement at
+    // `statement_timeout` and the connection gives up on a silent peer (`db::pg_config`).
+    let mut attempt = 0;
+    let completed = loop {
+        attempt += 1;
+        match complete_batch(pool, &columns).await {
+            // A connection closed under us (the server restarted): one retry on a fresh one.
+            // Safe: a row the first attempt completed is found completed by its owner.
+            Err(DbError::ConnectionClosed(_)) if attempt == 1 => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, completions = batch.len(),
+                    "idempotency completion batch failed");
+                for c in batch {
+                    // A caller still waiting retries in the background itself.
+                    if c.reply.send(Err(e.clone())).is_err() {
+                        fallback(c.record, c.response);
+                    }
+                }
+                return;
+            }
+            Ok(completed) => break completed,
+        }
+    };
+    let missing: Vec<&RecordId> = batch
+        .iter()
+        .map(|c| &c.record)
+        .filter(|r| !completed.contains(&(r.account.as_str().to_string(), r.key.clone())))
+        .collect();
+    if !missing.is_empty() {
+        report_gone(pool, &missing).await;
+    }
+    for c in batch {
+        let _ = c.reply.send(Ok(()));
+    }
+}
+
+/// Runs the batch's statement; the (account, key) of every record it completed.
+async fn complete_batch(
+    pool: &Pool,
+    columns: &Columns<'_>,
+) -> Result<HashSet<(String, String)>, DbError> {
+    let client = pool.get().await?;
+    let statement = client.prepare_cached(COMPLETE_SQL).await?;
+    let rows = client
+        .query(
+            &statement,
+            &[
+                &columns.accounts,
+                &columns.keys,
+                &columns.owners,
+                &columns.statuses,
+                &columns.headers,
+                &columns.bodies,
+                &columns.body_stored,
+            ],
+        )
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect())
+}
+
+/// Logs each of `records` (which a completion did not change) that is gone rather than
+/// completed by its owner already.
+pub(super) async fn report_gone(pool: &Pool, records: &[&RecordId]) {
+    let done = match completed_by_owner(pool, records).await {
+        Ok(done) => done,
+        Err(e) => {
+            tracing::warn!(error = %e, records = records.len(),
+                "could not tell whether idempotency records are gone or completed already");
+            HashSet::new()
+        }
+    };
+    for record in records {
+        if !done.contains(&(record.account.as_str().to_string(), record.key.clone())) {
+            log_gone(record);
+        }
+    }
+}
+
+async fn completed_by_owner(
+    pool: &Pool,
+    records: &[&RecordId],
+) -> Result<HashSet<(String, String)>, DbError> {
+    let accounts: Vec<&str> = records.iter().map(|r| r.account.as_str()).collect();
+    let keys: Vec<&str> = records.iter().map(|r| r.key.as_str()).collect();
+    let owners: Vec<&str> = records.iter().map(|r| r.owner.as_str()).collect();
+    let client = pool.get().await?;
+    let statement = client.prepare_cached(COMPLETED_BY_OWNER_SQL).await?;
+    let rows = client
+        .query(&statement, &[&accounts, &keys, &owners])
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect())
+}
+
+pub(super) fn log_gone(record: &RecordId) {
+    tracing::error!(account = %record.account, key = record.key,
+        "the rail answered a request whose idempotency record is gone (forgotten by an \
+         operator, or removed by retention): a retry of this key is a new payment");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token::AccountId;
+
+    fn completion(
+        account: &str,
+        key: &str,
+    ) -> (Completion, oneshot::Receiver<Result<(), DbError>>) {
+        let (reply, rx) = oneshot::channel();
+        let c = Completion {
+            record: RecordId {
+                account: AccountId::parse(account, 64).unwrap(),
+                key: key.into(),
+                owner: format!("owner-{account}-{key}"),
+            },
+            response: StoredResponse {
+                status: 201,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: Some(bytes::Bytes::from_static(b"{}")),
+            },
+            claim: Claim::default(),
+            reply,
+        };
+        (c, rx)
+    }
+
+    fn names(completions: &VecDeque<Completion>) -> Vec<(String, String)> {
+        completions
+            .iter()
+            .map(|c| (c.record.account.to_string(), c.record.key.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn a_batch_never_holds_one_record_twice() {
+        let mut waiting = VecDeque::new();
+        let mut receivers = Vec::new();
+        for (account, key) in [
+            ("a", "k1"),
+            ("a", "k2"),
+            ("a", "k1"),
+            ("b", "k1"),
+            ("b", "k1"),
+        ] {
+            let (c, rx) = completion(account, key);
+            waiting.push_back(c);
+            receivers.push(rx);
+        }
+        let batch: VecDeque<_> = take_batch(&mut waiting, 100).into();
+        assert_eq!(
+            names(&batch),
+            [
+                ("a".to_string(), "k1".to_string()),
+                ("a".into(), "k2".into()),
+                ("b".into(), "k1".into())
+            ]
+        );
+        assert_eq!(
+            names(&waiting),
+            [
+                ("a".to_string(), "k1".to_string()),
+                ("b".into(), "k1".into())
+            ],
+            "deferred, in arrival order"
+        );
+        let next: VecDeque<_> = take_batch(&mut waiting, 100).into();
+        assert_eq!(next.len(), 2);
+        assert!(waiting.is_empty());
+    }
+
+    #[test]
+    fn a_batch_respects_its_size_and_claims_what_it_takes() {
+        let mut waiting = VecDeque::new();
+        let mut receivers = Vec::new();
+        for i in 0..10 {
+            let (c, rx) = completion("a", &format!("k{i}"));
+            waiting.push_back(c);
+            receivers.push(rx);
+        }
+        let batch = take_batch(&mut waiting, 4);
+        assert_eq!(batch.len(), 4);
+        assert!(
+            batch.iter().all(|c| !c.claim.for_retry()),
+            "the batch has them"
+        );
+        assert!(waiting.iter().all(|c| c.claim.clone().for_retry()));
+        assert!(
+            take_batch(&mut waiting, 4).is_empty(),
+            "all claimed by retries"
+        );
+        assert!(waiting.is_empty());
+    }
+
+    #[test]
+    fn a_batch_skips_completions_handed_to_the_retry_but_not_those_of_dropped_callers() {
+        let mut waiting = VecDeque::new();
+        let (retried, _rx1) = completion("a", "k1");
+        assert!(
+            retried.claim.for_retry(),
+            "its caller stopped waiting first"
+        );
+        let (dropped, rx2) = completion("a", "k2");
+        drop(rx2); // its request was dropped while waiting: nobody else will store it
+        let (waiting_caller, _rx3) = completion("a", "k3");
+        waiting.extend([retried, dropped, waiting_caller]);
+        let batch: VecDeque<_> = take_batch(&mut waiting, 100).into();
+        assert_eq!(
+            names(&batch),
+            [
+                ("a".to_string(), "k2".to_string()),
+                ("a".into(), "k3".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn columns_keep_the_rows_aligned_and_mark_bodies_not_kept() {
+        let (with_body, _rx1) = completion("a", "k1");
+        let (mut without, _rx2) = completion("b", "k2");
+        without.response.status = 500;
+        without.response.body = None;
+        let batch = [with_body, without];
+        let columns = Columns::of(&batch);
+        assert_eq!(columns.accounts, ["a", "b"]);
+        assert_eq!(columns.keys, ["k1", "k2"]);
+        assert_eq!(columns.owners, ["owner-a-k1", "owner-b-k2"]);
+        assert_eq!(columns.statuses, [201, 500]);
+        assert_eq!(columns.bodies, [Some(&b"{}"[..]), None]);
+        assert_eq!(columns.body_stored, [true, false]);
+        assert_eq!(
+            columns.headers[0],
+            r#"[["content-type","application/json"]]"#
+        );
+    }
+}
