@@ -419,7 +419,7 @@ impl Default for FencingConfig {
             enforce: true,
             cache_capacity: 100_000,
             batch_max: 512,
-            batch_concurrency: 4,
+            batch_concurrency: 2,
             require_proof: true,
             lock_key_template: LockKeyTemplate::default(),
             account_in_path: None,

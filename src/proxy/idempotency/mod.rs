@@ -5,8 +5,8 @@
 //! - it carries no key: it passes through;
 //! - its record was created: the request carries the [`RecordGuard`] that owns the record
 //!   ([`record`] says how a record ends). It is the first, and is forwarded; the rail's
-//!   response is stored before it is returned — or, if the database cannot take it now, as
-//!   soon as it can. A forward that fails drops the guard, which removes the record if the
+//!   response is stored before it is returned (group-committed, without waiting for the WAL
+//!   flush: `outcomes`) — or, if the database cannot take it now, as soon as it can. A forward that fails drops the guard, which removes the record if the
 //!   rail cannot have seen the request and declares it in doubt otherwise;
 //! - its record already existed: it is a repeat, and never reaches the rail. The same key with
 //!   a different request is 422; a repeat while the first is in flight is 409 `in_flight`; a

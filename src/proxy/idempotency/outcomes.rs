@@ -1,7 +1,8 @@
 //! Group commit for idempotency-record completions.
 //!
 //! Every forwarded request with an `Idempotency-Key` ends by storing the rail's answer in its
-//! record, and its client hears that answer only once it is stored. One `UPDATE` with its own
+//! record, and its client hears that answer only once it is stored (committed and visible; the
+//! commit does not wait for its WAL flush, see [`COMPLETE_SQL`]). One `UPDATE` with its own
 //! transaction, commit and pool checkout per request is a large part of PostgreSQL's work per
 //! request, so completions queue here instead, like the fence's compare-and-sets
 //! (`proxy::fence`'s `batch`): a batch takes every completion waiting when a statement slot
@@ -47,7 +48,16 @@ use super::store::StoredResponse;
 use crate::db::DbError;
 use crate::proxy::fence::Batching;
 
-/// Completes the in-flight records of a batch; returns the ones it completed. The rows come
+/// Completes the in-flight records of a batch; returns the ones it completed.
+///
+/// Its commit does not wait for the WAL flush (`synchronous_commit` off for this transaction
+/// only, set inside the statement): the rows are visible to every reader at once, and a
+/// PostgreSQL crash within `wal_writer_delay` (×3 at worst) of the commit can lose them. What
+/// that loses is the replay, never safety: the record itself was created durably with the
+/// fence's compare-and-set, so a lost completion leaves it `in_flight`, then in doubt once its
+/// owner's deadline passes — a retry is refused (`409 in_doubt`), never forwarded twice. What
+/// it saves is a second durable commit on every keyed request's path (issue 13: the added
+/// latency at one connection is one commit, not two). The rows come
 /// sorted by key into a nested loop over the primary key, so records are locked in key order,
 /// as the fence's batch locks the records it meets (an explicit `FOR UPDATE` in key order first
 /// doubled PostgreSQL's CPU per row: it writes a lock to each row before updating it).
@@ -60,7 +70,7 @@ FROM (
                          $6::bytea[], $7::bool[])
         AS u(account_id, key, owner, status, headers, body, body_stored)
     ORDER BY account_id, key
-) AS u
+) AS u, (SELECT set_config('synchronous_commit', 'off', true)) AS asynchronous_commit
 WHERE r.account_id = u.account_id AND r.idempotency_key = u.key AND r.owner = u.owner
   AND r.state = 'in_flight'
 RETURNING r.account_id, r.idempotency_key";

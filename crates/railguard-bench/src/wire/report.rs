@@ -146,7 +146,7 @@ impl WireReport {
             );
             let _ = writeln!(
                 out,
-                "| {} | {:.0} | {} | {} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {:.0}% | {} |",
+                "| {} | {:.0} | {} | {} | {:.2} | {:.2} | {} | {} | {} | {:.1} | {} | {} | {:.0}% | {} |",
                 phase.label(),
                 m.rate,
                 ratio(m.rate, nginx.map(|n| n.rate)),
@@ -168,7 +168,7 @@ impl WireReport {
                 } else {
                     "—".into()
                 },
-                format!("{:.1}", m.postgres_us),
+                m.postgres_us,
                 if m.batch_rows > 0.0 {
                     format!("{:.1}", m.batch_rows)
                 } else {
