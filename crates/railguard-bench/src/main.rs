@@ -70,6 +70,10 @@ struct Cli {
     /// directory (slows the proxy: the run's rates are then not comparable).
     #[arg(long)]
     profile_dir: Option<std::path::PathBuf>,
+    /// The wire suite: a PostgreSQL server setting for its throwaway cluster, `name=value`
+    /// (repeatable), e.g. `shared_buffers=1GB`.
+    #[arg(long = "pg-setting", value_parser = parse_setting)]
+    pg_settings: Vec<(String, String)>,
     /// Open client connections for the proxy RSS measurement (0 skips it).
     #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     rss_connections: u64,
@@ -102,6 +106,7 @@ fn main() -> ExitCode {
         latency_secs,
         batch_concurrency,
         profile_dir,
+        pg_settings,
     } = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -132,6 +137,7 @@ fn main() -> ExitCode {
                     latency_duration: Duration::from_secs(latency_secs),
                     batch_concurrency: batch_concurrency.map(|c| c as usize),
                     profile_dir,
+                    pg_settings,
                 };
                 return match wire::run(options).await {
                     Ok(report) => {
@@ -162,6 +168,21 @@ fn main() -> ExitCode {
             Err(e) => fail(&e),
         }
     })
+}
+
+/// `name=value`, for `--pg-setting`.
+fn parse_setting(text: &str) -> Result<(String, String), String> {
+    let (name, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?} is not name=value"))?;
+    let valid = !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+    if !valid {
+        return Err(format!("{name:?} is not a PostgreSQL setting name"));
+    }
+    Ok((name.to_string(), value.to_string()))
 }
 
 fn fail(error: &dyn std::fmt::Display) -> ExitCode {

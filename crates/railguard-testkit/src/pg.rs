@@ -34,6 +34,7 @@ pub struct PgBuilder {
     durable: bool,
     temp_dir_in: Option<PathBuf>,
     tls: Option<Issued>,
+    settings: Vec<(String, String)>,
 }
 
 impl PgBuilder {
@@ -57,6 +58,12 @@ impl PgBuilder {
     /// cleartext connection is refused.
     pub fn tls(mut self, server: &Issued) -> Self {
         self.tls = Some(server.clone());
+        self
+    }
+
+    /// A server setting (`-c name=value`), after the builder's own so that it wins.
+    pub fn setting(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.settings.push((name.into(), value.into()));
         self
     }
 
@@ -91,6 +98,7 @@ impl PgBuilder {
                 settings.push((name.into(), value.into()));
             }
         }
+        settings.extend(self.settings.iter().cloned());
         let options = ServerOptions {
             data_dir: dir.path().join("data"),
             port: free_loopback_port(),

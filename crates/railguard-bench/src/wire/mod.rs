@@ -69,6 +69,8 @@ pub(crate) struct WireOptions {
     /// this directory (`perf record -e cpu-clock --call-graph dwarf`): it slows the proxy,
     /// so a profiling run's rates are not comparable.
     pub profile_dir: Option<std::path::PathBuf>,
+    /// PostgreSQL server settings for the run, `(name, value)`, over its defaults.
+    pub pg_settings: Vec<(String, String)>,
 }
 
 /// What one phase sends load through.
@@ -175,12 +177,11 @@ pub(crate) async fn run(options: WireOptions) -> Result<WireReport, String> {
         .tempdir_in("/var/tmp")
         .map_err(|e| format!("cannot create a directory under /var/tmp: {e}"))?;
     eprintln!("wire: starting PostgreSQL (durable) under /var/tmp");
-    let mut postgres = Pg::builder()
-        .durable(true)
-        .temp_dir_in("/var/tmp")
-        .start()
-        .await
-        .map_err(|e| e.to_string())?;
+    let mut builder = Pg::builder().durable(true).temp_dir_in("/var/tmp");
+    for (name, value) in &options.pg_settings {
+        builder = builder.setting(name, value);
+    }
+    let mut postgres = builder.start().await.map_err(|e| e.to_string())?;
     let result = with_postgres(&options, &postgres, work.path()).await;
     let version = postgres.version().await;
     postgres.server.stop().await;

@@ -79,8 +79,17 @@ impl WireReport {
         let _ = writeln!(out, "### railguard-bench --suite wire, {}\n", self.date);
         let _ = writeln!(
             out,
-            "- PostgreSQL: {}, durable (fsync on, synchronous_commit on), throwaway cluster under /var/tmp",
-            self.postgres
+            "- PostgreSQL: {}, durable (fsync on, synchronous_commit on), throwaway cluster under /var/tmp; settings: {}",
+            self.postgres,
+            if o.pg_settings.is_empty() {
+                "the defaults".to_string()
+            } else {
+                o.pg_settings
+                    .iter()
+                    .map(|(n, v)| format!("`{n}={v}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
         );
         let _ = writeln!(
             out,
