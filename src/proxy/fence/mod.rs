@@ -8,17 +8,12 @@
 //! 3. One compare-and-set in PostgreSQL decides. Stale: 409, nothing forwarded.
 //! 4. Accepted: the request waits for its turn; a higher token admitted in the meantime in
 //!    this process makes it stale after all (409).
-//! 5. If the request had to wait in step 4, the account's mark is read again just before the
-//!    forward starts (a read, grouped, no commit): if another railguard process has accepted a
-//!    higher token since step 3, this one is stale now and is refused (409, counted in
-//!    `lock_fenced_out_total`, logged with both tokens), instead of reaching the rail after the
-//!    newer one. A request admitted without waiting skips the read: its compare-and-set
-//!    committed a moment ago and is as fresh a look as the read would be, and the read was a
-//!    second database statement and two task hand-offs on every request (issue 13). What
-//!    remains either way is the moment between the last look and the first byte on the wire;
-//!    `ordering` explains why closing it completely would need a row lock held across the
-//!    send. With each account routed to one process, as the README requires, no other process
-//!    raises the mark and the look never refuses anything.
+//! 5. Just before the forward starts, the account's mark is read again (a read, grouped, no
+//!    commit): if another railguard process has accepted a higher token since step 3, this
+//!    one is stale now and is refused (409, counted in `lock_fenced_out_total`, logged with
+//!    both tokens), instead of reaching the rail after the newer one. What remains is the
+//!    moment between that read and the first byte on the wire; `ordering` explains why
+//!    closing it completely would need a row lock held across the send.
 //!
 //! **Why a mark advanced by a request whose forward then failed is safe.** The mark only says
 //! "a grant with this token exists": tokens come from grants, and a grant is issued only after
@@ -111,9 +106,8 @@ pub struct FencePoint<H = HighWaterStore> {
     refusals: RefusalLog,
 }
 
-/// Refusals of stale tokens logged per second at most (every one is counted): see
-/// `refusal_log`.
-const REFUSALS_LOGGED_PER_SECOND: u64 = 20;
+/// Accounts whose cache refusals' log lines are limited at once (see `refusal_log`).
+const REFUSAL_LOG_ACCOUNTS: usize = 100_000;
 
 impl<H: HighWater> FencePoint<H> {
     pub fn new(marks: H, cache_capacity: u64, metrics: Arc<Metrics>, enforce: bool) -> Self {
@@ -124,7 +118,7 @@ impl<H: HighWater> FencePoint<H> {
             order: ForwardOrder::new(),
             metrics,
             enforce,
-            refusals: RefusalLog::new(REFUSALS_LOGGED_PER_SECOND),
+            refusals: RefusalLog::new(REFUSAL_LOG_ACCOUNTS),
         }
     }
 
@@ -150,12 +144,24 @@ impl<H: HighWater> FencePoint<H> {
         verdict
     }
 
+    /// A refusal decided by the database (the compare-and-set, the last look) or by this
+    /// process's forwarding order: always logged, at most one per compare-and-set.
     fn fenced_out(&self, account: AccountId, token: FencingToken, why: &'static str) -> BoxError {
-        if let Some(left_out) = self.refusals.admit() {
-            tracing::warn!(lock.token = token.get(), account = %account, why, left_out,
+        tracing::warn!(lock.token = token.get(), account = %account, why,
+            "stale fencing token refused: a lease expired under a live holder");
+        FencedOut { account, token }.into()
+    }
+
+    /// A refusal from the mark cache, with no database work: what a worker stuck on a
+    /// superseded grant repeats as fast as it can. Logged at most once a second per account
+    /// (`refusal_log`), the account's first refusal always.
+    fn fenced_out_cached(&self, account: AccountId, token: FencingToken) -> BoxError {
+        if let Some(left_out) = self.refusals.admit(&account) {
+            tracing::warn!(lock.token = token.get(), account = %account,
+                why = "below a mark already seen", left_out,
                 "stale fencing token refused: a lease expired under a live holder \
-                 (left_out: refusals not logged since the last such line; all are counted in \
-                 lock_fenced_out_total)");
+                 (left_out: this account's refusals not logged since its last such line; all \
+                 are counted in lock_fenced_out_total)");
         }
         FencedOut { account, token }.into()
     }
@@ -255,7 +261,7 @@ where
             .metrics
             .observe_fence(FencePath::Cache, started.elapsed().as_secs_f64());
         span.record("verdict", "stale_cached");
-        return Err(point.fenced_out(account, token, "below a mark already seen"));
+        return Err(point.fenced_out_cached(account, token));
     }
 
     // Take our place before the compare-and-set, so that a higher token committed after ours
@@ -307,35 +313,30 @@ where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
     H: HighWater,
 {
-    let waited = match tokio::time::timeout_at(request.deadline, ticket.admit(token)).await {
-        Ok(Ok(waited)) => waited,
+    match tokio::time::timeout_at(request.deadline, ticket.admit(token)).await {
+        Ok(Ok(())) => {}
         Ok(Err(_superseded)) => {
             point.cache.raise_past(&account, token);
             return Err(point.fenced_out(account, token, "a higher token was admitted meanwhile"));
         }
         Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
-    };
-    // The last look, after a wait for earlier forwards: has another railguard accepted a
-    // higher token for this account since our compare-and-set? Then ours must not reach the
-    // rail after it. A request admitted without waiting goes straight on: its compare-and-set,
-    // committed a moment ago, is as fresh a look at the mark as a read would be.
-    if waited {
-        match tokio::time::timeout_at(request.deadline, point.marks.current_mark(&account)).await {
-            Ok(Ok(mark)) if mark > token.get() => {
-                point.cache.raise(&account, mark);
-                tracing::warn!(lock.token = token.get(), account = %account, mark,
-                    "a token superseded in the database after its compare-and-set (another \
-                     railguard accepted a newer grant) was refused before its forward started");
-                return Err(point.fenced_out(
-                    account,
-                    token,
-                    "superseded before its forward started",
-                ));
-            }
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => return Err(FenceUnavailable(e).into()),
-            Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
+    }
+    // The last look: has another railguard accepted a higher token for this account since our
+    // compare-and-set? Then ours must not reach the rail after it. Taken on every request, not
+    // only after a wait for an earlier forward: the compare-and-set's verdict can take any time
+    // to reach us after its commit (the network, a batch handing out its replies, a busy
+    // scheduler), and no clock may decide that it is still fresh.
+    match tokio::time::timeout_at(request.deadline, point.marks.current_mark(&account)).await {
+        Ok(Ok(mark)) if mark > token.get() => {
+            point.cache.raise(&account, mark);
+            tracing::warn!(lock.token = token.get(), account = %account, mark,
+                "a token superseded in the database after its compare-and-set (another \
+                 railguard accepted a newer grant) was refused before its forward started");
+            return Err(point.fenced_out(account, token, "superseded before its forward started"));
         }
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(FenceUnavailable(e).into()),
+        Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
     }
     // The ticket travels with the request: the forward holds it until the rail has answered
     // (or it gave up waiting for a late answer); only then may a higher token for this
@@ -596,16 +597,23 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_request_admitted_without_waiting_goes_on_from_its_compare_and_set() {
+    async fn a_token_superseded_elsewhere_is_refused_even_when_it_did_not_wait() {
         let marks = Arc::new(MemoryMarks::default());
-        // A read would say 12, but nothing made this request wait after its compare-and-set.
+        // Another railguard accepted 12 after this request's compare-and-set committed, and
+        // before its verdict reached it: nothing made it wait in this process.
         *marks.elsewhere.lock().unwrap() = Some(12);
         let forwarded = Arc::new(AtomicUsize::new(0));
-        fence(&marks, true, &forwarded)
-            .oneshot(request(10, None))
+        let error = fence(&marks, true, &forwarded)
+            .oneshot(request(10, Some("pay-1")))
             .await
-            .unwrap();
-        assert_eq!(forwarded.load(Ordering::SeqCst), 1);
+            .unwrap_err();
+        assert!(error.downcast_ref::<FencedOut>().is_some(), "{error}");
+        assert_eq!(forwarded.load(Ordering::SeqCst), 0);
+        let ended = marks.records.ended();
+        assert!(
+            matches!(ended.as_slice(), [Ended::Forgotten(id)] if id.key == "pay-1"),
+            "{ended:?}"
+        );
     }
 
     #[tokio::test]

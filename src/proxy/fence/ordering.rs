@@ -121,13 +121,11 @@ impl ForwardOrder {
 
 impl Ticket {
     /// Waits for this request's turn to be forwarded with `token`, whose compare-and-set has
-    /// committed. Refuses when a higher token got there first. `Ok(true)` when it had to wait
-    /// for earlier forwards to end (its compare-and-set is no longer a fresh look at the mark).
-    pub(super) async fn admit(&mut self, token: FencingToken) -> Result<bool, Superseded> {
+    /// committed. Refuses when a higher token got there first.
+    pub(super) async fn admit(&mut self, token: FencingToken) -> Result<(), Superseded> {
         assert!(!self.admitted, "a ticket is admitted once");
         let token = token.get();
         let notify = self.notify.clone();
-        let mut waited = false;
         loop {
             let mut woken = pin!(notify.notified());
             {
@@ -147,14 +145,13 @@ impl Ticket {
                     slot.epoch = token;
                     slot.in_flight += 1;
                     self.admitted = true;
-                    return Ok(waited);
+                    return Ok(());
                 }
                 // Forwards for a lower token are still on their way to the rail. Register for
                 // the wake-up before the lock is released so that none is missed.
                 woken.as_mut().enable();
             }
             woken.await;
-            waited = true;
         }
     }
 }
@@ -217,10 +214,10 @@ mod tests {
     async fn higher_token_waits_for_lower_forwards_to_finish() {
         let order = ForwardOrder::new();
         let mut low = order.enter(&acct("a"));
-        assert!(!low.admit(tok(42)).await.unwrap(), "nothing to wait for");
+        low.admit(tok(42)).await.unwrap();
         let mut high = order.enter(&acct("a"));
         let waiter = tokio::spawn(async move {
-            assert!(high.admit(tok(57)).await.unwrap(), "it waited");
+            high.admit(tok(57)).await.unwrap();
             high
         });
         tokio::time::sleep(Duration::from_millis(50)).await;

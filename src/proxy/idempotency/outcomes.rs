@@ -52,7 +52,8 @@ use crate::proxy::fence::Batching;
 ///
 /// Its commit does not wait for the WAL flush (`synchronous_commit` off for this transaction
 /// only, set inside the statement): the rows are visible to every reader at once, and a
-/// PostgreSQL crash within `wal_writer_delay` (×3 at worst) of the commit can lose them. What
+/// PostgreSQL crash within `wal_writer_delay` (×3 at worst) of the commit can lose them — as
+/// can a failover to a standby, which an asynchronous commit does not wait for either. What
 /// that loses is the replay, never safety: the record itself was created durably with the
 /// fence's compare-and-set, so a lost completion leaves it `in_flight`, then in doubt once its
 /// owner's deadline passes — a retry is refused (`409 in_doubt`), never forwarded twice. What
@@ -311,9 +312,13 @@ pub(super) async fn report_gone(pool: &Pool, records: &[&RecordId]) {
     let done = match completed_by_owner(pool, records).await {
         Ok(done) => done,
         Err(e) => {
-            tracing::warn!(error = %e, records = records.len(),
-                "could not tell whether idempotency records are gone or completed already");
-            HashSet::new()
+            // Not known to be gone: say that, rather than that a retry is a new payment.
+            for record in records {
+                tracing::warn!(account = %record.account, key = record.key, error = %e,
+                    "an idempotency completion changed no row, and whether the record is gone or \
+                     was completed already (by an earlier attempt) could not be checked");
+            }
+            return;
         }
     };
     for record in records {

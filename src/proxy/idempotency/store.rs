@@ -239,6 +239,9 @@ impl IdempotencyStore {
                     ],
                 )
                 .await?;
+            // Back to the pool before the lookup takes one: a full pool must not make this
+            // wait for itself.
+            drop(client);
             if stored == 0 {
                 let record = RecordId {
                     account: account.clone(),

@@ -138,6 +138,7 @@ fn phases(o: &WireOptions) -> Vec<Phase> {
         all.extend([
             p(Route::Direct, true, false, 1),
             p(Route::Nginx, true, false, 1),
+            p(Route::Fenced, false, false, 1),
             p(Route::Fenced, true, false, 1),
             p(Route::Pgbench, false, false, 1),
         ]);
@@ -156,7 +157,10 @@ pub(crate) struct Sample {
     pub proxy_cpu: f64,
     pub proxy_switches: u64,
     pub upstream_cpu: f64,
+    /// All of PostgreSQL: backends, background processes, reaped children.
     pub postgres_cpu: f64,
+    /// PostgreSQL's live client backends only: the statements' own cost (railguard phases).
+    pub postgres_backend_cpu: f64,
     pub machine_busy: f64,
     /// Mean rows per fence compare-and-set statement (railguard phases).
     pub batch_rows: f64,
@@ -262,7 +266,7 @@ async fn measure_all(
             let run_id = format!("{run}-{rep}-{index}");
             let sample = measure(o, pg, dir, c, *phase, &run_id, stale_accounts).await;
             eprintln!(
-                "wire: [{rep}/{}] {:<48} c={:<3} {:>9.0}/s  p50 {:>7.3} ms  proxy {:>5.1} µs/req  {:>4.2} cs/req  pg {:>5.1} µs/req  batch {:>5.1}{}",
+                "wire: [{rep}/{}] {:<48} c={:<3} {:>9.0}/s  p50 {:>7.3} ms  proxy {:>5.1} µs/req  {:>4.2} cs/req  pg {:>5.1} µs/req (sessions {:>5.1})  batch {:>5.1}{}",
                 o.repeats,
                 phase.label(),
                 phase.connections,
@@ -271,6 +275,7 @@ async fn measure_all(
                 per_request_us(sample.proxy_cpu, sample.requests),
                 sample.proxy_switches as f64 / sample.requests.max(1) as f64,
                 per_request_us(sample.postgres_cpu, sample.requests),
+                per_request_us(sample.postgres_backend_cpu, sample.requests),
                 sample.batch_rows,
                 if sample.problems.is_empty() {
                     String::new()
@@ -360,6 +365,7 @@ async fn measure(
         Usage::of(proxy_pid),
         Usage::of(c.upstream.pid()),
         cpu::Snapshot::take(pg.pid(), None),
+        procs::postgres_backend_ticks(pg.pid()),
     );
     let profile = match (&o.profile_dir, proxy_pid) {
         (Some(dir), Some(pid)) if phase.connections > 1 => {
@@ -375,6 +381,7 @@ async fn measure(
         Usage::of(proxy_pid),
         Usage::of(c.upstream.pid()),
         cpu::Snapshot::take(pg.pid(), None),
+        procs::postgres_backend_ticks(pg.pid()),
     );
     let batches_after = procs::histogram(admin, "railguard_fence_batch_size").await;
     let result = match result {
@@ -417,6 +424,7 @@ async fn measure(
         proxy_switches,
         upstream_cpu,
         postgres_cpu: machine.postgres_secs,
+        postgres_backend_cpu: after.3.saturating_sub(before.3) as f64 / 100.0,
         machine_busy: machine.machine_busy,
         batch_rows,
         problems,
@@ -449,6 +457,9 @@ async fn measure_pgbench(
     }
     let before = cpu::Snapshot::take(pg.pid(), None);
     let result = pgbench(duration).run(&work).await;
+    // pgbench's backends exit with it; their time reaches the postmaster's count of reaped
+    // children only once it has waited for them.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let machine = before.until(&cpu::Snapshot::take(pg.pid(), None));
     match result {
         Ok(r) => Sample {

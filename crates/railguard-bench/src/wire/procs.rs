@@ -309,6 +309,27 @@ impl Usage {
     }
 }
 
+/// CPU ticks of a PostgreSQL server's live client backends (the sessions that run the
+/// statements), leaving out its background processes (WAL writer, checkpointer, background
+/// writer, autovacuum) and the postmaster. A backend's time is lost here when it exits, so
+/// this suits clients that keep their connections: railguard's pools.
+pub(crate) fn postgres_backend_ticks(postmaster: Option<u32>) -> u64 {
+    let Some(postmaster) = postmaster else {
+        return 0;
+    };
+    children_of(postmaster)
+        .into_iter()
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                // `postgres: <user> <database> <host>(<port>) <state>`
+                let text = String::from_utf8_lossy(&cmdline);
+                text.starts_with("postgres: ") && text.contains("127.0.0.1(")
+            })
+        })
+        .filter_map(|pid| ticks(pid).map(|(own, _)| own))
+        .sum()
+}
+
 fn ticks(pid: u32) -> Option<(u64, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let fields: Vec<&str> = text[text.rfind(')')? + 1..].split_whitespace().collect();
