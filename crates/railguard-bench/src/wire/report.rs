@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 
 use super::{Phase, Route, Sample, WireOptions, per_request_us};
+use crate::report::median;
 use railguard::config::Config;
 
 #[derive(Debug)]
@@ -14,19 +15,6 @@ pub(crate) struct WireReport {
     pub stale_accounts: u64,
     pub proxy_config: Config,
     pub samples: Vec<(Phase, Vec<Sample>)>,
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    if values.is_empty() {
-        return 0.0;
-    }
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 {
-        values[mid]
-    } else {
-        (values[mid - 1] + values[mid]) / 2.0
-    }
 }
 
 /// Medians of one phase.
@@ -46,7 +34,7 @@ struct Medians {
 }
 
 fn medians(samples: &[Sample]) -> Medians {
-    let m = |f: &dyn Fn(&Sample) -> f64| median(samples.iter().map(f).collect());
+    let m = |f: &dyn Fn(&Sample) -> f64| median(samples.iter().map(f));
     Medians {
         rate: m(&|s| s.rate),
         p50_us: m(&|s| s.p50_us),
@@ -341,16 +329,4 @@ fn nginx_version() -> String {
                 .to_string()
         })
         .unwrap_or_else(|| "?".into())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn median_of_odd_and_even_counts() {
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert_eq!(median(vec![]), 0.0);
-    }
 }
