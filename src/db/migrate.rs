@@ -45,6 +45,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "operator_audit",
         sql: include_str!("../../migrations/0005_operator_audit.sql"),
     },
+    Migration {
+        version: 6,
+        name: "completion_plan",
+        sql: include_str!("../../migrations/0006_completion_plan.sql"),
+    },
 ];
 
 /// The schema version this binary expects.

@@ -32,6 +32,7 @@ use tower::{Layer, Service};
 
 pub use self::instance::{InstanceId, hold_instance_lock};
 pub use self::key::{fingerprint, new_owner, parse_key};
+pub use self::outcomes::COMPLETE_SQL;
 pub use self::record::{MaybeSent, NewRecord, RecordGuard, RecordId, Records};
 #[cfg(test)]
 pub(crate) use self::replay::{BODY_OMITTED, REPLAYED};

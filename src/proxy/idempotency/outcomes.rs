@@ -15,8 +15,8 @@
 //! flight. A batch never holds one record twice (the second would match nothing); such a
 //! completion waits for a later batch. Rows are updated in key order, as the fence's batch
 //! locks the records it meets, so that the two do not deadlock on records in practice; that
-//! order comes from the plan (see [`COMPLETE_SQL`]). Should PostgreSQL ever pick another, a
-//! deadlock is still detected and cancels one of the two statements: a completion batch's
+//! order is the only plan the statement can have (see [`COMPLETE_SQL`]). Were the two ever to
+//! meet in another order, a deadlock is still detected and cancels one of the two statements: a completion batch's
 //! completions are then retried in the background; a fence batch's requests are refused
 //! (503) with nothing forwarded.
 //!
@@ -50,31 +50,28 @@ use crate::proxy::fence::Batching;
 
 /// Completes the in-flight records of a batch; returns the ones it completed.
 ///
-/// Its commit does not wait for the WAL flush (`synchronous_commit` off for this transaction
-/// only, set inside the statement): the rows are visible to every reader at once, and a
+/// The statement is the function `railguard_complete_records` (migration 0006), which pins
+/// its plan: the batch, sorted by key, driving a nested loop over the primary key. A prepared
+/// `UPDATE … FROM unnest(…)` gets a generic plan costed for the table as it was at its sixth
+/// execution; on a new deployment that plan is a sequential scan, kept while the table grows
+/// until autovacuum analyzes it (issue 13 measured 2,860 such scans in a minute of load).
+/// `tests/statement_plans.rs` checks the pinned plan against that.
+///
+/// Its commit does not wait for the WAL flush (the function turns `synchronous_commit` off
+/// for this transaction only): the rows are visible to every reader at once, and a
 /// PostgreSQL crash within `wal_writer_delay` (×3 at worst) of the commit can lose them — as
 /// can a failover to a standby, which an asynchronous commit does not wait for either. What
 /// that loses is the replay, never safety: the record itself was created durably with the
 /// fence's compare-and-set, so a lost completion leaves it `in_flight`, then in doubt once its
 /// owner's deadline passes — a retry is refused (`409 in_doubt`), never forwarded twice. What
 /// it saves is a second durable commit on every keyed request's path (issue 13: the added
-/// latency at one connection is one commit, not two). The rows come
-/// sorted by key into a nested loop over the primary key, so records are locked in key order,
-/// as the fence's batch locks the records it meets (an explicit `FOR UPDATE` in key order first
+/// latency at one connection is one commit, not two). Records are locked in key order, as the
+/// fence's batch locks the records it meets (an explicit `FOR UPDATE` in key order first
 /// doubled PostgreSQL's CPU per row: it writes a lock to each row before updating it).
-const COMPLETE_SQL: &str = "\
-UPDATE idempotency_record r
-SET state = 'done', status = u.status, headers = u.headers::jsonb, body = u.body,
-    body_stored = u.body_stored, completed_at = now()
-FROM (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int2[], $5::text[],
-                         $6::bytea[], $7::bool[])
-        AS u(account_id, key, owner, status, headers, body, body_stored)
-    ORDER BY account_id, key
-) AS u, (SELECT set_config('synchronous_commit', 'off', true)) AS asynchronous_commit
-WHERE r.account_id = u.account_id AND r.idempotency_key = u.key AND r.owner = u.owner
-  AND r.state = 'in_flight'
-RETURNING r.account_id, r.idempotency_key";
+pub const COMPLETE_SQL: &str = "\
+SELECT completed_account, completed_key
+FROM railguard_complete_records($1::text[], $2::text[], $3::text[], $4::int2[], $5::text[],
+                                $6::bytea[], $7::bool[])";
 
 /// Which of these records their owners have completed already.
 pub(super) const COMPLETED_BY_OWNER_SQL: &str = "\

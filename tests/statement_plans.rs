@@ -1,0 +1,157 @@
+//! The plans PostgreSQL keeps for railguard's batched statements.
+//!
+//! A statement prepared once per pooled connection is planned generically from its sixth
+//! execution on, for the table as it was then. A plan made while a table is small must still
+//! be right when the table is large, or a new deployment's first minutes of load scan whole
+//! tables until autovacuum analyzes them. Autovacuum is off here, so nothing replans behind
+//! the test's back.
+
+use railguard_testkit as support;
+
+use railguard::proxy::idempotency::COMPLETE_SQL;
+use support::Pg;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, GenericClient};
+
+/// The batched completion as it was prepared before migration 0006 pinned its plan: the
+/// negative control, showing that this PostgreSQL does cache a sequential scan for it.
+const UNPINNED_COMPLETE_SQL: &str = "\
+UPDATE idempotency_record r
+SET state = 'done', status = u.status, headers = u.headers::jsonb, body = u.body,
+    body_stored = u.body_stored, completed_at = now()
+FROM (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int2[], $5::text[],
+                         $6::bytea[], $7::bool[])
+        AS u(account_id, key, owner, status, headers, body, body_stored)
+    ORDER BY account_id, key
+) AS u
+WHERE r.account_id = u.account_id AND r.idempotency_key = u.key AND r.owner = u.owner
+  AND r.state = 'in_flight'
+RETURNING r.account_id, r.idempotency_key";
+
+async fn insert_in_flight(client: &Client, from: i64, to: i64) {
+    client
+        .execute(
+            "INSERT INTO idempotency_record
+                 (account_id, idempotency_key, fingerprint, token, owner, state)
+             SELECT 'acct-' || g, 'key-' || g, 'fp', g, 'owner-' || g, 'in_flight'
+             FROM generate_series($1::bigint, $2::bigint) g",
+            &[&from, &to],
+        )
+        .await
+        .unwrap();
+}
+
+/// Completes records `ids` with `statement`; how many it completed.
+async fn complete(
+    client: &impl GenericClient,
+    statement: &tokio_postgres::Statement,
+    ids: &[i64],
+) -> usize {
+    let accounts: Vec<String> = ids.iter().map(|i| format!("acct-{i}")).collect();
+    let keys: Vec<String> = ids.iter().map(|i| format!("key-{i}")).collect();
+    let owners: Vec<String> = ids.iter().map(|i| format!("owner-{i}")).collect();
+    let statuses: Vec<i16> = ids.iter().map(|_| 201).collect();
+    let headers: Vec<String> = ids.iter().map(|_| "{}".to_string()).collect();
+    let bodies: Vec<Vec<u8>> = ids.iter().map(|i| i.to_string().into_bytes()).collect();
+    let stored: Vec<bool> = ids.iter().map(|_| true).collect();
+    let params: [&(dyn ToSql + Sync); 7] = [
+        &accounts, &keys, &owners, &statuses, &headers, &bodies, &stored,
+    ];
+    client.query(statement, &params).await.unwrap().len()
+}
+
+/// Sequential and index scans of idempotency_record that `ids`' completion took, counted
+/// within one transaction (the backend's own, not yet reported, counters).
+async fn scans_of_one_completion(
+    client: &mut Client,
+    statement: &tokio_postgres::Statement,
+    ids: &[i64],
+) -> (i64, i64, usize, String) {
+    const SCANS: &str = "SELECT coalesce(seq_scan, 0), coalesce(idx_scan, 0)
+                         FROM pg_stat_xact_user_tables WHERE relname = 'idempotency_record'";
+    let tx = client.transaction().await.unwrap();
+    let before = tx.query_one(SCANS, &[]).await.unwrap();
+    let completed = complete(&tx, statement, ids).await;
+    let after = tx.query_one(SCANS, &[]).await.unwrap();
+    let commit: String = tx
+        .query_one("SELECT current_setting('synchronous_commit')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    tx.commit().await.unwrap();
+    let delta = |i: usize| after.get::<_, i64>(i) - before.get::<_, i64>(i);
+    (delta(0), delta(1), completed, commit)
+}
+
+#[tokio::test]
+async fn a_completion_plan_made_on_a_small_table_still_uses_the_primary_key() {
+    let pg = Pg::builder()
+        .setting("autovacuum", "off")
+        .start()
+        .await
+        .unwrap_or_else(|e| panic!("throwaway PostgreSQL: {e}"));
+    let mut client = pg.client().await;
+    railguard::db::migrate::migrate(&mut client).await.unwrap();
+    // A new deployment: a small table, and each statement run more than five times on one
+    // connection, as a pooled connection runs it in the first seconds of load.
+    insert_in_flight(&client, 1, 200).await;
+    let pinned = client.prepare(COMPLETE_SQL).await.unwrap();
+    let unpinned = client.prepare(UNPINNED_COMPLETE_SQL).await.unwrap();
+    for i in 0..8 {
+        assert_eq!(complete(&client, &pinned, &[2 * i + 1, 2 * i + 2]).await, 2);
+        assert_eq!(
+            complete(&client, &unpinned, &[100 + 2 * i + 1, 100 + 2 * i + 2]).await,
+            2
+        );
+    }
+    // Then the table grows, and nothing replans.
+    insert_in_flight(&client, 1_000, 60_000).await;
+
+    let (seq, idx, completed, _) =
+        scans_of_one_completion(&mut client, &unpinned, &[50_001, 50_002]).await;
+    assert_eq!(completed, 2);
+    assert!(
+        seq >= 1,
+        "negative control: the unpinned statement's cached plan scans the whole table on this \
+         PostgreSQL (seq {seq}, idx {idx}); if this no longer holds, migration 0006's pinning \
+         is harmless but no longer needed"
+    );
+
+    let (seq, idx, completed, commit) =
+        scans_of_one_completion(&mut client, &pinned, &[50_011, 50_012, 50_013]).await;
+    assert_eq!(completed, 3, "every record of the batch is completed");
+    assert_eq!(
+        commit, "off",
+        "the completion's own commit does not wait for the flush"
+    );
+    assert_eq!(seq, 0, "the pinned completion never scans the table");
+    assert!(
+        idx >= 1,
+        "it finds its records by the primary key (idx {idx})"
+    );
+
+    // The function's planner settings end with it; the asynchronous commit is the
+    // transaction's, as before (the record's creation stays durable).
+    let row = client
+        .query_one(
+            "SELECT current_setting('enable_seqscan'), current_setting('enable_hashjoin'),
+                    current_setting('synchronous_commit')",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "on");
+    assert_eq!(row.get::<_, String>(1), "on");
+    assert_eq!(row.get::<_, String>(2), "on");
+    let done: i64 = client
+        .query_one(
+            "SELECT count(*) FROM idempotency_record
+             WHERE state = 'done' AND completed_at IS NOT NULL AND status = 201",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(done, 16 + 16 + 2 + 3);
+}
