@@ -35,7 +35,7 @@ use crate::bench::{ACCOUNT_PREFIX, STALE_MARK, STALE_PREFIX, TOKEN, advance_all,
 use crate::cpu;
 use crate::pgbench::{Pgbench, cas_script};
 use procs::{Spawned, Usage};
-pub(crate) use report::WireReport;
+pub(crate) use report::{TableScans, WireReport};
 use wrk::{Requests, Wrk};
 
 /// The stale phase's token: below every stale account's mark.
@@ -234,7 +234,37 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
     for process in [fenced, off, nginx, upstream] {
         process.stop().await;
     }
-    result
+    let mut report = result?;
+    // A backend reports its counts as it exits, just after its client closed the connection.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    report.table_scans = table_scans(pg).await;
+    Ok(report)
+}
+
+/// Scans of railguard's hot tables since the cluster started; empty if they cannot be read.
+async fn table_scans(pg: &Pg) -> Vec<TableScans> {
+    let Ok(client) = pg.client_with(&pg.url()).await else {
+        return Vec::new();
+    };
+    let rows = client
+        .query(
+            "SELECT relname::text, coalesce(seq_scan, 0), coalesce(seq_tup_read, 0),
+                    coalesce(idx_scan, 0)
+             FROM pg_stat_user_tables
+             WHERE relname IN ('idempotency_record', 'rail_high_water')
+             ORDER BY relname",
+            &[],
+        )
+        .await
+        .unwrap_or_default();
+    rows.iter()
+        .map(|row| TableScans {
+            table: row.get(0),
+            seq_scans: row.get(1),
+            seq_rows_read: row.get(2),
+            index_scans: row.get(3),
+        })
+        .collect()
 }
 
 async fn measure_all(
@@ -299,6 +329,7 @@ async fn measure_all(
             config
         },
         samples,
+        table_scans: Vec::new(),
     })
 }
 

@@ -15,6 +15,18 @@ pub(crate) struct WireReport {
     pub stale_accounts: u64,
     pub proxy_config: Config,
     pub samples: Vec<(Phase, Vec<Sample>)>,
+    /// How PostgreSQL read railguard's tables over the whole run, read once every railguard
+    /// process had stopped (a backend reports its counts when it exits).
+    pub table_scans: Vec<TableScans>,
+}
+
+/// One table's scans over the run, from `pg_stat_user_tables`.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TableScans {
+    pub table: String,
+    pub seq_scans: i64,
+    pub seq_rows_read: i64,
+    pub index_scans: i64,
 }
 
 /// Medians of one phase.
@@ -115,7 +127,27 @@ impl WireReport {
             out,
             "- CPU and context switches per request: from `/proc` of each process (nginx: master \
              and workers), divided by the requests wrk counted; PostgreSQL: the postmaster and \
-             all its backends\n"
+             all its backends"
+        );
+        let scans: Vec<String> = self
+            .table_scans
+            .iter()
+            .map(|t| {
+                format!(
+                    "`{}` {} sequential scans reading {} rows, {} index scans",
+                    t.table, t.seq_scans, t.seq_rows_read, t.index_scans
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "- PostgreSQL's reads of railguard's tables over the whole run (pg_stat_user_tables): \
+             {}\n",
+            if scans.is_empty() {
+                "not read".to_string()
+            } else {
+                scans.join("; ")
+            }
         );
 
         let nginx = self.find(Route::Nginx, true, false, o.connections);
