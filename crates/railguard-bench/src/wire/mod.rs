@@ -35,7 +35,7 @@ use crate::bench::{ACCOUNT_PREFIX, STALE_MARK, STALE_PREFIX, TOKEN, advance_all,
 use crate::cpu;
 use crate::pgbench::{Pgbench, cas_script};
 use procs::{Spawned, Usage};
-pub(crate) use report::{TableScans, WireReport};
+pub(crate) use report::{StatementCost, TableScans, WireReport};
 use wrk::{Requests, Wrk};
 
 /// The stale phase's token: below every stale account's mark.
@@ -238,7 +238,49 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
     // A backend reports its counts as it exits, just after its client closed the connection.
     tokio::time::sleep(Duration::from_secs(1)).await;
     report.table_scans = table_scans(pg).await;
+    report.top_statements = top_statements(pg).await;
     Ok(report)
+}
+
+/// The ten statements that took the most execution time, if `pg_stat_statements` is loaded.
+async fn top_statements(pg: &Pg) -> Vec<StatementCost> {
+    let Ok(client) = pg.client_with(&pg.url()).await else {
+        return Vec::new();
+    };
+    if client
+        .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await
+        .is_err()
+    {
+        return Vec::new();
+    }
+    let rows = client
+        .query(
+            "SELECT query, calls, rows, total_exec_time, wal_bytes::float8, wal_fpi
+             FROM pg_stat_statements ORDER BY total_exec_time DESC LIMIT 10",
+            &[],
+        )
+        .await
+        .unwrap_or_default();
+    rows.iter()
+        .map(|row| {
+            let query: String = row.get(0);
+            StatementCost {
+                query: query
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ")
+                    .chars()
+                    .take(90)
+                    .collect(),
+                calls: row.get(1),
+                rows: row.get(2),
+                total_ms: row.get(3),
+                wal_bytes: row.get(4),
+                wal_full_page_images: row.get(5),
+            }
+        })
+        .collect()
 }
 
 /// Scans of railguard's hot tables since the cluster started; empty if they cannot be read.
@@ -330,6 +372,7 @@ async fn measure_all(
         },
         samples,
         table_scans: Vec::new(),
+        top_statements: Vec::new(),
     })
 }
 

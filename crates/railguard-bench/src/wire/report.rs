@@ -18,6 +18,21 @@ pub(crate) struct WireReport {
     /// How PostgreSQL read railguard's tables over the whole run, read once every railguard
     /// process had stopped (a backend reports its counts when it exits).
     pub table_scans: Vec<TableScans>,
+    /// The statements that took PostgreSQL the most time, when the cluster ran with
+    /// `--pg-setting shared_preload_libraries=pg_stat_statements`; empty otherwise.
+    pub top_statements: Vec<StatementCost>,
+}
+
+/// One statement's cost over the run, from `pg_stat_statements`.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StatementCost {
+    /// The statement's first line, whitespace collapsed.
+    pub query: String,
+    pub calls: i64,
+    pub rows: i64,
+    pub total_ms: f64,
+    pub wal_bytes: f64,
+    pub wal_full_page_images: i64,
 }
 
 /// One table's scans over the run, from `pg_stat_user_tables`.
@@ -330,6 +345,30 @@ impl WireReport {
     }
 
     fn repetitions(&self, out: &mut String) {
+        if !self.top_statements.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nPostgreSQL's statements by total execution time over the whole run \
+                 (pg_stat_statements):\n\n\
+                 | statement | calls | rows per call | µs per call | µs per row | WAL bytes per row | full-page images per row |\n\
+                 |---|---:|---:|---:|---:|---:|---:|"
+            );
+            for st in &self.top_statements {
+                let calls = st.calls.max(1) as f64;
+                let rows = st.rows.max(1) as f64;
+                let _ = writeln!(
+                    out,
+                    "| `{}` | {} | {:.1} | {:.1} | {:.1} | {:.0} | {:.3} |",
+                    st.query.replace('|', "\\|"),
+                    st.calls,
+                    st.rows as f64 / calls,
+                    st.total_ms * 1000.0 / calls,
+                    st.total_ms * 1000.0 / rows,
+                    st.wal_bytes / rows,
+                    st.wal_full_page_images as f64 / rows
+                );
+            }
+        }
         let _ = writeln!(out, "\nEvery repetition (req/s), and what was flagged:\n");
         for (phase, samples) in &self.samples {
             let rates: Vec<String> = samples.iter().map(|s| format!("{:.0}", s.rate)).collect();
