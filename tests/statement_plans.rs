@@ -85,14 +85,21 @@ async fn scans_of_one_completion(
 }
 
 #[tokio::test]
-async fn a_completion_plan_made_on_a_small_table_still_uses_the_primary_key() {
+async fn the_completion_is_planned_once_for_the_primary_key_even_on_a_small_table() {
     let pg = Pg::builder()
         .setting("autovacuum", "off")
+        .setting("shared_preload_libraries", "pg_stat_statements")
+        .setting("pg_stat_statements.track", "all")
+        .setting("pg_stat_statements.track_planning", "on")
         .start()
         .await
         .unwrap_or_else(|e| panic!("throwaway PostgreSQL: {e}"));
     let mut client = pg.client().await;
     railguard::db::migrate::migrate(&mut client).await.unwrap();
+    client
+        .batch_execute("CREATE EXTENSION pg_stat_statements")
+        .await
+        .unwrap();
     // A new deployment: a small table, and each statement run more than five times on one
     // connection, as a pooled connection runs it in the first seconds of load.
     insert_in_flight(&client, 1, 200).await;
@@ -129,6 +136,26 @@ async fn a_completion_plan_made_on_a_small_table_still_uses_the_primary_key() {
     assert!(
         idx >= 1,
         "it finds its records by the primary key (idx {idx})"
+    );
+
+    // Planned once and kept: a custom plan per batch (what PostgreSQL picks for a batch of
+    // fewer than ten rows when it may) costs more than the rest of the statement.
+    let row = client
+        .query_one(
+            "SELECT sum(calls)::bigint, sum(plans)::bigint FROM pg_stat_statements
+             WHERE NOT toplevel AND query LIKE 'UPDATE idempotency_record r%'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (calls, plans): (i64, i64) = (row.get(0), row.get(1));
+    assert_eq!(
+        calls, 9,
+        "the function's statement ran once per completion batch"
+    );
+    assert!(
+        plans <= 1,
+        "the completion statement was planned {plans} times in {calls} batches"
     );
 
     // The function's planner settings end with it; the asynchronous commit is the

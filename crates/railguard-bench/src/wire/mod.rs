@@ -256,8 +256,10 @@ async fn top_statements(pg: &Pg) -> Vec<StatementCost> {
     }
     let rows = client
         .query(
-            "SELECT query, calls, rows, total_exec_time, wal_bytes::float8, wal_fpi
-             FROM pg_stat_statements ORDER BY total_exec_time DESC LIMIT 10",
+            "SELECT query, calls, rows, total_exec_time, plans, total_plan_time,
+                    wal_bytes::float8, wal_fpi
+             FROM pg_stat_statements WHERE toplevel
+             ORDER BY total_exec_time + total_plan_time DESC LIMIT 10",
             &[],
         )
         .await
@@ -276,8 +278,10 @@ async fn top_statements(pg: &Pg) -> Vec<StatementCost> {
                 calls: row.get(1),
                 rows: row.get(2),
                 total_ms: row.get(3),
-                wal_bytes: row.get(4),
-                wal_full_page_images: row.get(5),
+                plans: row.get(4),
+                plan_ms: row.get(5),
+                wal_bytes: row.get(6),
+                wal_full_page_images: row.get(7),
             }
         })
         .collect()

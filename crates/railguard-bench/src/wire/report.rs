@@ -31,6 +31,10 @@ pub(crate) struct StatementCost {
     pub calls: i64,
     pub rows: i64,
     pub total_ms: f64,
+    /// Times it was planned, and the planning's total time (with
+    /// `pg_stat_statements.track_planning = on`; 0 otherwise).
+    pub plans: i64,
+    pub plan_ms: f64,
     pub wal_bytes: f64,
     pub wal_full_page_images: i64,
 }
@@ -350,20 +354,22 @@ impl WireReport {
                 out,
                 "\nPostgreSQL's statements by total execution time over the whole run \
                  (pg_stat_statements):\n\n\
-                 | statement | calls | rows per call | µs per call | µs per row | WAL bytes per row | full-page images per row |\n\
-                 |---|---:|---:|---:|---:|---:|---:|"
+                 | statement | calls | rows per call | µs per call | µs per row | plans per call | µs planning per call | WAL bytes per row | full-page images per row |\n\
+                 |---|---:|---:|---:|---:|---:|---:|---:|---:|"
             );
             for st in &self.top_statements {
                 let calls = st.calls.max(1) as f64;
                 let rows = st.rows.max(1) as f64;
                 let _ = writeln!(
                     out,
-                    "| `{}` | {} | {:.1} | {:.1} | {:.1} | {:.0} | {:.3} |",
+                    "| `{}` | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.0} | {:.3} |",
                     st.query.replace('|', "\\|"),
                     st.calls,
                     st.rows as f64 / calls,
                     st.total_ms * 1000.0 / calls,
                     st.total_ms * 1000.0 / rows,
+                    st.plans as f64 / calls,
+                    st.plan_ms * 1000.0 / calls,
                     st.wal_bytes / rows,
                     st.wal_full_page_images as f64 / rows
                 );
