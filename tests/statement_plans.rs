@@ -4,14 +4,15 @@
 //! execution on, for the table as it was then. A plan made while a table is small must still
 //! be right when the table is large, or a new deployment's first minutes of load scan whole
 //! tables until autovacuum analyzes them. Autovacuum is off here, so nothing replans behind
-//! the test's back.
+//! the test's back; `pg_stat_statements` counts how often each statement was planned.
 
 use railguard_testkit as support;
 
+use railguard::proxy::fence::LAST_LOOK_SQL;
 use railguard::proxy::idempotency::COMPLETE_SQL;
 use support::Pg;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, GenericClient};
+use tokio_postgres::{Client, GenericClient, Transaction};
 
 /// The batched completion as it was prepared before migration 0006 pinned its plan: the
 /// negative control, showing that this PostgreSQL does cache a sequential scan for it.
@@ -61,31 +62,23 @@ async fn complete(
     client.query(statement, &params).await.unwrap().len()
 }
 
-/// Sequential and index scans of idempotency_record that `ids`' completion took, counted
-/// within one transaction (the backend's own, not yet reported, counters).
-async fn scans_of_one_completion(
-    client: &mut Client,
-    statement: &tokio_postgres::Statement,
-    ids: &[i64],
-) -> (i64, i64, usize, String) {
-    const SCANS: &str = "SELECT coalesce(seq_scan, 0), coalesce(idx_scan, 0)
-                         FROM pg_stat_xact_user_tables WHERE relname = 'idempotency_record'";
-    let tx = client.transaction().await.unwrap();
-    let before = tx.query_one(SCANS, &[]).await.unwrap();
-    let completed = complete(&tx, statement, ids).await;
-    let after = tx.query_one(SCANS, &[]).await.unwrap();
-    let commit: String = tx
-        .query_one("SELECT current_setting('synchronous_commit')", &[])
+/// Sequential and index scans of `table` so far in this transaction (the backend's own
+/// counters, not yet reported to the statistics system).
+async fn scans(tx: &Transaction<'_>, table: &str) -> (i64, i64) {
+    let row = tx
+        .query_one(
+            "SELECT coalesce(seq_scan, 0), coalesce(idx_scan, 0)
+             FROM pg_stat_xact_user_tables WHERE relname = $1",
+            &[&table],
+        )
         .await
-        .unwrap()
-        .get(0);
-    tx.commit().await.unwrap();
-    let delta = |i: usize| after.get::<_, i64>(i) - before.get::<_, i64>(i);
-    (delta(0), delta(1), completed, commit)
+        .unwrap();
+    (row.get(0), row.get(1))
 }
 
-#[tokio::test]
-async fn the_completion_is_planned_once_for_the_primary_key_even_on_a_small_table() {
+/// A throwaway cluster that counts plans per statement, with railguard's schema, and a
+/// connection to it. Autovacuum is off, so nothing replans behind the test's back.
+async fn cluster() -> (Pg, Client) {
     let pg = Pg::builder()
         .setting("autovacuum", "off")
         .setting("shared_preload_libraries", "pg_stat_statements")
@@ -100,6 +93,45 @@ async fn the_completion_is_planned_once_for_the_primary_key_even_on_a_small_tabl
         .batch_execute("CREATE EXTENSION pg_stat_statements")
         .await
         .unwrap();
+    (pg, client)
+}
+
+/// Calls and plans of the statements that start with `prefix`.
+async fn calls_and_plans(client: &Client, toplevel: bool, prefix: &str) -> (i64, i64) {
+    let row = client
+        .query_one(
+            "SELECT coalesce(sum(calls), 0)::bigint, coalesce(sum(plans), 0)::bigint
+             FROM pg_stat_statements WHERE toplevel = $1 AND starts_with(query, $2)",
+            &[&toplevel, &prefix],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// Sequential and index scans of idempotency_record that `ids`' completion took, counted
+/// within one transaction.
+async fn scans_of_one_completion(
+    client: &mut Client,
+    statement: &tokio_postgres::Statement,
+    ids: &[i64],
+) -> (i64, i64, usize, String) {
+    let tx = client.transaction().await.unwrap();
+    let before = scans(&tx, "idempotency_record").await;
+    let completed = complete(&tx, statement, ids).await;
+    let after = scans(&tx, "idempotency_record").await;
+    let commit: String = tx
+        .query_one("SELECT current_setting('synchronous_commit')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    tx.commit().await.unwrap();
+    (after.0 - before.0, after.1 - before.1, completed, commit)
+}
+
+#[tokio::test]
+async fn the_completion_is_planned_once_for_the_primary_key_even_on_a_small_table() {
+    let (_pg, mut client) = cluster().await;
     // A new deployment: a small table, and each statement run more than five times on one
     // connection, as a pooled connection runs it in the first seconds of load.
     insert_in_flight(&client, 1, 200).await;
@@ -140,15 +172,7 @@ async fn the_completion_is_planned_once_for_the_primary_key_even_on_a_small_tabl
 
     // Planned once and kept: a custom plan per batch (what PostgreSQL picks for a batch of
     // fewer than ten rows when it may) costs more than the rest of the statement.
-    let row = client
-        .query_one(
-            "SELECT sum(calls)::bigint, sum(plans)::bigint FROM pg_stat_statements
-             WHERE NOT toplevel AND query LIKE 'UPDATE idempotency_record r%'",
-            &[],
-        )
-        .await
-        .unwrap();
-    let (calls, plans): (i64, i64) = (row.get(0), row.get(1));
+    let (calls, plans) = calls_and_plans(&client, false, "UPDATE idempotency_record r").await;
     assert_eq!(
         calls, 9,
         "the function's statement ran once per completion batch"
@@ -181,4 +205,84 @@ async fn the_completion_is_planned_once_for_the_primary_key_even_on_a_small_tabl
         .unwrap()
         .get(0);
     assert_eq!(done, 16 + 16 + 2 + 3);
+}
+
+/// The last look's read as it was prepared before migration 0006: the negative control.
+const UNPINNED_LAST_LOOK_SQL: &str =
+    "SELECT account_id, highest_token FROM rail_high_water WHERE account_id = ANY($1)";
+
+async fn marks(
+    client: &impl GenericClient,
+    statement: &tokio_postgres::Statement,
+    ids: &[i64],
+) -> Vec<(String, i64)> {
+    let accounts: Vec<String> = ids.iter().map(|i| format!("acct-{i}")).collect();
+    client
+        .query(statement, &[&accounts])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+#[tokio::test]
+async fn the_last_look_is_planned_once_for_the_primary_key() {
+    let (_pg, mut client) = cluster().await;
+    let raise = "INSERT INTO rail_high_water (account_id, highest_token)
+                 SELECT 'acct-' || g, g FROM generate_series($1::bigint, $2::bigint) g";
+    client.execute(raise, &[&1i64, &1_000i64]).await.unwrap();
+    // As autovacuum would have by now.
+    client
+        .batch_execute("ANALYZE rail_high_water")
+        .await
+        .unwrap();
+    let pinned = client.prepare(LAST_LOOK_SQL).await.unwrap();
+    let unpinned = client.prepare(UNPINNED_LAST_LOOK_SQL).await.unwrap();
+    for i in 0..10 {
+        let batch = [4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4];
+        let mut pinned_marks = marks(&client, &pinned, &batch).await;
+        let mut unpinned_marks = marks(&client, &unpinned, &batch).await;
+        pinned_marks.sort();
+        unpinned_marks.sort();
+        assert_eq!(pinned_marks.len(), 4);
+        assert_eq!(pinned_marks, unpinned_marks, "the same marks either way");
+    }
+    // Negative control: a batch of four accounts, prepared directly, is planned every time.
+    let (calls, plans) = calls_and_plans(&client, true, "SELECT account_id, highest_token").await;
+    assert_eq!(calls, 10);
+    assert!(
+        plans >= calls,
+        "negative control: this PostgreSQL plans the unpinned read on every execution \
+         ({plans} plans in {calls} reads)"
+    );
+    let (calls, plans) =
+        calls_and_plans(&client, false, "SELECT h.account_id, h.highest_token").await;
+    assert_eq!(calls, 10, "the function's statement ran once per read");
+    assert!(
+        plans <= 1,
+        "the last look was planned {plans} times in {calls} reads"
+    );
+
+    // Planned on 1,000 accounts; read on 60,000 without a sequential scan, and right.
+    client
+        .execute(raise, &[&1_001i64, &60_000i64])
+        .await
+        .unwrap();
+    let tx = client.transaction().await.unwrap();
+    let before = scans(&tx, "rail_high_water").await;
+    let mut read = marks(&tx, &pinned, &[59_998, 7, 123_456]).await;
+    let after = scans(&tx, "rail_high_water").await;
+    tx.commit().await.unwrap();
+    read.sort();
+    assert_eq!(
+        read,
+        vec![
+            ("acct-59998".to_string(), 59_998),
+            ("acct-7".to_string(), 7)
+        ],
+        "an account without a mark has no row"
+    );
+    assert_eq!(after.0 - before.0, 0, "no sequential scan");
+    assert!(after.1 - before.1 >= 1, "an index scan");
 }
