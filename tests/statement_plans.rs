@@ -8,7 +8,6 @@
 
 use railguard_testkit as support;
 
-use railguard::proxy::fence::LAST_LOOK_SQL;
 use railguard::proxy::idempotency::COMPLETE_SQL;
 use support::Pg;
 use tokio_postgres::types::ToSql;
@@ -205,84 +204,4 @@ async fn the_completion_is_planned_once_for_the_primary_key_even_on_a_small_tabl
         .unwrap()
         .get(0);
     assert_eq!(done, 16 + 16 + 2 + 3);
-}
-
-/// The last look's read as it was prepared before migration 0006: the negative control.
-const UNPINNED_LAST_LOOK_SQL: &str =
-    "SELECT account_id, highest_token FROM rail_high_water WHERE account_id = ANY($1)";
-
-async fn marks(
-    client: &impl GenericClient,
-    statement: &tokio_postgres::Statement,
-    ids: &[i64],
-) -> Vec<(String, i64)> {
-    let accounts: Vec<String> = ids.iter().map(|i| format!("acct-{i}")).collect();
-    client
-        .query(statement, &[&accounts])
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect()
-}
-
-#[tokio::test]
-async fn the_last_look_is_planned_once_for_the_primary_key() {
-    let (_pg, mut client) = cluster().await;
-    let raise = "INSERT INTO rail_high_water (account_id, highest_token)
-                 SELECT 'acct-' || g, g FROM generate_series($1::bigint, $2::bigint) g";
-    client.execute(raise, &[&1i64, &1_000i64]).await.unwrap();
-    // As autovacuum would have by now.
-    client
-        .batch_execute("ANALYZE rail_high_water")
-        .await
-        .unwrap();
-    let pinned = client.prepare(LAST_LOOK_SQL).await.unwrap();
-    let unpinned = client.prepare(UNPINNED_LAST_LOOK_SQL).await.unwrap();
-    for i in 0..10 {
-        let batch = [4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4];
-        let mut pinned_marks = marks(&client, &pinned, &batch).await;
-        let mut unpinned_marks = marks(&client, &unpinned, &batch).await;
-        pinned_marks.sort();
-        unpinned_marks.sort();
-        assert_eq!(pinned_marks.len(), 4);
-        assert_eq!(pinned_marks, unpinned_marks, "the same marks either way");
-    }
-    // Negative control: a batch of four accounts, prepared directly, is planned every time.
-    let (calls, plans) = calls_and_plans(&client, true, "SELECT account_id, highest_token").await;
-    assert_eq!(calls, 10);
-    assert!(
-        plans >= calls,
-        "negative control: this PostgreSQL plans the unpinned read on every execution \
-         ({plans} plans in {calls} reads)"
-    );
-    let (calls, plans) =
-        calls_and_plans(&client, false, "SELECT h.account_id, h.highest_token").await;
-    assert_eq!(calls, 10, "the function's statement ran once per read");
-    assert!(
-        plans <= 1,
-        "the last look was planned {plans} times in {calls} reads"
-    );
-
-    // Planned on 1,000 accounts; read on 60,000 without a sequential scan, and right.
-    client
-        .execute(raise, &[&1_001i64, &60_000i64])
-        .await
-        .unwrap();
-    let tx = client.transaction().await.unwrap();
-    let before = scans(&tx, "rail_high_water").await;
-    let mut read = marks(&tx, &pinned, &[59_998, 7, 123_456]).await;
-    let after = scans(&tx, "rail_high_water").await;
-    tx.commit().await.unwrap();
-    read.sort();
-    assert_eq!(
-        read,
-        vec![
-            ("acct-59998".to_string(), 59_998),
-            ("acct-7".to_string(), 7)
-        ],
-        "an account without a mark has no row"
-    );
-    assert_eq!(after.0 - before.0, 0, "no sequential scan");
-    assert!(after.1 - before.1 >= 1, "an index scan");
 }

@@ -47,8 +47,8 @@ pub const MIGRATIONS: &[Migration] = &[
     },
     Migration {
         version: 6,
-        name: "pinned_plans",
-        sql: include_str!("../../migrations/0006_pinned_plans.sql"),
+        name: "completion_plan",
+        sql: include_str!("../../migrations/0006_completion_plan.sql"),
     },
 ];
 

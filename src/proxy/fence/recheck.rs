@@ -14,14 +14,8 @@ use super::store::StoreError;
 use crate::db::DbError;
 use crate::token::AccountId;
 
-/// The marks of a batch of accounts.
-///
-/// The function `railguard_marks` (migration 0006) holds the `SELECT … WHERE account_id =
-/// ANY(…)`: prepared here directly, a batch of fewer than ten accounts was planned afresh on
-/// almost every execution (its custom plan always looked cheaper than the generic one), which
-/// was most of the statement's cost; inside the function the plan is made once per connection
-/// and is the primary key's at any table size.
-pub const LAST_LOOK_SQL: &str = "SELECT mark_account, mark FROM railguard_marks($1::text[])";
+const READ_SQL: &str =
+    "SELECT account_id, highest_token FROM rail_high_water WHERE account_id = ANY($1)";
 
 /// Most reads in one statement.
 const MAX_BATCH: usize = 1024;
@@ -67,7 +61,7 @@ async fn answer(pool: &Pool, batch: Vec<Asked>) {
     accounts.dedup();
     let result = async {
         let client = pool.get().await.map_err(DbError::from)?;
-        let statement = client.prepare_cached(LAST_LOOK_SQL).await?;
+        let statement = client.prepare_cached(READ_SQL).await?;
         let rows = client.query(&statement, &[&accounts]).await?;
         Ok::<_, StoreError>(
             rows.into_iter()

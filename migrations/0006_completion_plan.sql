@@ -1,7 +1,4 @@
--- Batched statements with plans that cannot degrade (issue 13): the idempotency completion
--- and the fence's last look. Each is a function whose planner settings hold only inside it.
---
--- THE COMPLETION.
+-- Idempotency completions with a plan that cannot degrade (issue 13).
 --
 -- Completions are group-committed: one statement joins a batch of (account, key, owner)
 -- arrays to idempotency_record. Prepared once per connection, that statement gets a generic
@@ -56,23 +53,5 @@ BEGIN
     WHERE r.account_id = u.account_id AND r.idempotency_key = u.key AND r.owner = u.owner
       AND r.state = 'in_flight'
     RETURNING r.account_id, r.idempotency_key;
-END
-$function$;
-
--- THE LAST LOOK: the marks of a batch of accounts, read before their forwards start. The same
--- custom-plan rule planned it on almost every execution (a batch of four: 22 µs of planning in
--- a 37 µs statement). Within this function its plan is made once and is the primary key's at
--- any table size. STABLE: it reads with the snapshot of the statement that calls it, taken
--- when that statement starts — after the verdict of every compare-and-set whose request asks.
-CREATE FUNCTION railguard_marks(accounts text[])
-RETURNS TABLE (mark_account text, mark bigint)
-LANGUAGE plpgsql
-STABLE
-SET enable_seqscan = off
-SET plan_cache_mode = force_generic_plan
-AS $function$
-BEGIN
-    RETURN QUERY
-    SELECT h.account_id, h.highest_token FROM rail_high_water h WHERE h.account_id = ANY(accounts);
 END
 $function$;
