@@ -3,7 +3,7 @@
 //! upstream and as a plain reverse proxy, `railguard rail-sim`, and `railguard serve`.
 //!
 //! Every process listens on 127.0.0.1 only, keeps its files in the run's temp dir, and is
-//! killed when its [`Spawned`] is dropped.
+//! killed, with the processes it started, when its [`Spawned`] is stopped or dropped.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -45,9 +45,36 @@ impl Spawned {
         matches!(self.child.try_wait(), Ok(Some(_)))
     }
 
+    /// Kills it and the processes it started: nginx's workers outlive a killed master, and
+    /// would keep their ports and memory until the machine restarts.
     pub(crate) async fn stop(mut self) {
+        let children = self.child.id().map(children_of).unwrap_or_default();
         let _ = self.child.kill().await;
+        kill_all(&children);
     }
+}
+
+impl Drop for Spawned {
+    /// An early return (a process that never became ready, a failed phase) kills the whole
+    /// family too; `kill_on_drop` alone would reach only the process itself.
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.id() {
+            kill_all(&children_of(pid));
+        }
+    }
+}
+
+/// SIGKILL to each of `pids`; a pid already gone is no error.
+fn kill_all(pids: &[u32]) {
+    if pids.is_empty() {
+        return;
+    }
+    let _ = std::process::Command::new("kill")
+        .arg("-KILL")
+        .args(pids.iter().map(u32::to_string))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
 }
 
 fn loopback() -> SocketAddr {
