@@ -189,6 +189,11 @@ pub(crate) async fn seed_proof_key(url: &str) -> Result<(), String> {
     railguard::db::migrate_url(url, Duration::from_secs(10))
         .await
         .map_err(|e| e.to_string())?;
+    store_proof_key(url).await
+}
+
+/// Stores the benchmark's grant-proof key in a database whose schema is in place.
+pub(crate) async fn store_proof_key(url: &str) -> Result<(), String> {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .map_err(|e| e.to_string())?;

@@ -196,9 +196,12 @@ pub(crate) async fn run(options: WireOptions) -> Result<WireReport, String> {
 
 async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireReport, String> {
     let url = pg.url();
-    crate::load::seed_proof_key(&url)
+    // The binary under test migrates: a `RAILGUARD_BIN` of another version must find the
+    // schema it knows, not this build's.
+    procs::migrate(dir, proxy_config(o.pool_size), &url).await?;
+    crate::load::store_proof_key(&url)
         .await
-        .map_err(|e| format!("seeding the grant-proof key: {e}"))?;
+        .map_err(|e| format!("storing the grant-proof key: {e}"))?;
     let upstream = match o.upstream {
         UpstreamKind::Static => procs::static_upstream(dir).await?,
         UpstreamKind::RailSim => procs::rail_sim(dir).await?,

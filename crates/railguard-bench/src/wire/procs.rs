@@ -241,6 +241,33 @@ pub(crate) async fn rail_sim(dir: &Path) -> Result<Spawned, String> {
     Ok(spawned)
 }
 
+/// `railguard migrate` with the binary under test.
+pub(crate) async fn migrate(
+    dir: &Path,
+    mut config: Config,
+    database_url: &str,
+) -> Result<(), String> {
+    config.database.url = DatabaseUrl::Postgres(database_url.to_string());
+    let text = toml::to_string(&config).map_err(|e| format!("cannot write the config: {e}"))?;
+    let path = dir.join("migrate.toml");
+    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let out = Command::new(railguard_testkit::railguard_binary())
+        .arg("migrate")
+        .arg("--config")
+        .arg(&path)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .map_err(|e| format!("cannot run railguard migrate: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "railguard migrate failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
 /// `railguard serve` with `config` (listeners, upstream and database set here), ready once its
 /// `/readyz` answers 200.
 pub(crate) async fn railguard(
