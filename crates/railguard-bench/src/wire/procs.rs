@@ -48,6 +48,7 @@ impl Spawned {
     /// Kills it and the processes it started: nginx's workers outlive a killed master, and
     /// would keep their ports and memory until the machine restarts.
     pub(crate) async fn stop(mut self) {
+        // The parent first: nginx's master replaces a worker that dies before it does.
         let children = self.child.id().map(children_of).unwrap_or_default();
         let _ = self.child.kill().await;
         kill_all(&children);
@@ -59,7 +60,10 @@ impl Drop for Spawned {
     /// family too; `kill_on_drop` alone would reach only the process itself.
     fn drop(&mut self) {
         if let Some(pid) = self.child.id() {
-            kill_all(&children_of(pid));
+            // The parent first: nginx's master replaces a worker that dies before it does.
+            let children = children_of(pid);
+            let _ = self.child.start_kill();
+            kill_all(&children);
         }
     }
 }
