@@ -12,46 +12,54 @@
 -- than ten rows always looks cheaper than the generic one (which assumes ten), so PostgreSQL
 -- planned the statement afresh on every execution — about 130 µs of a 6-row batch's 380.
 --
--- The statement lives here so that its plan can be pinned: within this function, sequential
--- scans, hash joins and merge joins are off, so the only plan left is the one that is right at
--- any size — the batch, sorted by key, driving a nested loop over the primary key — and that
--- plan is made once per connection and kept (`force_generic_plan`). That also makes the lock
--- order (key order, as the fence's batch meets records) a property of the plan rather than a
--- likelihood. The settings revert when the function returns.
+-- The statement lives here so that its plan can be pinned. Each record of the batch, in key
+-- order, is completed by a one-row UPDATE whose WHERE names the whole primary key; with
+-- sequential scans off within this function, the only plan for it is the primary key's index
+-- with both columns as its condition, whatever the statistics say and however the table has
+-- grown since (a single statement joining the batch to the table could still be planned as a
+-- walk over the whole index, with the batch as the inner side, after an ANALYZE of an empty
+-- table). That plan is made once per connection and kept (`force_generic_plan`). The loop
+-- also makes the lock order — key order, as the fence's batch meets records — a property of
+-- the code rather than of a plan. The settings revert when the function returns.
 --
 -- The commit that follows does not wait for its WAL flush (`synchronous_commit` off for the
 -- rest of the calling transaction): a completion lost to a crash leaves its record in flight,
 -- then in doubt, and a retry is refused, never forwarded twice (see the proxy's
 -- `idempotency::outcomes`).
 CREATE FUNCTION railguard_complete_records(
-    accounts      text[],
-    keys          text[],
-    owners        text[],
-    statuses      smallint[],
-    headers       text[],
-    bodies        bytea[],
-    bodies_stored boolean[]
+    p_accounts      text[],
+    p_keys          text[],
+    p_owners        text[],
+    p_statuses      smallint[],
+    p_headers       text[],
+    p_bodies        bytea[],
+    p_bodies_stored boolean[]
 ) RETURNS TABLE (completed_account text, completed_key text)
 LANGUAGE plpgsql
 SET enable_seqscan = off
-SET enable_hashjoin = off
-SET enable_mergejoin = off
 SET plan_cache_mode = force_generic_plan
 AS $function$
+DECLARE
+    c record;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
-    RETURN QUERY
-    UPDATE idempotency_record r
-    SET state = 'done', status = u.status, headers = u.headers::jsonb, body = u.body,
-        body_stored = u.body_stored, completed_at = now()
-    FROM (
+    FOR c IN
         SELECT *
-        FROM unnest(accounts, keys, owners, statuses, headers, bodies, bodies_stored)
-            AS u(account_id, key, owner, status, headers, body, body_stored)
-        ORDER BY u.account_id, u.key
-    ) AS u
-    WHERE r.account_id = u.account_id AND r.idempotency_key = u.key AND r.owner = u.owner
-      AND r.state = 'in_flight'
-    RETURNING r.account_id, r.idempotency_key;
+        FROM unnest(p_accounts, p_keys, p_owners, p_statuses, p_headers, p_bodies,
+                    p_bodies_stored)
+            AS u(account_id, idempotency_key, owner, status, headers, body, body_stored)
+        ORDER BY 1, 2
+    LOOP
+        UPDATE idempotency_record r
+        SET state = 'done', status = c.status, headers = c.headers::jsonb, body = c.body,
+            body_stored = c.body_stored, completed_at = now()
+        WHERE r.account_id = c.account_id AND r.idempotency_key = c.idempotency_key
+          AND r.owner = c.owner AND r.state = 'in_flight';
+        IF FOUND THEN
+            completed_account := c.account_id;
+            completed_key := c.idempotency_key;
+            RETURN NEXT;
+        END IF;
+    END LOOP;
 END
 $function$;
