@@ -220,3 +220,43 @@ async fn completions_on_a_growing_table(analyze_when_empty: bool) {
         .get(0);
     assert_eq!(done, 16 + 16 + 2 + 3);
 }
+
+#[tokio::test]
+async fn a_role_that_may_not_call_the_completion_is_refused_at_start() {
+    let (pg, client) = cluster().await;
+    // Migrated by the owner; run by a role that may use the tables but, by the site's default
+    // privileges, not the functions.
+    client
+        .batch_execute(
+            "REVOKE EXECUTE ON FUNCTION railguard_complete_records FROM PUBLIC;
+             CREATE ROLE rg_runtime LOGIN;
+             GRANT ALL ON ALL TABLES IN SCHEMA public TO rg_runtime;
+             GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO rg_runtime;
+             GRANT CREATE ON SCHEMA public TO rg_runtime;",
+        )
+        .await
+        .unwrap();
+    let owner_url = pg.url();
+    let (_, after_user) = owner_url
+        .split_once("://")
+        .and_then(|(_, rest)| rest.split_once('@'))
+        .expect("a URL with a user");
+    let runtime_url = format!("postgres://rg_runtime@{after_user}");
+    let err = railguard::db::migrate_url(&runtime_url, std::time::Duration::from_secs(10))
+        .await
+        .expect_err("the start is refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("cannot run railguard's statements")
+            && text.contains("permission denied for function railguard_complete_records"),
+        "the error names the cause: {text}"
+    );
+    // Granted, it starts.
+    client
+        .batch_execute("GRANT EXECUTE ON FUNCTION railguard_complete_records TO rg_runtime")
+        .await
+        .unwrap();
+    railguard::db::migrate_url(&runtime_url, std::time::Duration::from_secs(10))
+        .await
+        .expect("starts once granted");
+}

@@ -62,7 +62,10 @@ const MIGRATION_LOCK: i64 = 0x7261_696c_6775_6172; // "railguar"
 
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
-    #[error("migration {version:04} ({name}) failed and nothing was applied: {source}")]
+    #[error(
+        "migration {version:04} ({name}) failed and nothing was applied: {}",
+        crate::db::causes(source)
+    )]
     Failed {
         version: i32,
         name: &'static str,
@@ -81,7 +84,7 @@ pub enum MigrateError {
     },
     #[error("the database is at schema version {found}, newer than this binary's {known}")]
     TooNew { found: i32, known: i32 },
-    #[error("database error while migrating: {0}")]
+    #[error("database error while migrating: {}", crate::db::causes(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 

@@ -64,11 +64,16 @@ pub enum DatabaseError {
     Migrate(#[from] migrate::MigrateError),
     #[error("cannot build the connection pool: {0}")]
     Pool(String),
+    #[error(
+        "the database role cannot run railguard's statements: {0} (grant it EXECUTE on \
+         railguard's functions, or revoke the default privileges that withheld it)"
+    )]
+    Access(String),
 }
 
 /// An error and its causes, `a: b: c`: tokio-postgres's own message ("error performing TLS
 /// handshake", "db error") leaves out the cause that says what went wrong.
-fn causes(error: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn causes(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut cause = error.source();
     while let Some(e) = cause {
@@ -191,10 +196,20 @@ pub async fn connect(
     Ok((client, conn))
 }
 
-/// Applies pending migrations over a connection of its own.
+/// Applies pending migrations over a connection of its own, then checks that this role may
+/// call the functions they created.
 pub async fn migrate_url(url: &str, timeout: Duration) -> Result<usize, DatabaseError> {
     let (mut client, conn) = connect(url, timeout).await?;
     let applied = migrate::migrate(&mut client).await?;
+    // A role whose default privileges withhold EXECUTE would otherwise start, report ready,
+    // and fail every completion batch. With empty arrays the call changes nothing.
+    client
+        .query(
+            "SELECT * FROM railguard_complete_records('{}', '{}', '{}', '{}', '{}', '{}', '{}')",
+            &[],
+        )
+        .await
+        .map_err(|e| DatabaseError::Access(causes(&e)))?;
     drop(client);
     let _ = conn.await;
     Ok(applied)
