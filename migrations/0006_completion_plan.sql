@@ -63,3 +63,9 @@ BEGIN
     END LOOP;
 END
 $function$;
+
+-- Whoever may update idempotency_record may call it (it runs with the caller's rights): a site
+-- whose default privileges withhold EXECUTE from PUBLIC, with railguard migrated by one role and
+-- run by another, would otherwise refuse every completion once this migration has committed.
+GRANT EXECUTE ON FUNCTION railguard_complete_records(text[], text[], text[], smallint[], text[],
+    bytea[], boolean[]) TO PUBLIC;

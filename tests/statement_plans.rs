@@ -247,16 +247,64 @@ async fn a_role_that_may_not_call_the_completion_is_refused_at_start() {
         .expect_err("the start is refused");
     let text = err.to_string();
     assert!(
-        text.contains("cannot run railguard's statements")
+        text.contains("may not complete idempotency records")
             && text.contains("permission denied for function railguard_complete_records"),
         "the error names the cause: {text}"
     );
+    // EXECUTE alone is not enough: the UPDATE inside runs with the caller's rights.
+    client
+        .batch_execute(
+            "GRANT EXECUTE ON FUNCTION railguard_complete_records TO rg_runtime;
+             REVOKE UPDATE ON idempotency_record FROM rg_runtime;",
+        )
+        .await
+        .unwrap();
+    let err = railguard::db::migrate_url(&runtime_url, std::time::Duration::from_secs(10))
+        .await
+        .expect_err("the start is refused");
+    assert!(
+        err.to_string()
+            .contains("permission denied for table idempotency_record"),
+        "the error names the cause: {err}"
+    );
     // Granted, it starts.
     client
-        .batch_execute("GRANT EXECUTE ON FUNCTION railguard_complete_records TO rg_runtime")
+        .batch_execute("GRANT UPDATE ON idempotency_record TO rg_runtime")
         .await
         .unwrap();
     railguard::db::migrate_url(&runtime_url, std::time::Duration::from_secs(10))
         .await
         .expect("starts once granted");
+}
+
+#[tokio::test]
+async fn a_batch_completes_its_records_in_key_order() {
+    // The order rows are locked in, seen by a trigger that logs each update as it happens: the
+    // fence's batch meets records in key order, and the completion must too.
+    let (_pg, client) = cluster().await;
+    client
+        .batch_execute(
+            "CREATE TABLE update_order (n bigserial, idempotency_key text);
+             CREATE FUNCTION log_update() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO update_order (idempotency_key) VALUES (NEW.idempotency_key);
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER log_update BEFORE UPDATE ON idempotency_record
+                 FOR EACH ROW EXECUTE FUNCTION log_update();",
+        )
+        .await
+        .unwrap();
+    insert_in_flight(&client, 1, 9).await;
+    let pinned = client.prepare(COMPLETE_SQL).await.unwrap();
+    // Handed over in arrival order, not key order.
+    assert_eq!(complete(&client, &pinned, &[7, 3, 9, 1, 5]).await, 5);
+    let order: Vec<String> = client
+        .query("SELECT idempotency_key FROM update_order ORDER BY n", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(order, ["key-1", "key-3", "key-5", "key-7", "key-9"]);
 }

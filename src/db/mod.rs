@@ -65,10 +65,26 @@ pub enum DatabaseError {
     #[error("cannot build the connection pool: {0}")]
     Pool(String),
     #[error(
-        "the database role cannot run railguard's statements: {0} (grant it EXECUTE on \
-         railguard's functions, or revoke the default privileges that withheld it)"
+        "the database role may not complete idempotency records: {0} (it needs EXECUTE on \
+         railguard_complete_records and UPDATE on idempotency_record)"
     )]
     Access(String),
+}
+
+/// Calls `railguard_complete_records` with one record that cannot exist (an empty account), so
+/// that the `UPDATE` inside it runs and its privileges are checked, and nothing changes. A role
+/// that may not (EXECUTE withheld, no UPDATE on the table, a read-only session) would
+/// otherwise start, report ready, and fail every completion batch.
+async fn check_completion_access(client: &tokio_postgres::Client) -> Result<(), DatabaseError> {
+    let probe = "SELECT * FROM railguard_complete_records(
+                     '{\"\"}', '{\"\"}', '{\"\"}', '{0}', '{\"{}\"}', '{NULL}', '{f}')";
+    match client.query(probe, &[]).await {
+        Ok(_) => Ok(()),
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
+            Err(DatabaseError::Access(causes(&e)))
+        }
+        Err(e) => Err(DatabaseError::Migrate(migrate::MigrateError::Database(e))),
+    }
 }
 
 /// An error and its causes, `a: b: c`: tokio-postgres's own message ("error performing TLS
@@ -197,19 +213,11 @@ pub async fn connect(
 }
 
 /// Applies pending migrations over a connection of its own, then checks that this role may
-/// call the functions they created.
+/// run the completion of idempotency records.
 pub async fn migrate_url(url: &str, timeout: Duration) -> Result<usize, DatabaseError> {
     let (mut client, conn) = connect(url, timeout).await?;
     let applied = migrate::migrate(&mut client).await?;
-    // A role whose default privileges withhold EXECUTE would otherwise start, report ready,
-    // and fail every completion batch. With empty arrays the call changes nothing.
-    client
-        .query(
-            "SELECT * FROM railguard_complete_records('{}', '{}', '{}', '{}', '{}', '{}', '{}')",
-            &[],
-        )
-        .await
-        .map_err(|e| DatabaseError::Access(causes(&e)))?;
+    check_completion_access(&client).await?;
     drop(client);
     let _ = conn.await;
     Ok(applied)
