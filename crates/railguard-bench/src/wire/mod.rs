@@ -240,16 +240,15 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
     let mut report = result?;
     // A backend reports its counts as it exits, just after its client closed the connection.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    report.table_scans = table_scans(pg).await;
-    report.top_statements = top_statements(pg).await;
+    if let Ok(client) = pg.client_with(&pg.url()).await {
+        report.table_scans = table_scans(&client).await;
+        report.top_statements = top_statements(&client).await;
+    }
     Ok(report)
 }
 
 /// The ten statements that took the most execution time, if `pg_stat_statements` is loaded.
-async fn top_statements(pg: &Pg) -> Vec<StatementCost> {
-    let Ok(client) = pg.client_with(&pg.url()).await else {
-        return Vec::new();
-    };
+async fn top_statements(client: &tokio_postgres::Client) -> Vec<StatementCost> {
     if client
         .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         .await
@@ -291,10 +290,7 @@ async fn top_statements(pg: &Pg) -> Vec<StatementCost> {
 }
 
 /// Scans of railguard's hot tables since the cluster started; empty if they cannot be read.
-async fn table_scans(pg: &Pg) -> Vec<TableScans> {
-    let Ok(client) = pg.client_with(&pg.url()).await else {
-        return Vec::new();
-    };
+async fn table_scans(client: &tokio_postgres::Client) -> Vec<TableScans> {
     let rows = client
         .query(
             "SELECT relname::text, coalesce(seq_scan, 0), coalesce(seq_tup_read, 0),

@@ -48,10 +48,18 @@ impl Spawned {
     /// Kills it and the processes it started: nginx's workers outlive a killed master, and
     /// would keep their ports and memory until the machine restarts.
     pub(crate) async fn stop(mut self) {
-        // The parent first: nginx's master replaces a worker that dies before it does.
-        let children = self.child.id().map(children_of).unwrap_or_default();
-        let _ = self.child.kill().await;
-        kill_all(&children);
+        self.kill_family();
+        let _ = self.child.wait().await;
+    }
+
+    /// SIGKILL to it, then to its children: nginx's master replaces a worker that dies
+    /// before it does.
+    fn kill_family(&mut self) {
+        if let Some(pid) = self.child.id() {
+            let children = children_of(pid);
+            let _ = self.child.start_kill();
+            kill_all(&children);
+        }
     }
 }
 
@@ -59,12 +67,7 @@ impl Drop for Spawned {
     /// An early return (a process that never became ready, a failed phase) kills the whole
     /// family too; `kill_on_drop` alone would reach only the process itself.
     fn drop(&mut self) {
-        if let Some(pid) = self.child.id() {
-            // The parent first: nginx's master replaces a worker that dies before it does.
-            let children = children_of(pid);
-            let _ = self.child.start_kill();
-            kill_all(&children);
-        }
+        self.kill_family();
     }
 }
 
@@ -245,6 +248,14 @@ pub(crate) async fn rail_sim(dir: &Path) -> Result<Spawned, String> {
     Ok(spawned)
 }
 
+/// Writes `config` to `<dir>/<name>.toml`.
+fn write_config(dir: &Path, name: &str, config: &Config) -> Result<PathBuf, String> {
+    let text = toml::to_string(config).map_err(|e| format!("cannot write the config: {e}"))?;
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(path)
+}
+
 /// `railguard migrate` with the binary under test.
 pub(crate) async fn migrate(
     dir: &Path,
@@ -252,9 +263,7 @@ pub(crate) async fn migrate(
     database_url: &str,
 ) -> Result<(), String> {
     config.database.url = DatabaseUrl::Postgres(database_url.to_string());
-    let text = toml::to_string(&config).map_err(|e| format!("cannot write the config: {e}"))?;
-    let path = dir.join("migrate.toml");
-    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let path = write_config(dir, "migrate", &config)?;
     let out = Command::new(railguard_testkit::railguard_binary())
         .arg("migrate")
         .arg("--config")
@@ -286,9 +295,7 @@ pub(crate) async fn railguard(
     config.lock.listen = loopback();
     config.proxy.upstream = Upstream::parse(&format!("http://{upstream}"))?;
     config.database.url = DatabaseUrl::Postgres(database_url.to_string());
-    let text = toml::to_string(&config).map_err(|e| format!("cannot write the config: {e}"))?;
-    let path = dir.join(format!("{name}.toml"));
-    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let path = write_config(dir, name, &config)?;
     let mut command = Command::new(railguard_testkit::railguard_binary());
     command.arg("serve").arg("--config").arg(&path);
     let mut spawned = spawn(name, &mut command, dir, config.proxy.listen)?;
