@@ -22,7 +22,7 @@ use crate::admin::Admin;
 use crate::auth::{AuthMetrics, Authenticator, LockKeyShape};
 use crate::config::Config;
 use crate::config::ListenerConfig;
-use crate::db::{Database, DatabaseError};
+use crate::db::{self, Database, DatabaseError};
 use crate::http::{Listener, serve};
 use crate::lock::api::LockApi;
 use crate::lock::guard::SourceGuard;
@@ -199,8 +199,10 @@ pub async fn run(
         },
     );
     let records: Arc<dyn Records> = Arc::new(idempotency_store.clone());
+    let looks = db::build_look_pool(&database.url, batching.concurrency, config.database.timeout)?;
     let marks = HighWaterStore::new(
         database.pool.clone(),
+        looks,
         config.database.timeout,
         batching,
         metrics.fence_batch_size.clone(),

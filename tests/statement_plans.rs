@@ -8,6 +8,7 @@
 
 use railguard_testkit as support;
 
+use railguard::proxy::fence::LAST_LOOK_SQL;
 use railguard::proxy::idempotency::COMPLETE_SQL;
 use support::Pg;
 use tokio_postgres::types::ToSql;
@@ -307,4 +308,137 @@ async fn a_batch_completes_its_records_in_key_order() {
         .map(|row| row.get(0))
         .collect();
     assert_eq!(order, ["key-1", "key-3", "key-5", "key-7", "key-9"]);
+}
+
+/// Marks of accounts `from..=to`, as the fence's compare-and-set leaves them.
+async fn insert_marks(client: &Client, from: i64, to: i64) {
+    client
+        .execute(
+            "INSERT INTO rail_high_water (account_id, highest_token)
+             SELECT 'acct-' || g, g FROM generate_series($1::bigint, $2::bigint) g",
+            &[&from, &to],
+        )
+        .await
+        .unwrap();
+}
+
+/// Accounts `ids`' marks, read with `statement`.
+async fn look(
+    client: &impl GenericClient,
+    statement: &tokio_postgres::Statement,
+    ids: &[i64],
+) -> usize {
+    let accounts: Vec<String> = ids.iter().map(|i| format!("acct-{i}")).collect();
+    client.query(statement, &[&accounts]).await.unwrap().len()
+}
+
+/// Executions of the session's prepared `statement` with its generic plan, and with a plan of
+/// their own.
+async fn generic_and_custom(client: &impl GenericClient, statement: &str) -> (i64, i64) {
+    let row = client
+        .query_one(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
+            &[&statement],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+#[tokio::test]
+async fn the_last_look_keeps_one_primary_key_plan_made_on_a_new_table() {
+    last_looks_on_a_growing_table(false).await;
+}
+
+#[tokio::test]
+async fn the_last_look_keeps_one_primary_key_plan_made_after_analyzing_an_empty_table() {
+    last_looks_on_a_growing_table(true).await;
+}
+
+/// The last look on its own sessions (`db::build_look_pool`), against sessions without its
+/// settings: one that only forces generic plans, and one as PostgreSQL plans by default.
+async fn last_looks_on_a_growing_table(analyze_when_empty: bool) {
+    let (pg, client) = cluster().await;
+    if analyze_when_empty {
+        client
+            .batch_execute("ANALYZE rail_high_water")
+            .await
+            .unwrap();
+    }
+    insert_marks(&client, 1, 50).await;
+    let looks =
+        railguard::db::build_look_pool(&pg.url(), 1, std::time::Duration::from_secs(10)).unwrap();
+    let mut pinned_session = looks.get().await.unwrap();
+    let pinned = pinned_session.prepare_cached(LAST_LOOK_SQL).await.unwrap();
+    let mut generic_session = pg.client().await;
+    generic_session
+        .batch_execute("SET plan_cache_mode = force_generic_plan")
+        .await
+        .unwrap();
+    let generic = generic_session.prepare(LAST_LOOK_SQL).await.unwrap();
+    for i in 0..8 {
+        let batch = [3 * i + 1, 3 * i + 2, 3 * i + 3, 10_000 + i];
+        assert_eq!(look(&**pinned_session, &pinned, &batch).await, 3);
+        assert_eq!(look(&generic_session, &generic, &batch).await, 3);
+    }
+    // The table grows; nothing replans.
+    insert_marks(&client, 1_000, 60_000).await;
+
+    let batch = [50_001, 50_002, 7, 70_000];
+    let tx = generic_session.transaction().await.unwrap();
+    let before = scans(&tx, "rail_high_water").await;
+    assert_eq!(look(&tx, &generic, &batch).await, 3);
+    let after = scans(&tx, "rail_high_water").await;
+    tx.commit().await.unwrap();
+    if analyze_when_empty {
+        assert!(
+            after.0 > before.0,
+            "negative control: a generic plan made while the table looked empty scans it whole \
+             (seq {}); if this no longer holds, enable_seqscan = off is harmless but not needed",
+            after.0 - before.0
+        );
+    }
+
+    let tx = pinned_session.transaction().await.unwrap();
+    let before = scans(&tx, "rail_high_water").await;
+    assert_eq!(look(&*tx, &pinned, &batch).await, 3);
+    let after = scans(&tx, "rail_high_water").await;
+    let read_only: String = tx
+        .query_one("SELECT current_setting('transaction_read_only')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    tx.commit().await.unwrap();
+    assert_eq!(after.0 - before.0, 0, "the last look never scans the table");
+    assert!(after.1 > before.1, "it reads the marks by the primary key");
+    assert_eq!(read_only, "on", "the look's sessions cannot write");
+
+    assert_eq!(
+        generic_and_custom(&**pinned_session, LAST_LOOK_SQL).await,
+        (9, 0),
+        "every look ran the session's one generic plan"
+    );
+
+    // Negative control, on the grown table once analyzed (as autovacuum would): by default
+    // PostgreSQL plans every look afresh. The look's sessions still do not.
+    client
+        .batch_execute("ANALYZE rail_high_water")
+        .await
+        .unwrap();
+    let fresh_session = pg.client().await;
+    let fresh = fresh_session.prepare(LAST_LOOK_SQL).await.unwrap();
+    for i in 0..8 {
+        let batch = [5 * i + 1, 20_000 + i, 40_000 + i, 90_000 + i];
+        assert_eq!(look(&fresh_session, &fresh, &batch).await, 3);
+        assert_eq!(look(&**pinned_session, &pinned, &batch).await, 3);
+    }
+    assert_eq!(
+        generic_and_custom(&fresh_session, LAST_LOOK_SQL).await,
+        (0, 8),
+        "negative control: by default each look is planned for its batch"
+    );
+    assert_eq!(
+        generic_and_custom(&**pinned_session, LAST_LOOK_SQL).await,
+        (17, 0)
+    );
 }

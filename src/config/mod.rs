@@ -344,7 +344,8 @@ pub struct DatabaseConfig {
     pub url: DatabaseUrl,
     /// Data directory of the embedded PostgreSQL (ignored for a URL).
     pub data_dir: PathBuf,
-    /// Connections in the pool.
+    /// Connections in the pool. The fence's last look has `fencing.batch_concurrency`
+    /// sessions of its own besides (`db::build_look_pool`).
     pub pool_size: usize,
     /// Deadline for opening a connection, and for one statement such as a fence
     /// compare-and-set.

@@ -225,14 +225,39 @@ pub async fn migrate_url(url: &str, timeout: Duration) -> Result<usize, Database
 
 /// A pool whose connections are opened lazily and checked for closure when reused.
 pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
-    let PgConnect { config, tls, mode } = pg_config(url, timeout)?;
+    let connect = pg_config(url, timeout)?;
     // Asked for TLS, yet nothing to authenticate the server with (libpq's `require` without a
     // root certificate): said once. The default `prefer` is not worth a warning at every start.
-    if mode == SslMode::Require && !tls.authenticates_server() {
-        tracing::warn!(sslmode = ?mode,
+    if connect.mode == SslMode::Require && !connect.tls.authenticates_server() {
+        tracing::warn!(sslmode = ?connect.mode,
             "sslmode=require without a CA (sslrootcert or database.tls_ca_file): sessions are \
              encrypted, but the server is not authenticated");
     }
+    pool_of(connect, size, timeout)
+}
+
+/// Session settings of the connections that take the fence's last look, which run one
+/// statement: `SELECT … WHERE account_id = ANY($1)`. Left to itself, PostgreSQL plans it
+/// afresh on most executions (a custom plan for a known small array always looks cheaper than
+/// the generic one), and planning is most of its cost. A generic plan is made once, for the
+/// table as it is then; without sequential scans it is the primary key's whatever the
+/// statistics said (a plan made while the table was small would otherwise scan it whole until
+/// something replans). The sessions cannot write.
+const LOOK_SESSION_SETTINGS: &str = "-c plan_cache_mode=force_generic_plan -c enable_seqscan=off -c default_transaction_read_only=on";
+
+/// The pool of the fence's last look: `size` sessions with [`LOOK_SESSION_SETTINGS`] on top
+/// of railguard's timeouts.
+pub fn build_look_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
+    let mut connect = pg_config(url, timeout)?;
+    let timeouts = connect.config.get_options().unwrap_or_default().to_owned();
+    connect
+        .config
+        .options(format!("{timeouts} {LOOK_SESSION_SETTINGS}"));
+    pool_of(connect, size, timeout)
+}
+
+fn pool_of(connect: PgConnect, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
+    let PgConnect { config, tls, .. } = connect;
     let manager = Manager::from_config(
         config,
         tls,

@@ -2,7 +2,9 @@
 //!
 //! A read needs no commit, so it costs PostgreSQL far less than a compare-and-set; grouping
 //! the reads of concurrent requests keeps it to one statement per batch. A batch takes every
-//! read waiting when a slot frees up.
+//! read waiting when a slot frees up. The reads run on sessions of their own
+//! ([`crate::db::build_look_pool`]), whose settings give the statement one plan, the primary
+//! key's, instead of a plan per execution.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,7 +16,8 @@ use super::store::StoreError;
 use crate::db::DbError;
 use crate::token::AccountId;
 
-const READ_SQL: &str =
+/// The last look, grouped. Only ever run on the look pool's sessions.
+pub const LAST_LOOK_SQL: &str =
     "SELECT account_id, highest_token FROM rail_high_water WHERE account_id = ANY($1)";
 
 /// Most reads in one statement.
@@ -61,7 +64,7 @@ async fn answer(pool: &Pool, batch: Vec<Asked>) {
     accounts.dedup();
     let result = async {
         let client = pool.get().await.map_err(DbError::from)?;
-        let statement = client.prepare_cached(READ_SQL).await?;
+        let statement = client.prepare_cached(LAST_LOOK_SQL).await?;
         let rows = client.query(&statement, &[&accounts]).await?;
         Ok::<_, StoreError>(
             rows.into_iter()

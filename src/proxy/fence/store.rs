@@ -100,9 +100,11 @@ pub struct HighWaterStore {
 
 impl HighWaterStore {
     /// Starts the batchers; they stop when the last clone of the store is dropped. Records
-    /// created here are owned by `instance` (this process).
+    /// created here are owned by `instance` (this process). The last looks run on `looks`
+    /// ([`crate::db::build_look_pool`]), which needs `batching.concurrency` sessions.
     pub fn new(
         pool: Pool,
+        looks: Pool,
         timeout: Duration,
         batching: Batching,
         batch_sizes: Histogram,
@@ -111,11 +113,7 @@ impl HighWaterStore {
     ) -> Self {
         let (requests, queue) = mpsc::channel(QUEUE_LIMIT);
         let (rechecks, recheck_queue) = mpsc::channel(QUEUE_LIMIT);
-        tokio::spawn(recheck::run(
-            pool.clone(),
-            batching.concurrency,
-            recheck_queue,
-        ));
+        tokio::spawn(recheck::run(looks, batching.concurrency, recheck_queue));
         tokio::spawn(batch::run(
             pool.clone(),
             batching,
