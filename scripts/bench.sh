@@ -8,29 +8,35 @@
 #   scripts/bench.sh --suite wire                      # railguard against nginx, each its own process, under wrk
 #   scripts/bench.sh --help                            # every option
 #
-# Needs the PostgreSQL server binaries (apt-get install postgresql) and, for the etcd suite,
-# /usr/bin/etcd (apt-get install etcd-server), for the wire suite nginx and wrk (installed here
-# when missing: nginx-light, wrk); when run as root the
+# Installs what is missing: what the build needs and the PostgreSQL server binaries
+# (scripts/deps.sh), for the etcd suite etcd-server, for the wire suite nginx-light and wrk; when
+# run as root the
 # throwaway cluster runs as the `postgres` user. Everything listens on 127.0.0.1 only.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/railguard-target}"
 
+# What the build needs (protoc for etcd-client) and the PostgreSQL server binaries.
+scripts/deps.sh
+# What the suites asked for need: the wire suite nginx and wrk, the etcd suite (and the default,
+# every suite) an etcd binary.
+missing=()
 case " $* " in
 *" --suite wire "* | *" --suite=wire "*)
-    missing=()
     [ -x /usr/sbin/nginx ] || missing+=(nginx-light)
     command -v wrk >/dev/null || missing+=(wrk)
-    if ((${#missing[@]})); then
-        echo "==> installing: ${missing[*]}" >&2
-        if [ "$(id -u)" -eq 0 ]; then sudo=(); else sudo=(sudo); fi
-        "${sudo[@]}" apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
-            "${missing[@]}" >/dev/null
-    fi
     ;;
+*" --suite proxy "* | *" --suite=proxy "* | *" --suite locks "* | *" --suite=locks "*) ;;
+*) command -v etcd >/dev/null || missing+=(etcd-server) ;;
 esac
+if ((${#missing[@]})); then
+    echo "==> installing: ${missing[*]}" >&2
+    if [ "$(id -u)" -eq 0 ]; then sudo=(); else sudo=(sudo); fi
+    "${sudo[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
+        "${missing[@]}" >/dev/null
+fi
 
 cargo build --release --quiet --locked -p railguard --bin railguard -p railguard-bench --bin railguard-bench
 
