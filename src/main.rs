@@ -111,7 +111,8 @@ enum Command {
         #[arg(long)]
         reason: String,
     },
-    /// Apply pending database migrations and exit (serve applies them too).
+    /// Apply pending database migrations, bring indexes up to date (built without blocking
+    /// writes), and exit (serve does both too, the indexes in the background).
     Migrate {
         /// TOML config file; only `[database]` and `[log]` are used.
         #[arg(long, short, default_value = "config/railguard.toml")]
@@ -343,6 +344,20 @@ fn main() -> ExitCode {
                             version = railguard::db::migrate::latest_version(),
                             "schema is current"
                         );
+                        // Index changes that `serve` would make in the background, made here
+                        // and waited for (ahead of a rollout, on a large table). Not needed to
+                        // serve: their failure is reported, not fatal.
+                        use railguard::db::maintenance::{Maintenance, run_once};
+                        match run_once(&db.url, config.database.timeout).await {
+                            Ok(Maintenance::Done { .. }) => {
+                                tracing::info!("indexes are current")
+                            }
+                            Ok(Maintenance::Busy) => {
+                                tracing::info!("another session is bringing the indexes up to date")
+                            }
+                            Err(e) => tracing::warn!(error = %e,
+                                "could not bring the indexes up to date; `serve` retries"),
+                        }
                         db.shutdown().await;
                         ExitCode::SUCCESS
                     }

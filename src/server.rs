@@ -199,6 +199,11 @@ pub async fn run(
         },
     );
     let records: Arc<dyn Records> = Arc::new(idempotency_store.clone());
+    // Index changes that must not block writes, in the background (db::maintenance).
+    let maintenance = tokio::spawn(db::maintenance::until_done(
+        database.url.clone(),
+        config.database.timeout,
+    ));
     let looks = db::build_look_pool(&database.url, batching.concurrency, config.database.timeout)?;
     let marks = HighWaterStore::new(
         database.pool.clone(),
@@ -340,6 +345,8 @@ pub async fn run(
         watch.abort();
     }
     sweeper.abort();
+    // A build under way goes on in its server session and is picked up by the next start.
+    maintenance.abort();
     instance_task.abort();
     database.shutdown().await;
     tracing::info!("railguard stopped");

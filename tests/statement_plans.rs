@@ -403,15 +403,9 @@ async fn last_looks_on_a_growing_table(analyze_when_empty: bool) {
     let before = scans(&tx, "rail_high_water").await;
     assert_eq!(look(&*tx, &pinned, &batch).await, 3);
     let after = scans(&tx, "rail_high_water").await;
-    let read_only: String = tx
-        .query_one("SELECT current_setting('transaction_read_only')", &[])
-        .await
-        .unwrap()
-        .get(0);
     tx.commit().await.unwrap();
     assert_eq!(after.0 - before.0, 0, "the last look never scans the table");
     assert!(after.1 > before.1, "it reads the marks by the primary key");
-    assert_eq!(read_only, "on", "the look's sessions cannot write");
 
     assert_eq!(
         generic_and_custom(&**pinned_session, LAST_LOOK_SQL).await,
@@ -441,4 +435,48 @@ async fn last_looks_on_a_growing_table(analyze_when_empty: bool) {
         generic_and_custom(&**pinned_session, LAST_LOOK_SQL).await,
         (17, 0)
     );
+}
+
+/// A standby answers reads with marks that lag the primary's: the last look's sessions are
+/// only opened on a server that takes writes, whatever `target_session_attrs` the URL says.
+/// (A server whose sessions start read-only says what a standby says when asked.)
+#[tokio::test]
+async fn the_last_look_never_reads_from_a_server_that_takes_no_writes() {
+    let (pg, client) = cluster().await;
+    let looks =
+        railguard::db::build_look_pool(&pg.url(), 1, std::time::Duration::from_secs(10)).unwrap();
+    drop(looks.get().await.expect("a primary is fine"));
+    client
+        .batch_execute("ALTER SYSTEM SET default_transaction_read_only = on")
+        .await
+        .unwrap();
+    client
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .unwrap();
+    let mut refused = None;
+    for _ in 0..50 {
+        let url = pg.url();
+        let separator = if url.contains('?') { '&' } else { '?' };
+        let fresh = railguard::db::build_look_pool(
+            &format!("{url}{separator}target_session_attrs=any"),
+            1,
+            std::time::Duration::from_secs(10),
+        )
+        .unwrap();
+        match fresh.get().await {
+            Err(e) => {
+                refused = Some(railguard::db::DbError::from(e).to_string());
+                break;
+            }
+            // The reload reaches new sessions within moments.
+            Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    }
+    let refused = refused.expect("no look session on a server that takes no writes");
+    assert!(refused.contains("does not allow writes"), "{refused}");
+    // The main pool's statements would fail there on their own; a plain session still opens.
+    let plain =
+        railguard::db::build_pool(&pg.url(), 1, std::time::Duration::from_secs(10)).unwrap();
+    drop(plain.get().await.expect("a plain session opens"));
 }

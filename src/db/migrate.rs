@@ -1,17 +1,11 @@
 //! Schema migrations: plain SQL files in `migrations/`, compiled into the binary, applied in
 //! order and recorded in `railguard_schema_migrations`.
 //!
-//! Migrators take turns under a session advisory lock, so two railguard processes starting
-//! together cannot both apply one. Pending migrations run in one transaction, so a migration
-//! that fails leaves the database as it was — except a `concurrent` one: it runs outside any
-//! transaction, one statement at a time, because `CREATE INDEX CONCURRENTLY` must (an index
-//! built in a transaction blocks the table's writes until it is done). Transactional
-//! migrations before it commit first; its statements are each safe to run again, so one that
-//! fails or is interrupted is simply run again by the next start. A recorded migration whose
-//! SQL has since changed, or a database at a version this binary does not know, stops start-up
-//! with a clear error: guessing would be worse than not starting.
-
-use std::time::{Duration, Instant};
+//! All pending migrations run in one transaction under an advisory lock, so two railguard
+//! processes starting together cannot both apply one, and a migration that fails leaves the
+//! database exactly as it was. A recorded migration whose SQL has since changed, or a database
+//! at a version this binary does not know, stops start-up with a clear error: guessing would
+//! be worse than not starting.
 
 use sha2::{Digest, Sha256};
 use tokio_postgres::GenericClient;
@@ -22,10 +16,6 @@ pub struct Migration {
     pub version: i32,
     pub name: &'static str,
     pub sql: &'static str,
-    /// Run outside a transaction, one statement at a time (each ends with `;` at the end of a
-    /// line): for `CREATE INDEX CONCURRENTLY` and its kind. Every statement must be safe to
-    /// run again after an interruption.
-    pub concurrent: bool,
 }
 
 /// Every migration, in order. `migrations_dir_matches_this_list` keeps it honest.
@@ -34,43 +24,31 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 1,
         name: "rail_high_water",
         sql: include_str!("../../migrations/0001_rail_high_water.sql"),
-        concurrent: false,
     },
     Migration {
         version: 2,
         name: "lock_entry",
         sql: include_str!("../../migrations/0002_lock_entry.sql"),
-        concurrent: false,
     },
     Migration {
         version: 3,
         name: "idempotency_record",
         sql: include_str!("../../migrations/0003_idempotency_record.sql"),
-        concurrent: false,
     },
     Migration {
         version: 4,
         name: "grant_secrets_and_record_owners",
         sql: include_str!("../../migrations/0004_grant_secrets_and_record_owners.sql"),
-        concurrent: false,
     },
     Migration {
         version: 5,
         name: "operator_audit",
         sql: include_str!("../../migrations/0005_operator_audit.sql"),
-        concurrent: false,
     },
     Migration {
         version: 6,
         name: "completion_plan",
         sql: include_str!("../../migrations/0006_completion_plan.sql"),
-        concurrent: false,
-    },
-    Migration {
-        version: 7,
-        name: "record_retention_index",
-        sql: include_str!("../../migrations/0007_record_retention_index.sql"),
-        concurrent: true,
     },
 ];
 
@@ -82,13 +60,10 @@ pub fn latest_version() -> i32 {
 /// Arbitrary, fixed: the advisory lock that serialises migrators.
 const MIGRATION_LOCK: i64 = 0x7261_696c_6775_6172; // "railguar"
 
-/// How long a migrator waits for another to finish before giving up.
-const LOCK_WAIT: Duration = Duration::from_secs(60);
-
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
     #[error(
-        "migration {version:04} ({name}) failed and was not recorded: {}",
+        "migration {version:04} ({name}) failed and nothing was applied: {}",
         crate::db::causes(source)
     )]
     Failed {
@@ -109,11 +84,6 @@ pub enum MigrateError {
     },
     #[error("the database is at schema version {found}, newer than this binary's {known}")]
     TooNew { found: i32, known: i32 },
-    #[error(
-        "another migrator (a railguard starting, or `railguard migrate`) held the migration \
-         lock for {0:?}; nothing was applied"
-    )]
-    Busy(Duration),
     #[error("database error while migrating: {}", crate::db::causes(.0))]
     Database(#[from] tokio_postgres::Error),
 }
@@ -125,78 +95,32 @@ fn checksum(sql: &str) -> String {
         .collect()
 }
 
-/// A concurrent migration's statements: each ends with `;` at the end of a line.
-fn statements(sql: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut current = String::new();
-    for line in sql.lines() {
-        current.push_str(line);
-        current.push('\n');
-        if line.trim_end().ends_with(';') {
-            let statement = std::mem::take(&mut current);
-            if statement.lines().any(|l| {
-                let l = l.trim();
-                !l.is_empty() && !l.starts_with("--")
-            }) {
-                out.push(statement);
-            }
-        }
-    }
-    out
-}
-
 /// Applies every pending migration. Returns how many were applied.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, MigrateError> {
-    take_migration_lock(client).await?;
-    let result = migrate_locked(client).await;
-    // The lock is the session's: given back whatever happened (and by the session's end if
-    // this cannot reach the server any more).
-    let unlocked = client
-        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
-        .await;
-    let applied = result?;
-    unlocked?;
-    Ok(applied)
-}
-
-/// Waits for the migration lock without holding a snapshot meanwhile: a migrator blocked in
-/// `pg_advisory_lock` would hold one, and `CREATE INDEX CONCURRENTLY` in the migrator it waits
-/// for waits for every older snapshot to go — a deadlock.
-async fn take_migration_lock(client: &tokio_postgres::Client) -> Result<(), MigrateError> {
-    let started = Instant::now();
-    loop {
-        let taken: bool = client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATION_LOCK])
-            .await?
-            .get(0);
-        if taken {
-            return Ok(());
-        }
-        if started.elapsed() >= LOCK_WAIT {
-            return Err(MigrateError::Busy(LOCK_WAIT));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn migrate_locked(client: &mut tokio_postgres::Client) -> Result<usize, MigrateError> {
-    client
-        .batch_execute(
-            "CREATE TABLE IF NOT EXISTS railguard_schema_migrations (
-                 version    integer     PRIMARY KEY,
-                 name       text        NOT NULL,
-                 checksum   text        NOT NULL,
-                 applied_at timestamptz NOT NULL DEFAULT now()
-             )",
-        )
+    let tx = client.transaction().await?;
+    // Migrations may take longer than a request's statement deadline, and may wait for
+    // another migrator.
+    tx.batch_execute("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = '60s'")
         .await?;
-    let applied = client
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await?;
+    tx.batch_execute(
+        "CREATE TABLE IF NOT EXISTS railguard_schema_migrations (
+             version    integer     PRIMARY KEY,
+             name       text        NOT NULL,
+             checksum   text        NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         )",
+    )
+    .await?;
+    let applied = tx
         .query(
             "SELECT version, name, checksum FROM railguard_schema_migrations ORDER BY version",
             &[],
         )
         .await?;
     let known = latest_version();
+    let mut count = 0;
     for row in &applied {
         let (version, name, recorded): (i32, String, String) = (row.get(0), row.get(1), row.get(2));
         let Some(m) = MIGRATIONS.iter().find(|m| m.version == version) else {
@@ -215,84 +139,27 @@ async fn migrate_locked(client: &mut tokio_postgres::Client) -> Result<usize, Mi
             });
         }
     }
-    let pending: Vec<Migration> = MIGRATIONS
-        .iter()
-        .filter(|m| !applied.iter().any(|row| row.get::<_, i32>(0) == m.version))
-        .copied()
-        .collect();
-    for run in pending.chunk_by(|a, b| a.concurrent == b.concurrent) {
-        if run[0].concurrent {
-            for m in run {
-                apply_concurrent(client, m).await?;
-            }
-        } else {
-            apply_in_one_transaction(client, run).await?;
+    for m in MIGRATIONS {
+        if applied.iter().any(|row| row.get::<_, i32>(0) == m.version) {
+            continue;
         }
-    }
-    Ok(pending.len())
-}
-
-/// Migrations `run`, all or none.
-async fn apply_in_one_transaction(
-    client: &mut tokio_postgres::Client,
-    run: &[Migration],
-) -> Result<(), MigrateError> {
-    let tx = client.transaction().await?;
-    // Migrations may take longer than a request's statement deadline, and may wait for the
-    // tables' users.
-    tx.batch_execute("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = '60s'")
-        .await?;
-    for m in run {
         let fail = |source| MigrateError::Failed {
             version: m.version,
             name: m.name,
             source,
         };
         tx.batch_execute(m.sql).await.map_err(fail)?;
-        record(&tx, m).await.map_err(fail)?;
-        tracing::info!(version = m.version, name = m.name, "applied migration");
-    }
-    tx.commit().await?;
-    Ok(())
-}
-
-/// Migration `m`, a statement at a time outside any transaction, then recorded.
-async fn apply_concurrent(
-    client: &tokio_postgres::Client,
-    m: &Migration,
-) -> Result<(), MigrateError> {
-    let fail = |source| MigrateError::Failed {
-        version: m.version,
-        name: m.name,
-        source,
-    };
-    client
-        .batch_execute("SET statement_timeout = 0; SET lock_timeout = '60s'")
-        .await?;
-    let result = async {
-        for statement in statements(m.sql) {
-            client.batch_execute(&statement).await.map_err(fail)?;
-        }
-        record(client, m).await.map_err(fail)
-    }
-    .await;
-    // Back to the session's settings from its connection string.
-    let reset = client
-        .batch_execute("RESET statement_timeout; RESET lock_timeout")
-        .await;
-    result?;
-    reset?;
-    tracing::info!(version = m.version, name = m.name, "applied migration");
-    Ok(())
-}
-
-async fn record(client: &impl GenericClient, m: &Migration) -> Result<u64, tokio_postgres::Error> {
-    client
-        .execute(
+        tx.execute(
             "INSERT INTO railguard_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
             &[&m.version, &m.name, &checksum(m.sql)],
         )
         .await
+        .map_err(fail)?;
+        tracing::info!(version = m.version, name = m.name, "applied migration");
+        count += 1;
+    }
+    tx.commit().await?;
+    Ok(count)
 }
 
 /// Where one migration stands in a database.
@@ -407,35 +274,6 @@ mod tests {
                 pair[1].version,
                 pair[0].version + 1,
                 "versions are consecutive"
-            );
-        }
-    }
-
-    #[test]
-    fn a_concurrent_migration_splits_into_its_statements() {
-        let sql = "-- why\nDROP INDEX CONCURRENTLY IF EXISTS a;\nCREATE INDEX CONCURRENTLY a\n    ON t (c);\n-- the end\n";
-        assert_eq!(
-            statements(sql),
-            [
-                "-- why\nDROP INDEX CONCURRENTLY IF EXISTS a;\n",
-                "CREATE INDEX CONCURRENTLY a\n    ON t (c);\n"
-            ]
-        );
-        for m in MIGRATIONS.iter().filter(|m| m.concurrent) {
-            let split = statements(m.sql);
-            for statement in &split {
-                assert_eq!(
-                    statement.matches(';').count(),
-                    1,
-                    "migration {} holds a statement with a `;` inside: {statement}",
-                    m.version
-                );
-            }
-            assert_eq!(
-                split.len(),
-                m.sql.matches(';').count(),
-                "every `;` of migration {} ends a statement at the end of its line",
-                m.version
             );
         }
     }

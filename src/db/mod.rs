@@ -4,6 +4,7 @@
 //! asked to, applies migrations, and keeps the server handle so that shutdown can stop it
 //! after the last request has drained.
 
+pub mod maintenance;
 pub mod migrate;
 pub mod server;
 
@@ -44,7 +45,7 @@ impl From<tokio_postgres::Error> for DbError {
 
 impl From<deadpool_postgres::PoolError> for DbError {
     fn from(e: deadpool_postgres::PoolError) -> Self {
-        DbError::Pool(e.to_string())
+        DbError::Pool(causes(&e))
     }
 }
 
@@ -69,6 +70,8 @@ pub enum DatabaseError {
          railguard_complete_records and UPDATE on idempotency_record)"
     )]
     Access(String),
+    #[error("schema maintenance: {0}")]
+    Maintenance(String),
 }
 
 /// Calls `railguard_complete_records` with one record that cannot exist (an empty account), so
@@ -242,17 +245,22 @@ pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, Dat
 /// the generic one), and planning is most of its cost. A generic plan is made once, for the
 /// table as it is then; without sequential scans it is the primary key's whatever the
 /// statistics said (a plan made while the table was small would otherwise scan it whole until
-/// something replans). The sessions cannot write.
-const LOOK_SESSION_SETTINGS: &str = "-c plan_cache_mode=force_generic_plan -c enable_seqscan=off -c default_transaction_read_only=on";
+/// something replans).
+const LOOK_SESSION_SETTINGS: &str = "-c plan_cache_mode=force_generic_plan -c enable_seqscan=off";
 
 /// The pool of the fence's last look: `size` sessions with [`LOOK_SESSION_SETTINGS`] on top
-/// of railguard's timeouts.
+/// of railguard's timeouts, each on a server that takes writes. The look must read what the
+/// compare-and-sets wrote: with several hosts in `database.url` and the default
+/// `target_session_attrs=any`, a session of its own could land on a standby (a primary that
+/// did not answer in time when it connected) and read marks that lag, while the
+/// compare-and-sets, which fail on a standby, stay on the primary.
 pub fn build_look_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
     let mut connect = pg_config(url, timeout)?;
     let timeouts = connect.config.get_options().unwrap_or_default().to_owned();
     connect
         .config
-        .options(format!("{timeouts} {LOOK_SESSION_SETTINGS}"));
+        .options(format!("{timeouts} {LOOK_SESSION_SETTINGS}"))
+        .target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
     pool_of(connect, size, timeout)
 }
 

@@ -93,6 +93,8 @@ impl Default for Batching {
 #[derive(Clone)]
 pub struct HighWaterStore {
     pool: Pool,
+    /// The last look's sessions: checked by [`ready`](Self::ready) too.
+    looks: Pool,
     timeout: Duration,
     requests: mpsc::Sender<batch::Pending>,
     rechecks: mpsc::Sender<recheck::Asked>,
@@ -113,7 +115,11 @@ impl HighWaterStore {
     ) -> Self {
         let (requests, queue) = mpsc::channel(QUEUE_LIMIT);
         let (rechecks, recheck_queue) = mpsc::channel(QUEUE_LIMIT);
-        tokio::spawn(recheck::run(looks, batching.concurrency, recheck_queue));
+        tokio::spawn(recheck::run(
+            looks.clone(),
+            batching.concurrency,
+            recheck_queue,
+        ));
         tokio::spawn(batch::run(
             pool.clone(),
             batching,
@@ -124,6 +130,7 @@ impl HighWaterStore {
         ));
         Self {
             pool,
+            looks,
             timeout,
             requests,
             rechecks,
@@ -193,9 +200,16 @@ impl HighWaterStore {
         }
     }
 
-    /// Whether PostgreSQL answers and the schema is the one this binary expects.
+    /// Whether PostgreSQL answers, on the pool and on the last look's sessions (every fenced
+    /// request needs both), and the schema is the one this binary expects.
     pub async fn ready(&self) -> Result<(), String> {
         let check = async {
+            drop(
+                self.looks
+                    .get()
+                    .await
+                    .map_err(|e| format!("the last look's sessions: {}", DbError::from(e)))?,
+            );
             let client = self.pool.get().await.map_err(|e| e.to_string())?;
             let version = crate::db::migrate::current_version(&**client)
                 .await

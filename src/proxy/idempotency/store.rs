@@ -467,9 +467,10 @@ impl IdempotencyStore {
             let deleted = client
                 .execute(
                     // `created_at` adds nothing to the condition (a record is completed
-                    // after it is created) but names the column that is indexed: the
-                    // completion leaves indexed columns alone, and so stays a HOT update
-                    // (migration 0007).
+                    // after it is created) but names the column indexed for it, which the
+                    // completion leaves alone, so that it stays a HOT update
+                    // (`db::maintenance`); with migration 0003's index on `completed_at`
+                    // instead, the same condition finds its rows through that one.
                     "DELETE FROM idempotency_record WHERE ctid IN (
                          SELECT ctid FROM idempotency_record
                          WHERE created_at < now() - $1::bigint * interval '1 millisecond'

@@ -1,14 +1,15 @@
-//! Migrations that run outside a transaction (migration 0007's index, built concurrently), and
-//! what that index is for: completions of idempotency records that are heap-only updates.
+//! Online schema maintenance (`db::maintenance`): the retention index of idempotency records
+//! built concurrently while records are written, picked up again after an interruption, and
+//! what it is for: completions of idempotency records that are heap-only updates.
 //!
-//! Each test has a throwaway cluster of its own. A database "at version 6" is made by
-//! migrating fully and then putting back what 0007 changed: its record, its index, and the
-//! index it removes.
+//! Each test has a throwaway cluster of its own, migrated as railguard migrates it; until
+//! maintenance runs, the table has migration 0003's retention index.
 
 use std::time::Duration;
 
 use railguard_testkit as support;
 
+use railguard::db::maintenance::{Maintenance, run_once};
 use railguard::db::migrate;
 use railguard::proxy::fence::Batching;
 use railguard::proxy::idempotency::{COMPLETE_SQL, IdempotencyStore, OutcomeMetrics};
@@ -16,9 +17,7 @@ use support::Pg;
 use tokio_postgres::Client;
 use tokio_postgres::types::ToSql;
 
-/// The retention index of migrations 0003 to 0006, which made every completion a non-HOT update.
-const OLD_RETENTION_INDEX: &str = "CREATE INDEX idempotency_record_completed_at \
-     ON idempotency_record (completed_at) WHERE state = 'done'";
+const TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn migrated() -> (Pg, Client) {
     let pg = Pg::start().await;
@@ -26,18 +25,6 @@ async fn migrated() -> (Pg, Client) {
     let applied = migrate::migrate(&mut client).await.unwrap();
     assert_eq!(applied as i32, migrate::latest_version());
     (pg, client)
-}
-
-/// Back to how migration 6 left the schema.
-async fn back_to_version_6(client: &Client) {
-    client
-        .batch_execute(&format!(
-            "DELETE FROM railguard_schema_migrations WHERE version = 7;
-             DROP INDEX idempotency_record_created_at;
-             {OLD_RETENTION_INDEX};"
-        ))
-        .await
-        .unwrap();
 }
 
 async fn insert_in_flight(client: &Client, from: i64, to: i64) {
@@ -101,20 +88,31 @@ async fn index(client: &Client, name: &str) -> Option<(String, bool)> {
         .map(|row| (row.get(0), row.get(1)))
 }
 
-async fn version_7_recorded(client: &Client) -> bool {
+/// Both retention indexes' definitions, as (created_at's, completed_at's), each with whether
+/// it is valid.
+async fn retention_indexes(client: &Client) -> (Option<(String, bool)>, Option<(String, bool)>) {
+    (
+        index(client, "idempotency_record_created_at").await,
+        index(client, "idempotency_record_completed_at").await,
+    )
+}
+
+async fn index_oid(client: &Client) -> u32 {
     client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM railguard_schema_migrations WHERE version = 7)",
-            &[],
-        )
+        .query_one("SELECT 'idempotency_record_created_at'::regclass::oid", &[])
         .await
         .unwrap()
         .get(0)
 }
 
+async fn maintain(pg: &Pg) -> Maintenance {
+    run_once(&pg.url(), TIMEOUT).await.unwrap()
+}
+
 #[tokio::test]
 async fn completing_a_record_is_a_heap_only_update() {
-    let (_pg, mut client) = migrated().await;
+    let (pg, mut client) = migrated().await;
+    assert_eq!(maintain(&pg).await, Maintenance::Done { changed: true });
     insert_in_flight(&client, 1, 40).await;
     let (updates, hot) = complete(&mut client, 1, 20).await;
     assert_eq!(updates, 20);
@@ -122,34 +120,30 @@ async fn completing_a_record_is_a_heap_only_update() {
         hot, 20,
         "every completion stays on its page without new index entries"
     );
+    // Nothing left to do, and nothing done again.
+    assert_eq!(maintain(&pg).await, Maintenance::Done { changed: false });
 
-    // Negative control: with the retention index of migrations 3 to 6, none is.
-    client.batch_execute(OLD_RETENTION_INDEX).await.unwrap();
+    // Negative control: with migration 0003's retention index back, no completion is.
+    client
+        .batch_execute(
+            "CREATE INDEX idempotency_record_completed_at ON idempotency_record (completed_at)
+             WHERE state = 'done'",
+        )
+        .await
+        .unwrap();
     let (updates, hot) = complete(&mut client, 21, 40).await;
     assert_eq!((updates, hot), (20, 0));
 }
 
+/// Retention means the same with either index: a binary of either kind sweeps right in a
+/// database of either state.
 #[tokio::test]
 async fn the_sweep_removes_records_completed_before_the_retention_only() {
     let (pg, client) = migrated().await;
-    // Completed long ago, completed just now, created long ago but still in flight.
-    client
-        .batch_execute(
-            "INSERT INTO idempotency_record
-                 (account_id, idempotency_key, fingerprint, token, owner, state, created_at,
-                  completed_at)
-             VALUES ('a', 'old-done', 'fp', 1, 'o', 'done', now() - interval '2 hours',
-                     now() - interval '2 hours'),
-                    ('a', 'new-done', 'fp', 1, 'o', 'done', now() - interval '2 hours', now()),
-                    ('a', 'old-in-flight', 'fp', 1, 'o', 'in_flight',
-                     now() - interval '2 hours', NULL)",
-        )
-        .await
-        .unwrap();
-    let pool = railguard::db::build_pool(&pg.url(), 2, Duration::from_secs(10)).unwrap();
+    let pool = railguard::db::build_pool(&pg.url(), 2, TIMEOUT).unwrap();
     let store = IdempotencyStore::new(
         pool,
-        Duration::from_secs(10),
+        TIMEOUT,
         Batching::default(),
         OutcomeMetrics {
             pending: prometheus::IntGauge::new("pending", "pending").unwrap(),
@@ -160,24 +154,48 @@ async fn the_sweep_removes_records_completed_before_the_retention_only() {
             .unwrap(),
         },
     );
-    assert_eq!(store.sweep(Duration::from_secs(3600)).await.unwrap(), 1);
-    let left: Vec<String> = client
-        .query(
-            "SELECT idempotency_key FROM idempotency_record ORDER BY 1",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
-    assert_eq!(left, ["new-done", "old-in-flight"]);
+    for maintained in [false, true] {
+        if maintained {
+            assert_eq!(maintain(&pg).await, Maintenance::Done { changed: true });
+        }
+        // Completed long ago, completed just now, created long ago but still in flight.
+        client
+            .batch_execute(
+                "DELETE FROM idempotency_record;
+                 INSERT INTO idempotency_record
+                     (account_id, idempotency_key, fingerprint, token, owner, state, created_at,
+                      completed_at)
+                 VALUES ('a', 'old-done', 'fp', 1, 'o', 'done', now() - interval '2 hours',
+                         now() - interval '2 hours'),
+                        ('a', 'new-done', 'fp', 1, 'o', 'done', now() - interval '2 hours',
+                         now()),
+                        ('a', 'old-in-flight', 'fp', 1, 'o', 'in_flight',
+                         now() - interval '2 hours', NULL)",
+            )
+            .await
+            .unwrap();
+        assert_eq!(store.sweep(Duration::from_secs(3600)).await.unwrap(), 1);
+        let left: Vec<String> = client
+            .query(
+                "SELECT idempotency_key FROM idempotency_record ORDER BY 1",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        assert_eq!(
+            left,
+            ["new-done", "old-in-flight"],
+            "maintained: {maintained}"
+        );
+    }
 }
 
 #[tokio::test]
 async fn an_index_build_left_invalid_is_built_again() {
     let (pg, client) = migrated().await;
-    back_to_version_6(&client).await;
     // An interrupted build: a concurrent build that failed leaves its index behind, invalid.
     // (Two records created by one statement share created_at, so a unique build fails.)
     insert_in_flight(&client, 1, 2).await;
@@ -188,64 +206,63 @@ async fn an_index_build_left_invalid_is_built_again() {
         )
         .await
         .expect_err("the unique build fails");
-    assert!(err.to_string().contains("duplicate") || format!("{err:?}").contains("23505"));
+    assert_eq!(
+        err.code(),
+        Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION),
+        "{err}"
+    );
     let (_, valid) = index(&client, "idempotency_record_created_at")
         .await
         .expect("the failed build left its index");
     assert!(!valid);
 
-    // Migrated over a session as railguard opens it, with its statement deadline.
-    let (mut session, _driver) = railguard::db::connect(&pg.url(), Duration::from_secs(7))
-        .await
-        .unwrap();
-    assert_eq!(migrate::migrate(&mut session).await.unwrap(), 1);
-    let (definition, valid) = index(&client, "idempotency_record_created_at")
-        .await
-        .unwrap();
+    assert_eq!(maintain(&pg).await, Maintenance::Done { changed: true });
+    let (created, completed) = retention_indexes(&client).await;
+    let (definition, valid) = created.unwrap();
     assert!(valid, "built again: {definition}");
     assert!(
         !definition.contains("UNIQUE"),
-        "the migration's index, not the leftover: {definition}"
+        "maintenance's index, not the leftover: {definition}"
     );
-    assert_eq!(
-        index(&client, "idempotency_record_completed_at").await,
-        None
-    );
-    assert!(version_7_recorded(&client).await);
-    // The session is back to its own deadlines, and holds no lock.
-    let row = session
-        .query_one(
-            "SELECT current_setting('statement_timeout'), current_setting('lock_timeout'),
-                    (SELECT count(*) FROM pg_locks
-                     WHERE locktype = 'advisory' AND pid = pg_backend_pid())",
-            &[],
+    assert_eq!(completed, None, "the old index is gone");
+}
+
+#[tokio::test]
+async fn a_valid_index_left_by_an_interrupted_run_is_kept() {
+    // Killed after its build finished in the server (the session goes on without its client)
+    // but before the old index was dropped: the next run only drops the old one.
+    let (pg, client) = migrated().await;
+    client
+        .batch_execute(
+            "CREATE INDEX CONCURRENTLY idempotency_record_created_at \
+             ON idempotency_record (created_at)",
         )
         .await
         .unwrap();
-    assert_eq!(row.get::<_, String>(0), "7s");
-    assert_eq!(row.get::<_, String>(1), "7s");
-    assert_eq!(row.get::<_, i64>(2), 0, "the migration lock is given back");
+    let before = index_oid(&client).await;
+    assert_eq!(maintain(&pg).await, Maintenance::Done { changed: true });
+    assert_eq!(index_oid(&client).await, before, "not built again");
+    assert_eq!(retention_indexes(&client).await.1, None);
 }
 
-/// The index is built while another transaction writes records, and a second migrator
-/// starting meanwhile neither deadlocks with the build nor applies anything twice.
+/// The index is built while records are written; a second railguard starting meanwhile skips
+/// maintenance, and an older binary's migrator (which waits for its lock inside a transaction,
+/// holding a snapshot the build must wait out) neither waits for the build nor deadlocks with it.
 #[tokio::test]
 async fn records_are_written_while_the_index_is_built() {
     let (pg, client) = migrated().await;
-    back_to_version_6(&client).await;
     insert_in_flight(&client, 1, 1_000).await;
 
-    // A payment's transaction, open when the migration starts: the concurrent build waits
-    // for it to end.
+    // A payment's transaction, open when maintenance starts: the concurrent build waits for
+    // it to end.
     let mut open = pg.client().await;
     let open_tx = open.transaction().await.unwrap();
     insert_in_flight_tx(&open_tx, 2_000).await;
 
     let first = {
         let url = pg.url();
-        tokio::spawn(async move { railguard::db::migrate_url(&url, Duration::from_secs(10)).await })
+        tokio::spawn(async move { run_once(&url, TIMEOUT).await })
     };
-    // Wait until the build is waiting for the open transaction.
     let mut waiting = false;
     for _ in 0..200 {
         waiting = client
@@ -264,36 +281,33 @@ async fn records_are_written_while_the_index_is_built() {
     }
     assert!(waiting, "the build waits for the open transaction");
 
-    // Meanwhile a second migrator starts (a second railguard), and records are still written:
-    // a build inside a transaction would hold a lock that queues every insert behind it.
-    let second = {
-        let url = pg.url();
-        tokio::spawn(async move { railguard::db::migrate_url(&url, Duration::from_secs(10)).await })
-    };
+    // A second railguard: skips.
+    assert_eq!(maintain(&pg).await, Maintenance::Busy);
+    // A railguard starting, of this binary or an older one: its migrator is not held up.
+    let mut migrator = pg.client().await;
+    let migrated = tokio::time::timeout(Duration::from_secs(5), migrate::migrate(&mut migrator))
+        .await
+        .expect("a migrator is not held up by the build");
+    assert_eq!(migrated.unwrap(), 0);
+    // Records are written: a build inside a transaction would queue every insert behind it.
     let writer = pg.client().await;
     writer
         .batch_execute("SET statement_timeout = '5s'")
         .await
         .unwrap();
     insert_in_flight(&writer, 3_000, 3_099).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!first.is_finished() && !second.is_finished());
+    assert!(!first.is_finished());
 
     open_tx.commit().await.unwrap();
     let first = tokio::time::timeout(Duration::from_secs(30), first)
         .await
-        .expect("the first migrator finishes once the transaction ended")
+        .expect("the build finishes once the transaction ended")
         .unwrap();
-    let second = tokio::time::timeout(Duration::from_secs(30), second)
-        .await
-        .expect("the second migrator finishes too")
-        .unwrap();
-    assert_eq!(first.unwrap(), 1, "the first applied migration 7");
-    assert_eq!(second.unwrap(), 0, "the second found it applied");
-    let (definition, valid) = index(&client, "idempotency_record_created_at")
-        .await
-        .unwrap();
+    assert_eq!(first.unwrap(), Maintenance::Done { changed: true });
+    let (created, completed) = retention_indexes(&client).await;
+    let (definition, valid) = created.unwrap();
     assert!(valid, "{definition}");
+    assert_eq!(completed, None);
     let records: i64 = client
         .query_one("SELECT count(*) FROM idempotency_record", &[])
         .await
