@@ -348,15 +348,31 @@ fn main() -> ExitCode {
                         // and waited for (ahead of a rollout, on a large table). Not needed to
                         // serve: their failure is reported, not fatal.
                         use railguard::db::maintenance::{Maintenance, run_once};
-                        match run_once(&db.url, config.database.timeout).await {
-                            Ok(Maintenance::Done { .. }) => {
-                                tracing::info!("indexes are current")
+                        let mut said_busy = false;
+                        loop {
+                            match run_once(&db.url, config.database.timeout).await {
+                                Ok(Maintenance::Done { .. }) => {
+                                    tracing::info!("indexes are current");
+                                    break;
+                                }
+                                // A railguard at it, or the server session of one killed
+                                // mid-build finishing it: waited for.
+                                Ok(Maintenance::Busy) => {
+                                    if !said_busy {
+                                        tracing::info!(
+                                            "another session is bringing the indexes up to \
+                                             date; waiting for it"
+                                        );
+                                        said_busy = true;
+                                    }
+                                    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                                }
+                                Err(e) => {
+                                    tracing::warn!(error = %e,
+                                        "could not bring the indexes up to date; `serve` retries");
+                                    break;
+                                }
                             }
-                            Ok(Maintenance::Busy) => {
-                                tracing::info!("another session is bringing the indexes up to date")
-                            }
-                            Err(e) => tracing::warn!(error = %e,
-                                "could not bring the indexes up to date; `serve` retries"),
                         }
                         db.shutdown().await;
                         ExitCode::SUCCESS

@@ -316,6 +316,26 @@ async fn records_are_written_while_the_index_is_built() {
     assert_eq!(records, 1_000 + 1 + 100);
 }
 
+/// `railguard serve` makes the change in the background once it has migrated.
+#[tokio::test]
+async fn serve_brings_the_retention_index_up_to_date() {
+    let (pg, client) = migrated().await;
+    assert!(retention_indexes(&client).await.1.is_some());
+    let rail = support::Rail::start().await;
+    let _rg = support::Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let mut indexes = retention_indexes(&client).await;
+    for _ in 0..200 {
+        if indexes.1.is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        indexes = retention_indexes(&client).await;
+    }
+    let (created, completed) = indexes;
+    assert!(created.expect("built").1, "valid");
+    assert_eq!(completed, None, "the old index dropped");
+}
+
 async fn insert_in_flight_tx(tx: &tokio_postgres::Transaction<'_>, id: i64) {
     tx.execute(
         "INSERT INTO idempotency_record

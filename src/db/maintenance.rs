@@ -18,17 +18,26 @@
 //! both columns and finds its rows with either index). Measured with pgbench on PostgreSQL 15:
 //! 0 of 447,000 completions HOT with the old index, 98% with the new one, the completion
 //! statement 17-20% faster (docs/performance.md).
+//!
+//! **What a build holds.** `CREATE INDEX CONCURRENTLY` lets the table's inserts, updates and
+//! deletes through, but holds a lock that other schema changes of the table (and VACUUM and
+//! ANALYZE) wait for, for the whole build. A future migration that alters
+//! `idempotency_record` must not wait behind a build: payments would queue behind it (take
+//! this module's lock first, or a short `lock_timeout` and retry). A build that fails leaves an
+//! invalid index that inserts still maintain until the next attempt replaces it.
 
 use std::time::Duration;
 
-use super::{DatabaseError, connect};
+use super::{DatabaseError, open, pg_config};
 
 /// Arbitrary, fixed: the session advisory lock held while maintenance runs ("rgmaint").
 const MAINTENANCE_LOCK: i64 = 0x7267_6d61_696e_7400;
 
-/// How long a concurrent build may wait for a lock (behind transactions older than it) before
-/// it gives up; the next attempt starts it again.
-const LOCK_WAIT: &str = "60s";
+/// The maintenance session's settings, from its start (no `SET` that a transaction-pooling
+/// proxy could leave on a connection others use): a build takes as long as the table needs,
+/// and a wait for a lock (behind transactions older than the build) gives up after a minute;
+/// the next attempt starts it again.
+const SESSION_SETTINGS: &str = "-c statement_timeout=0 -c lock_timeout=60s";
 
 /// What one attempt did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,8 +54,15 @@ pub enum Maintenance {
 /// is at it. Safe to run at any time and as often as wanted: each step is done only if needed,
 /// and an index left invalid by an interrupted build is dropped and built again.
 pub async fn run_once(url: &str, timeout: Duration) -> Result<Maintenance, DatabaseError> {
-    let (client, driver) = connect(url, timeout).await?;
+    let mut connect = pg_config(url, timeout)?;
+    // Never on a standby of a multi-host URL: it would take the lock and fail every build.
+    connect
+        .config
+        .options(SESSION_SETTINGS)
+        .target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
+    let (client, driver) = open(connect, url).await?;
     let result = async {
+        // The session is this function's own, and ends with it, and so does the lock.
         let taken: bool = client
             .query_one("SELECT pg_try_advisory_lock($1)", &[&MAINTENANCE_LOCK])
             .await?
@@ -54,13 +70,6 @@ pub async fn run_once(url: &str, timeout: Duration) -> Result<Maintenance, Datab
         if !taken {
             return Ok(Maintenance::Busy);
         }
-        // A build takes as long as the table needs; waiting behind older transactions is
-        // bounded. The session is this function's own, and ends with it (and so does the lock).
-        client
-            .batch_execute(&format!(
-                "SET statement_timeout = 0; SET lock_timeout = '{LOCK_WAIT}'"
-            ))
-            .await?;
         let mut changed = false;
         match index_valid(&client, "idempotency_record_created_at").await? {
             Some(true) => {}
@@ -107,7 +116,8 @@ async fn index_valid(
         .query_opt(
             "SELECT i.indisvalid FROM pg_index i
              JOIN pg_class c ON c.oid = i.indexrelid
-             WHERE c.relname = $1 AND c.relnamespace = current_schema()::regnamespace",
+             JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE c.relname = $1 AND n.nspname = current_schema()",
             &[&name],
         )
         .await?

@@ -203,7 +203,15 @@ pub async fn connect(
     url: &str,
     timeout: Duration,
 ) -> Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), DatabaseError> {
-    let PgConnect { config, tls, .. } = pg_config(url, timeout)?;
+    open(pg_config(url, timeout)?, url).await
+}
+
+/// [`connect`] with settings of the caller's (`url` names the server in errors).
+pub(crate) async fn open(
+    connect: PgConnect,
+    url: &str,
+) -> Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), DatabaseError> {
+    let PgConnect { config, tls, .. } = connect;
     let target = redact(url);
     let (client, conn) = config
         .connect(tls)
