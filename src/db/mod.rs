@@ -256,7 +256,7 @@ pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, Dat
 /// something replans).
 const LOOK_SESSION_SETTINGS: &str = "-c plan_cache_mode=force_generic_plan -c enable_seqscan=off";
 
-/// The pool of the fence's last look: `size` sessions with [`LOOK_SESSION_SETTINGS`] on top
+/// The pool of the fence's last look: `size` sessions with `LOOK_SESSION_SETTINGS` on top
 /// of railguard's timeouts, each on a server that takes writes. The look must read what the
 /// compare-and-sets wrote: with several hosts in `database.url` and the default
 /// `target_session_attrs=any`, a session of its own could land on a standby (a primary that
