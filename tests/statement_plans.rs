@@ -480,3 +480,53 @@ async fn the_last_look_never_reads_from_a_server_that_takes_no_writes() {
         railguard::db::build_pool(&pg.url(), 1, std::time::Duration::from_secs(10)).unwrap();
     drop(plain.get().await.expect("a plain session opens"));
 }
+
+/// Every fenced request takes a last look: `/readyz` (`HighWaterStore::ready`) says not ready
+/// when the look's sessions cannot be opened, even with the pool's fine.
+#[tokio::test]
+async fn readiness_needs_the_last_look_sessions_too() {
+    use railguard::proxy::fence::{Batching, HighWaterStore};
+    use railguard::proxy::idempotency::{IdempotencyStore, InstanceId, OutcomeMetrics, Records};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let (pg, _client) = cluster().await;
+    let timeout = Duration::from_secs(3);
+    let store = |looks_url: String| {
+        let pool = railguard::db::build_pool(&pg.url(), 2, timeout).unwrap();
+        let looks = railguard::db::build_look_pool(&looks_url, 1, timeout).unwrap();
+        let records: Arc<dyn Records> = Arc::new(IdempotencyStore::new(
+            pool.clone(),
+            timeout,
+            Batching::default(),
+            OutcomeMetrics {
+                pending: prometheus::IntGauge::new("pending", "pending").unwrap(),
+                lost: prometheus::IntCounter::new("lost", "lost").unwrap(),
+                batch_sizes: prometheus::Histogram::with_opts(prometheus::HistogramOpts::new(
+                    "completions",
+                    "completions",
+                ))
+                .unwrap(),
+            },
+        ));
+        HighWaterStore::new(
+            pool,
+            looks,
+            timeout,
+            Batching::default(),
+            prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("cas", "cas")).unwrap(),
+            InstanceId::generate(),
+            records,
+        )
+    };
+    store(pg.url()).ready().await.expect("ready with both");
+    let nowhere = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        support::free_loopback_port()
+    );
+    let err = store(nowhere)
+        .ready()
+        .await
+        .expect_err("not ready without the look's sessions");
+    assert!(err.contains("the last look's sessions"), "{err}");
+}
