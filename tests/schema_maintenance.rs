@@ -11,11 +11,10 @@ use railguard_testkit as support;
 
 use railguard::db::maintenance::{Maintenance, run_once};
 use railguard::db::migrate;
-use railguard::proxy::fence::Batching;
-use railguard::proxy::idempotency::{COMPLETE_SQL, IdempotencyStore, OutcomeMetrics};
+use railguard::proxy::idempotency::COMPLETE_SQL;
 use support::Pg;
+use support::records::{Completions, idempotency_store, insert_in_flight};
 use tokio_postgres::Client;
-use tokio_postgres::types::ToSql;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -27,45 +26,17 @@ async fn migrated() -> (Pg, Client) {
     (pg, client)
 }
 
-async fn insert_in_flight(client: &Client, from: i64, to: i64) {
-    client
-        .execute(
-            "INSERT INTO idempotency_record
-                 (account_id, idempotency_key, fingerprint, token, owner, state)
-             SELECT 'acct-' || g, 'key-' || g, 'fp', g, 'owner-' || g, 'in_flight'
-             FROM generate_series($1::bigint, $2::bigint) g",
-            &[&from, &to],
-        )
-        .await
-        .unwrap();
-}
-
 /// Updates of idempotency_record by completing records `from..=to` in one transaction, and how
 /// many of them were heap-only.
 async fn complete(client: &mut Client, from: i64, to: i64) -> (i64, i64) {
     let ids: Vec<i64> = (from..=to).collect();
-    let accounts: Vec<String> = ids.iter().map(|i| format!("acct-{i}")).collect();
-    let keys: Vec<String> = ids.iter().map(|i| format!("key-{i}")).collect();
-    let owners: Vec<String> = ids.iter().map(|i| format!("owner-{i}")).collect();
-    let statuses: Vec<i16> = ids.iter().map(|_| 201).collect();
-    let headers: Vec<String> = ids
-        .iter()
-        .map(|_| r#"{"content-type":"application/json"}"#.to_string())
-        .collect();
-    let bodies: Vec<Vec<u8>> = ids
-        .iter()
-        .map(|i| format!(r#"{{"payment":{i},"status":"accepted"}}"#).into_bytes())
-        .collect();
-    let stored: Vec<bool> = ids.iter().map(|_| true).collect();
-    let params: [&(dyn ToSql + Sync); 7] = [
-        &accounts, &keys, &owners, &statuses, &headers, &bodies, &stored,
-    ];
+    let batch = Completions::of(&ids);
     // The backend's own counters, not yet reported: read before and after, in one transaction.
     let counters = "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables
                     WHERE relname = 'idempotency_record'";
     let tx = client.transaction().await.unwrap();
     let before = tx.query_one(counters, &[]).await.unwrap();
-    let completed = tx.query(COMPLETE_SQL, &params).await.unwrap().len();
+    let completed = tx.query(COMPLETE_SQL, &batch.params()).await.unwrap().len();
     assert_eq!(completed, ids.len());
     let after = tx.query_one(counters, &[]).await.unwrap();
     tx.commit().await.unwrap();
@@ -141,19 +112,7 @@ async fn completing_a_record_is_a_heap_only_update() {
 async fn the_sweep_removes_records_completed_before_the_retention_only() {
     let (pg, client) = migrated().await;
     let pool = railguard::db::build_pool(&pg.url(), 2, TIMEOUT).unwrap();
-    let store = IdempotencyStore::new(
-        pool,
-        TIMEOUT,
-        Batching::default(),
-        OutcomeMetrics {
-            pending: prometheus::IntGauge::new("pending", "pending").unwrap(),
-            lost: prometheus::IntCounter::new("lost", "lost").unwrap(),
-            batch_sizes: prometheus::Histogram::with_opts(prometheus::HistogramOpts::new(
-                "batch", "batch",
-            ))
-            .unwrap(),
-        },
-    );
+    let store = idempotency_store(pool, TIMEOUT);
     for maintained in [false, true] {
         if maintained {
             assert_eq!(maintain(&pg).await, Maintenance::Done { changed: true });

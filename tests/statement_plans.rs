@@ -11,7 +11,7 @@ use railguard_testkit as support;
 use railguard::proxy::fence::LAST_LOOK_SQL;
 use railguard::proxy::idempotency::COMPLETE_SQL;
 use support::Pg;
-use tokio_postgres::types::ToSql;
+use support::records::{Completions, idempotency_store, insert_in_flight};
 use tokio_postgres::{Client, GenericClient, Transaction};
 
 /// The batched completion as it was prepared before migration 0006 pinned its plan: the
@@ -30,36 +30,18 @@ WHERE r.account_id = u.account_id AND r.idempotency_key = u.key AND r.owner = u.
   AND r.state = 'in_flight'
 RETURNING r.account_id, r.idempotency_key";
 
-async fn insert_in_flight(client: &Client, from: i64, to: i64) {
-    client
-        .execute(
-            "INSERT INTO idempotency_record
-                 (account_id, idempotency_key, fingerprint, token, owner, state)
-             SELECT 'acct-' || g, 'key-' || g, 'fp', g, 'owner-' || g, 'in_flight'
-             FROM generate_series($1::bigint, $2::bigint) g",
-            &[&from, &to],
-        )
-        .await
-        .unwrap();
-}
-
 /// Completes records `ids` with `statement`; how many it completed.
 async fn complete(
     client: &impl GenericClient,
     statement: &tokio_postgres::Statement,
     ids: &[i64],
 ) -> usize {
-    let accounts: Vec<String> = ids.iter().map(|i| format!("acct-{i}")).collect();
-    let keys: Vec<String> = ids.iter().map(|i| format!("key-{i}")).collect();
-    let owners: Vec<String> = ids.iter().map(|i| format!("owner-{i}")).collect();
-    let statuses: Vec<i16> = ids.iter().map(|_| 201).collect();
-    let headers: Vec<String> = ids.iter().map(|_| "{}".to_string()).collect();
-    let bodies: Vec<Vec<u8>> = ids.iter().map(|i| i.to_string().into_bytes()).collect();
-    let stored: Vec<bool> = ids.iter().map(|_| true).collect();
-    let params: [&(dyn ToSql + Sync); 7] = [
-        &accounts, &keys, &owners, &statuses, &headers, &bodies, &stored,
-    ];
-    client.query(statement, &params).await.unwrap().len()
+    let batch = Completions::of(ids);
+    client
+        .query(statement, &batch.params())
+        .await
+        .unwrap()
+        .len()
 }
 
 /// Sequential and index scans of `table` so far in this transaction (the backend's own
@@ -486,7 +468,7 @@ async fn the_last_look_never_reads_from_a_server_that_takes_no_writes() {
 #[tokio::test]
 async fn readiness_needs_the_last_look_sessions_too() {
     use railguard::proxy::fence::{Batching, HighWaterStore};
-    use railguard::proxy::idempotency::{IdempotencyStore, InstanceId, OutcomeMetrics, Records};
+    use railguard::proxy::idempotency::{InstanceId, Records};
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -495,20 +477,7 @@ async fn readiness_needs_the_last_look_sessions_too() {
     let store = |looks_url: String| {
         let pool = railguard::db::build_pool(&pg.url(), 2, timeout).unwrap();
         let looks = railguard::db::build_look_pool(&looks_url, 1, timeout).unwrap();
-        let records: Arc<dyn Records> = Arc::new(IdempotencyStore::new(
-            pool.clone(),
-            timeout,
-            Batching::default(),
-            OutcomeMetrics {
-                pending: prometheus::IntGauge::new("pending", "pending").unwrap(),
-                lost: prometheus::IntCounter::new("lost", "lost").unwrap(),
-                batch_sizes: prometheus::Histogram::with_opts(prometheus::HistogramOpts::new(
-                    "completions",
-                    "completions",
-                ))
-                .unwrap(),
-            },
-        ));
+        let records: Arc<dyn Records> = Arc::new(idempotency_store(pool.clone(), timeout));
         HighWaterStore::new(
             pool,
             looks,

@@ -28,6 +28,7 @@ mod process;
 mod prometheus;
 mod prometheus_server;
 mod rail;
+pub mod records;
 pub mod relay;
 mod serve;
 mod tls;
