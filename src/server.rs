@@ -191,7 +191,10 @@ pub async fn run(
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
         config.database.timeout,
-        batching.clone(),
+        Batching {
+            max_batch: config.fencing.batch_max,
+            concurrency: config.idempotency.completion_concurrency,
+        },
         OutcomeMetrics {
             pending: metrics.outcomes_pending.clone(),
             lost: metrics.outcomes_lost.clone(),

@@ -539,6 +539,106 @@ async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
     assert_eq!(rail.ledger().len(), 200, "no replay reached the rail");
 }
 
+/// `idempotency.completion_concurrency` (1 by default) bounds the completion statements in
+/// flight: while one waits, every completion that arrives meanwhile queues, and they all share
+/// the next statement. Here the first request's completion is held up by a lock on its record;
+/// ten more requests are answered by the rail meanwhile, 30 ms apart; two statements store
+/// all eleven. (With `completion_concurrency = 2`, the second slot stores each of the ten on
+/// its own: this test fails.)
+#[tokio::test]
+async fn completions_arriving_while_one_statement_waits_share_the_next() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let latency = Duration::from_millis(200);
+    let rail = Rail::with_latency(latency).await;
+    // The default configuration: one completion statement at a time.
+    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let http = rg.http();
+    let send = |account: String, key: String| {
+        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
+        tokio::spawn(async move {
+            http.pay(
+                &url,
+                &[
+                    ("Fencing-Token", "2"),
+                    ("Fencing-Account", &account),
+                    ("Idempotency-Key", &key),
+                ],
+                "{}",
+            )
+            .await
+        })
+    };
+    let first = send("held".into(), "k".into());
+    let mut holder = pg.client().await;
+    let lock = holder.transaction().await.unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        let rows = lock
+            .query(
+                "SELECT 1 FROM idempotency_record
+                 WHERE account_id = 'held' AND idempotency_key = 'k' FOR UPDATE",
+                &[],
+            )
+            .await
+            .unwrap();
+        if !rows.is_empty() {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "no record made");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The first answer comes back well before the others: its statement is issued alone.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Spread out, so that a free slot would take each on its own.
+    let mut others = Vec::new();
+    for i in 0..10 {
+        others.push(send(format!("other-{i}"), format!("k-{i}")));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let watcher = pg.client().await;
+    let started = std::time::Instant::now();
+    loop {
+        let waiting: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%railguard_complete_records%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting == 1 && rail.ledger().len() == 11 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "waiting statements {waiting}, forwarded {}",
+            rail.ledger().len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The rail has all eleven (its ledger counts a request when it arrives); once it has
+    // answered them, their completions are queued within moments. The first caller waits
+    // for its statement up to `database.timeout_ms` (1 s): the lock is released well before.
+    tokio::time::sleep(latency + Duration::from_millis(200)).await;
+    lock.commit().await.unwrap();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    for other in others {
+        assert_eq!(other.await.unwrap().status, StatusCode::CREATED);
+    }
+    let m = rg.metrics().await;
+    assert_eq!(
+        m.get("railguard_idempotency_completion_batch_size_sum"),
+        11.0
+    );
+    assert_eq!(
+        m.get("railguard_idempotency_completion_batch_size_count"),
+        2.0,
+        "one statement for the held record, one for the ten that queued behind it"
+    );
+}
+
 /// A record removed while its request is at the rail (an operator forgot it; here deleted
 /// behind railguard's back) stays removed: the completion stores nothing, and the client still
 /// hears the rail's answer. A retry of the key is then a new payment, as forgetting means.
