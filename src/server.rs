@@ -191,10 +191,7 @@ pub async fn run(
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
         config.database.timeout,
-        Batching {
-            max_batch: config.fencing.batch_max,
-            concurrency: config.idempotency.completion_concurrency,
-        },
+        batching.clone(),
         OutcomeMetrics {
             pending: metrics.outcomes_pending.clone(),
             lost: metrics.outcomes_lost.clone(),

@@ -398,8 +398,8 @@ pub struct FencingConfig {
     /// Most compare-and-sets grouped into one statement and one commit (and most
     /// idempotency-record completions, grouped the same way).
     pub batch_max: usize,
-    /// Fence statements in flight at once (at most `database.pool_size`). Completion
-    /// statements have their own: `idempotency.completion_concurrency`.
+    /// Fence statements in flight at once (at most `database.pool_size`); completion
+    /// statements too, separately.
     pub batch_concurrency: usize,
     /// Refuse (400) a token without a grant proof. `false` is a migration switch for workers
     /// that cannot send the proof yet: it logs a loud error at start, exports
@@ -453,12 +453,6 @@ pub struct IdempotencyConfig {
     /// How often expired records are removed.
     #[serde(rename = "sweep_interval_secs", with = "secs")]
     pub sweep_interval: Duration,
-    /// Completion statements (the rail's answers stored for replay, grouped like the fence's
-    /// compare-and-sets, at most `fencing.batch_max` each) in flight at once; at most
-    /// `database.pool_size`. A completion's commit does not wait for its WAL flush, so one
-    /// statement is quick and the next batch fills meanwhile: fewer statements in flight make
-    /// bigger batches, and PostgreSQL's cost is mostly per statement.
-    pub completion_concurrency: usize,
 }
 
 impl Default for IdempotencyConfig {
@@ -468,7 +462,6 @@ impl Default for IdempotencyConfig {
             retention: Duration::from_secs(86_400),
             max_response_bytes: 65_536,
             sweep_interval: Duration::from_secs(60),
-            completion_concurrency: 1,
         }
     }
 }
@@ -477,10 +470,6 @@ impl IdempotencyConfig {
     fn validate(&self) -> Result<(), Invalid> {
         positive("idempotency.retention_secs", self.retention)?;
         positive("idempotency.sweep_interval_secs", self.sweep_interval)?;
-        nonzero(
-            "idempotency.completion_concurrency",
-            self.completion_concurrency as u64,
-        )?;
         if self.max_response_bytes > 16 * 1024 * 1024 {
             return Err((
                 "idempotency.max_response_bytes",
@@ -741,12 +730,6 @@ impl Config {
         if self.fencing.batch_concurrency > self.database.pool_size {
             return Err((
                 "fencing.batch_concurrency",
-                "must be at most database.pool_size".into(),
-            ));
-        }
-        if self.idempotency.completion_concurrency > self.database.pool_size {
-            return Err((
-                "idempotency.completion_concurrency",
                 "must be at most database.pool_size".into(),
             ));
         }
@@ -1015,28 +998,6 @@ mod tests {
         assert_eq!(err.key.as_deref(), Some("proxy.proof_header"));
         let err = parse("[log]\nformat = \"xml\"\n", &[]).unwrap_err();
         assert_eq!(err.key.as_deref(), Some("log.format"));
-        let err = parse("[idempotency]\ncompletion_concurrency = 0\n", &[]).unwrap_err();
-        assert_eq!(
-            err.key.as_deref(),
-            Some("idempotency.completion_concurrency")
-        );
-        let toml = "[database]\npool_size = 4\n[idempotency]\ncompletion_concurrency = 5\n";
-        let err = parse(toml, &[]).unwrap_err();
-        assert_eq!(
-            err.key.as_deref(),
-            Some("idempotency.completion_concurrency")
-        );
-        assert!(
-            err.message.contains("database.pool_size"),
-            "{}",
-            err.message
-        );
-        let config = parse("[idempotency]\ncompletion_concurrency = 3\n", &[]).unwrap();
-        assert_eq!(config.idempotency.completion_concurrency, 3);
-        assert_eq!(
-            parse("", &[]).unwrap().idempotency.completion_concurrency,
-            1
-        );
     }
 
     #[test]
