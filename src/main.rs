@@ -184,10 +184,26 @@ fn main() -> ExitCode {
     if let Command::Harness { args } = &cli.command {
         return harness(args);
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    // `serve` reads its configuration before the runtime starts: `runtime.worker_threads`
+    // decides how the runtime is built.
+    let (served, worker_threads) = match &cli.command {
+        Command::Serve { config } => match load(config) {
+            Ok(config) => {
+                let threads = config.runtime.worker_threads;
+                (Some(config), threads)
+            }
+            Err(code) => return code,
+        },
+        _ => (None, 0),
+    };
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if worker_threads > 0 {
+        builder.worker_threads(worker_threads);
+    }
+    let runtime = match builder.enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
+    };
     runtime.block_on(async move {
         match cli.command {
             Command::Demo { backend, ttl_ms } => {
@@ -210,11 +226,8 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            Command::Serve { config } => {
-                let config = match load(&config) {
-                    Ok(c) => c,
-                    Err(code) => return code,
-                };
+            Command::Serve { .. } => {
+                let config = served.expect("loaded before the runtime started");
                 // Installed before binding, so that a signal during start-up is not lost.
                 let shutdown = server::shutdown_signal();
                 let listeners = match server::Listeners::bind(&config).await {

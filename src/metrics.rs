@@ -106,6 +106,8 @@ pub struct Metrics {
     pub listener_refusals: IntCounterVec,
     /// Reloads of a listener's TLS files.
     pub listener_tls_reloads: IntCounterVec,
+    /// Worker threads of the async runtime serving this process (`runtime.worker_threads`).
+    pub runtime_worker_threads: IntGauge,
 }
 
 pub(crate) const LATENCY_BUCKETS: &[f64] = &[
@@ -198,6 +200,12 @@ impl Metrics {
              in flight and become in doubt. Should stay zero.",
         )
         .expect("valid metric");
+        let runtime_worker_threads = IntGauge::new(
+            "railguard_runtime_worker_threads",
+            "Worker threads of the async runtime (runtime.worker_threads; 0 there is one per \
+             CPU).",
+        )
+        .expect("valid metric");
         let listener_refusals = crate::http::Refusal::counter();
         let listener_tls_reloads = crate::tls::server::reload_counter();
         for metric in [
@@ -215,6 +223,7 @@ impl Metrics {
             Box::new(fencing_enforced.clone()),
             Box::new(fence_batch_size.clone()),
             Box::new(completion_batch_size.clone()),
+            Box::new(runtime_worker_threads.clone()),
         ] {
             registry.register(metric).expect("metric registered once");
         }
@@ -246,6 +255,7 @@ impl Metrics {
             completion_batch_size,
             listener_refusals,
             listener_tls_reloads,
+            runtime_worker_threads,
         }
     }
 

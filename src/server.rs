@@ -163,6 +163,10 @@ pub async fn run(
     metrics
         .fencing_proof_required
         .set(i64::from(config.fencing.require_proof));
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    metrics
+        .runtime_worker_threads
+        .set(i64::try_from(workers).unwrap_or(i64::MAX));
 
     let mut locks = Locks::start(
         &config.lock,

@@ -801,3 +801,36 @@ async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
     let via = rail.ledger()[0].header("via").map(str::to_string);
     assert_eq!(via.as_deref(), Some("2 railguard"));
 }
+
+/// `runtime.worker_threads` sets how many threads `railguard serve` runs its tasks on (0, the
+/// default, is one per CPU; `railguard_runtime_worker_threads` says what the runtime has), and
+/// a process on one thread still fences and forwards.
+#[tokio::test]
+async fn serve_runs_on_the_configured_worker_threads() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    for threads in [1usize, 3] {
+        let n = threads.to_string();
+        let rg = Railguard::start_process(
+            &pg.url(),
+            &rail.url(),
+            &[("RAILGUARD__RUNTIME__WORKER_THREADS", &n)],
+        )
+        .await;
+        assert_eq!(
+            rg.metrics().await.get("railguard_runtime_worker_threads"),
+            threads as f64
+        );
+        let http = rg.http();
+        let token = 10 + threads as i64;
+        assert_eq!(
+            http.pay_with(&rg, token, "threads").await.status,
+            StatusCode::CREATED
+        );
+        assert_eq!(
+            http.pay_with(&rg, token - 1, "threads").await.status,
+            StatusCode::CONFLICT
+        );
+    }
+}

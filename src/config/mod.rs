@@ -54,6 +54,7 @@ pub struct Config {
     pub etcd: EtcdConfig,
     pub guard: GuardConfig,
     pub auth: AuthConfig,
+    pub runtime: RuntimeConfig,
 }
 
 /// `[proxy]`: the listener payment workers talk to and the rail behind it.
@@ -632,6 +633,35 @@ impl Default for ShutdownConfig {
     }
 }
 
+/// `[runtime]`: the threads `railguard serve` runs its tasks on.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeConfig {
+    /// Worker threads of the async runtime; 0 is one per CPU. Every task (connections, the
+    /// fence's batches, the database and rail clients) runs on these; a task woken from another
+    /// thread costs a wake-up across threads, which is why fewer threads can cost less CPU per
+    /// request when railguard shares its cores (docs/performance.md).
+    pub worker_threads: usize,
+}
+
+impl RuntimeConfig {
+    /// Most worker threads a configuration may ask for.
+    pub const MAX_WORKER_THREADS: usize = 256;
+
+    fn validate(&self) -> Result<(), Invalid> {
+        if self.worker_threads > Self::MAX_WORKER_THREADS {
+            return Err((
+                "runtime.worker_threads",
+                format!(
+                    "must be at most {} (0 is one per CPU)",
+                    Self::MAX_WORKER_THREADS
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn nonzero(key: &'static str, value: u64) -> Result<(), Invalid> {
     if value == 0 {
         return Err((key, "must be greater than zero".into()));
@@ -727,6 +757,7 @@ impl Config {
             ));
         }
         positive("shutdown.grace_ms", self.shutdown.grace)?;
+        self.runtime.validate()?;
         if self.fencing.batch_concurrency > self.database.pool_size {
             return Err((
                 "fencing.batch_concurrency",
@@ -998,6 +1029,14 @@ mod tests {
         assert_eq!(err.key.as_deref(), Some("proxy.proof_header"));
         let err = parse("[log]\nformat = \"xml\"\n", &[]).unwrap_err();
         assert_eq!(err.key.as_deref(), Some("log.format"));
+        let err = parse("[runtime]\nworker_threads = 100000\n", &[]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("runtime.worker_threads"));
+        let err = parse("[runtime]\nworker_threads = -1\n", &[]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("runtime.worker_threads"));
+        let err = parse("", &[("RAILGUARD__RUNTIME__WORKER_THREADS", "two")]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("runtime.worker_threads"));
+        let config = parse("[runtime]\nworker_threads = 1\n", &[]).unwrap();
+        assert_eq!(config.runtime.worker_threads, 1);
     }
 
     #[test]
