@@ -196,11 +196,17 @@ fn main() -> ExitCode {
         },
         _ => (None, 0),
     };
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if worker_threads > 0 {
-        builder.worker_threads(worker_threads);
-    }
-    let runtime = match builder.enable_all().build() {
+    // Always set, so that tokio never reads `TOKIO_WORKER_THREADS` (it panics on a bad value):
+    // the configuration is the one place this is decided.
+    let threads = match worker_threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
     };

@@ -804,32 +804,39 @@ async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
 
 /// `runtime.worker_threads` sets how many threads `railguard serve` runs its tasks on (0, the
 /// default, is one per CPU; `railguard_runtime_worker_threads` says what the runtime has), and
-/// a process on one thread still fences and forwards.
+/// a process on one thread still fences and forwards. tokio's `TOKIO_WORKER_THREADS` is not
+/// read: the configuration alone decides, and a value tokio would panic on cannot stop
+/// railguard.
 #[tokio::test]
 async fn serve_runs_on_the_configured_worker_threads() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;
-    for threads in [1usize, 3] {
-        let n = threads.to_string();
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    for (setting, threads) in [("1", 1), ("3", 3), ("0", cpus)] {
         let rg = Railguard::start_process(
             &pg.url(),
             &rail.url(),
-            &[("RAILGUARD__RUNTIME__WORKER_THREADS", &n)],
+            &[
+                ("RAILGUARD__RUNTIME__WORKER_THREADS", setting),
+                ("TOKIO_WORKER_THREADS", "lots"),
+            ],
         )
         .await;
         assert_eq!(
             rg.metrics().await.get("railguard_runtime_worker_threads"),
-            threads as f64
+            threads as f64,
+            "worker_threads = {setting}"
         );
         let http = rg.http();
         let token = 10 + threads as i64;
+        let account = format!("threads-{setting}");
         assert_eq!(
-            http.pay_with(&rg, token, "threads").await.status,
+            http.pay_with(&rg, token, &account).await.status,
             StatusCode::CREATED
         );
         assert_eq!(
-            http.pay_with(&rg, token - 1, "threads").await.status,
+            http.pay_with(&rg, token - 1, &account).await.status,
             StatusCode::CONFLICT
         );
     }

@@ -637,7 +637,9 @@ impl Default for ShutdownConfig {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RuntimeConfig {
-    /// Worker threads of the async runtime; 0 is one per CPU. Every task (connections, the
+    /// Worker threads of the async runtime; 0 is one per CPU (as the process may use them:
+    /// `available_parallelism`, which honours CPU affinity and cgroup quotas; tokio's
+    /// `TOKIO_WORKER_THREADS` is not read). Every task (connections, the
     /// fence's batches, the database and rail clients) runs on these; a task woken from another
     /// thread costs a wake-up across threads, which is why fewer threads can cost less CPU per
     /// request when railguard shares its cores (docs/performance.md).
