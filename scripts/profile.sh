@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU profiles of the proxy processes under wrk load, grouped by where the time goes.
 #
-#   scripts/profile.sh                 # the wire suite once, 8 s per phase, profiles into /var/tmp/railguard-profile
+#   scripts/profile.sh                 # the wire suite once, 8 s per phase (64 connections, then one), profiles into /var/tmp/railguard-profile
 #   scripts/profile.sh --group DIR     # only group the *.perf.data already in DIR
 #
 # Runs `railguard-bench --suite wire --profile-dir DIR` (perf record -e cpu-clock --call-graph
@@ -18,7 +18,7 @@ if [ "${1:-}" = "--group" ]; then
 else
     command -v perf >/dev/null || { echo "error: perf not found (apt-get install linux-perf)" >&2; exit 1; }
     rm -rf "$dir" && mkdir -p "$dir"
-    scripts/bench.sh --suite wire --duration-secs 8 --repeats 1 --latency-secs 0 \
+    scripts/bench.sh --suite wire --duration-secs 8 --repeats 1 --latency-secs 8 \
         --profile-dir "$dir" > "$dir/wire.md"
 fi
 

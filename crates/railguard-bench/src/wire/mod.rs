@@ -66,8 +66,9 @@ pub(crate) struct WireOptions {
     /// `fencing.batch_concurrency` of both railguards (None: the default).
     pub batch_concurrency: Option<usize>,
     /// Record a `perf` profile of the proxy process during each measured proxy phase into
-    /// this directory (`perf record -e cpu-clock --call-graph dwarf`): it slows the proxy,
-    /// so a profiling run's rates are not comparable.
+    /// this directory (`perf record -e cpu-clock --call-graph dwarf`), the one-connection
+    /// phases too (`…-one-connection.perf.data`): it slows the proxy, so a profiling run's
+    /// rates are not comparable.
     pub profile_dir: Option<std::path::PathBuf>,
     /// PostgreSQL server settings for the run, `(name, value)`, over its defaults.
     pub pg_settings: Vec<(String, String)>,
@@ -445,8 +446,13 @@ async fn measure(
         procs::postgres_backend_ticks(pg.pid()),
     );
     let profile = match (&o.profile_dir, proxy_pid) {
-        (Some(dir), Some(pid)) if phase.connections > 1 => {
-            profiler::start(dir, &phase.label(), pid, duration).ok()
+        (Some(dir), Some(pid)) => {
+            // A one-connection phase has the label of its 64-connection twin: named apart.
+            let label = match phase.connections {
+                1 => format!("{}, one connection", phase.label()),
+                _ => phase.label(),
+            };
+            profiler::start(dir, &label, pid, duration).ok()
         }
         _ => None,
     };
