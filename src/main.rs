@@ -202,11 +202,7 @@ fn main() -> ExitCode {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .enable_all()
-        .build()
-    {
+    let runtime = match build_runtime(threads) {
         Ok(runtime) => runtime,
         Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
     };
@@ -776,6 +772,33 @@ fn tls_files(config: &Config) -> Result<(), String> {
             .map_err(|e| format!("database.url: {e}"))?;
     }
     Ok(())
+}
+
+/// The multi-threaded runtime with `threads` workers. tokio panics, rather than returning an
+/// error, when the system refuses a worker thread (a process or memory limit below what
+/// `runtime.worker_threads` asks for), and the unwinding then waits forever for the workers
+/// already started. So while it builds, a panic ends the process at once with a message.
+fn build_runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let cause = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("a panic");
+        eprintln!(
+            "railguard: cannot start the async runtime with {threads} worker threads \
+             (runtime.worker_threads): {cause}"
+        );
+        std::process::exit(1);
+    }));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build();
+    std::panic::set_hook(default_hook);
+    runtime
 }
 
 fn fail(error: &dyn std::fmt::Display) -> ExitCode {

@@ -43,6 +43,10 @@ fn the_shipped_config_checks_ok_in_one_line() {
     let (code, stdout, _) = check(&shipped, &[("RAILGUARD__FENCING__ENFORCE", "false")]);
     assert_eq!(code, 0);
     assert!(stdout.contains("fencing OFF"), "{stdout}");
+    // tokio's own thread-count variable is not read (a value it cannot parse made every
+    // command panic): runtime.worker_threads alone decides.
+    let (code, stdout, stderr) = check(&shipped, &[("TOKIO_WORKER_THREADS", "lots")]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
 }
 
 /// Every kind of bad value — unknown key, wrong type, out of range, malformed address, URL,

@@ -841,3 +841,47 @@ async fn serve_runs_on_the_configured_worker_threads() {
         );
     }
 }
+
+/// When the system refuses the worker threads `runtime.worker_threads` asks for (here an
+/// address-space limit too small for 256 thread stacks), `serve` says so and exits 1 — tokio
+/// panics in that case, and its unwinding used to wait forever for the threads it had started.
+#[test]
+fn serve_refused_its_worker_threads_says_so_and_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("railguard.toml");
+    std::fs::write(
+        &config,
+        "[database]\nurl = \"postgres://nobody@127.0.0.1:1/none\"\n[runtime]\nworker_threads = 256\n",
+    )
+    .unwrap();
+    let mut child = std::process::Command::new("sh")
+        .args([
+            "-c",
+            "ulimit -v 300000 && exec \"$0\" serve --config \"$1\"",
+        ])
+        .arg(support::railguard_binary())
+        .arg(&config)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("serve neither started nor exited within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("cannot start the async runtime with 256 worker threads"),
+        "{stderr}"
+    );
+}
