@@ -845,8 +845,8 @@ async fn serve_runs_on_the_configured_worker_threads() {
 /// When the system refuses the worker threads `runtime.worker_threads` asks for (here an
 /// address-space limit too small for 256 thread stacks), `serve` says so and exits 1 — tokio
 /// panics in that case, and its unwinding used to wait forever for the threads it had started.
-#[test]
-fn serve_refused_its_worker_threads_says_so_and_exits() {
+#[tokio::test]
+async fn serve_refused_its_worker_threads_says_so_and_exits() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("railguard.toml");
     std::fs::write(
@@ -854,7 +854,7 @@ fn serve_refused_its_worker_threads_says_so_and_exits() {
         "[database]\nurl = \"postgres://nobody@127.0.0.1:1/none\"\n[runtime]\nworker_threads = 256\n",
     )
     .unwrap();
-    let mut child = std::process::Command::new("sh")
+    let mut child = tokio::process::Command::new("sh")
         .args([
             "-c",
             "ulimit -v 300000 && exec \"$0\" serve --config \"$1\"",
@@ -863,25 +863,21 @@ fn serve_refused_its_worker_threads_says_so_and_exits() {
         .arg(&config)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let started = std::time::Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > Duration::from_secs(30) {
-            child.kill().unwrap();
-            child.wait().unwrap();
-            panic!("serve neither started nor exited within 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    let mut stderr = child.stderr.take().unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .expect("serve neither started nor exited within 30 s")
+        .unwrap();
+    let mut text = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut stderr, &mut text)
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(1), "{text}");
     assert!(
-        stderr.contains("cannot start the async runtime with 256 worker threads"),
-        "{stderr}"
+        text.contains("cannot start the async runtime with 256 worker threads"),
+        "{text}"
     );
 }
