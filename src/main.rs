@@ -186,19 +186,16 @@ fn main() -> ExitCode {
     }
     // `serve` reads its configuration before the runtime starts: `runtime.worker_threads`
     // decides how the runtime is built.
-    let (served, worker_threads) = match &cli.command {
+    let served = match &cli.command {
         Command::Serve { config } => match load(config) {
-            Ok(config) => {
-                let threads = config.runtime.worker_threads;
-                (Some(config), threads)
-            }
+            Ok(config) => Some(config),
             Err(code) => return code,
         },
-        _ => (None, 0),
+        _ => None,
     };
     // Always set, so that tokio never reads `TOKIO_WORKER_THREADS` (it panics on a bad value):
     // the configuration is the one place this is decided.
-    let threads = match worker_threads {
+    let threads = match served.as_ref().map_or(0, |c| c.runtime.worker_threads) {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
