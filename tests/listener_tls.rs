@@ -1,8 +1,8 @@
 //! TLS on railguard's listeners, over real sockets: a listener serving TLS, mutual TLS (a
 //! client certificate from the trusted CA is accepted and its fingerprint reaches the service;
 //! one from another CA, or none when one is required, is refused at the handshake), a
-//! certificate replaced on disk served to the next handshake without a restart, and every
-//! refusal counted.
+//! certificate replaced on disk served to the next handshake without a restart, a certificate
+//! file that hangs holding up no handshake, and every refusal counted.
 
 use railguard_testkit as support;
 
@@ -268,6 +268,119 @@ async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one
     }
     assert_eq!(ok(&echo.reloads, "error"), 1);
     assert_eq!(served().await, second.fingerprint_sha256());
+}
+
+/// A certificate file whose reads hang — a FIFO with no writer stands in for a stale NFS mount
+/// — holds up no handshake: the check waits on its own thread while handshakes go on with the
+/// certificate in use, and once the file answers again, checks resume and pick up a rotation.
+/// The listener runs on a runtime of its own with two worker threads and the client on another,
+/// so that a listener whose threads were stuck would show as a client timeout, not a hang.
+#[test]
+fn a_certificate_file_that_hangs_holds_up_no_handshake() {
+    let pki = Pki::new();
+    let (first, second) = (pki.server("first"), pki.server("second"));
+    let dir = tempfile::tempdir().unwrap();
+    let live = Issued {
+        cert: dir.path().join("cert.pem"),
+        key: dir.path().join("key.pem"),
+    };
+    std::fs::copy(&first.cert, &live.cert).unwrap();
+    std::fs::copy(&first.key, &live.key).unwrap();
+    let listener_runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let echo = listener_runtime.block_on(Echo::start(
+        files(&live, None, ClientAuth::None),
+        ListenerLimits::default(),
+    ));
+    let client_runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = TlsClient::new(&pki.ca, None);
+    let served = || {
+        client_runtime.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), client.get(echo.addr, "/"))
+                .await
+                .expect("a handshake while a certificate file hangs is answered within 5 s")
+                .unwrap()
+                .server_cert_sha256
+        })
+    };
+    assert_eq!(served(), first.fingerprint_sha256());
+
+    // The certificate's path becomes a FIFO nobody writes to: opening it blocks. A second name
+    // of the same FIFO lets the test answer the read at the end.
+    let fifo = dir.path().join("hanging.fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let fifo_as_cert = dir.path().join("cert.fifo");
+    std::fs::hard_link(&fifo, &fifo_as_cert).unwrap();
+    std::fs::rename(&fifo_as_cert, &live.cert).unwrap();
+    /// Answers the hanging read whatever the test's outcome, so that the listener's runtime
+    /// can stop: first a regular file goes back to the path, then the FIFO gets a writer.
+    struct Unhang {
+        fifo: std::path::PathBuf,
+        cert: std::path::PathBuf,
+        replacement: std::path::PathBuf,
+    }
+    impl Drop for Unhang {
+        fn drop(&mut self) {
+            let aside = self.cert.with_extension("new");
+            let _ = std::fs::copy(&self.replacement, &aside);
+            let _ = std::fs::rename(&aside, &self.cert);
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt as _;
+            // O_NONBLOCK: opening without a reader fails instead of waiting for one.
+            if let Ok(mut writer) = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(0o4000)
+                .open(&self.fifo)
+            {
+                let _ = writer.write_all(b"not the certificate");
+            }
+        }
+    }
+    let unhang = Unhang {
+        fifo,
+        cert: live.cert.clone(),
+        replacement: second.cert.clone(),
+    };
+    std::fs::copy(&second.key, &live.key).unwrap();
+
+    // For three seconds — three checks' worth — every handshake is answered, with the
+    // certificate in use.
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    let mut handshakes = 0;
+    while std::time::Instant::now() < until {
+        assert_eq!(served(), first.fingerprint_sha256());
+        handshakes += 1;
+        client_runtime.block_on(async { tokio::time::sleep(Duration::from_millis(100)).await });
+    }
+    assert!(handshakes >= 10, "{handshakes} handshakes in 3 s");
+    let reloads = |result| echo.reloads.with_label_values(&["proxy", result]).get();
+    assert_eq!((reloads("ok"), reloads("error")), (0, 0));
+
+    // The file answers again (the second certificate, with its key): the stuck check returns,
+    // and the next one loads the rotation.
+    drop(unhang);
+    let mut seen = served();
+    for _ in 0..100 {
+        if seen == second.fingerprint_sha256() {
+            break;
+        }
+        client_runtime.block_on(async { tokio::time::sleep(Duration::from_millis(50)).await });
+        seen = served();
+    }
+    assert_eq!(seen, second.fingerprint_sha256(), "checks resumed");
+    assert_eq!(reloads("ok"), 1);
+    drop(echo);
+    listener_runtime.shutdown_timeout(Duration::from_secs(5));
 }
 
 #[tokio::test]

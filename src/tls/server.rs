@@ -2,11 +2,14 @@
 //! change, and, for mutual TLS, the CA that client certificates must chain to.
 //!
 //! [`TlsServer`] holds the rustls configuration of one listener. Each handshake takes the
-//! current one from [`TlsServer::acceptor`]; that call is also where a change is noticed: at
-//! most once a second it compares the files' metadata (modification time, size, inode) with
-//! what was last loaded, and on a change builds a new configuration from the files. A
-//! handshake that starts after the replacement sees the new certificate; connections already
-//! open keep theirs. Files that do not parse (a half-written key, a certificate without its
+//! current one from [`TlsServer::acceptor`]; that call is also what starts a check for a
+//! change: at most once a second, on the blocking thread pool, the files' contents are hashed
+//! and compared with what was last loaded, and on a change a new configuration is built from
+//! them and swapped in. A handshake that starts after the swap sees the new certificate;
+//! connections already open keep theirs. Nothing on a handshake's path touches the file system
+//! or waits for a check: a certificate on a mount that hangs (a stale NFS handle, a secrets
+//! volume being remounted) holds one blocking thread until it answers, not the listener, and
+//! the next check starts only once that one has returned. Files that do not parse (a half-written key, a certificate without its
 //! key) are logged and counted, and the configuration in use stays, so a botched rotation never
 //! takes a listener down. The CA file is re-read the same way.
 //!
@@ -51,6 +54,10 @@ pub enum TlsError {
 
 /// One listener's TLS configuration, reloaded when its files change.
 pub struct TlsServer {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
     files: ListenerTls,
     state: Mutex<State>,
     listener: &'static str,
@@ -61,7 +68,10 @@ struct State {
     config: Arc<ServerConfig>,
     /// The files' metadata at the last attempt to load them, successful or not.
     stamps: Stamps,
+    /// When the last check returned (or the files were first loaded).
     checked: Instant,
+    /// A check is running on the blocking pool; no other starts until it returns.
+    checking: bool,
 }
 
 /// What tells that a file was replaced or rewritten.
@@ -84,7 +94,8 @@ impl Stamps {
 
 impl TlsServer {
     /// Loads `files` for the listener named `listener`; `reloads` counts later reloads by
-    /// `listener` and `result` (`ok`, `error`).
+    /// `listener` and `result` (`ok`, `error`). Reads the files on the calling thread: call it
+    /// at start-up, before the listener serves.
     pub fn load(
         files: ListenerTls,
         listener: &'static str,
@@ -93,46 +104,81 @@ impl TlsServer {
         let stamps = Stamps::of(&files);
         let config = Arc::new(build(&files)?);
         Ok(TlsServer {
-            files,
-            state: Mutex::new(State {
-                config,
-                stamps,
-                checked: Instant::now(),
+            shared: Arc::new(Shared {
+                files,
+                state: Mutex::new(State {
+                    config,
+                    stamps,
+                    checked: Instant::now(),
+                    checking: false,
+                }),
+                listener,
+                reloads,
             }),
-            listener,
-            reloads,
         })
     }
 
-    /// The acceptor for a new handshake, with the files' current contents (see the module
-    /// docs).
+    /// The acceptor for a new handshake: the configuration loaded last. Starts a check of the
+    /// files in the background when one is due (see the module docs); never waits for one.
     pub fn acceptor(&self) -> TlsAcceptor {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if state.checked.elapsed() >= CHECK_EVERY {
-            state.checked = Instant::now();
-            let stamps = Stamps::of(&self.files);
-            if stamps != state.stamps {
-                state.stamps = stamps;
-                match build(&self.files) {
-                    Ok(config) => {
-                        state.config = Arc::new(config);
-                        self.reloads.with_label_values(&[self.listener, "ok"]).inc();
-                        tracing::info!(listener = self.listener,
-                            cert = %self.files.cert_file.display(),
-                            "TLS files changed: reloaded");
-                    }
-                    Err(e) => {
-                        self.reloads
-                            .with_label_values(&[self.listener, "error"])
-                            .inc();
-                        tracing::error!(listener = self.listener, error = %e,
-                            "TLS files changed but cannot be used; still serving the previous \
-                             certificate");
-                    }
-                }
+        let mut state = self.shared.lock();
+        if !state.checking && state.checked.elapsed() >= CHECK_EVERY {
+            // Outside a runtime (never the case in serve) the check waits for a later call.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                state.checking = true;
+                let shared = self.shared.clone();
+                drop(runtime.spawn_blocking(move || shared.check()));
             }
         }
         TlsAcceptor::from(state.config.clone())
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads the files and swaps in a new configuration if they changed. Runs on the blocking
+    /// pool; the lock is held only to compare and swap, never while a file is read.
+    fn check(&self) {
+        /// Ends the check whatever happens in it, a panic included, so that a later one can
+        /// start.
+        struct Done<'a>(&'a Shared);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                let mut state = self.0.lock();
+                state.checking = false;
+                state.checked = Instant::now();
+            }
+        }
+        let _done = Done(self);
+        let stamps = Stamps::of(&self.files);
+        if stamps == self.lock().stamps {
+            return;
+        }
+        let built = build(&self.files);
+        let mut state = self.lock();
+        state.stamps = stamps;
+        match built {
+            Ok(config) => {
+                state.config = Arc::new(config);
+                drop(state);
+                self.reloads.with_label_values(&[self.listener, "ok"]).inc();
+                tracing::info!(listener = self.listener,
+                    cert = %self.files.cert_file.display(),
+                    "TLS files changed: reloaded");
+            }
+            Err(e) => {
+                drop(state);
+                self.reloads
+                    .with_label_values(&[self.listener, "error"])
+                    .inc();
+                tracing::error!(listener = self.listener, error = %e,
+                    "TLS files changed but cannot be used; still serving the previous \
+                     certificate");
+            }
+        }
     }
 }
 
