@@ -260,7 +260,6 @@ fn demo_config(
     config.database.url = DatabaseUrl::Embedded;
     config.database.data_dir = dir.join("pg");
     config.database.pool_size = 4;
-    config.fencing.batch_concurrency = 2;
     config.shutdown.grace = Duration::from_secs(2);
     config.lock.backend = options.backend;
     if let Some(endpoint) = etcd {
