@@ -203,7 +203,7 @@ fn main() -> ExitCode {
         Ok(runtime) => runtime,
         Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
     };
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         match cli.command {
             Command::Demo { backend, ttl_ms } => {
                 // The narration is the point: railguard's own logs only from warn up.
@@ -477,8 +477,17 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
         }
-    })
+    });
+    // Dropping a runtime waits for every `spawn_blocking` task still running, however long: a
+    // TLS listener's check of its certificate files on a mount that hangs would keep a process
+    // that has already drained and closed everything from ever exiting. What is left by now is
+    // background work whose result nobody waits for.
+    runtime.shutdown_timeout(BLOCKING_WORK_AT_EXIT);
+    code
 }
+
+/// How long the end of a command waits for blocking work still running (see `main`).
+const BLOCKING_WORK_AT_EXIT: Duration = Duration::from_secs(2);
 
 /// Replaces this process with `railguard-harness` from beside this binary (as `git foo` runs
 /// `git-foo`): the harness links the test kit, which the server binary does not.

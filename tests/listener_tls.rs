@@ -2,7 +2,7 @@
 //! client certificate from the trusted CA is accepted and its fingerprint reaches the service;
 //! one from another CA, or none when one is required, is refused at the handshake), a
 //! certificate replaced on disk served to the next handshake without a restart, a certificate
-//! file that hangs holding up no handshake, and every refusal counted.
+//! file that hangs holding up no handshake nor the exit after SIGTERM, and every refusal counted.
 
 use railguard_testkit as support;
 
@@ -381,6 +381,77 @@ fn a_certificate_file_that_hangs_holds_up_no_handshake() {
     assert_eq!(reloads("ok"), 1);
     drop(echo);
     listener_runtime.shutdown_timeout(Duration::from_secs(5));
+}
+
+/// `railguard serve` whose certificate file hangs in the middle of a check still exits on
+/// SIGTERM: the check's blocking thread is not waited for at exit (a runtime's drop would wait
+/// for it forever).
+#[tokio::test]
+async fn serve_exits_on_sigterm_while_a_certificate_check_hangs() {
+    init_tracing();
+    let pki = Pki::new();
+    let server = pki.server("railguard");
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::copy(&server.cert, &cert).unwrap();
+    std::fs::copy(&server.key, &key).unwrap();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let (cert_text, key_text) = (cert.display().to_string(), key.display().to_string());
+    let mut rg = Railguard::start_process(
+        &pg.url(),
+        &rail.url(),
+        &[
+            ("RAILGUARD__LOCK__TLS_CERT_FILE", &cert_text),
+            ("RAILGUARD__LOCK__TLS_KEY_FILE", &key_text),
+        ],
+    )
+    .await;
+    let client = TlsClient::new(&pki.ca, None);
+    let reply = client.get(rg.lock, "/v1/locks/acct-1").await.unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+
+    // The certificate's path becomes a FIFO nobody writes to; a handshake a second later
+    // starts a check, which hangs opening it.
+    let fifo = dir.path().join("hanging.fifo");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    std::fs::hard_link(&fifo, dir.path().join("cert.fifo")).unwrap();
+    std::fs::rename(dir.path().join("cert.fifo"), &cert).unwrap();
+    /// Gives the hanging open a writer whatever happens, so that no process is left behind.
+    struct Unhang(std::path::PathBuf);
+    impl Drop for Unhang {
+        fn drop(&mut self) {
+            use std::os::unix::fs::OpenOptionsExt as _;
+            drop(
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .custom_flags(0o4000) // O_NONBLOCK: no reader, no wait
+                    .open(&self.0),
+            );
+        }
+    }
+    let _unhang = Unhang(fifo);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let reply = client.get(rg.lock, "/v1/locks/acct-1").await.unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let reply = client.get(rg.lock, "/v1/locks/acct-1").await.unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "served while the check hangs");
+
+    let started = std::time::Instant::now();
+    let status = rg.stop().await;
+    assert!(status.success(), "{status}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "exited after {:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]
