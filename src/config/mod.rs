@@ -400,8 +400,8 @@ pub struct FencingConfig {
     /// idempotency-record completions, grouped the same way).
     pub batch_max: usize,
     /// Fence statements in flight at once (at most `database.pool_size`); completion
-    /// statements and last looks too, each separately. One makes the largest batches: while it
-    /// commits, everything that arrives queues for the next (docs/performance.md).
+    /// statements and last looks too, each separately. One makes larger batches but lets a
+    /// single stalled statement hold up every request (docs/performance.md).
     pub batch_concurrency: usize,
     /// Refuse (400) a token without a grant proof. `false` is a migration switch for workers
     /// that cannot send the proof yet: it logs a loud error at start, exports
@@ -422,7 +422,7 @@ impl Default for FencingConfig {
             enforce: true,
             cache_capacity: 100_000,
             batch_max: 512,
-            batch_concurrency: 1,
+            batch_concurrency: 2,
             require_proof: true,
             lock_key_template: LockKeyTemplate::default(),
             account_in_path: None,

@@ -84,7 +84,7 @@ impl Default for Batching {
     fn default() -> Self {
         Self {
             max_batch: 512,
-            concurrency: 1,
+            concurrency: 2,
         }
     }
 }
