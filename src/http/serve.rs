@@ -277,7 +277,7 @@ async fn connection<F, S, B>(
         };
         return http(&shared, make_service(peer), stream, peer, stopping).await;
     };
-    let handshake = tls.acceptor().accept(stream);
+    let handshake = async { tls.acceptor().await.accept(stream).await };
     let stream = match tokio::time::timeout(shared.limits.header_read_timeout, handshake).await {
         Ok(Ok(stream)) => stream,
         Ok(Err(e)) => {

@@ -2,16 +2,22 @@
 //! change, and, for mutual TLS, the CA that client certificates must chain to.
 //!
 //! [`TlsServer`] holds the rustls configuration of one listener. Each handshake takes the
-//! current one from [`TlsServer::acceptor`]; that call is also what starts a check for a
-//! change: at most once a second, on the blocking thread pool, the files' contents are hashed
-//! and compared with what was last loaded, and on a change a new configuration is built from
-//! them and swapped in. A handshake that starts after the swap sees the new certificate;
-//! connections already open keep theirs. Nothing on a handshake's path touches the file system
-//! or waits for a check: a certificate on a mount that hangs (a stale NFS handle, a secrets
-//! volume being remounted) holds one blocking thread until it answers, not the listener, and
-//! the next check starts only once that one has returned. Files that do not parse (a half-written key, a certificate without its
-//! key) are logged and counted, and the configuration in use stays, so a botched rotation never
-//! takes a listener down. The CA file is re-read the same way.
+//! current one from [`TlsServer::acceptor`]; that call is also where a change is noticed: at
+//! most once a second it starts a check, on the blocking thread pool, which hashes the files'
+//! contents, compares them with what was last loaded, and on a change builds a new
+//! configuration from them and swaps it in. The handshake that started the check, and any that
+//! arrive while it runs, wait for it — at most [`CHECK_WAIT`] after it started — so the first
+//! handshake a second or more after a rotation gets the new certificate (or CA), as before the
+//! check moved off the handshake's thread. Connections already open keep theirs.
+//!
+//! A check that does not return within [`CHECK_WAIT`] — a certificate on a mount that hangs (a
+//! stale NFS handle, a secrets volume being remounted) — holds one blocking thread, not the
+//! listener: handshakes go on with the configuration in use, and no other check starts until
+//! that one returns. After [`STALLED_AFTER`] it is logged as an error and counted once as
+//! `result="stalled"`, since no rotation (nor an expiring certificate's replacement) can take
+//! effect until it returns. Files that do not parse (a half-written key, a certificate
+//! without its key) are logged and counted, and the configuration in use stays, so a botched
+//! rotation never takes a listener down. The CA file is re-read the same way.
 //!
 //! Every listener speaks HTTP/2 and HTTP/1.1, and says so with ALPN (`h2`, `http/1.1`).
 
@@ -32,6 +38,13 @@ use crate::config::{ClientAuth, ListenerTls};
 
 /// How often, at most, the files are checked for a change.
 const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// How long after a check started handshakes wait for it. Reading and parsing a few kB takes
+/// a millisecond or so; past this the check is taken to hang, and nothing waits for it.
+pub const CHECK_WAIT: Duration = Duration::from_millis(500);
+
+/// How long a check runs before it is reported as stalled.
+pub const STALLED_AFTER: Duration = Duration::from_secs(10);
 
 /// Why a listener's TLS files could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +73,8 @@ pub struct TlsServer {
 struct Shared {
     files: ListenerTls,
     state: Mutex<State>,
+    /// Bumped each time a check returns; handshakes wait on it.
+    checks_done: tokio::sync::watch::Sender<u64>,
     listener: &'static str,
     reloads: IntCounterVec,
 }
@@ -70,8 +85,10 @@ struct State {
     stamps: Stamps,
     /// When the last check returned (or the files were first loaded).
     checked: Instant,
-    /// A check is running on the blocking pool; no other starts until it returns.
-    checking: bool,
+    /// When the check running on the blocking pool started; no other starts until it returns.
+    checking: Option<Instant>,
+    /// The running check has been reported as stalled.
+    stall_reported: bool,
 }
 
 /// What tells that a file was replaced or rewritten.
@@ -94,7 +111,7 @@ impl Stamps {
 
 impl TlsServer {
     /// Loads `files` for the listener named `listener`; `reloads` counts later reloads by
-    /// `listener` and `result` (`ok`, `error`). Reads the files on the calling thread: call it
+    /// `listener` and `result` (`ok`, `error`, `stalled`). Reads the files on the calling thread: call it
     /// at start-up, before the listener serves.
     pub fn load(
         files: ListenerTls,
@@ -110,27 +127,55 @@ impl TlsServer {
                     config,
                     stamps,
                     checked: Instant::now(),
-                    checking: false,
+                    checking: None,
+                    stall_reported: false,
                 }),
+                checks_done: tokio::sync::watch::Sender::new(0),
                 listener,
                 reloads,
             }),
         })
     }
 
-    /// The acceptor for a new handshake: the configuration loaded last. Starts a check of the
-    /// files in the background when one is due (see the module docs); never waits for one.
-    pub fn acceptor(&self) -> TlsAcceptor {
-        let mut state = self.shared.lock();
-        if !state.checking && state.checked.elapsed() >= CHECK_EVERY {
-            // Outside a runtime (never the case in serve) the check waits for a later call.
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                state.checking = true;
+    /// The acceptor for a new handshake, with the files' current contents: starts a check
+    /// when one is due and waits for a check that is running, at most until [`CHECK_WAIT`]
+    /// after it started (see the module docs).
+    pub async fn acceptor(&self) -> TlsAcceptor {
+        let mut done = self.shared.checks_done.subscribe();
+        let wait_until = {
+            let mut state = self.shared.lock();
+            if state.checking.is_none() && state.checked.elapsed() >= CHECK_EVERY {
+                state.checking = Some(Instant::now());
+                state.stall_reported = false;
                 let shared = self.shared.clone();
-                drop(runtime.spawn_blocking(move || shared.check()));
+                drop(tokio::task::spawn_blocking(move || shared.check()));
             }
+            match state.checking {
+                Some(started) if started.elapsed() < CHECK_WAIT => Some(started + CHECK_WAIT),
+                Some(started) => {
+                    if started.elapsed() >= STALLED_AFTER && !state.stall_reported {
+                        state.stall_reported = true;
+                        self.shared
+                            .reloads
+                            .with_label_values(&[self.shared.listener, "stalled"])
+                            .inc();
+                        tracing::error!(listener = self.shared.listener,
+                            cert = %self.shared.files.cert_file.display(),
+                            waiting_secs = started.elapsed().as_secs(),
+                            "a check of the TLS files has not returned: the file system does not \
+                             answer; the certificate in use stays, and no change to the files \
+                             takes effect until the check returns (or railguard restarts)");
+                    }
+                    None
+                }
+                None => None,
+            }
+        };
+        if let Some(until) = wait_until {
+            // A check that returned since `subscribe` has bumped the counter: no wait then.
+            let _ = tokio::time::timeout_at(until, done.changed()).await;
         }
-        TlsAcceptor::from(state.config.clone())
+        TlsAcceptor::from(self.shared.lock().config.clone())
     }
 }
 
@@ -148,8 +193,17 @@ impl Shared {
         impl Drop for Done<'_> {
             fn drop(&mut self) {
                 let mut state = self.0.lock();
-                state.checking = false;
+                let took = state.checking.take().map(|started| started.elapsed());
                 state.checked = Instant::now();
+                drop(state);
+                self.0.checks_done.send_modify(|n| *n = n.wrapping_add(1));
+                if let Some(took) = took.filter(|took| *took >= STALLED_AFTER) {
+                    tracing::warn!(
+                        listener = self.0.listener,
+                        took_secs = took.as_secs(),
+                        "a stalled check of the TLS files returned; checks resume"
+                    );
+                }
             }
         }
         let _done = Done(self);
@@ -266,7 +320,9 @@ pub fn reload_counter() -> IntCounterVec {
         prometheus::Opts::new(
             "railguard_listener_tls_reloads_total",
             "Reloads of a listener's TLS files after they changed, by listener and result: \
-             ok, or error (the files did not parse and the previous certificate stays).",
+             ok, error (the files did not parse and the previous certificate stays), or \
+             stalled (a check of the files has not returned for 10 s: the file system hangs, \
+             and no change takes effect until it does).",
         ),
         &["listener", "result"],
     )
