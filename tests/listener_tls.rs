@@ -212,15 +212,44 @@ async fn optional_client_certificates_serve_clients_without_one_but_still_refuse
     echo.wait_refused(Refusal::TlsHandshake, 1).await;
 }
 
+/// Two server certificates from one CA, and the files a listener serves (`live`, in `dir`,
+/// not written yet) for a test to rotate between them.
+struct Rotation {
+    pki: Pki,
+    first: Issued,
+    second: Issued,
+    dir: tempfile::TempDir,
+    live: Issued,
+}
+
+impl Rotation {
+    fn new() -> Rotation {
+        let pki = Pki::new();
+        let (first, second) = (pki.server("first"), pki.server("second"));
+        let dir = tempfile::tempdir().unwrap();
+        let live = Issued {
+            cert: dir.path().join("cert.pem"),
+            key: dir.path().join("key.pem"),
+        };
+        Rotation {
+            pki,
+            first,
+            second,
+            dir,
+            live,
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one_is_not() {
-    let pki = Pki::new();
-    let (first, second) = (pki.server("first"), pki.server("second"));
-    let dir = tempfile::tempdir().unwrap();
-    let live = Issued {
-        cert: dir.path().join("cert.pem"),
-        key: dir.path().join("key.pem"),
-    };
+    let Rotation {
+        pki,
+        first,
+        second,
+        dir: _dir,
+        live,
+    } = Rotation::new();
     // Replace the files the way a rotation does: write aside, then rename over.
     let install = |from: &Issued| {
         for (src, dst) in [(&from.cert, &live.cert), (&from.key, &live.key)] {
@@ -272,13 +301,13 @@ async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one
 /// so that a listener whose threads were stuck would show as a client timeout, not a hang.
 #[test]
 fn a_certificate_file_that_hangs_holds_up_no_handshake() {
-    let pki = Pki::new();
-    let (first, second) = (pki.server("first"), pki.server("second"));
-    let dir = tempfile::tempdir().unwrap();
-    let live = Issued {
-        cert: dir.path().join("cert.pem"),
-        key: dir.path().join("key.pem"),
-    };
+    let Rotation {
+        pki,
+        first,
+        second,
+        dir,
+        live,
+    } = Rotation::new();
     std::fs::copy(&first.cert, &live.cert).unwrap();
     std::fs::copy(&first.key, &live.key).unwrap();
     let listener_runtime = tokio::runtime::Builder::new_multi_thread()
