@@ -315,10 +315,13 @@ fn a_certificate_file_that_hangs_holds_up_no_handshake() {
         .enable_all()
         .build()
         .unwrap();
-    let echo = listener_runtime.block_on(Echo::start(
-        files(&live, None, ClientAuth::None),
-        ListenerLimits::default(),
-    ));
+    // A handshake that waits for the check it started must not be refused for it: the wait
+    // (up to CHECK_WAIT, 500 ms) is the server's, not part of the client's time to say hello.
+    let limits = ListenerLimits {
+        header_read_timeout: Duration::from_millis(450),
+        ..ListenerLimits::default()
+    };
+    let echo = listener_runtime.block_on(Echo::start(files(&live, None, ClientAuth::None), limits));
     let client_runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -347,7 +350,8 @@ fn a_certificate_file_that_hangs_holds_up_no_handshake() {
     std::fs::hard_link(&fifo, &fifo_as_cert).unwrap();
     std::fs::rename(&fifo_as_cert, &live.cert).unwrap();
     /// Answers the hanging read whatever the test's outcome, so that the listener's runtime
-    /// can stop: first a regular file goes back to the path, then the FIFO gets a writer.
+    /// can stop: first a regular file goes back to the path, then the FIFO gets a writer, which
+    /// sends the same certificate.
     struct Unhang {
         fifo: std::path::PathBuf,
         cert: std::path::PathBuf,
@@ -366,7 +370,8 @@ fn a_certificate_file_that_hangs_holds_up_no_handshake() {
                 .custom_flags(0o4000)
                 .open(&self.fifo)
             {
-                let _ = writer.write_all(b"not the certificate");
+                // What the stalled read gets is the certificate now at the path, too.
+                let _ = writer.write_all(&std::fs::read(&self.replacement).unwrap_or_default());
             }
         }
     }
@@ -406,6 +411,15 @@ fn a_certificate_file_that_hangs_holds_up_no_handshake() {
     }
     assert_eq!(seen, second.fingerprint_sha256(), "checks resumed");
     assert_eq!(reloads("ok"), 1);
+    // The stalled check stamped what it read from the FIFO but loaded the files renamed over
+    // it; were the stamps not of the bytes loaded, the next check would reload again.
+    client_runtime.block_on(async { tokio::time::sleep(Duration::from_millis(1100)).await });
+    assert_eq!(served(), second.fingerprint_sha256());
+    assert_eq!(
+        (reloads("ok"), reloads("error")),
+        (1, 0),
+        "one rotation, one reload"
+    );
     drop(echo);
     listener_runtime.shutdown_timeout(Duration::from_secs(5));
 }

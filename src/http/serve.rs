@@ -277,7 +277,9 @@ async fn connection<F, S, B>(
         };
         return http(&shared, make_service(peer), stream, peer, stopping).await;
     };
-    let handshake = async { tls.acceptor().await.accept(stream).await };
+    // The wait for a certificate check (bounded by CHECK_WAIT) is the server's own, not the
+    // client's: it does not count against the client's time for the handshake.
+    let handshake = tls.acceptor().await.accept(stream);
     let stream = match tokio::time::timeout(shared.limits.header_read_timeout, handshake).await {
         Ok(Ok(stream)) => stream,
         Ok(Err(e)) => {

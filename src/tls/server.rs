@@ -95,14 +95,32 @@ struct State {
 #[derive(Debug, PartialEq, Eq)]
 struct Stamps(Vec<Option<[u8; 32]>>);
 
-impl Stamps {
+/// The files' contents, each read once: the configuration is built from the very bytes that
+/// were stamped, so a change between two reads can neither be missed nor counted twice.
+struct Contents {
+    cert: std::io::Result<Vec<u8>>,
+    key: std::io::Result<Vec<u8>>,
+    ca: Option<std::io::Result<Vec<u8>>>,
+}
+
+impl Contents {
+    /// The files are a few kB, read at most once a second.
+    fn read(files: &ListenerTls) -> Contents {
+        Contents {
+            cert: std::fs::read(&files.cert_file),
+            key: std::fs::read(&files.key_file),
+            ca: files.client_ca_file.as_ref().map(std::fs::read),
+        }
+    }
+
     /// The SHA-256 of each file's contents: a replacement that keeps size and mtime (`cp -p`,
-    /// `rsync -t`) is still noticed. The files are a few kB, read at most once a second.
-    fn of(files: &ListenerTls) -> Stamps {
+    /// `rsync -t`) is still noticed.
+    fn stamps(&self) -> Stamps {
         use sha2::{Digest as _, Sha256};
-        let stamp = |path: &Path| std::fs::read(path).ok().map(|b| Sha256::digest(b).into());
-        let mut stamps = vec![stamp(&files.cert_file), stamp(&files.key_file)];
-        if let Some(ca) = &files.client_ca_file {
+        let stamp =
+            |read: &std::io::Result<Vec<u8>>| read.as_ref().ok().map(|b| Sha256::digest(b).into());
+        let mut stamps = vec![stamp(&self.cert), stamp(&self.key)];
+        if let Some(ca) = &self.ca {
             stamps.push(stamp(ca));
         }
         Stamps(stamps)
@@ -118,8 +136,9 @@ impl TlsServer {
         listener: &'static str,
         reloads: IntCounterVec,
     ) -> Result<TlsServer, TlsError> {
-        let stamps = Stamps::of(&files);
-        let config = Arc::new(build(&files)?);
+        let contents = Contents::read(&files);
+        let stamps = contents.stamps();
+        let config = Arc::new(build(&files, contents)?);
         Ok(TlsServer {
             shared: Arc::new(Shared {
                 files,
@@ -194,10 +213,11 @@ impl Shared {
             fn drop(&mut self) {
                 let mut state = self.0.lock();
                 let took = state.checking.take().map(|started| started.elapsed());
+                let reported = std::mem::take(&mut state.stall_reported);
                 state.checked = Instant::now();
                 drop(state);
                 self.0.checks_done.send_modify(|n| *n = n.wrapping_add(1));
-                if let Some(took) = took.filter(|took| *took >= STALLED_AFTER) {
+                if let Some(took) = took.filter(|_| reported) {
                     tracing::warn!(
                         listener = self.0.listener,
                         took_secs = took.as_secs(),
@@ -207,11 +227,12 @@ impl Shared {
             }
         }
         let _done = Done(self);
-        let stamps = Stamps::of(&self.files);
+        let contents = Contents::read(&self.files);
+        let stamps = contents.stamps();
         if stamps == self.lock().stamps {
             return;
         }
-        let built = build(&self.files);
+        let built = build(&self.files, contents);
         let mut state = self.lock();
         state.stamps = stamps;
         match built {
@@ -236,16 +257,17 @@ impl Shared {
     }
 }
 
-/// A rustls server configuration from `files`.
-fn build(files: &ListenerTls) -> Result<ServerConfig, TlsError> {
+/// A rustls server configuration from the `contents` of `files`.
+fn build(files: &ListenerTls, contents: Contents) -> Result<ServerConfig, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let certs = read_certs(&files.cert_file)?;
+    let certs = parse_certs(&files.cert_file, contents.cert)?;
     if certs.is_empty() {
         return Err(TlsError::NoCertificate {
             path: files.cert_file.clone(),
         });
     }
-    let key = PrivateKeyDer::from_pem_file(&files.key_file).map_err(|e| pem(&files.key_file, e))?;
+    let key = PrivateKeyDer::from_pem_slice(&read(&files.key_file, contents.key)?)
+        .map_err(|e| pem(&files.key_file, e))?;
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()?;
     let builder = match (files.client_auth, &files.client_ca_file) {
@@ -263,7 +285,8 @@ fn build(files: &ListenerTls) -> Result<ServerConfig, TlsError> {
                 message,
             };
             let mut roots = RootCertStore::empty();
-            for ca in read_certs(ca_file)? {
+            let ca_contents = contents.ca.unwrap_or_else(|| std::fs::read(ca_file)); // never: read whenever set
+            for ca in parse_certs(ca_file, ca_contents)? {
                 roots
                     .add(ca)
                     .map_err(|e| ca_error(format!("not a usable CA certificate: {e}")))?;
@@ -287,9 +310,18 @@ fn build(files: &ListenerTls) -> Result<ServerConfig, TlsError> {
     Ok(config)
 }
 
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    CertificateDer::pem_file_iter(path)
-        .map_err(|e| pem(path, e))?
+fn read(path: &Path, contents: std::io::Result<Vec<u8>>) -> Result<Vec<u8>, TlsError> {
+    contents.map_err(|source| TlsError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn parse_certs(
+    path: &Path,
+    contents: std::io::Result<Vec<u8>>,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    CertificateDer::pem_slice_iter(&read(path, contents)?)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| pem(path, e))
 }
@@ -327,4 +359,36 @@ pub fn reload_counter() -> IntCounterVec {
         &["listener", "result"],
     )
     .expect("valid metric")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The configuration is built from the bytes that were stamped, not from a second read:
+    /// a file replaced in between is neither missed (built from the old bytes, stamped as new)
+    /// nor reloaded twice.
+    #[test]
+    fn the_configuration_is_built_from_the_bytes_that_were_stamped() {
+        let pki = railguard_testkit::Pki::new();
+        let server = pki.server("railguard");
+        let dir = tempfile::tempdir().unwrap();
+        let files = ListenerTls {
+            cert_file: dir.path().join("cert.pem"),
+            key_file: dir.path().join("key.pem"),
+            client_ca_file: Some(dir.path().join("ca.pem")),
+            client_auth: ClientAuth::Required,
+        };
+        std::fs::copy(&server.cert, &files.cert_file).unwrap();
+        std::fs::copy(&server.key, &files.key_file).unwrap();
+        std::fs::copy(&pki.ca, files.client_ca_file.as_ref().unwrap()).unwrap();
+        let contents = Contents::read(&files);
+        let stamps = contents.stamps();
+        for path in [&files.cert_file, &files.key_file] {
+            std::fs::write(path, "rewritten after the read").unwrap();
+        }
+        std::fs::write(files.client_ca_file.as_ref().unwrap(), "rewritten").unwrap();
+        assert!(build(&files, contents).is_ok(), "built from what was read");
+        assert_ne!(Contents::read(&files).stamps(), stamps);
+    }
 }
