@@ -212,6 +212,60 @@ async fn optional_client_certificates_serve_clients_without_one_but_still_refuse
     echo.wait_refused(Refusal::TlsHandshake, 1).await;
 }
 
+/// A file whose reads hang, as on a mount that does not answer: its path becomes a FIFO nobody
+/// writes to, so opening it blocks. Dropping it answers the hanging read whatever the test's
+/// outcome, so that no thread or process stays blocked: first the replacement, if any, goes to
+/// the path as a regular file, then the FIFO (still reachable by a second name) gets a writer,
+/// which sends the replacement's bytes too.
+struct HangingFile {
+    fifo: std::path::PathBuf,
+    path: std::path::PathBuf,
+    replacement: Option<std::path::PathBuf>,
+}
+
+impl HangingFile {
+    fn install(path: &Path, replacement: Option<&Path>) -> HangingFile {
+        let fifo = path.with_extension("hanging-fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let second_name = path.with_extension("fifo");
+        std::fs::hard_link(&fifo, &second_name).unwrap();
+        std::fs::rename(&second_name, path).unwrap();
+        HangingFile {
+            fifo,
+            path: path.to_path_buf(),
+            replacement: replacement.map(Path::to_path_buf),
+        }
+    }
+}
+
+impl Drop for HangingFile {
+    fn drop(&mut self) {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let bytes = match &self.replacement {
+            Some(replacement) => {
+                let aside = self.path.with_extension("new");
+                let _ = std::fs::copy(replacement, &aside);
+                let _ = std::fs::rename(&aside, &self.path);
+                std::fs::read(replacement).unwrap_or_default()
+            }
+            None => Vec::new(),
+        };
+        // O_NONBLOCK: opening without a reader fails instead of waiting for one.
+        if let Ok(mut writer) = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(0o4000)
+            .open(&self.fifo)
+        {
+            let _ = writer.write_all(&bytes);
+        }
+    }
+}
+
 /// Two server certificates from one CA, and the files a listener serves (`live`, in `dir`,
 /// not written yet) for a test to rotate between them.
 struct Rotation {
@@ -305,7 +359,7 @@ fn a_certificate_file_that_hangs_holds_up_no_handshake() {
         pki,
         first,
         second,
-        dir,
+        dir: _dir,
         live,
     } = Rotation::new();
     std::fs::copy(&first.cert, &live.cert).unwrap();
@@ -338,48 +392,8 @@ fn a_certificate_file_that_hangs_holds_up_no_handshake() {
     };
     assert_eq!(served(), first.fingerprint_sha256());
 
-    // The certificate's path becomes a FIFO nobody writes to: opening it blocks. A second name
-    // of the same FIFO lets the test answer the read at the end.
-    let fifo = dir.path().join("hanging.fifo");
-    let made = std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap();
-    assert!(made.success());
-    let fifo_as_cert = dir.path().join("cert.fifo");
-    std::fs::hard_link(&fifo, &fifo_as_cert).unwrap();
-    std::fs::rename(&fifo_as_cert, &live.cert).unwrap();
-    /// Answers the hanging read whatever the test's outcome, so that the listener's runtime
-    /// can stop: first a regular file goes back to the path, then the FIFO gets a writer, which
-    /// sends the same certificate.
-    struct Unhang {
-        fifo: std::path::PathBuf,
-        cert: std::path::PathBuf,
-        replacement: std::path::PathBuf,
-    }
-    impl Drop for Unhang {
-        fn drop(&mut self) {
-            let aside = self.cert.with_extension("new");
-            let _ = std::fs::copy(&self.replacement, &aside);
-            let _ = std::fs::rename(&aside, &self.cert);
-            use std::io::Write as _;
-            use std::os::unix::fs::OpenOptionsExt as _;
-            // O_NONBLOCK: opening without a reader fails instead of waiting for one.
-            if let Ok(mut writer) = std::fs::OpenOptions::new()
-                .write(true)
-                .custom_flags(0o4000)
-                .open(&self.fifo)
-            {
-                // What the stalled read gets is the certificate now at the path, too.
-                let _ = writer.write_all(&std::fs::read(&self.replacement).unwrap_or_default());
-            }
-        }
-    }
-    let unhang = Unhang {
-        fifo,
-        cert: live.cert.clone(),
-        replacement: second.cert.clone(),
-    };
+    // The certificate's path hangs; when it answers again it holds the second certificate.
+    let unhang = HangingFile::install(&live.cert, Some(&second.cert));
     std::fs::copy(&second.key, &live.key).unwrap();
 
     // Past the point where the check counts as stalled, every handshake is answered, with the
@@ -452,32 +466,9 @@ async fn serve_exits_on_sigterm_while_a_certificate_check_hangs() {
     let reply = client.get(rg.lock, "/v1/locks/acct-1").await.unwrap();
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
 
-    // The certificate's path becomes a FIFO nobody writes to; a handshake a second later
-    // starts a check, which hangs opening it.
-    let fifo = dir.path().join("hanging.fifo");
-    assert!(
-        std::process::Command::new("mkfifo")
-            .arg(&fifo)
-            .status()
-            .unwrap()
-            .success()
-    );
-    std::fs::hard_link(&fifo, dir.path().join("cert.fifo")).unwrap();
-    std::fs::rename(dir.path().join("cert.fifo"), &cert).unwrap();
-    /// Gives the hanging open a writer whatever happens, so that no process is left behind.
-    struct Unhang(std::path::PathBuf);
-    impl Drop for Unhang {
-        fn drop(&mut self) {
-            use std::os::unix::fs::OpenOptionsExt as _;
-            drop(
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .custom_flags(0o4000) // O_NONBLOCK: no reader, no wait
-                    .open(&self.0),
-            );
-        }
-    }
-    let _unhang = Unhang(fifo);
+    // The certificate's path hangs; a handshake a second later starts a check, which hangs
+    // opening it.
+    let _unhang = HangingFile::install(&cert, None);
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let reply = client.get(rg.lock, "/v1/locks/acct-1").await.unwrap();
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
