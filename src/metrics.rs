@@ -5,8 +5,8 @@
 //! new account into a new time series. Outcome and path labels come from fixed enums.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Why a proxied request ended the way it did: the `outcome` label.
@@ -108,6 +108,24 @@ pub struct Metrics {
     pub listener_tls_reloads: IntCounterVec,
     /// Worker threads of the async runtime serving this process (`runtime.worker_threads`).
     pub runtime_worker_threads: IntGauge,
+    /// Batched statements running past their hold on a statement slot (`db::slots`).
+    pub db_statements_stalled: IntGaugeVec,
+}
+
+/// `railguard_db_statements_stalled{statement}`, unregistered: every batcher's count of its
+/// statements that no longer hold up the next batch (`db::slots`).
+pub fn statements_stalled() -> IntGaugeVec {
+    IntGaugeVec::new(
+        Opts::new(
+            "railguard_db_statements_stalled",
+            "Batched statements (statement: fence, completion, look) that have run longer than \
+             a tenth of database.timeout_ms and no longer hold up the next batch; they are \
+             still waited for. Nonzero for long: a database connection holds a statement \
+             without answering.",
+        ),
+        &["statement"],
+    )
+    .expect("valid metric")
 }
 
 pub(crate) const LATENCY_BUCKETS: &[f64] = &[
@@ -206,6 +224,7 @@ impl Metrics {
              CPU).",
         )
         .expect("valid metric");
+        let db_statements_stalled = statements_stalled();
         let listener_refusals = crate::http::Refusal::counter();
         let listener_tls_reloads = crate::tls::server::reload_counter();
         for metric in [
@@ -224,12 +243,16 @@ impl Metrics {
             Box::new(fence_batch_size.clone()),
             Box::new(completion_batch_size.clone()),
             Box::new(runtime_worker_threads.clone()),
+            Box::new(db_statements_stalled.clone()),
         ] {
             registry.register(metric).expect("metric registered once");
         }
         // Export every outcome from the start so that rates and alerts see a zero, not a gap.
         for outcome in Outcome::ALL {
             requests.with_label_values(&[outcome.as_str()]);
+        }
+        for statement in ["fence", "completion", "look"] {
+            db_statements_stalled.with_label_values(&[statement]);
         }
         for path in ["cache", "database"] {
             fence_check_seconds.with_label_values(&[path]);
@@ -256,6 +279,7 @@ impl Metrics {
             listener_refusals,
             listener_tls_reloads,
             runtime_worker_threads,
+            db_statements_stalled,
         }
     }
 

@@ -191,6 +191,7 @@ pub async fn run(
     let batching = Batching {
         max_batch: config.fencing.batch_max,
         concurrency: config.fencing.batch_concurrency,
+        stalled: metrics.db_statements_stalled.clone(),
     };
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
@@ -208,7 +209,11 @@ pub async fn run(
         database.url.clone(),
         config.database.timeout,
     ));
-    let looks = db::build_look_pool(&database.url, batching.concurrency, config.database.timeout)?;
+    let looks = db::build_look_pool(
+        &database.url,
+        db::slots::most_in_flight(batching.concurrency),
+        config.database.timeout,
+    )?;
     let marks = HighWaterStore::new(
         database.pool.clone(),
         looks,

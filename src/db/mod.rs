@@ -7,6 +7,7 @@
 pub mod maintenance;
 pub mod migrate;
 pub mod server;
+pub mod slots;
 
 use std::time::Duration;
 

@@ -9,6 +9,12 @@
 //!
 //! [`Relay::cut_for`] is a partition of that path: every open connection is closed at once,
 //! and connections made for a while are accepted and closed straight away.
+//!
+//! [`Relay::stall_first`] is a path that goes silent under one connection and stays open: the
+//! first chunk sent towards the target that a test picks, and everything after it on that
+//! connection, is held until [`Relay::release_stalled`]. Nothing is lost or closed, so none of
+//! the sender's timeouts that need a closed or unacknowledged connection fire — as with a
+//! stopped backend, or a middlebox holding one flow.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -23,7 +29,30 @@ pub struct Relay {
     pub addr: SocketAddr,
     delay: Arc<Mutex<Duration>>,
     cut: Arc<Cut>,
+    stall: Arc<Stall>,
     accept: tokio::task::JoinHandle<()>,
+}
+
+/// Picks the chunk that stalls its connection.
+type Trap = Box<dyn FnMut(&[u8]) -> bool + Send>;
+
+/// Which chunk stalls its connection (taken by the first that matches), and the word that
+/// lets the stalled connections go.
+struct Stall {
+    trap: Mutex<Option<Trap>>,
+    released: tokio::sync::watch::Sender<bool>,
+}
+
+impl Stall {
+    /// Whether `chunk` springs the trap (which then disarms).
+    fn springs(&self, chunk: &[u8]) -> bool {
+        let mut trap = self.trap.lock().unwrap();
+        if trap.as_mut().is_some_and(|matches| matches(chunk)) {
+            *trap = None;
+            return true;
+        }
+        false
+    }
 }
 
 /// The relay's partition state: until when new connections are refused, and the tasks of the
@@ -50,7 +79,11 @@ impl Relay {
         let addr = listener.local_addr().unwrap();
         let delay = Arc::new(Mutex::new(Duration::ZERO));
         let cut = Arc::new(Cut::default());
-        let (shared, shared_cut) = (delay.clone(), cut.clone());
+        let stall = Arc::new(Stall {
+            trap: Mutex::new(None),
+            released: tokio::sync::watch::channel(false).0,
+        });
+        let (shared, shared_cut, shared_stall) = (delay.clone(), cut.clone(), stall.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if shared_cut.refusing() {
@@ -58,6 +91,7 @@ impl Relay {
                     continue;
                 }
                 let delay = shared.clone();
+                let stall = shared_stall.clone();
                 let task = tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(target).await else {
                         return;
@@ -67,8 +101,8 @@ impl Relay {
                     let (client_read, client_write) = client.into_split();
                     let (server_read, server_write) = server.into_split();
                     tokio::join!(
-                        pump(client_read, server_write, delay.clone()),
-                        pump(server_read, client_write, delay)
+                        pump(client_read, server_write, delay.clone(), Some(stall)),
+                        pump(server_read, client_write, delay, None)
                     );
                 });
                 let mut open = shared_cut.open.lock().unwrap();
@@ -80,6 +114,7 @@ impl Relay {
             addr,
             delay,
             cut,
+            stall,
             accept,
         }
     }
@@ -96,6 +131,24 @@ impl Relay {
         for task in self.cut.open.lock().unwrap().drain(..) {
             task.abort();
         }
+    }
+
+    /// Stalls the connection of the first chunk sent towards the target for which `matches`
+    /// is true: that chunk and everything after it on that connection is held, the
+    /// connection left open, until [`Relay::release_stalled`]. Other connections carry on.
+    pub fn stall_first(&self, matches: impl FnMut(&[u8]) -> bool + Send + 'static) {
+        self.stall.released.send_replace(false);
+        *self.stall.trap.lock().unwrap() = Some(Box::new(matches));
+    }
+
+    /// Whether the trap set by [`Relay::stall_first`] has caught a connection.
+    pub fn has_stalled(&self) -> bool {
+        self.stall.trap.lock().unwrap().is_none()
+    }
+
+    /// Lets every stalled connection go: what it holds is delivered, in order.
+    pub fn release_stalled(&self) {
+        self.stall.released.send_replace(true);
     }
 
     /// `postgres://` URL of a PostgreSQL reached through this relay (same user and database).
@@ -118,15 +171,23 @@ impl Drop for Relay {
     }
 }
 
+/// Copies `from` to `to`, each chunk `delay` late; `stall`: this is the direction towards the
+/// target, where [`Relay::stall_first`] may hold it.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     delay: Arc<Mutex<Duration>>,
+    stall: Option<Arc<Stall>>,
 ) {
-    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>, bool)>();
+    let mut released = stall.as_ref().map(|s| s.released.subscribe());
     // In the connection's own task (not spawned), so that aborting it closes this side too.
     let writer = async move {
-        while let Some((due, bytes)) = rx.recv().await {
+        while let Some((due, bytes, stalls)) = rx.recv().await {
+            if let (true, Some(released)) = (stalls, released.as_mut()) {
+                // Everything after this chunk queues behind it.
+                let _ = released.wait_for(|go| *go).await;
+            }
             tokio::time::sleep_until(due).await;
             if to.write_all(&bytes).await.is_err() {
                 return;
@@ -144,7 +205,8 @@ async fn pump(
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
                     let due = Instant::now() + *delay.lock().unwrap();
-                    if tx.send((due, buf[..n].to_vec())).is_err() {
+                    let stalls = stall.as_ref().is_some_and(|s| s.springs(&buf[..n]));
+                    if tx.send((due, buf[..n].to_vec(), stalls)).is_err() {
                         break;
                     }
                 }

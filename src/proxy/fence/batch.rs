@@ -4,7 +4,9 @@
 //! the proxy at a few thousand requests per second. Requests queue here instead; a batch takes
 //! every request waiting when a statement slot frees up (at most `max_batch`), and runs them as
 //! one statement over `unnest` arrays — one round trip, one commit. While `concurrency`
-//! statements wait for their commits, the next batch fills.
+//! statements wait for their commits, the next batch fills; a statement that stalls stops
+//! holding its place after a tenth of the database timeout, and is still listened to
+//! ([`crate::db::slots`]).
 //!
 //! **Exactness.** Each request is one row of the statement, and a row's verdict is the verdict
 //! of that request's own compare-and-set. To keep it so, a batch never holds two requests for
@@ -24,10 +26,11 @@ use std::sync::Arc;
 
 use deadpool_postgres::Pool;
 use prometheus::Histogram;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
-use super::store::{Batching, StoreError, Verdict};
+use super::store::{StoreError, Verdict};
 use crate::db::DbError;
+use crate::db::slots::StatementSlots;
 use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, RecordId, Records};
 use crate::token::{AccountId, FencingToken};
 
@@ -70,13 +73,13 @@ pub(super) struct Pending {
 /// The batcher: runs until every sender is gone.
 pub(super) async fn run(
     pool: Pool,
-    batching: Batching,
+    slots: StatementSlots,
+    max_batch: usize,
     sizes: Histogram,
     instance: InstanceId,
     records: Arc<dyn Records>,
     mut queue: mpsc::Receiver<Pending>,
 ) {
-    let slots = Arc::new(Semaphore::new(batching.concurrency.max(1)));
     let mut waiting: VecDeque<Pending> = VecDeque::new();
     loop {
         if waiting.is_empty() {
@@ -85,27 +88,23 @@ pub(super) async fn run(
                 None => return,
             }
         }
-        let slot = slots
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("semaphore never closed");
+        let slot = slots.wait().await;
         // Everything that arrived while we waited for a slot rides along.
-        while waiting.len() < batching.max_batch * 4 {
+        while waiting.len() < max_batch * 4 {
             match queue.try_recv() {
                 Ok(pending) => waiting.push_back(pending),
                 Err(_) => break,
             }
         }
-        let batch = take_batch(&mut waiting, batching.max_batch);
+        let batch = take_batch(&mut waiting, max_batch);
         if batch.is_empty() {
             continue;
         }
         sizes.observe(batch.len() as f64);
         let (pool, records) = (pool.clone(), records.clone());
-        tokio::spawn(async move {
+        // A statement that stalls stops holding up the next batch, and is still listened to.
+        slots.run(slot, async move {
             execute(&pool, instance, &records, batch).await;
-            drop(slot);
         });
     }
 }

@@ -2,18 +2,19 @@
 //!
 //! A read needs no commit, so it costs PostgreSQL far less than a compare-and-set; grouping
 //! the reads of concurrent requests keeps it to one statement per batch. A batch takes every
-//! read waiting when a slot frees up. The reads run on sessions of their own
+//! read waiting when a slot frees up (a read that stalls stops holding its slot after a tenth
+//! of the database timeout: [`crate::db::slots`]). The reads run on sessions of their own
 //! ([`crate::db::build_look_pool`]), whose settings give the statement one plan, the primary
 //! key's, instead of a plan per execution.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use deadpool_postgres::Pool;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
 use super::store::StoreError;
 use crate::db::DbError;
+use crate::db::slots::StatementSlots;
 use crate::token::AccountId;
 
 /// The last look, grouped. Only ever run on the look pool's sessions.
@@ -31,14 +32,9 @@ pub(super) struct Asked {
 
 /// Runs until every sender is gone. Timeouts are the callers' (and the server's
 /// `statement_timeout`): a read that answers late changes nothing.
-pub(super) async fn run(pool: Pool, concurrency: usize, mut queue: mpsc::Receiver<Asked>) {
-    let slots = Arc::new(Semaphore::new(concurrency.max(1)));
+pub(super) async fn run(pool: Pool, slots: StatementSlots, mut queue: mpsc::Receiver<Asked>) {
     while let Some(first) = queue.recv().await {
-        let slot = slots
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("semaphore never closed");
+        let slot = slots.wait().await;
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
             match queue.try_recv() {
@@ -47,9 +43,8 @@ pub(super) async fn run(pool: Pool, concurrency: usize, mut queue: mpsc::Receive
             }
         }
         let pool = pool.clone();
-        tokio::spawn(async move {
+        slots.run(slot, async move {
             answer(&pool, batch).await;
-            drop(slot);
         });
     }
 }

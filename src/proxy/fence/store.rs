@@ -21,12 +21,13 @@ use super::{batch, recheck};
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use prometheus::Histogram;
+use prometheus::{Histogram, IntGaugeVec};
 use tokio::sync::{mpsc, oneshot};
 
 use std::sync::Arc;
 
 use crate::db::DbError;
+use crate::db::slots::StatementSlots;
 use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, Records};
 use crate::token::{AccountId, FencingToken};
 
@@ -71,13 +72,16 @@ impl From<tokio_postgres::Error> for StoreError {
 /// queueing behind a database that is not keeping up.
 const QUEUE_LIMIT: usize = 16_384;
 
-/// How compare-and-sets are grouped.
-#[derive(Debug, Clone)]
+/// How compare-and-sets are grouped (and idempotency completions, and last looks).
+#[derive(Clone)]
 pub struct Batching {
     /// Most requests in one statement.
     pub max_batch: usize,
     /// Statements in flight at once; while they wait for their commit the next batch fills.
     pub concurrency: usize,
+    /// Where each batcher counts its stalled statements (`db::slots`), by the label
+    /// `statement`: `fence`, `completion`, `look`.
+    pub stalled: IntGaugeVec,
 }
 
 impl Default for Batching {
@@ -85,7 +89,19 @@ impl Default for Batching {
         Self {
             max_batch: 512,
             concurrency: 2,
+            stalled: crate::metrics::statements_stalled(),
         }
+    }
+}
+
+impl Batching {
+    /// The places of one batcher's statements (`statement`: which batcher, for the gauge).
+    pub(crate) fn slots(&self, statement: &str, timeout: Duration) -> StatementSlots {
+        StatementSlots::new(
+            self.concurrency,
+            timeout,
+            self.stalled.with_label_values(&[statement]),
+        )
     }
 }
 
@@ -103,7 +119,8 @@ pub struct HighWaterStore {
 impl HighWaterStore {
     /// Starts the batchers; they stop when the last clone of the store is dropped. Records
     /// created here are owned by `instance` (this process). The last looks run on `looks`
-    /// ([`crate::db::build_look_pool`]), which needs `batching.concurrency` sessions.
+    /// ([`crate::db::build_look_pool`]), which needs
+    /// [`crate::db::slots::most_in_flight`]`(batching.concurrency)` sessions.
     pub fn new(
         pool: Pool,
         looks: Pool,
@@ -117,12 +134,13 @@ impl HighWaterStore {
         let (rechecks, recheck_queue) = mpsc::channel(QUEUE_LIMIT);
         tokio::spawn(recheck::run(
             looks.clone(),
-            batching.concurrency,
+            batching.slots("look", timeout),
             recheck_queue,
         ));
         tokio::spawn(batch::run(
             pool.clone(),
-            batching,
+            batching.slots("fence", timeout),
+            batching.max_batch,
             batch_sizes,
             instance,
             records,

@@ -8,7 +8,9 @@
 //! (`proxy::fence`'s `batch`): a batch takes every completion waiting when a statement slot
 //! frees up (at most `max_batch`), and stores them with one statement over `unnest` arrays —
 //! one round trip, one commit. While `concurrency` statements wait for their commits, the next
-//! batch fills. Each caller still waits for the commit that holds its row.
+//! batch fills (a statement that stalls stops holding its place after a tenth of the database
+//! timeout, and is still listened to: [`crate::db::slots`]). Each caller still waits for the
+//! commit that holds its row.
 //!
 //! **Exactness.** Each completion is one row of the statement, with the single-row
 //! completion's conditions: only the record's owner completes it, and only while it is in
@@ -41,12 +43,12 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use deadpool_postgres::Pool;
 use prometheus::Histogram;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
 use super::record::RecordId;
 use super::store::StoredResponse;
 use crate::db::DbError;
-use crate::proxy::fence::Batching;
+use crate::db::slots::StatementSlots;
 
 /// Completes the in-flight records of a batch; returns the ones it completed.
 ///
@@ -132,13 +134,13 @@ pub(super) type Fallback = Arc<dyn Fn(RecordId, StoredResponse) + Send + Sync>;
 /// The batcher: runs until every sender is gone.
 pub(super) async fn run(
     pool: Pool,
-    batching: Batching,
+    slots: StatementSlots,
+    max_batch: usize,
     sizes: Histogram,
     fallback: Fallback,
     mut queue: mpsc::Receiver<Completion>,
 ) {
-    let slots = Arc::new(Semaphore::new(batching.concurrency.max(1)));
-    let max_batch = batching.max_batch.max(1);
+    let max_batch = max_batch.max(1);
     let mut waiting: VecDeque<Completion> = VecDeque::new();
     loop {
         if waiting.is_empty() {
@@ -147,11 +149,7 @@ pub(super) async fn run(
                 None => return,
             }
         }
-        let slot = slots
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("semaphore never closed");
+        let slot = slots.wait().await;
         // Everything that arrived while we waited for a slot rides along.
         while waiting.len() < max_batch * 4 {
             match queue.try_recv() {
@@ -165,9 +163,8 @@ pub(super) async fn run(
         }
         sizes.observe(batch.len() as f64);
         let (pool, fallback) = (pool.clone(), fallback.clone());
-        tokio::spawn(async move {
+        slots.run(slot, async move {
             execute(&pool, &fallback, batch).await;
-            drop(slot);
         });
     }
 }

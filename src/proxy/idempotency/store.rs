@@ -131,7 +131,8 @@ impl IdempotencyStore {
         });
         tokio::spawn(outcomes::run(
             pool.clone(),
-            batching,
+            batching.slots("completion", timeout),
+            batching.max_batch,
             outcomes.batch_sizes.clone(),
             fallback,
             queue,

@@ -1,0 +1,245 @@
+//! A statement stalled on a database connection that stays open (a stopped backend, a network
+//! path holding one flow) holds up nothing else (`db::slots`): with one statement in flight
+//! per batcher, the requests behind a stalled compare-and-set, last look or completion are
+//! still answered, the stall is counted in `railguard_db_statements_stalled`, and the stalled
+//! request's own answer stays true — it never reaches the rail unless it says it may have.
+//!
+//! The stall is a relay in front of PostgreSQL that holds one connection's traffic from the
+//! chosen statement on ([`Relay::stall_first`]); every other connection carries on.
+
+use railguard_testkit as support;
+
+use std::time::Duration;
+
+use http::StatusCode;
+use support::relay::Relay;
+use support::{Http, Pg, Rail, Railguard, Reply, init_tracing};
+
+/// The account whose statement stalls.
+const STALLED: &str = "acct-stalled";
+
+/// The test harness's `database.timeout_ms`.
+const DATABASE_TIMEOUT: Duration = Duration::from_secs(1);
+
+struct Setup {
+    _pg: Pg,
+    rail: Rail,
+    relay: Relay,
+    rg: Railguard,
+    http: Http,
+}
+
+/// railguard with one statement in flight per batcher (the setting a stall hurts most),
+/// reaching PostgreSQL through a relay that can stall a connection.
+async fn setup() -> Setup {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let relay = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
+    let rg = Railguard::start(
+        &relay.postgres_url(&pg.url()),
+        &rail.url(),
+        &[("RAILGUARD__FENCING__BATCH_CONCURRENCY", "1")],
+    )
+    .await;
+    Setup {
+        _pg: pg,
+        rail,
+        relay,
+        rg,
+        http: Http::new(),
+    }
+}
+
+impl Setup {
+    /// A payment under token 1, the account's first grant.
+    async fn pay(&self, account: &str, key: Option<&str>) -> Reply {
+        self.spawn_pay(account, key).await.unwrap()
+    }
+
+    fn spawn_pay(&self, account: &str, key: Option<&str>) -> tokio::task::JoinHandle<Reply> {
+        let (http, url) = (self.http.clone(), self.rg.proxy_url("/payments"));
+        let (account, key) = (account.to_string(), key.map(str::to_string));
+        let proof = self.rg.proof(&account, 1);
+        tokio::spawn(async move {
+            let mut headers = vec![
+                ("Fencing-Token", "1"),
+                ("Fencing-Account", account.as_str()),
+                ("Fencing-Proof", proof.as_str()),
+            ];
+            if let Some(key) = key.as_deref() {
+                headers.push(("Idempotency-Key", key));
+            }
+            http.pay(&url, &headers, "{\"amount\":1}").await
+        })
+    }
+
+    /// Stalls the connection of the `nth` chunk (from 1) sent to PostgreSQL that names
+    /// `needle`: a request's statements name its account (and key) in their parameters, in
+    /// the order compare-and-set, last look, completion.
+    fn stall_nth(&self, needle: &'static str, nth: usize) {
+        let mut seen = 0;
+        self.relay.stall_first(move |chunk| {
+            if chunk.windows(needle.len()).any(|w| w == needle.as_bytes()) {
+                seen += 1;
+            }
+            seen == nth
+        });
+    }
+
+    async fn until_stalled(&self) {
+        for _ in 0..200 {
+            if self.relay.has_stalled() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no statement stalled");
+    }
+
+    async fn stalled(&self, statement: &str) -> f64 {
+        self.rg.metrics().await.get(&format!(
+            "railguard_db_statements_stalled{{statement=\"{statement}\"}}"
+        ))
+    }
+
+    /// While the stall lasts (well past the database timeout of 1 s), payments for other
+    /// accounts are answered — with an idempotency key, so every batcher is on their path —
+    /// without waiting out the database timeout behind the stalled statement (where a
+    /// completion would be handed to the background retry and answered a second late), and
+    /// each answer is stored before it is heard: a repeat right after it is a replay.
+    async fn others_are_answered(&self, round: &str) {
+        let until = tokio::time::Instant::now() + Duration::from_millis(2500);
+        let mut paid = 0;
+        while tokio::time::Instant::now() < until {
+            paid += 1;
+            let account = format!("acct-{round}-{paid}");
+            let key = format!("key-{round}-{paid}");
+            let sent = tokio::time::Instant::now();
+            let reply = self.pay(&account, Some(&key)).await;
+            assert!(
+                sent.elapsed() < DATABASE_TIMEOUT,
+                "payment {paid} waited {:?}, out the database timeout",
+                sent.elapsed()
+            );
+            assert_eq!(
+                reply.status,
+                StatusCode::CREATED,
+                "payment {paid} while a statement stalls: {}",
+                reply.body
+            );
+            let repeat = self.pay(&account, Some(&key)).await;
+            assert_eq!(
+                (repeat.status, repeat.headers.get("idempotency-replayed")),
+                (StatusCode::CREATED, Some(&"true".parse().unwrap())),
+                "payment {paid}'s answer was heard before it was stored: {}",
+                repeat.body
+            );
+        }
+        assert!(paid >= 3, "only {paid} payments in 2.5 s");
+    }
+
+    fn paid_to(&self, account: &str) -> usize {
+        self.rail
+            .ledger()
+            .iter()
+            .filter(|e| e.account.as_deref() == Some(account))
+            .count()
+    }
+
+    async fn until_nothing_stalls(&self) {
+        for _ in 0..300 {
+            let m = self.rg.metrics().await;
+            let stalled: f64 = ["fence", "completion", "look"]
+                .iter()
+                .map(|s| {
+                    m.get(&format!(
+                        "railguard_db_statements_stalled{{statement=\"{s}\"}}"
+                    ))
+                })
+                .sum();
+            if stalled == 0.0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("a released statement is still counted as stalled");
+    }
+}
+
+#[tokio::test]
+async fn a_stalled_compare_and_set_holds_up_no_other_request() {
+    let s = setup().await;
+    s.stall_nth(STALLED, 1);
+    let stalled = s.spawn_pay(STALLED, Some("key-stalled"));
+    s.until_stalled().await;
+    s.others_are_answered("fence").await;
+    assert_eq!(s.stalled("fence").await, 1.0);
+    // The stalled request gave up on its verdict: it was refused and never forwarded.
+    let refused = stalled.await.unwrap();
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.body
+    );
+    assert_eq!(s.paid_to(STALLED), 0);
+    // Let the statement go: it commits, and its record — which nobody was told about — goes.
+    s.relay.release_stalled();
+    s.until_nothing_stalls().await;
+    let retried = s.pay(STALLED, Some("key-stalled")).await;
+    assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.body);
+    assert_eq!(s.paid_to(STALLED), 1, "paid once");
+}
+
+#[tokio::test]
+async fn a_stalled_last_look_holds_up_no_other_request() {
+    let s = setup().await;
+    // Without a key: the compare-and-set names the account first, the last look second.
+    s.stall_nth(STALLED, 2);
+    let stalled = s.spawn_pay(STALLED, None);
+    s.until_stalled().await;
+    s.others_are_answered("look").await;
+    assert_eq!(s.stalled("look").await, 1.0);
+    let refused = stalled.await.unwrap();
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.body
+    );
+    assert_eq!(s.paid_to(STALLED), 0, "no forward without its last look");
+    s.relay.release_stalled();
+    s.until_nothing_stalls().await;
+}
+
+#[tokio::test]
+async fn a_stalled_completion_holds_up_no_other_request() {
+    let s = setup().await;
+    // The key is named by the compare-and-set that creates the record, then by its completion.
+    s.stall_nth("key-stalled-completion", 2);
+    let answered = s.pay(STALLED, Some("key-stalled-completion")).await;
+    // The rail's answer reaches the client even though it could not be stored in time.
+    assert_eq!(answered.status, StatusCode::CREATED, "{}", answered.body);
+    assert!(s.relay.has_stalled());
+    s.others_are_answered("completion").await;
+    assert_eq!(s.stalled("completion").await, 1.0);
+    // A repeat meanwhile is not forwarded again.
+    let repeat = s.pay(STALLED, Some("key-stalled-completion")).await;
+    assert_eq!(repeat.status, StatusCode::CONFLICT, "{}", repeat.body);
+    s.relay.release_stalled();
+    s.until_nothing_stalls().await;
+    // Once stored, the answer is replayed.
+    let mut replayed = None;
+    for _ in 0..100 {
+        let again = s.pay(STALLED, Some("key-stalled-completion")).await;
+        if again.status == StatusCode::CREATED {
+            replayed = Some(again);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let replayed = replayed.expect("the stalled completion was stored once released");
+    assert_eq!(replayed.body, answered.body);
+    assert_eq!(s.paid_to(STALLED), 1, "paid once");
+}
