@@ -345,8 +345,9 @@ pub struct DatabaseConfig {
     pub url: DatabaseUrl,
     /// Data directory of the embedded PostgreSQL (ignored for a URL).
     pub data_dir: PathBuf,
-    /// Connections in the pool. The fence's last look has `fencing.batch_concurrency`
-    /// sessions of its own besides (`db::build_look_pool`).
+    /// Connections in the pool. The fence's last look has sessions of its own besides
+    /// (`db::build_look_pool`): `fencing.batch_concurrency`, and room for stalled statements
+    /// (`db::slots`).
     pub pool_size: usize,
     /// Deadline for opening a connection, and for one statement such as a fence
     /// compare-and-set.
@@ -400,8 +401,9 @@ pub struct FencingConfig {
     /// idempotency-record completions, grouped the same way).
     pub batch_max: usize,
     /// Fence statements in flight at once (at most `database.pool_size`); completion
-    /// statements and last looks too, each separately. One makes larger batches but lets a
-    /// single stalled statement hold up every request (docs/performance.md).
+    /// statements and last looks too, each separately. Fewer make larger batches, which cost
+    /// PostgreSQL less per request (docs/performance.md). A statement that has not answered
+    /// within a tenth of `database.timeout_ms` stops counting here (`db::slots`).
     pub batch_concurrency: usize,
     /// Refuse (400) a token without a grant proof. `false` is a migration switch for workers
     /// that cannot send the proof yet: it logs a loud error at start, exports
@@ -422,7 +424,7 @@ impl Default for FencingConfig {
             enforce: true,
             cache_capacity: 100_000,
             batch_max: 512,
-            batch_concurrency: 2,
+            batch_concurrency: 1,
             require_proof: true,
             lock_key_template: LockKeyTemplate::default(),
             account_in_path: None,

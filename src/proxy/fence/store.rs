@@ -88,7 +88,7 @@ impl Default for Batching {
     fn default() -> Self {
         Self {
             max_batch: 512,
-            concurrency: 2,
+            concurrency: 1,
             stalled: crate::metrics::statements_stalled(),
         }
     }
