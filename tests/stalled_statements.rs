@@ -22,7 +22,7 @@ const STALLED: &str = "acct-stalled";
 const DATABASE_TIMEOUT: Duration = Duration::from_secs(1);
 
 struct Setup {
-    _pg: Pg,
+    pg: Pg,
     rail: Rail,
     relay: Relay,
     rg: Railguard,
@@ -43,7 +43,7 @@ async fn setup() -> Setup {
     )
     .await;
     Setup {
-        _pg: pg,
+        pg,
         rail,
         relay,
         rg,
@@ -241,5 +241,102 @@ async fn a_stalled_completion_holds_up_no_other_request() {
     }
     let replayed = replayed.expect("the stalled completion was stored once released");
     assert_eq!(replayed.body, answered.body);
+    assert_eq!(s.paid_to(STALLED), 1, "paid once");
+}
+
+#[tokio::test]
+async fn a_backend_stopped_holding_an_accounts_row_holds_up_that_account_only() {
+    let s = setup().await;
+    // The record the stalled request will make is being made by someone else: its statement
+    // locks the account's mark row, then waits for that record's row.
+    let mut blocker = s.pg.client().await;
+    let tx = blocker.transaction().await.unwrap();
+    tx.execute(
+        "INSERT INTO idempotency_record
+             (account_id, idempotency_key, fingerprint, token, owner, state)
+         VALUES ($1, 'key-stalled', 'f', 1, 'blocker', 'in_flight')",
+        &[&STALLED],
+    )
+    .await
+    .unwrap();
+    let stalled = s.spawn_pay(STALLED, Some("key-stalled"));
+    let mut backend = None;
+    for _ in 0..200 {
+        let row =
+            s.pg.client()
+                .await
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity
+                 WHERE application_name = 'railguard' AND wait_event_type = 'Lock'
+                   AND query LIKE 'WITH fenced AS%'",
+                    &[],
+                )
+                .await
+                .unwrap();
+        if let Some(row) = row {
+            backend = Some(row.get::<_, i32>(0) as u32);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let backend = backend.expect("the compare-and-set waits for the record's row");
+    // Stopped with the mark row locked; then the record's row is let go.
+    s.pg.pause_backend(backend).await;
+    tx.rollback().await.unwrap();
+    // The account's worker keeps trying while four others pay, so that its requests meet
+    // theirs in batches.
+    let retries = {
+        let (http, url, proof) = (
+            s.http.clone(),
+            s.rg.proxy_url("/payments"),
+            s.rg.proof(STALLED, 1),
+        );
+        tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            let until = tokio::time::Instant::now() + Duration::from_millis(2500);
+            while tokio::time::Instant::now() < until {
+                let key = format!("key-retry-{}", statuses.len());
+                let headers = [
+                    ("Fencing-Token", "1"),
+                    ("Fencing-Account", STALLED),
+                    ("Fencing-Proof", proof.as_str()),
+                    ("Idempotency-Key", key.as_str()),
+                ];
+                statuses.push(http.pay(&url, &headers, "{\"amount\":1}").await.status);
+            }
+            statuses
+        })
+    };
+    tokio::join!(
+        s.others_are_answered("locked-1"),
+        s.others_are_answered("locked-2"),
+        s.others_are_answered("locked-3"),
+        s.others_are_answered("locked-4"),
+    );
+    let statuses = retries.await.unwrap();
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::SERVICE_UNAVAILABLE),
+        "{statuses:?}"
+    );
+    assert_eq!(
+        stalled.await.unwrap().status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(s.paid_to(STALLED), 0);
+    // The backend goes on: its statement commits, and its record — nobody was told — goes.
+    s.pg.resume_backend(backend).await;
+    s.until_nothing_stalls().await;
+    let mut retried = None;
+    for _ in 0..50 {
+        let reply = s.pay(STALLED, Some("key-stalled")).await;
+        if reply.status == StatusCode::CREATED {
+            retried = Some(reply);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    retried.expect("the key is free again once the statement answered");
     assert_eq!(s.paid_to(STALLED), 1, "paid once");
 }

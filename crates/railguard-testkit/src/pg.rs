@@ -228,6 +228,17 @@ impl Pg {
         }
     }
 
+    /// SIGSTOP to one backend: a session stopped mid-statement, keeping its locks, its
+    /// connection open.
+    pub async fn pause_backend(&self, pid: u32) {
+        signal(pid, "STOP").await;
+    }
+
+    /// SIGCONT after [`pause_backend`](Self::pause_backend).
+    pub async fn resume_backend(&self, pid: u32) {
+        signal(pid, "CONT").await;
+    }
+
     /// A connection of the test's own: TLS if the server offers it (certificate not
     /// checked), so that a [TLS-only](PgBuilder::tls) cluster answers too.
     pub async fn client(&self) -> tokio_postgres::Client {

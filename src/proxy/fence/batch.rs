@@ -14,7 +14,10 @@
 //! nor two idempotency records with the same key; such requests wait for a later batch.
 //! Requests for one account with the *same* token share a row and its verdict, which is what
 //! running them one after the other would give. Rows are inserted in account order, so two
-//! batches in flight lock rows in the same order and cannot deadlock.
+//! batches in flight lock rows in the same order and cannot deadlock. And a batch never holds
+//! an account that a statement still unanswered holds: such a request waits for that
+//! statement to answer ([`HeldAccounts`]), so that a statement stalled with its row locks held
+//! (a stopped backend) holds up its own accounts only, not every batch that meets one of them.
 //!
 //! **Callers that gave up.** A record a request's row created is handed to the caller as a
 //! [`RecordGuard`] inside its verdict. A caller whose deadline passed has dropped its reply
@@ -22,11 +25,11 @@
 //! deletes the record: nothing forwarded that request, so a retry must not be refused.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use deadpool_postgres::Pool;
 use prometheus::Histogram;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 
 use super::store::{StoreError, Verdict};
 use crate::db::DbError;
@@ -80,9 +83,13 @@ pub(super) async fn run(
     records: Arc<dyn Records>,
     mut queue: mpsc::Receiver<Pending>,
 ) {
+    let held = Arc::new(HeldAccounts::default());
     let mut waiting: VecDeque<Pending> = VecDeque::new();
+    // Requests for accounts that a statement still unanswered holds, in arrival order.
+    let mut held_back: VecDeque<Pending> = VecDeque::new();
+    let mut open = true;
     loop {
-        if waiting.is_empty() {
+        if waiting.is_empty() && held_back.is_empty() {
             match queue.recv().await {
                 Some(pending) => waiting.push_back(pending),
                 None => return,
@@ -96,28 +103,95 @@ pub(super) async fn run(
                 Err(_) => break,
             }
         }
-        let batch = take_batch(&mut waiting, max_batch);
+        // Those held back go first once their accounts are free: they arrived earlier.
+        held_back.retain(|p| !p.reply.is_closed());
+        while let Some(pending) = held_back.pop_back() {
+            waiting.push_front(pending);
+        }
+        let batch = {
+            let holds = held.accounts.lock().expect("never poisoned");
+            let (batch, blocked) = take_batch(&mut waiting, max_batch, &holds);
+            held_back = blocked;
+            batch
+        };
         if batch.is_empty() {
+            drop(slot);
+            if held_back.is_empty() {
+                continue;
+            }
+            // Only requests for held accounts: wait until a statement answers, or for one
+            // that can go.
+            tokio::select! {
+                () = held.released.notified() => {}
+                next = queue.recv(), if open => match next {
+                    Some(pending) => waiting.push_back(pending),
+                    None => open = false,
+                },
+            }
             continue;
         }
         sizes.observe(batch.len() as f64);
-        let (pool, records) = (pool.clone(), records.clone());
+        let accounts = held.hold(&batch);
+        let (pool, records, held) = (pool.clone(), records.clone(), held.clone());
         // A statement that stalls stops holding up the next batch, and is still listened to.
         slots.run(slot, async move {
             execute(&pool, instance, &records, batch).await;
+            held.release(&accounts);
         });
     }
 }
 
-/// Takes, in arrival order, the requests that can share one statement; leaves the rest.
-fn take_batch(waiting: &mut VecDeque<Pending>, max: usize) -> Vec<Pending> {
+/// Accounts whose rows a statement still unanswered may hold locked. A request for one of them
+/// waits for that statement rather than joining the next batch: there it would wait for the
+/// row lock anyway, holding the locks of every other row of its batch meanwhile — and behind a
+/// statement stalled with its locks held (a stopped backend), the whole batch would fail at
+/// `lock_timeout`, every request in it refused for one account's sake.
+#[derive(Default)]
+struct HeldAccounts {
+    accounts: Mutex<HashSet<AccountId>>,
+    released: Notify,
+}
+
+impl HeldAccounts {
+    /// Holds the accounts of `batch` (distinct within it); returns them, for [`Self::release`].
+    fn hold(&self, batch: &[Pending]) -> Vec<AccountId> {
+        let mut accounts = self.accounts.lock().expect("never poisoned");
+        batch
+            .iter()
+            .filter(|p| accounts.insert(p.account.clone()))
+            .map(|p| p.account.clone())
+            .collect()
+    }
+
+    fn release(&self, held: &[AccountId]) {
+        let mut accounts = self.accounts.lock().expect("never poisoned");
+        for account in held {
+            accounts.remove(account);
+        }
+        drop(accounts);
+        self.released.notify_one();
+    }
+}
+
+/// Takes, in arrival order, the requests that can share one statement; leaves the rest in
+/// `waiting`, and returns apart those for accounts a statement in flight holds.
+fn take_batch(
+    waiting: &mut VecDeque<Pending>,
+    max: usize,
+    held: &HashSet<AccountId>,
+) -> (Vec<Pending>, VecDeque<Pending>) {
     let mut batch = Vec::new();
     let mut tokens: HashMap<AccountId, FencingToken> = HashMap::new();
     let mut keys: HashSet<(AccountId, String)> = HashSet::new();
     let mut later = VecDeque::new();
+    let mut blocked = VecDeque::new();
     for pending in waiting.drain(..) {
         if pending.reply.is_closed() {
             continue; // its caller gave up before anything was done
+        }
+        if held.contains(&pending.account) {
+            blocked.push_back(pending);
+            continue;
         }
         let clash = batch.len() >= max
             || tokens
@@ -138,7 +212,7 @@ fn take_batch(waiting: &mut VecDeque<Pending>, max: usize) -> Vec<Pending> {
         batch.push(pending);
     }
     *waiting = later;
-    batch
+    (batch, blocked)
 }
 
 async fn execute(
@@ -303,7 +377,8 @@ mod tests {
             waiting.push_back(p);
             receivers.push(rx);
         }
-        let batch = take_batch(&mut waiting, 100);
+        let (batch, blocked) = take_batch(&mut waiting, 100, &HashSet::new());
+        assert!(blocked.is_empty());
         let picked: Vec<(String, i64)> = batch
             .iter()
             .map(|p| (p.account.to_string(), p.token.get()))
@@ -339,9 +414,46 @@ mod tests {
                 keep.push(rx); // the first caller's receiver is dropped: it gave up
             }
         }
-        let batch = take_batch(&mut waiting, 4);
+        let (batch, _) = take_batch(&mut waiting, 4, &HashSet::new());
         assert_eq!(batch.len(), 4);
         assert_eq!(batch[0].account.as_str(), "acct-1");
         assert_eq!(waiting.len(), 5);
+    }
+
+    fn accounts(requests: &VecDeque<Pending>) -> Vec<(String, i64)> {
+        requests
+            .iter()
+            .map(|p| (p.account.to_string(), p.token.get()))
+            .collect()
+    }
+
+    #[test]
+    fn requests_for_an_account_a_statement_in_flight_holds_are_held_back_in_order() {
+        let mut waiting = VecDeque::new();
+        let mut receivers = Vec::new();
+        for (account, token) in [("a", 5), ("b", 1), ("a", 6), ("c", 2)] {
+            let (p, rx) = pending(account, token, None);
+            waiting.push_back(p);
+            receivers.push(rx);
+        }
+        let held = HashSet::from([AccountId::parse("a", 64).unwrap()]);
+        let (batch, blocked) = take_batch(&mut waiting, 100, &held);
+        let picked: Vec<&str> = batch.iter().map(|p| p.account.as_str()).collect();
+        assert_eq!(picked, ["b", "c"]);
+        assert_eq!(accounts(&blocked), [("a".into(), 5), ("a".into(), 6)]);
+        assert!(waiting.is_empty());
+    }
+
+    #[test]
+    fn an_account_is_held_until_its_statement_answers() {
+        let held = HeldAccounts::default();
+        let (first, _rx1) = pending("a", 5, None);
+        let (again, _rx2) = pending("a", 5, None);
+        let (other, _rx3) = pending("b", 1, None);
+        let accounts = held.hold(&[first, again, other]);
+        assert_eq!(accounts.len(), 2, "each account once");
+        assert!(held.accounts.lock().unwrap().contains(&accounts[0]));
+        held.release(&accounts);
+        assert!(held.accounts.lock().unwrap().is_empty());
     }
 }
