@@ -192,7 +192,9 @@ pub async fn run(
         max_batch: config.fencing.batch_max,
         concurrency: config.fencing.batch_concurrency,
         stalled: metrics.db_statements_stalled.clone(),
+        unanswered: db::slots::Unanswered::default(),
     };
+    let unanswered = batching.unanswered.clone();
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
         config.database.timeout,
@@ -345,6 +347,27 @@ pub async fn run(
             forwards = late_forwards.count(),
             "stopping with forwards still waiting for the rail's late answer: a newer grant's \
              request sent by another railguard may reach the rail before them"
+        );
+    }
+    // A statement still unanswered may yet commit: a compare-and-set that does so after this
+    // process is gone leaves the record of a request that was never forwarded in flight, and
+    // then in doubt. Its answer, and the removal of that record, are waited for.
+    if unanswered.count() > 0 {
+        tracing::info!(
+            statements = unanswered.count(),
+            "waiting for database statements still unanswered"
+        );
+    }
+    if tokio::time::timeout(grace, unanswered.none_left())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            statements = unanswered.count(),
+            "stopping with database statements still unanswered: a compare-and-set among them \
+             that commits later leaves its idempotency record in flight, then in doubt, though \
+             its request was refused (503) and never forwarded; `railguard idempotency-forget` \
+             clears such a record once this process has stopped"
         );
     }
     let _ = lock_task.await;

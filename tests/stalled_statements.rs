@@ -32,16 +32,24 @@ struct Setup {
 /// railguard with one statement in flight per batcher (the setting a stall hurts most),
 /// reaching PostgreSQL through a relay that can stall a connection.
 async fn setup() -> Setup {
+    setup_as(false).await
+}
+
+/// [`setup`], with railguard in this process or (`process`) as a `railguard serve` process.
+async fn setup_as(process: bool) -> Setup {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;
     let relay = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
-    let rg = Railguard::start(
-        &relay.postgres_url(&pg.url()),
-        &rail.url(),
-        &[("RAILGUARD__FENCING__BATCH_CONCURRENCY", "1")],
-    )
-    .await;
+    let (url, env) = (
+        relay.postgres_url(&pg.url()),
+        [("RAILGUARD__FENCING__BATCH_CONCURRENCY", "1")],
+    );
+    let rg = if process {
+        Railguard::start_process(&url, &rail.url(), &env).await
+    } else {
+        Railguard::start(&url, &rail.url(), &env).await
+    };
     Setup {
         pg,
         rail,
@@ -338,5 +346,50 @@ async fn a_backend_stopped_holding_an_accounts_row_holds_up_that_account_only() 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     retried.expect("the key is free again once the statement answered");
+    assert_eq!(s.paid_to(STALLED), 1, "paid once");
+}
+
+#[tokio::test]
+async fn shutdown_waits_for_a_stalled_compare_and_set_so_its_key_stays_usable() {
+    let mut s = setup_as(true).await;
+    s.stall_nth("key-stalled-stop", 1);
+    let stalled = s.spawn_pay(STALLED, Some("key-stalled-stop"));
+    s.until_stalled().await;
+    let (rg, relay) = (&mut s.rg, &s.relay);
+    let (status, ()) = tokio::join!(rg.stop(), async {
+        // SIGTERM is on its way; the stalled request is refused first, and only then does
+        // its statement reach PostgreSQL, and commit.
+        let refused = stalled.await.unwrap();
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            refused.body
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        relay.release_stalled();
+    });
+    assert!(status.success(), "{status}");
+    // The statement committed before railguard stopped, and the record nobody was told about
+    // went with it.
+    let records: i64 = s
+        .pg
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'key-stalled-stop'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        records, 0,
+        "the record of a request never forwarded is left"
+    );
+    assert_eq!(s.pg.mark(STALLED).await, Some(1), "the statement committed");
+    s.rg.start_again().await;
+    let retried = s.pay(STALLED, Some("key-stalled-stop")).await;
+    assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.body);
     assert_eq!(s.paid_to(STALLED), 1, "paid once");
 }

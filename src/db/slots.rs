@@ -21,13 +21,19 @@
 //! least two), so a database that stalls every statement is not handed a new connection per
 //! batch: once they are taken, a stalled statement keeps its place and the batcher waits, as
 //! it would without them.
+//!
+//! Every statement is counted in an [`Unanswered`] until it has answered and what its answer
+//! left to do is done (a record nobody was told about is deleted: `proxy::idempotency`), so
+//! that shutdown waits for it: a compare-and-set that commits after its process stopped would
+//! leave its idempotency record in flight, and later in doubt, though nothing was forwarded.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use prometheus::IntGauge;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 /// How long a statement holds its place before the next one may start beside it.
 pub fn hold_for(timeout: Duration) -> Duration {
@@ -52,6 +58,54 @@ pub struct StatementSlots {
     overrun: Arc<Semaphore>,
     hold_for: Duration,
     stalled: IntGauge,
+    unanswered: Unanswered,
+}
+
+/// Work on the database that shutdown waits for: statements not yet answered, and what their
+/// answers left to do. Clones count together.
+#[derive(Clone, Default)]
+pub struct Unanswered(Arc<Count>);
+
+#[derive(Default)]
+struct Count {
+    running: AtomicUsize,
+    none_left: Notify,
+}
+
+/// One piece of [`Unanswered`] work, until dropped.
+pub struct Running(Unanswered);
+
+impl Unanswered {
+    /// Counts one piece of work until the returned value is dropped.
+    pub fn start(&self) -> Running {
+        self.0.running.fetch_add(1, Ordering::AcqRel);
+        Running(self.clone())
+    }
+
+    pub fn count(&self) -> usize {
+        self.0.running.load(Ordering::Acquire)
+    }
+
+    /// Resolves once nothing is running.
+    pub async fn none_left(&self) {
+        loop {
+            let notified = self.0.none_left.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if self.count() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if self.0.0.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.0.none_left.notify_waiters();
+        }
+    }
 }
 
 /// A statement's place, taken before its batch is made.
@@ -60,15 +114,21 @@ pub struct Slot {
 }
 
 impl StatementSlots {
-    /// `concurrency` places; statements hold one for at most [`hold_for`]`(timeout)`, and are
-    /// counted in `stalled` while they run past it.
-    pub fn new(concurrency: usize, timeout: Duration, stalled: IntGauge) -> Self {
+    /// `concurrency` places; statements hold one for at most [`hold_for`]`(timeout)`, are
+    /// counted in `stalled` while they run past it, and in `unanswered` until they answer.
+    pub fn new(
+        concurrency: usize,
+        timeout: Duration,
+        stalled: IntGauge,
+        unanswered: Unanswered,
+    ) -> Self {
         let concurrency = concurrency.max(1);
         Self {
             places: Arc::new(Semaphore::new(concurrency)),
             overrun: Arc::new(Semaphore::new(overrun_places(concurrency))),
             hold_for: hold_for(timeout),
             stalled,
+            unanswered,
         }
     }
 
@@ -89,7 +149,9 @@ impl StatementSlots {
     pub fn run(&self, slot: Slot, statement: impl Future<Output = ()> + Send + 'static) {
         let (overrun, hold_for, stalled) =
             (self.overrun.clone(), self.hold_for, self.stalled.clone());
+        let running = self.unanswered.start();
         tokio::spawn(async move {
+            let _running = running;
             let mut statement = std::pin::pin!(statement);
             tokio::select! {
                 biased;
@@ -132,7 +194,12 @@ mod tests {
 
     fn slots(concurrency: usize) -> StatementSlots {
         let gauge = IntGauge::new("stalled", "stalled").unwrap();
-        StatementSlots::new(concurrency, Duration::from_secs(1), gauge)
+        StatementSlots::new(
+            concurrency,
+            Duration::from_secs(1),
+            gauge,
+            Unanswered::default(),
+        )
     }
 
     /// A statement that answers when told to.
@@ -198,6 +265,29 @@ mod tests {
         answers.remove(0).send(()).unwrap();
         assert!(takes_a_place(&slots, Duration::from_millis(1)).await);
         assert_eq!(slots.stalled.get(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_can_wait_until_every_statement_has_answered() {
+        let slots = slots(1);
+        let (first, statement) = held();
+        slots.run(slots.wait().await, statement);
+        let (second, statement) = held();
+        let slot = slots.wait().await; // the first moved aside
+        slots.run(slot, statement);
+        assert_eq!(slots.unanswered.count(), 2);
+        let waiting = tokio::spawn({
+            let unanswered = slots.unanswered.clone();
+            async move { unanswered.none_left().await }
+        });
+        first.send(()).unwrap();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!waiting.is_finished(), "one is still unanswered");
+        second.send(()).unwrap();
+        tokio::time::timeout(Duration::from_millis(1), waiting)
+            .await
+            .expect("none left")
+            .unwrap();
     }
 
     #[test]

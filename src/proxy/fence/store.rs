@@ -27,7 +27,7 @@ use tokio::sync::{mpsc, oneshot};
 use std::sync::Arc;
 
 use crate::db::DbError;
-use crate::db::slots::StatementSlots;
+use crate::db::slots::{StatementSlots, Unanswered};
 use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, Records};
 use crate::token::{AccountId, FencingToken};
 
@@ -82,6 +82,9 @@ pub struct Batching {
     /// Where each batcher counts its stalled statements (`db::slots`), by the label
     /// `statement`: `fence`, `completion`, `look`.
     pub stalled: IntGaugeVec,
+    /// Statements not yet answered, and what their answers left to do: shutdown waits for
+    /// them (`db::slots`).
+    pub unanswered: Unanswered,
 }
 
 impl Default for Batching {
@@ -90,6 +93,7 @@ impl Default for Batching {
             max_batch: 512,
             concurrency: 1,
             stalled: crate::metrics::statements_stalled(),
+            unanswered: Unanswered::default(),
         }
     }
 }
@@ -101,6 +105,7 @@ impl Batching {
             self.concurrency,
             timeout,
             self.stalled.with_label_values(&[statement]),
+            self.unanswered.clone(),
         )
     }
 }

@@ -41,6 +41,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::outcomes::{self, Completion};
 use super::record::{BoxFuture, RecordId, Records};
 use crate::db::DbError;
+use crate::db::slots::Unanswered;
 use crate::proxy::fence::Batching;
 use crate::token::AccountId;
 
@@ -86,6 +87,9 @@ pub struct IdempotencyStore {
     /// The completion batcher's queue ([`outcomes`]); `None` in the handle the batcher keeps
     /// for its fallback, which only retries in the background.
     completions: Option<mpsc::Sender<Completion>>,
+    /// Where the removal of a record nobody was told about is counted, so that shutdown waits
+    /// for it (`db::slots`).
+    unanswered: Unanswered,
 }
 
 /// How outcomes are shown: those waiting for the database, those given up on, and how
@@ -125,6 +129,7 @@ impl IdempotencyStore {
             timeout,
             outcomes: outcomes.clone(),
             completions: None,
+            unanswered: batching.unanswered.clone(),
         };
         let fallback: outcomes::Fallback = Arc::new(move |record: RecordId, response| {
             retries.complete_eventually(record.account, record.key, record.owner, response);
@@ -142,6 +147,7 @@ impl IdempotencyStore {
             timeout,
             outcomes,
             completions: Some(completions),
+            unanswered: batching.unanswered,
         }
     }
 
@@ -377,7 +383,9 @@ impl IdempotencyStore {
     /// once its owner's deadline passes, which refuses a retry but never repeats a payment.
     fn delete_unsent(&self, record: RecordId) {
         let store = self.clone();
+        let running = self.unanswered.start();
         tokio::spawn(async move {
+            let _running = running;
             let deleted = store
                 .bounded(async {
                     let client = store.client().await?;
