@@ -273,6 +273,9 @@ fn main() -> ExitCode {
             Command::CheckConfig { config: path } => match load(&path) {
                 Ok(config) => match tls_files(&config).and_then(|()| check_credentials(&config)) {
                     Ok(identities) => {
+                        for (key, why) in config.warnings() {
+                            eprintln!("railguard: warning: {}: {key}: {why}", path.display());
+                        }
                         println!("{}: ok — {}{identities}", path.display(), summary(&config));
                         ExitCode::SUCCESS
                     }

@@ -152,6 +152,9 @@ pub async fn run(
             .await
             .map_err(ServeError::ProofKey)?,
     );
+    for (key, why) in config.warnings() {
+        tracing::warn!(key, "configuration: {key}: {why}");
+    }
     if !config.fencing.require_proof {
         tracing::error!(
             "!!! GRANT PROOFS ARE NOT REQUIRED (fencing.require_proof = false) !!! A token \

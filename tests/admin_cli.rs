@@ -39,6 +39,14 @@ fn the_shipped_config_checks_ok_in_one_line() {
     ] {
         assert!(stdout.contains(part), "{part} in {stdout}");
     }
+    assert!(stderr.is_empty(), "no warnings: {stderr}");
+    // A pool with no room for stalled statements is fine, but said.
+    let (code, stdout, stderr) = check(&shipped, &[("RAILGUARD__DATABASE__POOL_SIZE", "2")]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(
+        stderr.contains("warning") && stderr.contains("database.pool_size: 2"),
+        "{stderr}"
+    );
     // An override is checked too, and shows.
     let (code, stdout, _) = check(&shipped, &[("RAILGUARD__FENCING__ENFORCE", "false")]);
     assert_eq!(code, 0);

@@ -682,6 +682,32 @@ fn positive(key: &'static str, value: Duration) -> Result<(), Invalid> {
 }
 
 impl Config {
+    /// Settings that are valid but probably not what was meant, as (key, why): logged at
+    /// start and printed by `check-config`.
+    pub fn warnings(&self) -> Vec<(&'static str, String)> {
+        let mut warnings = Vec::new();
+        let concurrency = self.fencing.batch_concurrency;
+        let per_batcher = crate::db::slots::most_in_flight(concurrency);
+        let wanted = 2 * per_batcher + 1;
+        if self.database.pool_size < wanted {
+            warnings.push((
+                "database.pool_size",
+                format!(
+                    "{} leaves no room for stalled statements: the fence's compare-and-sets and \
+                     the idempotency completions may each hold {per_batcher} connections \
+                     ({} in flight, fencing.batch_concurrency, and {} stalled), and the lock API \
+                     and the readiness check need one more; with fewer, a statement stalled on \
+                     its connection can leave the next waiting for one, and its requests \
+                     refused. Use at least {wanted}",
+                    self.database.pool_size,
+                    concurrency.max(1),
+                    per_batcher - concurrency.max(1),
+                ),
+            ));
+        }
+        warnings
+    }
+
     /// Reads and parses `path`, applying the `RAILGUARD__…` overrides found in `env` (the
     /// process environment, as `main` read it).
     pub fn load(path: &Path, env: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
@@ -892,6 +918,23 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         Config::parse(text, "test.toml", &env)
+    }
+
+    #[test]
+    fn a_pool_without_room_for_stalled_statements_is_warned_about() {
+        let config = parse("", &[]).unwrap();
+        assert!(config.warnings().is_empty(), "{:?}", config.warnings());
+        let small = parse("[database]\npool_size = 4\n", &[]).unwrap();
+        let warnings = small.warnings();
+        assert_eq!(warnings.len(), 1);
+        assert_eq!(warnings[0].0, "database.pool_size");
+        assert!(warnings[0].1.contains("at least 7"), "{}", warnings[0].1);
+        let wide = parse(
+            "[fencing]\nbatch_concurrency = 4\n[database]\npool_size = 16\n",
+            &[],
+        )
+        .unwrap();
+        assert!(wide.warnings()[0].1.contains("at least 17"));
     }
 
     #[test]
