@@ -147,12 +147,26 @@ impl Setup {
         assert!(paid >= 3, "only {paid} payments in 2.5 s");
     }
 
+    /// The stalled account's payment under `key`, repeated until it is answered 201 (a key
+    /// whose statement has just answered may still be in flight for a moment).
+    async fn created_soon(&self, key: &str) -> Reply {
+        for _ in 0..100 {
+            let reply = self.pay(STALLED, Some(key)).await;
+            if reply.status == StatusCode::CREATED {
+                return reply;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("{key} was not answered 201 within 5 s");
+    }
+
+    /// The stalled request's answer: 503, and nothing reached the rail.
+    async fn refused_unpaid(&self, stalled: tokio::task::JoinHandle<Reply>) {
+        refused_unpaid(&self.rail, stalled).await;
+    }
+
     fn paid_to(&self, account: &str) -> usize {
-        self.rail
-            .ledger()
-            .iter()
-            .filter(|e| e.account.as_deref() == Some(account))
-            .count()
+        paid_to(&self.rail, account)
     }
 
     async fn until_nothing_stalls(&self) {
@@ -175,6 +189,29 @@ impl Setup {
     }
 }
 
+/// The stalled request's answer: 503, and nothing reached the rail.
+async fn refused_unpaid(rail: &Rail, stalled: tokio::task::JoinHandle<Reply>) {
+    let refused = stalled.await.unwrap();
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.body
+    );
+    assert_eq!(
+        paid_to(rail, STALLED),
+        0,
+        "a refused request reached the rail"
+    );
+}
+
+fn paid_to(rail: &Rail, account: &str) -> usize {
+    rail.ledger()
+        .iter()
+        .filter(|e| e.account.as_deref() == Some(account))
+        .count()
+}
+
 #[tokio::test]
 async fn a_stalled_compare_and_set_holds_up_no_other_request() {
     let s = setup().await;
@@ -184,14 +221,7 @@ async fn a_stalled_compare_and_set_holds_up_no_other_request() {
     s.others_are_answered("fence").await;
     assert_eq!(s.stalled("fence").await, 1.0);
     // The stalled request gave up on its verdict: it was refused and never forwarded.
-    let refused = stalled.await.unwrap();
-    assert_eq!(
-        refused.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        refused.body
-    );
-    assert_eq!(s.paid_to(STALLED), 0);
+    s.refused_unpaid(stalled).await;
     // Let the statement go: it commits, and its record — which nobody was told about — goes.
     s.relay.release_stalled();
     s.until_nothing_stalls().await;
@@ -209,14 +239,7 @@ async fn a_stalled_last_look_holds_up_no_other_request() {
     s.until_stalled().await;
     s.others_are_answered("look").await;
     assert_eq!(s.stalled("look").await, 1.0);
-    let refused = stalled.await.unwrap();
-    assert_eq!(
-        refused.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        refused.body
-    );
-    assert_eq!(s.paid_to(STALLED), 0, "no forward without its last look");
+    s.refused_unpaid(stalled).await; // no forward without its last look
     s.relay.release_stalled();
     s.until_nothing_stalls().await;
 }
@@ -238,16 +261,7 @@ async fn a_stalled_completion_holds_up_no_other_request() {
     s.relay.release_stalled();
     s.until_nothing_stalls().await;
     // Once stored, the answer is replayed.
-    let mut replayed = None;
-    for _ in 0..100 {
-        let again = s.pay(STALLED, Some("key-stalled-completion")).await;
-        if again.status == StatusCode::CREATED {
-            replayed = Some(again);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let replayed = replayed.expect("the stalled completion was stored once released");
+    let replayed = s.created_soon("key-stalled-completion").await;
     assert_eq!(replayed.body, answered.body);
     assert_eq!(s.paid_to(STALLED), 1, "paid once");
 }
@@ -328,24 +342,11 @@ async fn a_backend_stopped_holding_an_accounts_row_holds_up_that_account_only() 
             .all(|s| *s == StatusCode::SERVICE_UNAVAILABLE),
         "{statuses:?}"
     );
-    assert_eq!(
-        stalled.await.unwrap().status,
-        StatusCode::SERVICE_UNAVAILABLE
-    );
-    assert_eq!(s.paid_to(STALLED), 0);
+    s.refused_unpaid(stalled).await;
     // The backend goes on: its statement commits, and its record — nobody was told — goes.
     s.pg.resume_backend(backend).await;
     s.until_nothing_stalls().await;
-    let mut retried = None;
-    for _ in 0..50 {
-        let reply = s.pay(STALLED, Some("key-stalled")).await;
-        if reply.status == StatusCode::CREATED {
-            retried = Some(reply);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    retried.expect("the key is free again once the statement answered");
+    s.created_soon("key-stalled").await;
     assert_eq!(s.paid_to(STALLED), 1, "paid once");
 }
 
@@ -355,17 +356,11 @@ async fn shutdown_waits_for_a_stalled_compare_and_set_so_its_key_stays_usable() 
     s.stall_nth("key-stalled-stop", 1);
     let stalled = s.spawn_pay(STALLED, Some("key-stalled-stop"));
     s.until_stalled().await;
-    let (rg, relay) = (&mut s.rg, &s.relay);
+    let (rg, relay, rail) = (&mut s.rg, &s.relay, &s.rail);
     let (status, ()) = tokio::join!(rg.stop(), async {
         // SIGTERM is on its way; the stalled request is refused first, and only then does
         // its statement reach PostgreSQL, and commit.
-        let refused = stalled.await.unwrap();
-        assert_eq!(
-            refused.status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "{}",
-            refused.body
-        );
+        refused_unpaid(rail, stalled).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
         relay.release_stalled();
     });
