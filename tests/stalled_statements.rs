@@ -388,3 +388,46 @@ async fn shutdown_waits_for_a_stalled_compare_and_set_so_its_key_stays_usable() 
     assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.body);
     assert_eq!(s.paid_to(STALLED), 1, "paid once");
 }
+
+#[tokio::test]
+async fn a_batcher_jammed_by_stalled_statements_is_not_ready() {
+    let s = setup().await;
+    let readyz = format!("http://{}/readyz", s.rg.admin);
+    // One place and two overrun places (db::slots): three stalled statements fill them.
+    let mut stalled = Vec::new();
+    for account in ["acct-jam-1", "acct-jam-2", "acct-jam-3"] {
+        let (status, body) = s.http.get(&readyz).await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{body}");
+        s.stall_nth(account, 1);
+        stalled.push(s.spawn_pay(account, None));
+        s.until_stalled().await;
+    }
+    let mut jammed = None;
+    for _ in 0..100 {
+        let (status, body) = s.http.get(&readyz).await.unwrap();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            jammed = Some(body);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let why = jammed.expect("/readyz says not ready while every fence place is stalled");
+    assert!(why.contains("3 fence statements stalled"), "{why}");
+    s.relay.release_stalled();
+    s.until_nothing_stalls().await;
+    let (status, body) = s.http.get(&readyz).await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // Each stalled request was answered truly: refused with nothing paid, or — released
+    // before its deadline — paid once.
+    for (account, reply) in ["acct-jam-1", "acct-jam-2", "acct-jam-3"]
+        .iter()
+        .zip(stalled)
+    {
+        let paid = match reply.await.unwrap().status {
+            StatusCode::CREATED => 1,
+            StatusCode::SERVICE_UNAVAILABLE => 0,
+            other => panic!("{account}: {other}"),
+        };
+        assert_eq!(s.paid_to(account), paid, "{account}");
+    }
+}

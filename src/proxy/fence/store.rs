@@ -99,6 +99,23 @@ impl Default for Batching {
 }
 
 impl Batching {
+    /// Why no statement of some batcher can start now: every place, the overrun places
+    /// included, is held by a statement stalled on the database (`db::slots`).
+    pub fn jammed(&self) -> Option<String> {
+        let places = crate::db::slots::most_in_flight(self.concurrency);
+        ["fence", "completion", "look"]
+            .into_iter()
+            .find_map(|statement| {
+                let stalled = self.stalled.with_label_values(&[statement]).get();
+                (stalled >= places as i64).then(|| {
+                format!(
+                    "{stalled} {statement} statements stalled on their database connections hold \
+                     every place, so no other can start (railguard_db_statements_stalled)"
+                )
+            })
+            })
+    }
+
     /// The places of one batcher's statements (`statement`: which batcher, for the gauge).
     pub(crate) fn slots(&self, statement: &str, timeout: Duration) -> StatementSlots {
         StatementSlots::new(
@@ -114,6 +131,8 @@ impl Batching {
 #[derive(Clone)]
 pub struct HighWaterStore {
     pool: Pool,
+    /// How statements are grouped; [`ready`](Self::ready) asks whether any batcher is jammed.
+    batching: Batching,
     /// The last look's sessions: checked by [`ready`](Self::ready) too.
     looks: Pool,
     timeout: Duration,
@@ -153,6 +172,7 @@ impl HighWaterStore {
         ));
         Self {
             pool,
+            batching,
             looks,
             timeout,
             requests,
@@ -224,8 +244,13 @@ impl HighWaterStore {
     }
 
     /// Whether PostgreSQL answers, on the pool and on the last look's sessions (every fenced
-    /// request needs both), and the schema is the one this binary expects.
+    /// request needs both), the schema is the one this binary expects, and no batcher is
+    /// jammed by stalled statements (a database that answers a new session may still hold
+    /// every statement railguard has in flight).
     pub async fn ready(&self) -> Result<(), String> {
+        if let Some(why) = self.batching.jammed() {
+            return Err(why);
+        }
         let check = async {
             drop(
                 self.looks
