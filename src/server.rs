@@ -196,6 +196,7 @@ pub async fn run(
         concurrency: config.fencing.batch_concurrency,
         stalled: metrics.db_statements_stalled.clone(),
         unanswered: db::slots::Unanswered::default(),
+        held: Arc::default(),
     };
     let unanswered = batching.unanswered.clone();
     let idempotency_store = IdempotencyStore::new(

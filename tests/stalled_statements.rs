@@ -38,13 +38,27 @@ async fn setup() -> Setup {
 /// [`setup`], with railguard in this process or (`process`) as a `railguard serve` process.
 async fn setup_as(process: bool) -> Setup {
     init_tracing();
+    setup_of(process, Rail::start().await, &[]).await
+}
+
+/// [`setup`] in front of `rail`, with `database.timeout_ms` at `timeout`.
+async fn setup_with_rail(rail: Rail, timeout: Duration) -> Setup {
+    init_tracing();
+    let timeout = timeout.as_millis().to_string();
+    setup_of(
+        false,
+        rail,
+        &[("RAILGUARD__DATABASE__TIMEOUT_MS", &timeout)],
+    )
+    .await
+}
+
+async fn setup_of(process: bool, rail: Rail, more: &[(&str, &str)]) -> Setup {
     let pg = Pg::start().await;
-    let rail = Rail::start().await;
     let relay = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
-    let (url, env) = (
-        relay.postgres_url(&pg.url()),
-        [("RAILGUARD__FENCING__BATCH_CONCURRENCY", "1")],
-    );
+    let url = relay.postgres_url(&pg.url());
+    let mut env = vec![("RAILGUARD__FENCING__BATCH_CONCURRENCY", "1")];
+    env.extend_from_slice(more);
     let rg = if process {
         Railguard::start_process(&url, &rail.url(), &env).await
     } else {
@@ -160,6 +174,64 @@ impl Setup {
         panic!("{key} was not answered 201 within 5 s");
     }
 
+    /// Stops (SIGSTOP) railguard's backend that waits for a lock in a statement starting
+    /// with `statement`, once there is one; returns its pid.
+    async fn stop_backend_waiting(&self, statement: &str) -> u32 {
+        let client = self.pg.client().await;
+        for _ in 0..300 {
+            let row = client
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity
+                     WHERE application_name = 'railguard' AND wait_event_type = 'Lock'
+                       AND starts_with(query, $1)",
+                    &[&statement],
+                )
+                .await
+                .unwrap();
+            if let Some(row) = row {
+                let backend = row.get::<_, i32>(0) as u32;
+                self.pg.pause_backend(backend).await;
+                return backend;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no railguard statement starting with {statement:?} waits for a lock");
+    }
+
+    /// The stalled account's worker keeps paying (with `key(n)` on its n-th try) while four
+    /// others pay, so that its requests meet theirs in batches; its answers.
+    async fn retried_while_others_pay(&self, key: fn(usize) -> String) -> Vec<StatusCode> {
+        let retries = {
+            let (http, url, proof) = (
+                self.http.clone(),
+                self.rg.proxy_url("/payments"),
+                self.rg.proof(STALLED, 1),
+            );
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                let until = tokio::time::Instant::now() + Duration::from_millis(2500);
+                while tokio::time::Instant::now() < until {
+                    let key = key(statuses.len());
+                    let headers = [
+                        ("Fencing-Token", "1"),
+                        ("Fencing-Account", STALLED),
+                        ("Fencing-Proof", proof.as_str()),
+                        ("Idempotency-Key", key.as_str()),
+                    ];
+                    statuses.push(http.pay(&url, &headers, "{\"amount\":1}").await.status);
+                }
+                statuses
+            })
+        };
+        tokio::join!(
+            self.others_are_answered("locked-1"),
+            self.others_are_answered("locked-2"),
+            self.others_are_answered("locked-3"),
+            self.others_are_answered("locked-4"),
+        );
+        retries.await.unwrap()
+    }
+
     /// The stalled request's answer: 503, and nothing reached the rail.
     async fn refused_unpaid(&self, stalled: tokio::task::JoinHandle<Reply>) {
         refused_unpaid(&self.rail, stalled).await;
@@ -255,9 +327,16 @@ async fn a_stalled_completion_holds_up_no_other_request() {
     assert!(s.relay.has_stalled());
     s.others_are_answered("completion").await;
     assert_eq!(s.stalled("completion").await, 1.0);
-    // A repeat meanwhile is not forwarded again.
+    // A repeat meanwhile is not forwarded again: it waits for the stalled completion, which
+    // may hold its record's row (proxy::held), and is refused when its time is up.
     let repeat = s.pay(STALLED, Some("key-stalled-completion")).await;
-    assert_eq!(repeat.status, StatusCode::CONFLICT, "{}", repeat.body);
+    assert_eq!(
+        repeat.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        repeat.body
+    );
+    assert_eq!(s.paid_to(STALLED), 1);
     s.relay.release_stalled();
     s.until_nothing_stalls().await;
     // Once stored, the answer is replayed.
@@ -282,60 +361,12 @@ async fn a_backend_stopped_holding_an_accounts_row_holds_up_that_account_only() 
     .await
     .unwrap();
     let stalled = s.spawn_pay(STALLED, Some("key-stalled"));
-    let mut backend = None;
-    for _ in 0..200 {
-        let row =
-            s.pg.client()
-                .await
-                .query_opt(
-                    "SELECT pid FROM pg_stat_activity
-                 WHERE application_name = 'railguard' AND wait_event_type = 'Lock'
-                   AND query LIKE 'WITH fenced AS%'",
-                    &[],
-                )
-                .await
-                .unwrap();
-        if let Some(row) = row {
-            backend = Some(row.get::<_, i32>(0) as u32);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let backend = backend.expect("the compare-and-set waits for the record's row");
     // Stopped with the mark row locked; then the record's row is let go.
-    s.pg.pause_backend(backend).await;
+    let backend = s.stop_backend_waiting("WITH fenced AS").await;
     tx.rollback().await.unwrap();
-    // The account's worker keeps trying while four others pay, so that its requests meet
-    // theirs in batches.
-    let retries = {
-        let (http, url, proof) = (
-            s.http.clone(),
-            s.rg.proxy_url("/payments"),
-            s.rg.proof(STALLED, 1),
-        );
-        tokio::spawn(async move {
-            let mut statuses = Vec::new();
-            let until = tokio::time::Instant::now() + Duration::from_millis(2500);
-            while tokio::time::Instant::now() < until {
-                let key = format!("key-retry-{}", statuses.len());
-                let headers = [
-                    ("Fencing-Token", "1"),
-                    ("Fencing-Account", STALLED),
-                    ("Fencing-Proof", proof.as_str()),
-                    ("Idempotency-Key", key.as_str()),
-                ];
-                statuses.push(http.pay(&url, &headers, "{\"amount\":1}").await.status);
-            }
-            statuses
-        })
-    };
-    tokio::join!(
-        s.others_are_answered("locked-1"),
-        s.others_are_answered("locked-2"),
-        s.others_are_answered("locked-3"),
-        s.others_are_answered("locked-4"),
-    );
-    let statuses = retries.await.unwrap();
+    let statuses = s
+        .retried_while_others_pay(|n| format!("key-retry-{n}"))
+        .await;
     assert!(
         statuses
             .iter()
@@ -430,4 +461,69 @@ async fn a_batcher_jammed_by_stalled_statements_is_not_ready() {
         };
         assert_eq!(s.paid_to(account), paid, "{account}");
     }
+}
+
+#[tokio::test]
+async fn a_backend_stopped_holding_a_record_in_its_completion_holds_up_that_record_only() {
+    // A database timeout of 3 s: a statement holds its place for 300 ms (db::slots).
+    let s = setup_with_rail(
+        Rail::with_latency(Duration::from_millis(300)).await,
+        Duration::from_secs(3),
+    )
+    .await;
+    // A completion stalled on the network first keeps the completion batcher's place for
+    // 300 ms, so that the two that follow share one statement.
+    s.stall_nth("key-y", 2);
+    let earlier = s.spawn_pay("acct-y", Some("key-y"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let firsts = [
+        s.spawn_pay(STALLED, Some("key-a")),
+        s.spawn_pay(STALLED, Some("key-z")),
+    ];
+    // While the rail takes its time, key-z's record is locked by someone else: the completion
+    // of both locks key-a's row, then waits for key-z's, and is stopped waiting — holding
+    // key-a's row from then on.
+    let mut blocker = s.pg.client().await;
+    let tx = blocker.transaction().await.unwrap();
+    let mut locked = 0;
+    for _ in 0..100 {
+        locked = tx
+            .execute(
+                "SELECT 1 FROM idempotency_record
+                 WHERE account_id = $1 AND idempotency_key = 'key-z' FOR UPDATE",
+                &[&STALLED],
+            )
+            .await
+            .unwrap();
+        if locked == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(locked, 1, "the record was made");
+    let backend = s.stop_backend_waiting("SELECT completed_account").await;
+    tx.rollback().await.unwrap();
+    // The rail's answers reach the first clients even though they are not stored yet.
+    for first in firsts {
+        assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    }
+    // Repeats of key-a keep coming while others pay: they wait for the completion (and are
+    // refused, nothing forwarded) instead of holding up the batches they would join.
+    let statuses = s.retried_while_others_pay(|_| "key-a".to_string()).await;
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::SERVICE_UNAVAILABLE),
+        "{statuses:?}"
+    );
+    s.pg.resume_backend(backend).await;
+    s.relay.release_stalled();
+    assert_eq!(earlier.await.unwrap().status, StatusCode::CREATED);
+    s.until_nothing_stalls().await;
+    let replayed = s.created_soon("key-a").await;
+    assert_eq!(
+        replayed.headers.get("idempotency-replayed"),
+        Some(&"true".parse().unwrap())
+    );
+    assert_eq!(s.paid_to(STALLED), 2, "key-a and key-z, each paid once");
 }

@@ -15,9 +15,10 @@
 //! Requests for one account with the *same* token share a row and its verdict, which is what
 //! running them one after the other would give. Rows are inserted in account order, so two
 //! batches in flight lock rows in the same order and cannot deadlock. And a batch never holds
-//! an account that a statement still unanswered holds: such a request waits for that
-//! statement to answer ([`HeldAccounts`]), so that a statement stalled with its row locks held
-//! (a stopped backend) holds up its own accounts only, not every batch that meets one of them.
+//! a row that a statement still unanswered holds (an account's mark, an idempotency record
+//! being created or completed): such a request waits for that statement to answer
+//! ([`crate::proxy::held`]), so that a statement stalled with its row locks held (a stopped
+//! backend) holds up its own rows only, not every batch that meets one of them.
 //!
 //! **Callers that gave up.** A record a request's row created is handed to the caller as a
 //! [`RecordGuard`] inside its verdict. A caller whose deadline passed has dropped its reply
@@ -25,15 +26,16 @@
 //! deletes the record: nothing forwarded that request, so a retry must not be refused.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use prometheus::Histogram;
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
-use super::store::{StoreError, Verdict};
+use super::store::{Batching, StoreError, Verdict};
 use crate::db::DbError;
-use crate::db::slots::StatementSlots;
+use crate::proxy::held::{BatchQueue, Rows};
 use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, RecordId, Records};
 use crate::token::{AccountId, FencingToken};
 
@@ -76,109 +78,69 @@ pub(super) struct Pending {
 /// The batcher: runs until every sender is gone.
 pub(super) async fn run(
     pool: Pool,
-    slots: StatementSlots,
-    max_batch: usize,
+    batching: Batching,
+    timeout: Duration,
     sizes: Histogram,
     instance: InstanceId,
     records: Arc<dyn Records>,
-    mut queue: mpsc::Receiver<Pending>,
+    queue: mpsc::Receiver<Pending>,
 ) {
-    let held = Arc::new(HeldAccounts::default());
-    let mut waiting: VecDeque<Pending> = VecDeque::new();
-    // Requests for accounts that a statement still unanswered holds, in arrival order.
-    let mut held_back: VecDeque<Pending> = VecDeque::new();
-    let mut open = true;
-    loop {
-        if waiting.is_empty() && held_back.is_empty() {
-            match queue.recv().await {
-                Some(pending) => waiting.push_back(pending),
-                None => return,
-            }
-        }
+    let (slots, held, max_batch) = (
+        batching.slots("fence", timeout),
+        batching.held.clone(),
+        batching.max_batch,
+    );
+    let mut queue = BatchQueue::new(queue);
+    while queue.has_work().await {
         let slot = slots.wait().await;
         // Everything that arrived while we waited for a slot rides along.
-        while waiting.len() < max_batch * 4 {
-            match queue.try_recv() {
-                Ok(pending) => waiting.push_back(pending),
-                Err(_) => break,
-            }
-        }
-        // Those held back go first once their accounts are free: they arrived earlier.
-        held_back.retain(|p| !p.reply.is_closed());
-        while let Some(pending) = held_back.pop_back() {
-            waiting.push_front(pending);
-        }
-        let batch = {
-            let holds = held.accounts.lock().expect("never poisoned");
-            let (batch, blocked) = take_batch(&mut waiting, max_batch, &holds);
-            held_back = blocked;
-            batch
+        queue.gather(max_batch * 4, |p| !p.reply.is_closed());
+        let (batch, rows) = {
+            let mut rows = held.rows();
+            let (batch, blocked) = take_batch(&mut queue.waiting, max_batch, &rows);
+            queue.hold_back(blocked);
+            let taken = (!batch.is_empty()).then(|| {
+                let records = batch
+                    .iter()
+                    .filter_map(|p| Some((p.account.clone(), p.record.as_ref()?.key.clone())))
+                    .collect();
+                held.hold(&mut rows, distinct_accounts(&batch), records)
+            });
+            (batch, taken)
         };
-        if batch.is_empty() {
+        let Some(rows) = rows else {
             drop(slot);
-            if held_back.is_empty() {
-                continue;
-            }
-            // Only requests for held accounts: wait until a statement answers, or for one
-            // that can go.
-            tokio::select! {
-                () = held.released.notified() => {}
-                next = queue.recv(), if open => match next {
-                    Some(pending) => waiting.push_back(pending),
-                    None => open = false,
-                },
-            }
+            // Only requests for rows that statements in flight hold: wait for one to answer,
+            // or for a request that can go.
+            queue.wait_for_rows(held.fence_released()).await;
             continue;
-        }
+        };
         sizes.observe(batch.len() as f64);
-        let accounts = held.hold(&batch);
-        let (pool, records, held) = (pool.clone(), records.clone(), held.clone());
-        // A statement that stalls stops holding up the next batch, and is still listened to.
+        let (pool, records) = (pool.clone(), records.clone());
+        // A statement that stalls stops holding up the next batch, and is still listened to;
+        // the rows it touches are held until it answers.
         slots.run(slot, async move {
             execute(&pool, instance, &records, batch).await;
-            held.release(&accounts);
+            drop(rows);
         });
     }
 }
 
-/// Accounts whose rows a statement still unanswered may hold locked. A request for one of them
-/// waits for that statement rather than joining the next batch: there it would wait for the
-/// row lock anyway, holding the locks of every other row of its batch meanwhile — and behind a
-/// statement stalled with its locks held (a stopped backend), the whole batch would fail at
-/// `lock_timeout`, every request in it refused for one account's sake.
-#[derive(Default)]
-struct HeldAccounts {
-    accounts: Mutex<HashSet<AccountId>>,
-    released: Notify,
-}
-
-impl HeldAccounts {
-    /// Holds the accounts of `batch` (distinct within it); returns them, for [`Self::release`].
-    fn hold(&self, batch: &[Pending]) -> Vec<AccountId> {
-        let mut accounts = self.accounts.lock().expect("never poisoned");
-        batch
-            .iter()
-            .filter(|p| accounts.insert(p.account.clone()))
-            .map(|p| p.account.clone())
-            .collect()
-    }
-
-    fn release(&self, held: &[AccountId]) {
-        let mut accounts = self.accounts.lock().expect("never poisoned");
-        for account in held {
-            accounts.remove(account);
-        }
-        drop(accounts);
-        self.released.notify_one();
-    }
+fn distinct_accounts(batch: &[Pending]) -> Vec<AccountId> {
+    let mut seen = HashSet::new();
+    batch
+        .iter()
+        .filter(|p| seen.insert(&p.account))
+        .map(|p| p.account.clone())
+        .collect()
 }
 
 /// Takes, in arrival order, the requests that can share one statement; leaves the rest in
-/// `waiting`, and returns apart those for accounts a statement in flight holds.
+/// `waiting`, and returns apart those that need a row a statement in flight holds.
 fn take_batch(
     waiting: &mut VecDeque<Pending>,
     max: usize,
-    held: &HashSet<AccountId>,
+    held: &Rows,
 ) -> (Vec<Pending>, VecDeque<Pending>) {
     let mut batch = Vec::new();
     let mut tokens: HashMap<AccountId, FencingToken> = HashMap::new();
@@ -189,7 +151,10 @@ fn take_batch(
         if pending.reply.is_closed() {
             continue; // its caller gave up before anything was done
         }
-        if held.contains(&pending.account) {
+        if held.hold_up_fence(
+            &pending.account,
+            pending.record.as_ref().map(|r| r.key.as_str()),
+        ) {
             blocked.push_back(pending);
             continue;
         }
@@ -335,9 +300,8 @@ fn fail(batch: Vec<Pending>, error: StoreError) {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
+    use crate::proxy::held::HeldRows;
 
     fn pending(
         account: &str,
@@ -377,7 +341,7 @@ mod tests {
             waiting.push_back(p);
             receivers.push(rx);
         }
-        let (batch, blocked) = take_batch(&mut waiting, 100, &HashSet::new());
+        let (batch, blocked) = take_batch(&mut waiting, 100, &Rows::default());
         assert!(blocked.is_empty());
         let picked: Vec<(String, i64)> = batch
             .iter()
@@ -414,7 +378,7 @@ mod tests {
                 keep.push(rx); // the first caller's receiver is dropped: it gave up
             }
         }
-        let (batch, _) = take_batch(&mut waiting, 4, &HashSet::new());
+        let (batch, _) = take_batch(&mut waiting, 4, &Rows::default());
         assert_eq!(batch.len(), 4);
         assert_eq!(batch[0].account.as_str(), "acct-1");
         assert_eq!(waiting.len(), 5);
@@ -428,32 +392,43 @@ mod tests {
     }
 
     #[test]
-    fn requests_for_an_account_a_statement_in_flight_holds_are_held_back_in_order() {
+    fn requests_for_rows_a_statement_in_flight_holds_are_held_back_in_order() {
         let mut waiting = VecDeque::new();
         let mut receivers = Vec::new();
-        for (account, token) in [("a", 5), ("b", 1), ("a", 6), ("c", 2)] {
-            let (p, rx) = pending(account, token, None);
+        for (account, token, key) in [
+            ("a", 5, None),
+            ("b", 1, Some("k")),
+            ("a", 6, None),
+            ("b", 1, Some("other")),
+            ("c", 2, None),
+        ] {
+            let (p, rx) = pending(account, token, key);
             waiting.push_back(p);
             receivers.push(rx);
         }
-        let held = HashSet::from([AccountId::parse("a", 64).unwrap()]);
-        let (batch, blocked) = take_batch(&mut waiting, 100, &held);
-        let picked: Vec<&str> = batch.iter().map(|p| p.account.as_str()).collect();
-        assert_eq!(picked, ["b", "c"]);
-        assert_eq!(accounts(&blocked), [("a".into(), 5), ("a".into(), 6)]);
+        // a's mark is held by a compare-and-set, b's record k by a completion.
+        let held = Arc::new(HeldRows::default());
+        let account = |name| AccountId::parse(name, 64).unwrap();
+        let _statements = held.hold(
+            &mut held.rows(),
+            vec![account("a")],
+            vec![(account("b"), "k".into())],
+        );
+        let (batch, blocked) = take_batch(&mut waiting, 100, &held.rows());
+        let picked: Vec<(&str, Option<&str>)> = batch
+            .iter()
+            .map(|p| {
+                (
+                    p.account.as_str(),
+                    p.record.as_ref().map(|r| r.key.as_str()),
+                )
+            })
+            .collect();
+        assert_eq!(picked, [("b", Some("other")), ("c", None)]);
+        assert_eq!(
+            accounts(&blocked),
+            [("a".into(), 5), ("b".into(), 1), ("a".into(), 6)]
+        );
         assert!(waiting.is_empty());
-    }
-
-    #[test]
-    fn an_account_is_held_until_its_statement_answers() {
-        let held = HeldAccounts::default();
-        let (first, _rx1) = pending("a", 5, None);
-        let (again, _rx2) = pending("a", 5, None);
-        let (other, _rx3) = pending("b", 1, None);
-        let accounts = held.hold(&[first, again, other]);
-        assert_eq!(accounts.len(), 2, "each account once");
-        assert!(held.accounts.lock().unwrap().contains(&accounts[0]));
-        held.release(&accounts);
-        assert!(held.accounts.lock().unwrap().is_empty());
     }
 }

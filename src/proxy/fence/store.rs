@@ -28,6 +28,7 @@ use std::sync::Arc;
 
 use crate::db::DbError;
 use crate::db::slots::{StatementSlots, Unanswered};
+use crate::proxy::held::HeldRows;
 use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, Records};
 use crate::token::{AccountId, FencingToken};
 
@@ -85,6 +86,9 @@ pub struct Batching {
     /// Statements not yet answered, and what their answers left to do: shutdown waits for
     /// them (`db::slots`).
     pub unanswered: Unanswered,
+    /// Rows the statements in flight hold, which the batchers' requests wait for
+    /// (`proxy::held`); the fence's and the completions' batchers share it.
+    pub held: Arc<HeldRows>,
 }
 
 impl Default for Batching {
@@ -94,6 +98,7 @@ impl Default for Batching {
             concurrency: 1,
             stalled: crate::metrics::statements_stalled(),
             unanswered: Unanswered::default(),
+            held: Arc::default(),
         }
     }
 }
@@ -163,8 +168,8 @@ impl HighWaterStore {
         ));
         tokio::spawn(batch::run(
             pool.clone(),
-            batching.slots("fence", timeout),
-            batching.max_batch,
+            batching.clone(),
+            timeout,
             batch_sizes,
             instance,
             records,

@@ -40,6 +40,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use prometheus::Histogram;
@@ -48,7 +49,8 @@ use tokio::sync::{mpsc, oneshot};
 use super::record::RecordId;
 use super::store::StoredResponse;
 use crate::db::DbError;
-use crate::db::slots::StatementSlots;
+use crate::proxy::fence::Batching;
+use crate::proxy::held::{BatchQueue, Rows};
 
 /// Completes the in-flight records of a batch; returns the ones it completed.
 ///
@@ -134,50 +136,67 @@ pub(super) type Fallback = Arc<dyn Fn(RecordId, StoredResponse) + Send + Sync>;
 /// The batcher: runs until every sender is gone.
 pub(super) async fn run(
     pool: Pool,
-    slots: StatementSlots,
-    max_batch: usize,
+    batching: Batching,
+    timeout: Duration,
     sizes: Histogram,
     fallback: Fallback,
-    mut queue: mpsc::Receiver<Completion>,
+    queue: mpsc::Receiver<Completion>,
 ) {
-    let max_batch = max_batch.max(1);
-    let mut waiting: VecDeque<Completion> = VecDeque::new();
-    loop {
-        if waiting.is_empty() {
-            match queue.recv().await {
-                Some(completion) => waiting.push_back(completion),
-                None => return,
-            }
-        }
+    let (slots, held) = (batching.slots("completion", timeout), batching.held.clone());
+    let max_batch = batching.max_batch.max(1);
+    let mut queue = BatchQueue::new(queue);
+    while queue.has_work().await {
         let slot = slots.wait().await;
         // Everything that arrived while we waited for a slot rides along.
-        while waiting.len() < max_batch * 4 {
-            match queue.try_recv() {
-                Ok(completion) => waiting.push_back(completion),
-                Err(_) => break,
-            }
-        }
-        let batch = take_batch(&mut waiting, max_batch);
-        if batch.is_empty() {
+        queue.gather(max_batch * 4, |c| !c.claim.is_retried());
+        let (batch, rows) = {
+            let mut rows = held.rows();
+            let (batch, blocked) = take_batch(&mut queue.waiting, max_batch, &rows);
+            queue.hold_back(blocked);
+            let taken = (!batch.is_empty()).then(|| {
+                let records = batch
+                    .iter()
+                    .map(|c| (c.record.account.clone(), c.record.key.clone()))
+                    .collect();
+                held.hold(&mut rows, Vec::new(), records)
+            });
+            (batch, taken)
+        };
+        let Some(rows) = rows else {
+            drop(slot);
+            // Only completions of records that statements in flight hold: wait for one to
+            // answer, or for a completion that can go.
+            queue.wait_for_rows(held.completion_released()).await;
             continue;
-        }
+        };
         sizes.observe(batch.len() as f64);
         let (pool, fallback) = (pool.clone(), fallback.clone());
         slots.run(slot, async move {
             execute(&pool, &fallback, batch).await;
+            drop(rows);
         });
     }
 }
 
 /// Takes, in arrival order, the completions that can share one statement and claims them;
-/// leaves the rest.
-fn take_batch(waiting: &mut VecDeque<Completion>, max: usize) -> Vec<Completion> {
+/// leaves the rest in `waiting`, and returns apart those of records a statement in flight
+/// holds (unclaimed: a caller that stops waiting retries them itself).
+fn take_batch(
+    waiting: &mut VecDeque<Completion>,
+    max: usize,
+    held: &Rows,
+) -> (Vec<Completion>, VecDeque<Completion>) {
     let mut batch = Vec::new();
     let mut records: HashSet<(String, String)> = HashSet::new();
     let mut later = VecDeque::new();
+    let mut blocked = VecDeque::new();
     for completion in waiting.drain(..) {
         if completion.claim.is_retried() {
             continue; // its caller stopped waiting and retries it in the background
+        }
+        if held.hold_up_completion(&completion.record.account, &completion.record.key) {
+            blocked.push_back(completion);
+            continue;
         }
         let key = (
             completion.record.account.as_str().to_string(),
@@ -194,7 +213,7 @@ fn take_batch(waiting: &mut VecDeque<Completion>, max: usize) -> Vec<Completion>
         batch.push(completion);
     }
     *waiting = later;
-    batch
+    (batch, blocked)
 }
 
 /// A batch, column by column.
@@ -349,6 +368,7 @@ pub(super) fn log_gone(record: &RecordId) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::held::HeldRows;
     use crate::token::AccountId;
 
     fn completion(
@@ -381,6 +401,33 @@ mod tests {
     }
 
     #[test]
+    fn a_completion_of_a_record_a_statement_in_flight_holds_waits_unclaimed() {
+        let held = Arc::new(HeldRows::default());
+        let _fence = held.hold(
+            &mut held.rows(),
+            vec![],
+            vec![(AccountId::parse("a", 64).unwrap(), "k".into())],
+        );
+        let mut waiting = VecDeque::new();
+        let mut receivers = Vec::new();
+        for (account, key) in [("a", "k"), ("a", "other"), ("b", "k")] {
+            let (c, rx) = completion(account, key);
+            waiting.push_back(c);
+            receivers.push(rx);
+        }
+        let (batch, blocked) = take_batch(&mut waiting, 100, &held.rows());
+        assert_eq!(
+            names(&batch.into()),
+            [("a".into(), "other".into()), ("b".into(), "k".into())]
+        );
+        assert_eq!(names(&blocked), [("a".into(), "k".into())]);
+        assert!(
+            blocked[0].claim.for_retry(),
+            "not claimed by a batch: its caller's retry may take it"
+        );
+    }
+
+    #[test]
     fn a_batch_never_holds_one_record_twice() {
         let mut waiting = VecDeque::new();
         let mut receivers = Vec::new();
@@ -395,7 +442,7 @@ mod tests {
             waiting.push_back(c);
             receivers.push(rx);
         }
-        let batch: VecDeque<_> = take_batch(&mut waiting, 100).into();
+        let batch: VecDeque<_> = take_batch(&mut waiting, 100, &Rows::default()).0.into();
         assert_eq!(
             names(&batch),
             [
@@ -412,7 +459,7 @@ mod tests {
             ],
             "deferred, in arrival order"
         );
-        let next: VecDeque<_> = take_batch(&mut waiting, 100).into();
+        let next: VecDeque<_> = take_batch(&mut waiting, 100, &Rows::default()).0.into();
         assert_eq!(next.len(), 2);
         assert!(waiting.is_empty());
     }
@@ -426,7 +473,7 @@ mod tests {
             waiting.push_back(c);
             receivers.push(rx);
         }
-        let batch = take_batch(&mut waiting, 4);
+        let batch = take_batch(&mut waiting, 4, &Rows::default()).0;
         assert_eq!(batch.len(), 4);
         assert!(
             batch.iter().all(|c| !c.claim.for_retry()),
@@ -434,7 +481,7 @@ mod tests {
         );
         assert!(waiting.iter().all(|c| c.claim.clone().for_retry()));
         assert!(
-            take_batch(&mut waiting, 4).is_empty(),
+            take_batch(&mut waiting, 4, &Rows::default()).0.is_empty(),
             "all claimed by retries"
         );
         assert!(waiting.is_empty());
@@ -452,7 +499,7 @@ mod tests {
         drop(rx2); // its request was dropped while waiting: nobody else will store it
         let (waiting_caller, _rx3) = completion("a", "k3");
         waiting.extend([retried, dropped, waiting_caller]);
-        let batch: VecDeque<_> = take_batch(&mut waiting, 100).into();
+        let batch: VecDeque<_> = take_batch(&mut waiting, 100, &Rows::default()).0.into();
         assert_eq!(
             names(&batch),
             [

@@ -136,8 +136,8 @@ impl IdempotencyStore {
         });
         tokio::spawn(outcomes::run(
             pool.clone(),
-            batching.slots("completion", timeout),
-            batching.max_batch,
+            batching.clone(),
+            timeout,
             outcomes.batch_sizes.clone(),
             fallback,
             queue,

@@ -1,0 +1,270 @@
+//! Rows that a batched statement still unanswered may hold locked, and the queue in which the
+//! batchers' requests for those rows wait.
+//!
+//! A statement that stalls with row locks held (a backend stopped mid-statement) is set aside
+//! so that the next batch can start (`db::slots`). But a batch that meets one of its locked
+//! rows waits for that lock until `lock_timeout` and then fails as a whole: every request in it
+//! refused for one row's sake, batch after batch while the stall lasts. So each batcher keeps
+//! here what its statements in flight touch — the fence's compare-and-sets an account's mark
+//! row and the idempotency records they create, a completion its records — and a request that
+//! needs one of those rows waits in its batcher ([`BatchQueue`]) until the statement answers,
+//! instead of joining a batch. That is what the database would make it do anyway, without
+//! holding up the rest of a batch. Only this process's statements are known here: a stalled
+//! statement of another railguard on the same database still costs batches of this one that
+//! meet its rows.
+
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::{Notify, mpsc};
+
+use crate::token::AccountId;
+
+/// The rows held by this process's statements in flight; shared by its batchers.
+#[derive(Default)]
+pub struct HeldRows {
+    rows: Mutex<Rows>,
+    fence_released: Notify,
+    completion_released: Notify,
+}
+
+/// What the statements in flight hold.
+#[derive(Default)]
+pub(crate) struct Rows {
+    /// Accounts whose mark row a compare-and-set holds.
+    marks: HashSet<AccountId>,
+    /// Idempotency records, by account and key, that a statement holds.
+    records: HashMap<AccountId, HashSet<String>>,
+}
+
+impl Rows {
+    /// Whether a compare-and-set for `account` (creating the record `key`) would meet a row
+    /// held now.
+    pub(crate) fn hold_up_fence(&self, account: &AccountId, key: Option<&str>) -> bool {
+        self.marks.contains(account) || key.is_some_and(|key| self.holds_record(account, key))
+    }
+
+    /// Whether a completion of the record `key` of `account` would meet a row held now.
+    pub(crate) fn hold_up_completion(&self, account: &AccountId, key: &str) -> bool {
+        self.holds_record(account, key)
+    }
+
+    fn holds_record(&self, account: &AccountId, key: &str) -> bool {
+        self.records
+            .get(account)
+            .is_some_and(|keys| keys.contains(key))
+    }
+}
+
+impl HeldRows {
+    /// What the statements in flight hold now; a batcher takes its batch under it.
+    pub(crate) fn rows(&self) -> MutexGuard<'_, Rows> {
+        self.rows.lock().expect("never poisoned")
+    }
+
+    /// Holds `marks` and `records` until the returned value is dropped (when the statement
+    /// that touches them has answered). `rows` is [`rows`](Self::rows), under which the batch
+    /// was taken, so that no other batcher takes the same rows meanwhile. Each row is held by
+    /// one statement at a time: a batcher never puts a held row in a new batch.
+    pub(crate) fn hold(
+        self: &Arc<Self>,
+        rows: &mut Rows,
+        marks: Vec<AccountId>,
+        records: Vec<(AccountId, String)>,
+    ) -> Held {
+        for account in &marks {
+            rows.marks.insert(account.clone());
+        }
+        for (account, key) in &records {
+            rows.records
+                .entry(account.clone())
+                .or_default()
+                .insert(key.clone());
+        }
+        Held {
+            held: self.clone(),
+            marks,
+            records,
+        }
+    }
+
+    pub(crate) fn fence_released(&self) -> &Notify {
+        &self.fence_released
+    }
+
+    pub(crate) fn completion_released(&self) -> &Notify {
+        &self.completion_released
+    }
+}
+
+/// Rows held for one statement; dropping it lets them go, and wakes the batchers.
+pub(crate) struct Held {
+    held: Arc<HeldRows>,
+    marks: Vec<AccountId>,
+    records: Vec<(AccountId, String)>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut rows = self.held.rows();
+        for account in &self.marks {
+            rows.marks.remove(account);
+        }
+        for (account, key) in &self.records {
+            if let Entry::Occupied(mut keys) = rows.records.entry(account.clone()) {
+                keys.get_mut().remove(key);
+                if keys.get().is_empty() {
+                    keys.remove();
+                }
+            }
+        }
+        drop(rows);
+        self.held.fence_released.notify_one();
+        self.held.completion_released.notify_one();
+    }
+}
+
+/// A batcher's requests: those waiting for a batch, and those held back because they need a
+/// row a statement in flight holds, in arrival order.
+pub(crate) struct BatchQueue<T> {
+    queue: mpsc::Receiver<T>,
+    pub(crate) waiting: VecDeque<T>,
+    held_back: VecDeque<T>,
+    open: bool,
+}
+
+impl<T> BatchQueue<T> {
+    pub(crate) fn new(queue: mpsc::Receiver<T>) -> Self {
+        Self {
+            queue,
+            waiting: VecDeque::new(),
+            held_back: VecDeque::new(),
+            open: true,
+        }
+    }
+
+    /// Waits until there is something to batch; `false` once every sender is gone and
+    /// nothing is left.
+    pub(crate) async fn has_work(&mut self) -> bool {
+        if !self.waiting.is_empty() || !self.held_back.is_empty() {
+            return true;
+        }
+        match self.queue.recv().await {
+            Some(request) => {
+                self.waiting.push_back(request);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Takes in what has arrived meanwhile, up to `most` waiting, and puts the requests held
+    /// back (those still `wanted`) before it: they arrived earlier.
+    pub(crate) fn gather(&mut self, most: usize, wanted: impl Fn(&T) -> bool) {
+        while self.waiting.len() < most {
+            match self.queue.try_recv() {
+                Ok(request) => self.waiting.push_back(request),
+                Err(_) => break,
+            }
+        }
+        self.held_back.retain(wanted);
+        while let Some(request) = self.held_back.pop_back() {
+            self.waiting.push_front(request);
+        }
+    }
+
+    /// Requests that need rows held now, to wait for a later batch.
+    pub(crate) fn hold_back(&mut self, requests: VecDeque<T>) {
+        self.held_back = requests;
+    }
+
+    /// Nothing could be batched: waits until a statement lets its rows go (`released`) or
+    /// another request arrives. Returns at once when nothing is held back.
+    pub(crate) async fn wait_for_rows(&mut self, released: &Notify) {
+        if self.held_back.is_empty() {
+            return;
+        }
+        tokio::select! {
+            () = released.notified() => {}
+            next = self.queue.recv(), if self.open => match next {
+                Some(request) => self.waiting.push_back(request),
+                None => self.open = false,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn account(name: &str) -> AccountId {
+        AccountId::parse(name, 64).unwrap()
+    }
+
+    #[test]
+    fn rows_are_held_until_their_statement_answers() {
+        let held = Arc::new(HeldRows::default());
+        let (a, b) = (account("a"), account("b"));
+        let statement = held.hold(
+            &mut held.rows(),
+            vec![a.clone()],
+            vec![(b.clone(), "k".into())],
+        );
+        {
+            let rows = held.rows();
+            assert!(rows.hold_up_fence(&a, None), "a's mark");
+            assert!(rows.hold_up_fence(&b, Some("k")), "b's record k");
+            assert!(!rows.hold_up_fence(&b, Some("other")));
+            assert!(!rows.hold_up_fence(&b, None));
+            assert!(rows.hold_up_completion(&b, "k"));
+            assert!(!rows.hold_up_completion(&a, "k"));
+        }
+        drop(statement);
+        let rows = held.rows();
+        assert!(!rows.hold_up_fence(&a, None));
+        assert!(!rows.hold_up_completion(&b, "k"));
+        assert!(rows.records.is_empty(), "nothing left behind");
+    }
+
+    #[tokio::test]
+    async fn requests_held_back_go_first_once_gathered_again() {
+        let (tx, rx) = mpsc::channel(8);
+        let mut queue = BatchQueue::new(rx);
+        for n in 1..=3 {
+            tx.send(n).await.unwrap();
+        }
+        assert!(queue.has_work().await);
+        queue.gather(100, |_| true);
+        let first: VecDeque<i32> = queue.waiting.drain(..).collect();
+        assert_eq!(first, [1, 2, 3]);
+        queue.hold_back(VecDeque::from([1, 3]));
+        tx.send(4).await.unwrap();
+        queue.gather(100, |n| *n != 3); // 3's caller left
+        assert_eq!(queue.waiting, [1, 4]);
+    }
+
+    #[tokio::test]
+    async fn a_batcher_with_only_held_back_requests_waits_for_a_release_or_an_arrival() {
+        let (tx, rx) = mpsc::channel(8);
+        let mut queue = BatchQueue::new(rx);
+        let held = Arc::new(HeldRows::default());
+        queue.hold_back(VecDeque::from([1]));
+        let statement = held.hold(&mut held.rows(), vec![account("a")], vec![]);
+        let waited = tokio::time::timeout(
+            std::time::Duration::from_millis(50),
+            queue.wait_for_rows(held.fence_released()),
+        )
+        .await;
+        assert!(waited.is_err(), "nothing released, nothing arrived");
+        drop(statement);
+        queue.wait_for_rows(held.fence_released()).await;
+        tx.send(2).await.unwrap();
+        queue.wait_for_rows(held.fence_released()).await;
+        assert_eq!(queue.waiting, [2]);
+        drop(tx);
+        queue.wait_for_rows(held.fence_released()).await;
+        assert!(!queue.open, "the queue closed");
+    }
+}
