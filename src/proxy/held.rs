@@ -5,11 +5,14 @@
 //! so that the next batch can start (`db::slots`). But a batch that meets one of its locked
 //! rows waits for that lock until `lock_timeout` and then fails as a whole: every request in it
 //! refused for one row's sake, batch after batch while the stall lasts. So each batcher keeps
-//! here what its statements in flight touch — the fence's compare-and-sets an account's mark
-//! row and the idempotency records they create, a completion its records — and a request that
-//! needs one of those rows waits in its batcher ([`BatchQueue`]) until the statement answers,
-//! instead of joining a batch. That is what the database would make it do anyway, without
-//! holding up the rest of a batch. Only this process's statements are known here: a stalled
+//! here what its statements in flight lock — the fence's compare-and-sets their accounts' mark
+//! rows, a completion its records — and a request that needs one of those rows waits in its
+//! batcher ([`BatchQueue`]) until the statement answers, instead of joining a batch. That is
+//! what the database would make it do anyway, without holding up the rest of a batch. The
+//! records a compare-and-set creates or meets (a repeat's) are not kept: completions go first,
+//! since repeats of a key keep coming while its first request waits for its answer to be
+//! stored, and a completion waiting behind them would be starved; a repeat waits for the
+//! completion instead. Only this process's statements are known here: a stalled
 //! statement of another railguard on the same database still costs batches of this one that
 //! meet its rows.
 
@@ -38,16 +41,35 @@ pub(crate) struct Rows {
     records: HashMap<AccountId, HashSet<String>>,
 }
 
+/// The held row a request waits for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum HeldRow {
+    Mark(AccountId),
+    Record(AccountId, String),
+}
+
 impl Rows {
-    /// Whether a compare-and-set for `account` (creating the record `key`) would meet a row
-    /// held now.
-    pub(crate) fn hold_up_fence(&self, account: &AccountId, key: Option<&str>) -> bool {
-        self.marks.contains(account) || key.is_some_and(|key| self.holds_record(account, key))
+    /// The held row a compare-and-set for `account` (creating the record `key`) would meet,
+    /// if any.
+    pub(crate) fn fence_blocker(&self, account: &AccountId, key: Option<&str>) -> Option<HeldRow> {
+        if self.marks.contains(account) {
+            return Some(HeldRow::Mark(account.clone()));
+        }
+        key.filter(|key| self.holds_record(account, key))
+            .map(|key| HeldRow::Record(account.clone(), key.to_string()))
     }
 
-    /// Whether a completion of the record `key` of `account` would meet a row held now.
-    pub(crate) fn hold_up_completion(&self, account: &AccountId, key: &str) -> bool {
+    /// The held row a completion of the record `key` of `account` would meet, if any.
+    pub(crate) fn completion_blocker(&self, account: &AccountId, key: &str) -> Option<HeldRow> {
         self.holds_record(account, key)
+            .then(|| HeldRow::Record(account.clone(), key.to_string()))
+    }
+
+    fn holds(&self, row: &HeldRow) -> bool {
+        match row {
+            HeldRow::Mark(account) => self.marks.contains(account),
+            HeldRow::Record(account, key) => self.holds_record(account, key),
+        }
     }
 
     fn holds_record(&self, account: &AccountId, key: &str) -> bool {
@@ -126,20 +148,26 @@ impl Drop for Held {
 }
 
 /// A batcher's requests: those waiting for a batch, and those held back because they need a
-/// row a statement in flight holds, in arrival order.
+/// row a statement in flight holds — grouped by that row, in arrival order within each, so
+/// that a pass looks only at the groups whose row was let go (a busy account behind a long
+/// stall may hold back thousands).
 pub(crate) struct BatchQueue<T> {
     queue: mpsc::Receiver<T>,
     pub(crate) waiting: VecDeque<T>,
-    held_back: VecDeque<T>,
+    held_back: HashMap<HeldRow, VecDeque<T>>,
     open: bool,
 }
+
+/// A group held back this long or longer drops its requests whose callers left whenever it
+/// doubles, so that a long stall does not accumulate them.
+const PRUNE_FROM: usize = 64;
 
 impl<T> BatchQueue<T> {
     pub(crate) fn new(queue: mpsc::Receiver<T>) -> Self {
         Self {
             queue,
             waiting: VecDeque::new(),
-            held_back: VecDeque::new(),
+            held_back: HashMap::new(),
             open: true,
         }
     }
@@ -159,24 +187,44 @@ impl<T> BatchQueue<T> {
         }
     }
 
-    /// Takes in what has arrived meanwhile, up to `most` waiting, and puts the requests held
-    /// back (those still `wanted`) before it: they arrived earlier.
-    pub(crate) fn gather(&mut self, most: usize, wanted: impl Fn(&T) -> bool) {
+    /// Takes in what has arrived meanwhile, up to `most` waiting, and puts before it the
+    /// requests held back for rows no longer held (those still `wanted`): they arrived
+    /// earlier.
+    pub(crate) fn gather(&mut self, most: usize, rows: &Rows, wanted: impl Fn(&T) -> bool) {
         while self.waiting.len() < most {
             match self.queue.try_recv() {
                 Ok(request) => self.waiting.push_back(request),
                 Err(_) => break,
             }
         }
-        self.held_back.retain(wanted);
-        while let Some(request) = self.held_back.pop_back() {
-            self.waiting.push_front(request);
+        let free: Vec<HeldRow> = self
+            .held_back
+            .keys()
+            .filter(|row| !rows.holds(row))
+            .cloned()
+            .collect();
+        for row in free {
+            let group = self.held_back.remove(&row).unwrap_or_default();
+            for request in group.into_iter().rev().filter(|r| wanted(r)) {
+                self.waiting.push_front(request);
+            }
         }
     }
 
-    /// Requests that need rows held now, to wait for a later batch.
-    pub(crate) fn hold_back(&mut self, requests: VecDeque<T>) {
-        self.held_back = requests;
+    /// Requests that need rows held now, with the row each waits for, to wait for a later
+    /// batch.
+    pub(crate) fn hold_back(
+        &mut self,
+        requests: impl IntoIterator<Item = (HeldRow, T)>,
+        wanted: impl Fn(&T) -> bool,
+    ) {
+        for (row, request) in requests {
+            let group = self.held_back.entry(row).or_default();
+            group.push_back(request);
+            if group.len() >= PRUNE_FROM && group.len().is_power_of_two() {
+                group.retain(&wanted);
+            }
+        }
     }
 
     /// Nothing could be batched: waits until a statement lets its rows go (`released`) or
@@ -214,35 +262,65 @@ mod tests {
         );
         {
             let rows = held.rows();
-            assert!(rows.hold_up_fence(&a, None), "a's mark");
-            assert!(rows.hold_up_fence(&b, Some("k")), "b's record k");
-            assert!(!rows.hold_up_fence(&b, Some("other")));
-            assert!(!rows.hold_up_fence(&b, None));
-            assert!(rows.hold_up_completion(&b, "k"));
-            assert!(!rows.hold_up_completion(&a, "k"));
+            assert_eq!(rows.fence_blocker(&a, None), Some(HeldRow::Mark(a.clone())));
+            assert_eq!(
+                rows.fence_blocker(&a, Some("k")),
+                Some(HeldRow::Mark(a.clone())),
+                "the mark first"
+            );
+            assert_eq!(
+                rows.fence_blocker(&b, Some("k")),
+                Some(HeldRow::Record(b.clone(), "k".into()))
+            );
+            assert_eq!(rows.fence_blocker(&b, Some("other")), None);
+            assert_eq!(rows.fence_blocker(&b, None), None);
+            assert!(rows.completion_blocker(&b, "k").is_some());
+            assert!(rows.completion_blocker(&a, "k").is_none());
         }
         drop(statement);
         let rows = held.rows();
-        assert!(!rows.hold_up_fence(&a, None));
-        assert!(!rows.hold_up_completion(&b, "k"));
+        assert_eq!(rows.fence_blocker(&a, None), None);
+        assert!(rows.completion_blocker(&b, "k").is_none());
         assert!(rows.records.is_empty(), "nothing left behind");
     }
 
     #[tokio::test]
-    async fn requests_held_back_go_first_once_gathered_again() {
+    async fn requests_held_back_go_first_once_their_row_is_let_go() {
         let (tx, rx) = mpsc::channel(8);
         let mut queue = BatchQueue::new(rx);
-        for n in 1..=3 {
+        let held = Arc::new(HeldRows::default());
+        let (a, b) = (account("a"), account("b"));
+        let on_a = held.hold(&mut held.rows(), vec![a.clone()], vec![]);
+        let on_b = held.hold(&mut held.rows(), vec![b.clone()], vec![]);
+        for n in 1..=4 {
             tx.send(n).await.unwrap();
         }
         assert!(queue.has_work().await);
-        queue.gather(100, |_| true);
+        queue.gather(100, &held.rows(), |_| true);
         let first: VecDeque<i32> = queue.waiting.drain(..).collect();
-        assert_eq!(first, [1, 2, 3]);
-        queue.hold_back(VecDeque::from([1, 3]));
-        tx.send(4).await.unwrap();
-        queue.gather(100, |n| *n != 3); // 3's caller left
-        assert_eq!(queue.waiting, [1, 4]);
+        assert_eq!(first, [1, 2, 3, 4]);
+        let (mark_a, mark_b) = (HeldRow::Mark(a), HeldRow::Mark(b));
+        queue.hold_back([(mark_a.clone(), 1), (mark_b, 2), (mark_a, 3)], |_| true);
+        tx.send(5).await.unwrap();
+        drop(on_a);
+        queue.gather(100, &held.rows(), |n| *n != 3); // 3's caller left
+        assert_eq!(queue.waiting, [1, 5], "a's go first; b's still wait");
+        drop(on_b);
+        queue.waiting.clear();
+        queue.gather(100, &held.rows(), |_| true);
+        assert_eq!(queue.waiting, [2]);
+        assert!(queue.held_back.is_empty());
+    }
+
+    #[test]
+    fn a_long_held_group_drops_requests_whose_callers_left() {
+        let (_tx, rx) = mpsc::channel::<i32>(1);
+        let mut queue = BatchQueue::new(rx);
+        let row = HeldRow::Mark(account("a"));
+        queue.hold_back((0..PRUNE_FROM as i32).map(|n| (row.clone(), n)), |n| {
+            n % 2 == 0
+        });
+        assert_eq!(queue.held_back[&row].len(), PRUNE_FROM / 2);
     }
 
     #[tokio::test]
@@ -250,7 +328,7 @@ mod tests {
         let (tx, rx) = mpsc::channel(8);
         let mut queue = BatchQueue::new(rx);
         let held = Arc::new(HeldRows::default());
-        queue.hold_back(VecDeque::from([1]));
+        queue.hold_back([(HeldRow::Mark(account("a")), 1)], |_| true);
         let statement = held.hold(&mut held.rows(), vec![account("a")], vec![]);
         let waited = tokio::time::timeout(
             std::time::Duration::from_millis(50),

@@ -16,7 +16,7 @@
 //! running them one after the other would give. Rows are inserted in account order, so two
 //! batches in flight lock rows in the same order and cannot deadlock. And a batch never holds
 //! a row that a statement still unanswered holds (an account's mark, an idempotency record
-//! being created or completed): such a request waits for that statement to answer
+//! being completed): such a request waits for that statement to answer
 //! ([`crate::proxy::held`]), so that a statement stalled with its row locks held (a stopped
 //! backend) holds up its own rows only, not every batch that meets one of them.
 //!
@@ -35,7 +35,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::store::{Batching, StoreError, Verdict};
 use crate::db::DbError;
-use crate::proxy::held::{BatchQueue, Rows};
+use crate::proxy::held::{BatchQueue, HeldRow, Rows};
 use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, RecordId, Records};
 use crate::token::{AccountId, FencingToken};
 
@@ -91,21 +91,21 @@ pub(super) async fn run(
         batching.max_batch,
     );
     let mut queue = BatchQueue::new(queue);
+    let wanted = |p: &Pending| !p.reply.is_closed();
     while queue.has_work().await {
         let slot = slots.wait().await;
-        // Everything that arrived while we waited for a slot rides along.
-        queue.gather(max_batch * 4, |p| !p.reply.is_closed());
         let (batch, rows) = {
-            let mut rows = held.rows();
-            let (batch, blocked) = take_batch(&mut queue.waiting, max_batch, &rows);
-            queue.hold_back(blocked);
-            let taken = (!batch.is_empty()).then(|| {
-                let records = batch
-                    .iter()
-                    .filter_map(|p| Some((p.account.clone(), p.record.as_ref()?.key.clone())))
-                    .collect();
-                held.hold(&mut rows, distinct_accounts(&batch), records)
-            });
+            let mut now = held.rows();
+            // Everything that arrived while we waited for a slot rides along.
+            queue.gather(max_batch * 4, &now, wanted);
+            let (batch, blocked) = take_batch(&mut queue.waiting, max_batch, &now);
+            queue.hold_back(blocked, wanted);
+            // Its accounts' mark rows. Not the records it creates or meets: a completion must
+            // never wait behind repeats of its own key (they keep coming while the first
+            // request waits for its answer to be stored, and would starve it), so completions
+            // go first and a repeat waits for the completion instead.
+            let taken = (!batch.is_empty())
+                .then(|| held.hold(&mut now, distinct_accounts(&batch), Vec::new()));
             (batch, taken)
         };
         let Some(rows) = rows else {
@@ -141,21 +141,19 @@ fn take_batch(
     waiting: &mut VecDeque<Pending>,
     max: usize,
     held: &Rows,
-) -> (Vec<Pending>, VecDeque<Pending>) {
+) -> (Vec<Pending>, Vec<(HeldRow, Pending)>) {
     let mut batch = Vec::new();
     let mut tokens: HashMap<AccountId, FencingToken> = HashMap::new();
     let mut keys: HashSet<(AccountId, String)> = HashSet::new();
     let mut later = VecDeque::new();
-    let mut blocked = VecDeque::new();
+    let mut blocked = Vec::new();
     for pending in waiting.drain(..) {
         if pending.reply.is_closed() {
             continue; // its caller gave up before anything was done
         }
-        if held.hold_up_fence(
-            &pending.account,
-            pending.record.as_ref().map(|r| r.key.as_str()),
-        ) {
-            blocked.push_back(pending);
+        let key = pending.record.as_ref().map(|r| r.key.as_str());
+        if let Some(row) = held.fence_blocker(&pending.account, key) {
+            blocked.push((row, pending));
             continue;
         }
         let clash = batch.len() >= max
@@ -425,6 +423,21 @@ mod tests {
             })
             .collect();
         assert_eq!(picked, [("b", Some("other")), ("c", None)]);
+        let blocked: VecDeque<Pending> = blocked
+            .into_iter()
+            .map(|(row, pending)| {
+                let account = pending.account.clone();
+                let key = pending.record.as_ref().map(|r| r.key.clone());
+                assert_eq!(
+                    row,
+                    match key {
+                        Some(key) => HeldRow::Record(account, key),
+                        None => HeldRow::Mark(account),
+                    }
+                );
+                pending
+            })
+            .collect();
         assert_eq!(
             accounts(&blocked),
             [("a".into(), 5), ("b".into(), 1), ("a".into(), 6)]

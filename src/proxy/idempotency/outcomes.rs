@@ -50,7 +50,7 @@ use super::record::RecordId;
 use super::store::StoredResponse;
 use crate::db::DbError;
 use crate::proxy::fence::Batching;
-use crate::proxy::held::{BatchQueue, Rows};
+use crate::proxy::held::{BatchQueue, HeldRow, Rows};
 
 /// Completes the in-flight records of a batch; returns the ones it completed.
 ///
@@ -145,20 +145,21 @@ pub(super) async fn run(
     let (slots, held) = (batching.slots("completion", timeout), batching.held.clone());
     let max_batch = batching.max_batch.max(1);
     let mut queue = BatchQueue::new(queue);
+    let wanted = |c: &Completion| !c.claim.is_retried();
     while queue.has_work().await {
         let slot = slots.wait().await;
-        // Everything that arrived while we waited for a slot rides along.
-        queue.gather(max_batch * 4, |c| !c.claim.is_retried());
         let (batch, rows) = {
-            let mut rows = held.rows();
-            let (batch, blocked) = take_batch(&mut queue.waiting, max_batch, &rows);
-            queue.hold_back(blocked);
+            let mut now = held.rows();
+            // Everything that arrived while we waited for a slot rides along.
+            queue.gather(max_batch * 4, &now, wanted);
+            let (batch, blocked) = take_batch(&mut queue.waiting, max_batch, &now);
+            queue.hold_back(blocked, wanted);
             let taken = (!batch.is_empty()).then(|| {
                 let records = batch
                     .iter()
                     .map(|c| (c.record.account.clone(), c.record.key.clone()))
                     .collect();
-                held.hold(&mut rows, Vec::new(), records)
+                held.hold(&mut now, Vec::new(), records)
             });
             (batch, taken)
         };
@@ -185,17 +186,18 @@ fn take_batch(
     waiting: &mut VecDeque<Completion>,
     max: usize,
     held: &Rows,
-) -> (Vec<Completion>, VecDeque<Completion>) {
+) -> (Vec<Completion>, Vec<(HeldRow, Completion)>) {
     let mut batch = Vec::new();
     let mut records: HashSet<(String, String)> = HashSet::new();
     let mut later = VecDeque::new();
-    let mut blocked = VecDeque::new();
+    let mut blocked = Vec::new();
     for completion in waiting.drain(..) {
         if completion.claim.is_retried() {
             continue; // its caller stopped waiting and retries it in the background
         }
-        if held.hold_up_completion(&completion.record.account, &completion.record.key) {
-            blocked.push_back(completion);
+        let record = &completion.record;
+        if let Some(row) = held.completion_blocker(&record.account, &record.key) {
+            blocked.push((row, completion));
             continue;
         }
         let key = (
@@ -403,7 +405,7 @@ mod tests {
     #[test]
     fn a_completion_of_a_record_a_statement_in_flight_holds_waits_unclaimed() {
         let held = Arc::new(HeldRows::default());
-        let _fence = held.hold(
+        let _other = held.hold(
             &mut held.rows(),
             vec![],
             vec![(AccountId::parse("a", 64).unwrap(), "k".into())],
@@ -420,6 +422,7 @@ mod tests {
             names(&batch.into()),
             [("a".into(), "other".into()), ("b".into(), "k".into())]
         );
+        let blocked: VecDeque<Completion> = blocked.into_iter().map(|(_, c)| c).collect();
         assert_eq!(names(&blocked), [("a".into(), "k".into())]);
         assert!(
             blocked[0].claim.for_retry(),
