@@ -227,6 +227,30 @@ impl<T> BatchQueue<T> {
         }
     }
 
+    /// The next batch, taken under the rows' lock: gathers what has arrived (up to `most`
+    /// waiting) and what is no longer held back; `take` picks the batch and names the
+    /// requests that need held rows, which wait; the rows `locked` says the batch's statement
+    /// will lock are held until the returned [`Held`] is dropped. `None`: nothing could go.
+    pub(crate) fn next_batch(
+        &mut self,
+        held: &Arc<HeldRows>,
+        most: usize,
+        wanted: impl Fn(&T) -> bool + Copy,
+        take: impl FnOnce(&mut VecDeque<T>, &Rows) -> (Vec<T>, Vec<(HeldRow, T)>),
+        locked: impl FnOnce(&[T]) -> (Vec<AccountId>, Vec<(AccountId, String)>),
+    ) -> Option<(Vec<T>, Held)> {
+        let mut rows = held.rows();
+        self.gather(most, &rows, wanted);
+        let (batch, blocked) = take(&mut self.waiting, &rows);
+        self.hold_back(blocked, wanted);
+        if batch.is_empty() {
+            return None;
+        }
+        let (marks, records) = locked(&batch);
+        let rows = held.hold(&mut rows, marks, records);
+        Some((batch, rows))
+    }
+
     /// Nothing could be batched: waits until a statement lets its rows go (`released`) or
     /// another request arrives. Returns at once when nothing is held back.
     pub(crate) async fn wait_for_rows(&mut self, released: &Notify) {

@@ -94,21 +94,18 @@ pub(super) async fn run(
     let wanted = |p: &Pending| !p.reply.is_closed();
     while queue.has_work().await {
         let slot = slots.wait().await;
-        let (batch, rows) = {
-            let mut now = held.rows();
-            // Everything that arrived while we waited for a slot rides along.
-            queue.gather(max_batch * 4, &now, wanted);
-            let (batch, blocked) = take_batch(&mut queue.waiting, max_batch, &now);
-            queue.hold_back(blocked, wanted);
-            // Its accounts' mark rows. Not the records it creates or meets: a completion must
-            // never wait behind repeats of its own key (they keep coming while the first
-            // request waits for its answer to be stored, and would starve it), so completions
-            // go first and a repeat waits for the completion instead.
-            let taken = (!batch.is_empty())
-                .then(|| held.hold(&mut now, distinct_accounts(&batch), Vec::new()));
-            (batch, taken)
-        };
-        let Some(rows) = rows else {
+        // Everything that arrived while we waited for a slot rides along. The statement locks
+        // its accounts' mark rows. Not the records it creates or meets: a completion must
+        // never wait behind repeats of its own key (they keep coming while the first request
+        // waits for its answer to be stored, and would starve it), so completions go first
+        // and a repeat waits for the completion instead.
+        let Some((batch, rows)) = queue.next_batch(
+            &held,
+            max_batch * 4,
+            wanted,
+            |waiting, rows| take_batch(waiting, max_batch, rows),
+            |batch| (distinct_accounts(batch), Vec::new()),
+        ) else {
             drop(slot);
             // Only requests for rows that statements in flight hold: wait for one to answer,
             // or for a request that can go.

@@ -148,22 +148,21 @@ pub(super) async fn run(
     let wanted = |c: &Completion| !c.claim.is_retried();
     while queue.has_work().await {
         let slot = slots.wait().await;
-        let (batch, rows) = {
-            let mut now = held.rows();
-            // Everything that arrived while we waited for a slot rides along.
-            queue.gather(max_batch * 4, &now, wanted);
-            let (batch, blocked) = take_batch(&mut queue.waiting, max_batch, &now);
-            queue.hold_back(blocked, wanted);
-            let taken = (!batch.is_empty()).then(|| {
+        // Everything that arrived while we waited for a slot rides along; the statement locks
+        // its records.
+        let Some((batch, rows)) = queue.next_batch(
+            &held,
+            max_batch * 4,
+            wanted,
+            |waiting, rows| take_batch(waiting, max_batch, rows),
+            |batch| {
                 let records = batch
                     .iter()
                     .map(|c| (c.record.account.clone(), c.record.key.clone()))
                     .collect();
-                held.hold(&mut now, Vec::new(), records)
-            });
-            (batch, taken)
-        };
-        let Some(rows) = rows else {
+                (Vec::new(), records)
+            },
+        ) else {
             drop(slot);
             // Only completions of records that statements in flight hold: wait for one to
             // answer, or for a completion that can go.
