@@ -7,7 +7,7 @@
 //! refused for one row's sake, batch after batch while the stall lasts. So each batcher keeps
 //! here what its statements in flight lock — the fence's compare-and-sets their accounts' mark
 //! rows, a completion its records — and a request that needs one of those rows waits in its
-//! batcher ([`BatchQueue`]) until the statement answers, instead of joining a batch. That is
+//! batcher (`BatchQueue`) until the statement answers, instead of joining a batch. That is
 //! what the database would make it do anyway, without holding up the rest of a batch. The
 //! records a compare-and-set creates or meets (a repeat's) are not kept: completions go first,
 //! since repeats of a key keep coming while its first request waits for its answer to be
