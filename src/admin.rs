@@ -172,6 +172,7 @@ impl Admin {
     /// PostgreSQL answers, the schema is current, and the token source is ahead of every mark.
     async fn ready(&self) -> Result<(), String> {
         self.store.ready().await?;
+        self.idempotency.ready().await?;
         match self.guard.verdict() {
             Verdict::Ahead { .. } => Ok(()),
             Verdict::Unchecked => Err("the token source has not been checked against the \

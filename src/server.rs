@@ -201,6 +201,11 @@ pub async fn run(
     let unanswered = batching.unanswered.clone();
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
+        db::build_completion_pool(
+            &database.url,
+            db::slots::most_in_flight(batching.concurrency),
+            config.database.timeout,
+        )?,
         config.database.timeout,
         batching.clone(),
         OutcomeMetrics {

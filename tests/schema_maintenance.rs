@@ -112,7 +112,7 @@ async fn completing_a_record_is_a_heap_only_update() {
 async fn the_sweep_removes_records_completed_before_the_retention_only() {
     let (pg, client) = migrated().await;
     let pool = railguard::db::build_pool(&pg.url(), 2, TIMEOUT).unwrap();
-    let store = idempotency_store(pool, TIMEOUT);
+    let store = idempotency_store(&pg.url(), pool, TIMEOUT);
     for maintained in [false, true] {
         if maintained {
             assert_eq!(maintain(&pg).await, Maintenance::Done { changed: true });

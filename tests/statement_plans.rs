@@ -14,7 +14,7 @@ use support::Pg;
 use support::records::{Completions, idempotency_store, insert_in_flight};
 use tokio_postgres::{Client, GenericClient, Transaction};
 
-/// The batched completion as it was prepared before migration 0006 pinned its plan: the
+/// The batched completion as a join by key, as it was prepared before migration 0006: the
 /// negative control, showing that this PostgreSQL does cache a sequential scan for it.
 const UNPINNED_COMPLETE_SQL: &str = "\
 UPDATE idempotency_record r
@@ -78,19 +78,6 @@ async fn cluster() -> (Pg, Client) {
     (pg, client)
 }
 
-/// Calls and plans of the statements that start with `prefix`.
-async fn calls_and_plans(client: &Client, toplevel: bool, prefix: &str) -> (i64, i64) {
-    let row = client
-        .query_one(
-            "SELECT coalesce(sum(calls), 0)::bigint, coalesce(sum(plans), 0)::bigint
-             FROM pg_stat_statements WHERE toplevel = $1 AND starts_with(query, $2)",
-            &[&toplevel, &prefix],
-        )
-        .await
-        .unwrap();
-    (row.get(0), row.get(1))
-}
-
 /// Sequential and index scans of idempotency_record that `ids`' completion took, counted
 /// within one transaction.
 async fn scans_of_one_completion(
@@ -123,11 +110,19 @@ async fn the_completion_keeps_the_primary_key_plan_made_after_analyzing_an_empty
     completions_on_a_growing_table(true).await;
 }
 
+/// A session of the completions' own (`db::build_completion_pool`), as railguard runs them.
+async fn completion_session(pg: &Pg) -> deadpool_postgres::Object {
+    let sessions =
+        railguard::db::build_completion_pool(&pg.url(), 1, std::time::Duration::from_secs(10))
+            .unwrap();
+    sessions.get().await.unwrap()
+}
+
 /// The statements are prepared and run (more than five times, on one connection, as a pooled
 /// connection runs them in the first seconds of load) while the table is small; then the table
 /// grows and nothing replans.
 async fn completions_on_a_growing_table(analyze_when_empty: bool) {
-    let (_pg, mut client) = cluster().await;
+    let (pg, mut client) = cluster().await;
     if analyze_when_empty {
         client
             .batch_execute("ANALYZE idempotency_record")
@@ -135,10 +130,14 @@ async fn completions_on_a_growing_table(analyze_when_empty: bool) {
             .unwrap();
     }
     insert_in_flight(&client, 1, 200).await;
-    let pinned = client.prepare(COMPLETE_SQL).await.unwrap();
+    let mut session = completion_session(&pg).await;
+    let pinned = session.prepare_cached(COMPLETE_SQL).await.unwrap();
     let unpinned = client.prepare(UNPINNED_COMPLETE_SQL).await.unwrap();
     for i in 0..8 {
-        assert_eq!(complete(&client, &pinned, &[2 * i + 1, 2 * i + 2]).await, 2);
+        assert_eq!(
+            complete(&**session, &pinned, &[2 * i + 1, 2 * i + 2]).await,
+            2
+        );
         assert_eq!(
             complete(&client, &unpinned, &[100 + 2 * i + 1, 100 + 2 * i + 2]).await,
             2
@@ -152,19 +151,19 @@ async fn completions_on_a_growing_table(analyze_when_empty: bool) {
     assert_eq!(completed, 2);
     assert!(
         seq >= 1,
-        "negative control: the unpinned statement's cached plan scans the whole table on this \
-         PostgreSQL (seq {seq}, idx {idx}); if this no longer holds, migration 0006's pinning \
+        "negative control: the join by key's cached plan scans the whole table on this \
+         PostgreSQL (seq {seq}, idx {idx}); if this no longer holds, the completion's one plan \
          is harmless but no longer needed"
     );
 
     let (seq, idx, completed, commit) =
-        scans_of_one_completion(&mut client, &pinned, &[50_011, 50_012, 50_013]).await;
+        scans_of_one_completion(&mut session, &pinned, &[50_011, 50_012, 50_013]).await;
     assert_eq!(completed, 3, "every record of the batch is completed");
     assert_eq!(
         commit, "off",
         "the completion's own commit does not wait for the flush"
     );
-    assert_eq!(seq, 0, "the pinned completion never scans the table");
+    assert_eq!(seq, 0, "the completion never scans the table");
     assert_eq!(
         idx, 3,
         "it finds each of its records by the primary key, one index lookup each"
@@ -172,25 +171,29 @@ async fn completions_on_a_growing_table(analyze_when_empty: bool) {
 
     // Planned once and kept: a custom plan per batch (what PostgreSQL picks for a batch of
     // fewer than ten rows when it may) costs more than the rest of the statement.
-    let (calls, plans) = calls_and_plans(&client, false, "UPDATE idempotency_record r").await;
-    assert_eq!(calls, 8 * 2 + 3, "one UPDATE per record");
     assert_eq!(
-        plans, 1,
-        "the completion's UPDATE was planned {plans} times for {calls} records"
+        generic_and_custom(&**session, COMPLETE_SQL).await,
+        (9, 0),
+        "every completion ran the session's one generic plan"
     );
 
-    // The function's planner settings end with it; the asynchronous commit is the
-    // transaction's, as before (the record's creation stays durable).
-    let row = client
+    // The settings are the completion sessions' alone: the pool's sessions, where records are
+    // created with the fence's compare-and-set, commit durably and plan as PostgreSQL likes.
+    let plain = railguard::db::build_pool(&pg.url(), 1, std::time::Duration::from_secs(10))
+        .unwrap()
+        .get()
+        .await
+        .unwrap();
+    let row = plain
         .query_one(
-            "SELECT current_setting('enable_seqscan'), current_setting('enable_hashjoin'),
+            "SELECT current_setting('enable_seqscan'), current_setting('plan_cache_mode'),
                     current_setting('synchronous_commit')",
             &[],
         )
         .await
         .unwrap();
     assert_eq!(row.get::<_, String>(0), "on");
-    assert_eq!(row.get::<_, String>(1), "on");
+    assert_eq!(row.get::<_, String>(1), "auto");
     assert_eq!(row.get::<_, String>(2), "on");
     let done: i64 = client
         .query_one(
@@ -205,17 +208,19 @@ async fn completions_on_a_growing_table(analyze_when_empty: bool) {
 }
 
 #[tokio::test]
-async fn a_role_that_may_not_call_the_completion_is_refused_at_start() {
+async fn a_role_that_may_not_complete_records_is_refused_at_start() {
     let (pg, client) = cluster().await;
-    // Migrated by the owner; run by a role that may use the tables but, by the site's default
-    // privileges, not the functions.
+    // Migrated by the owner; run by a role that may use the tables but not update records,
+    // and, by the site's default privileges, not call the functions either (migration 0006's
+    // completion function, which older binaries call, is not needed any more).
     client
         .batch_execute(
             "REVOKE EXECUTE ON FUNCTION railguard_complete_records FROM PUBLIC;
              CREATE ROLE rg_runtime LOGIN;
              GRANT ALL ON ALL TABLES IN SCHEMA public TO rg_runtime;
              GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO rg_runtime;
-             GRANT CREATE ON SCHEMA public TO rg_runtime;",
+             GRANT CREATE ON SCHEMA public TO rg_runtime;
+             REVOKE UPDATE ON idempotency_record FROM rg_runtime;",
         )
         .await
         .unwrap();
@@ -231,26 +236,10 @@ async fn a_role_that_may_not_call_the_completion_is_refused_at_start() {
     let text = err.to_string();
     assert!(
         text.contains("may not complete idempotency records")
-            && text.contains("permission denied for function railguard_complete_records"),
+            && text.contains("permission denied for table idempotency_record"),
         "the error names the cause: {text}"
     );
-    // EXECUTE alone is not enough: the UPDATE inside runs with the caller's rights.
-    client
-        .batch_execute(
-            "GRANT EXECUTE ON FUNCTION railguard_complete_records TO rg_runtime;
-             REVOKE UPDATE ON idempotency_record FROM rg_runtime;",
-        )
-        .await
-        .unwrap();
-    let err = railguard::db::migrate_url(&runtime_url, std::time::Duration::from_secs(10))
-        .await
-        .expect_err("the start is refused");
-    assert!(
-        err.to_string()
-            .contains("permission denied for table idempotency_record"),
-        "the error names the cause: {err}"
-    );
-    // Granted, it starts.
+    // Granted, it starts, without EXECUTE on the old function.
     client
         .batch_execute("GRANT UPDATE ON idempotency_record TO rg_runtime")
         .await
@@ -258,13 +247,21 @@ async fn a_role_that_may_not_call_the_completion_is_refused_at_start() {
     railguard::db::migrate_url(&runtime_url, std::time::Duration::from_secs(10))
         .await
         .expect("starts once granted");
+    // And its completions work.
+    let sessions =
+        railguard::db::build_completion_pool(&runtime_url, 1, std::time::Duration::from_secs(10))
+            .unwrap();
+    let session = sessions.get().await.unwrap();
+    insert_in_flight(&client, 1, 2).await;
+    let statement = session.prepare_cached(COMPLETE_SQL).await.unwrap();
+    assert_eq!(complete(&**session, &statement, &[1, 2]).await, 2);
 }
 
 #[tokio::test]
 async fn a_batch_completes_its_records_in_key_order() {
     // The order rows are locked in, seen by a trigger that logs each update as it happens: the
     // fence's batch meets records in key order, and the completion must too.
-    let (_pg, client) = cluster().await;
+    let (pg, client) = cluster().await;
     client
         .batch_execute(
             "CREATE TABLE update_order (n bigserial, idempotency_key text);
@@ -278,10 +275,14 @@ async fn a_batch_completes_its_records_in_key_order() {
         )
         .await
         .unwrap();
-    insert_in_flight(&client, 1, 9).await;
-    let pinned = client.prepare(COMPLETE_SQL).await.unwrap();
+    // Stored in another order than the keys' (a plan that went by the records' positions
+    // would update 5, 7, 9, 1, 3).
+    insert_in_flight(&client, 5, 9).await;
+    insert_in_flight(&client, 1, 4).await;
+    let session = completion_session(&pg).await;
+    let pinned = session.prepare_cached(COMPLETE_SQL).await.unwrap();
     // Handed over in arrival order, not key order.
-    assert_eq!(complete(&client, &pinned, &[7, 3, 9, 1, 5]).await, 5);
+    assert_eq!(complete(&**session, &pinned, &[7, 3, 9, 1, 5]).await, 5);
     let order: Vec<String> = client
         .query("SELECT idempotency_key FROM update_order ORDER BY n", &[])
         .await
@@ -290,6 +291,129 @@ async fn a_batch_completes_its_records_in_key_order() {
         .map(|row| row.get(0))
         .collect();
     assert_eq!(order, ["key-1", "key-3", "key-5", "key-7", "key-9"]);
+}
+
+/// Records 2, 4 and 5 changed by another transaction while a completion waits for them:
+/// declared in doubt, removed, and changed but still in flight for its owner. Holds their rows
+/// until the returned transaction commits.
+async fn change_records_2_4_5(client: &mut Client) -> Transaction<'_> {
+    let tx = client.transaction().await.unwrap();
+    tx.batch_execute(
+        "UPDATE idempotency_record SET state = 'in_doubt' WHERE idempotency_key = 'key-2';
+         DELETE FROM idempotency_record WHERE idempotency_key = 'key-4';
+         UPDATE idempotency_record SET in_doubt_at = now() + interval '1 hour'
+             WHERE idempotency_key = 'key-5';",
+    )
+    .await
+    .unwrap();
+    tx
+}
+
+/// Each record's state, by key.
+async fn states(client: &Client) -> Vec<(String, String)> {
+    client
+        .query(
+            "SELECT idempotency_key, state FROM idempotency_record ORDER BY idempotency_key",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+fn pairs(expected: &[(&str, &str)]) -> Vec<(String, String)> {
+    expected
+        .iter()
+        .map(|(k, s)| (k.to_string(), s.to_string()))
+        .collect()
+}
+
+/// The statement alone: a record another transaction declared in doubt or removed while the
+/// statement waited for it is not completed. One changed otherwise, still in flight for its
+/// owner, is passed over too (the statement goes by the record's position as its snapshot saw
+/// it); the batcher completes that one by its key (the next test).
+#[tokio::test]
+async fn the_completion_statement_passes_over_records_changed_while_it_waits() {
+    let (pg, mut client) = cluster().await;
+    insert_in_flight(&client, 1, 6).await;
+    let session = completion_session(&pg).await;
+    let statement = session.prepare_cached(COMPLETE_SQL).await.unwrap();
+    let tx = change_records_2_4_5(&mut client).await;
+    let completing = tokio::spawn(async move {
+        let batch = Completions::of(&[1, 2, 3, 4, 5, 6]);
+        let rows = session.query(&statement, &batch.params()).await.unwrap();
+        let mut keys: Vec<String> = rows.iter().map(|row| row.get(1)).collect();
+        keys.sort();
+        keys
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !completing.is_finished(),
+        "the completion waits for the rows"
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(completing.await.unwrap(), ["key-1", "key-3", "key-6"]);
+    assert_eq!(
+        states(&client).await,
+        pairs(&[
+            ("key-1", "done"),
+            ("key-2", "in_doubt"),
+            ("key-3", "done"),
+            ("key-5", "in_flight"),
+            ("key-6", "done"),
+        ])
+    );
+}
+
+/// Through the store, as a request's completion goes: the record changed but still in flight
+/// for its owner is completed too, and the caller hears so only once it is.
+#[tokio::test]
+async fn a_completion_goes_by_what_a_concurrent_change_left() {
+    use railguard::proxy::idempotency::{RecordId, Records, StoredResponse};
+    use railguard::token::AccountId;
+
+    let (pg, mut client) = cluster().await;
+    insert_in_flight(&client, 1, 6).await;
+    let timeout = std::time::Duration::from_secs(10);
+    let pool = railguard::db::build_pool(&pg.url(), 4, timeout).unwrap();
+    let store = idempotency_store(&pg.url(), pool, timeout);
+    let tx = change_records_2_4_5(&mut client).await;
+    let completing: Vec<_> = (1..=6)
+        .map(|n| {
+            let record = RecordId {
+                account: AccountId::parse(&format!("acct-{n}"), 64).unwrap(),
+                key: format!("key-{n}"),
+                owner: format!("owner-{n}"),
+            };
+            let response = StoredResponse {
+                status: 201,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: Some(bytes::Bytes::from_static(b"{}")),
+            };
+            tokio::spawn(Records::complete(&store, record, response))
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        completing.iter().any(|c| !c.is_finished()),
+        "completions wait for the rows"
+    );
+    tx.commit().await.unwrap();
+    for c in completing {
+        c.await.unwrap();
+    }
+    assert_eq!(
+        states(&client).await,
+        pairs(&[
+            ("key-1", "done"),
+            ("key-2", "in_doubt"),
+            ("key-3", "done"),
+            ("key-5", "done"),
+            ("key-6", "done"),
+        ])
+    );
 }
 
 /// Marks of accounts `from..=to`, as the fence's compare-and-set leaves them.
@@ -477,7 +601,8 @@ async fn readiness_needs_the_last_look_sessions_too() {
     let store = |looks_url: String| {
         let pool = railguard::db::build_pool(&pg.url(), 2, timeout).unwrap();
         let looks = railguard::db::build_look_pool(&looks_url, 1, timeout).unwrap();
-        let records: Arc<dyn Records> = Arc::new(idempotency_store(pool.clone(), timeout));
+        let records: Arc<dyn Records> =
+            Arc::new(idempotency_store(&pg.url(), pool.clone(), timeout));
         HighWaterStore::new(
             pool,
             looks,
@@ -498,4 +623,29 @@ async fn readiness_needs_the_last_look_sessions_too() {
         .await
         .expect_err("not ready without the look's sessions");
     assert!(err.contains("the last look's sessions"), "{err}");
+}
+
+/// Every keyed request's answer is stored on the completions' sessions: `/readyz`
+/// (`IdempotencyStore::ready`) says not ready when they cannot be opened, with the pool fine.
+#[tokio::test]
+async fn readiness_needs_the_completion_sessions_too() {
+    let (pg, _client) = cluster().await;
+    let timeout = std::time::Duration::from_secs(3);
+    let pool = railguard::db::build_pool(&pg.url(), 2, timeout).unwrap();
+    idempotency_store(&pg.url(), pool.clone(), timeout)
+        .ready()
+        .await
+        .expect("ready with both");
+    let nowhere = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        support::free_loopback_port()
+    );
+    let err = idempotency_store(&nowhere, pool, timeout)
+        .ready()
+        .await
+        .expect_err("not ready without the completions' sessions");
+    assert!(
+        err.contains("the idempotency completions' sessions"),
+        "{err}"
+    );
 }

@@ -345,9 +345,9 @@ pub struct DatabaseConfig {
     pub url: DatabaseUrl,
     /// Data directory of the embedded PostgreSQL (ignored for a URL).
     pub data_dir: PathBuf,
-    /// Connections in the pool. The fence's last look has sessions of its own besides
-    /// (`db::build_look_pool`): `fencing.batch_concurrency`, and room for stalled statements
-    /// (`db::slots`).
+    /// Connections in the pool. The fence's last look and the idempotency completions have
+    /// sessions of their own besides (`db::build_look_pool`, `db::build_completion_pool`):
+    /// `fencing.batch_concurrency` each, and room for stalled statements (`db::slots`).
     pub pool_size: usize,
     /// Deadline for opening a connection, and for one statement such as a fence
     /// compare-and-set.
@@ -688,17 +688,16 @@ impl Config {
         let mut warnings = Vec::new();
         let concurrency = self.fencing.batch_concurrency;
         let per_batcher = crate::db::slots::most_in_flight(concurrency);
-        let wanted = 2 * per_batcher + 1;
+        let wanted = per_batcher + 1;
         if self.database.pool_size < wanted {
             warnings.push((
                 "database.pool_size",
                 format!(
-                    "{} leaves no room for stalled statements: the fence's compare-and-sets and \
-                     the idempotency completions may each hold {per_batcher} connections \
-                     ({} in flight, fencing.batch_concurrency, and {} stalled), and the lock API \
-                     and the readiness check need one more; with fewer, a statement stalled on \
-                     its connection can leave the next waiting for one, and its requests \
-                     refused. Use at least {wanted}",
+                    "{} leaves no room for stalled statements: the fence's compare-and-sets may \
+                     hold {per_batcher} connections ({} in flight, fencing.batch_concurrency, \
+                     and {} stalled), and the lock API and the readiness check need one more; \
+                     with fewer, a statement stalled on its connection can leave the next \
+                     waiting for one, and its requests refused. Use at least {wanted}",
                     self.database.pool_size,
                     concurrency.max(1),
                     per_batcher - concurrency.max(1),
@@ -924,17 +923,19 @@ mod tests {
     fn a_pool_without_room_for_stalled_statements_is_warned_about() {
         let config = parse("", &[]).unwrap();
         assert!(config.warnings().is_empty(), "{:?}", config.warnings());
-        let small = parse("[database]\npool_size = 4\n", &[]).unwrap();
+        let small = parse("[database]\npool_size = 3\n", &[]).unwrap();
         let warnings = small.warnings();
         assert_eq!(warnings.len(), 1);
         assert_eq!(warnings[0].0, "database.pool_size");
-        assert!(warnings[0].1.contains("at least 7"), "{}", warnings[0].1);
+        assert!(warnings[0].1.contains("at least 4"), "{}", warnings[0].1);
+        let just = parse("[database]\npool_size = 4\n", &[]).unwrap();
+        assert!(just.warnings().is_empty(), "{:?}", just.warnings());
         let wide = parse(
-            "[fencing]\nbatch_concurrency = 4\n[database]\npool_size = 16\n",
+            "[fencing]\nbatch_concurrency = 4\n[database]\npool_size = 8\n",
             &[],
         )
         .unwrap();
-        assert!(wide.warnings()[0].1.contains("at least 17"));
+        assert!(wide.warnings()[0].1.contains("at least 9"));
     }
 
     #[test]

@@ -67,22 +67,36 @@ pub enum DatabaseError {
     #[error("cannot build the connection pool: {0}")]
     Pool(String),
     #[error(
-        "the database role may not complete idempotency records: {0} (it needs EXECUTE on \
-         railguard_complete_records and UPDATE on idempotency_record)"
+        "the database role may not complete idempotency records: {0} (it needs SELECT and \
+         UPDATE on idempotency_record)"
     )]
     Access(String),
     #[error("schema maintenance: {0}")]
     Maintenance(String),
 }
 
-/// Calls `railguard_complete_records` with one record that cannot exist (an empty account), so
-/// that the `UPDATE` inside it runs and its privileges are checked, and nothing changes. A role
-/// that may not (EXECUTE withheld, no UPDATE on the table, a read-only session) would
-/// otherwise start, report ready, and fail every completion batch.
+/// Runs the completion of idempotency records
+/// ([`COMPLETE_SQL`](crate::proxy::idempotency::COMPLETE_SQL)) for one record that cannot
+/// exist (an empty account), so that its privileges are checked and nothing changes. A role
+/// that may not (no UPDATE on the table, a read-only session) would otherwise start, report
+/// ready, and fail every completion batch.
 async fn check_completion_access(client: &tokio_postgres::Client) -> Result<(), DatabaseError> {
-    let probe = "SELECT * FROM railguard_complete_records(
-                     '{\"\"}', '{\"\"}', '{\"\"}', '{0}', '{\"{}\"}', '{NULL}', '{f}')";
-    match client.query(probe, &[]).await {
+    let none: &[&str] = &[""];
+    let probe = client
+        .query(
+            crate::proxy::idempotency::COMPLETE_SQL,
+            &[
+                &none,
+                &none,
+                &none,
+                &[0i16].as_slice(),
+                &["{}"].as_slice(),
+                &[None::<&[u8]>].as_slice(),
+                &[false].as_slice(),
+            ],
+        )
+        .await;
+    match probe {
         Ok(_) => Ok(()),
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
             Err(DatabaseError::Access(causes(&e)))
@@ -257,6 +271,16 @@ pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, Dat
 /// something replans).
 const LOOK_SESSION_SETTINGS: &str = "-c plan_cache_mode=force_generic_plan -c enable_seqscan=off";
 
+/// Session settings of the connections that store idempotency completions
+/// ([`COMPLETE_SQL`](crate::proxy::idempotency::COMPLETE_SQL), and nothing else): the look's,
+/// for the same reasons (with sequential scans off, the statement has one plan, whatever the
+/// statistics say: see its docs), and commits that do not wait for their WAL flush. A
+/// completion lost to a crash leaves its record in flight, then in doubt: a retry is refused,
+/// never forwarded twice (`proxy::idempotency::outcomes`). Everything else, the record's
+/// creation with the fence's compare-and-set above all, commits durably on the main pool.
+const COMPLETION_SESSION_SETTINGS: &str =
+    "-c plan_cache_mode=force_generic_plan -c enable_seqscan=off -c synchronous_commit=off";
+
 /// The pool of the fence's last look: `size` sessions with `LOOK_SESSION_SETTINGS` on top
 /// of railguard's timeouts, each on a server that takes writes. The look must read what the
 /// compare-and-sets wrote: with several hosts in `database.url` and the default
@@ -264,11 +288,33 @@ const LOOK_SESSION_SETTINGS: &str = "-c plan_cache_mode=force_generic_plan -c en
 /// did not answer in time when it connected) and read marks that lag, while the
 /// compare-and-sets, which fail on a standby, stay on the primary.
 pub fn build_look_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
+    sessions_with(url, size, timeout, LOOK_SESSION_SETTINGS)
+}
+
+/// The pool of the idempotency completions: `size` sessions with
+/// `COMPLETION_SESSION_SETTINGS` on top of railguard's timeouts, each on a server that takes
+/// writes (a session on a standby would fail every batch).
+pub fn build_completion_pool(
+    url: &str,
+    size: usize,
+    timeout: Duration,
+) -> Result<Pool, DatabaseError> {
+    sessions_with(url, size, timeout, COMPLETION_SESSION_SETTINGS)
+}
+
+/// Sessions for one statement, with `settings` on top of railguard's timeouts, on a server
+/// that takes writes.
+fn sessions_with(
+    url: &str,
+    size: usize,
+    timeout: Duration,
+    settings: &str,
+) -> Result<Pool, DatabaseError> {
     let mut connect = pg_config(url, timeout)?;
     let timeouts = connect.config.get_options().unwrap_or_default().to_owned();
     connect
         .config
-        .options(format!("{timeouts} {LOOK_SESSION_SETTINGS}"))
+        .options(format!("{timeouts} {settings}"))
         .target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
     pool_of(connect, size, timeout)
 }

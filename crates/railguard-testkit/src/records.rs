@@ -67,12 +67,25 @@ impl Completions {
     }
 }
 
-/// An idempotency store over `pool`, with metrics of its own.
-pub fn idempotency_store(pool: deadpool_postgres::Pool, timeout: Duration) -> IdempotencyStore {
+/// An idempotency store over `pool`, with completion sessions of its own on `url` and metrics
+/// of its own.
+pub fn idempotency_store(
+    url: &str,
+    pool: deadpool_postgres::Pool,
+    timeout: Duration,
+) -> IdempotencyStore {
+    let batching = Batching::default();
+    let sessions = railguard::db::build_completion_pool(
+        url,
+        railguard::db::slots::most_in_flight(batching.concurrency),
+        timeout,
+    )
+    .expect("completion sessions");
     IdempotencyStore::new(
         pool,
+        sessions,
         timeout,
-        Batching::default(),
+        batching,
         OutcomeMetrics {
             pending: ::prometheus::IntGauge::new("pending", "pending").unwrap(),
             lost: ::prometheus::IntCounter::new("lost", "lost").unwrap(),

@@ -37,7 +37,7 @@
 //! hands its completion to that retry itself. So a completion is never dropped: at worst it is
 //! stored late (and a repeat meanwhile hears `in_flight`).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
@@ -54,36 +54,74 @@ use crate::proxy::held::{BatchQueue, HeldRow, Rows};
 
 /// Completes the in-flight records of a batch; returns the ones it completed.
 ///
-/// The statement is the function `railguard_complete_records` (migration 0006), which pins
-/// its plan: the batch, sorted by key, driving a nested loop over the primary key. A prepared
-/// `UPDATE … FROM unnest(…)` gets a generic plan costed for the table as it was at its sixth
-/// execution; on a new deployment that plan is a sequential scan, kept while the table grows
-/// until autovacuum analyzes it (issue 13 measured 2,860 such scans in a minute of load).
-/// `tests/statement_plans.rs` checks the pinned plan against that.
+/// One set-based statement, run on sessions of its own (`db::build_completion_pool`) whose
+/// settings give it exactly one plan and make its commit not wait for the WAL flush:
 ///
-/// Its commit does not wait for the WAL flush (the function turns `synchronous_commit` off
-/// for this transaction only): the rows are visible to every reader at once, and a
-/// PostgreSQL crash within `wal_writer_delay` (×3 at worst) of the commit can lose them — as
-/// can a failover to a standby, which an asynchronous commit does not wait for either. What
-/// that loses is the replay, never safety: the record itself was created durably with the
-/// fence's compare-and-set, so a lost completion leaves it `in_flight`, then in doubt once its
-/// owner's deadline passes — a retry is refused (`409 in_doubt`), never forwarded twice. What
-/// it saves is a second durable commit on every keyed request's path (issue 13: the added
-/// latency at one connection is one commit, not two). Records are locked in key order, as the
-/// fence's batch locks the records it meets (an explicit `FOR UPDATE` in key order first
-/// doubled PostgreSQL's CPU per row: it writes a lock to each row before updating it).
+/// - **The plan cannot degrade.** The batch, sorted by key, drives a nested loop; for each row
+///   a sub-select finds the record by the whole primary key, and the `UPDATE` fetches it by
+///   that row's position (`ctid`). With sequential scans off, nothing else can reach
+///   `idempotency_record`: the join has no condition an index on the table could serve, so the
+///   only way to the table's rows is the position the sub-select found, for one batch row at a
+///   time. A prepared join by key (`UPDATE … FROM unnest(…) WHERE r.account_id = u.account_id
+///   …`) gets a generic plan costed for the table as it was at its sixth execution: on a new
+///   deployment a sequential scan kept while the table grows, or, after an `ANALYZE` of the
+///   empty table, a walk over the whole index with the batch inside (issue 13 measured 2,860
+///   such scans in a minute of load, and 8.9 s for a 500-row batch). Migration 0006's
+///   `railguard_complete_records` avoided that with one `UPDATE` per record in a loop, at an
+///   executor start per record. `tests/statement_plans.rs` checks the one plan on a new table
+///   and on an analyzed empty one, against a join by key as the negative control.
+/// - **Key order.** Records are updated, and so locked, in key order, as the fence's batch
+///   locks the records it meets: the nested loop updates each batch row as the sorted batch
+///   hands it over (the sort sits in a sub-select of its own, `OFFSET 0`, which PostgreSQL
+///   does not merge into the join).
+/// - **Concurrent changes.** The sub-select reads the record as the statement's snapshot saw
+///   it. If another transaction changed or removed it meanwhile (declared it in doubt, an
+///   operator forgot it), the `UPDATE` waits for that transaction and re-checks its conditions
+///   on the record as it is now: only its owner's record, still in flight, is completed.
+///
+/// Its commit does not wait for the WAL flush (`synchronous_commit` off on these sessions):
+/// the rows are visible to every reader at once, and a PostgreSQL crash within
+/// `wal_writer_delay` (×3 at worst) of the commit can lose them — as can a failover to a
+/// standby, which an asynchronous commit does not wait for either. What that loses is the
+/// replay, never safety: the record itself was created durably with the fence's
+/// compare-and-set, so a lost completion leaves it `in_flight`, then in doubt once its owner's
+/// deadline passes — a retry is refused (`409 in_doubt`), never forwarded twice. What it saves
+/// is a second durable commit on every keyed request's path (issue 13: the added latency at one
+/// connection is one commit, not two). No explicit `FOR UPDATE` first: it writes a lock to each
+/// row before updating it (it doubled PostgreSQL's CPU per row when tried).
 pub const COMPLETE_SQL: &str = "\
-SELECT completed_account, completed_key
-FROM railguard_complete_records($1::text[], $2::text[], $3::text[], $4::int2[], $5::text[],
-                                $6::bytea[], $7::bool[])";
+UPDATE idempotency_record r
+SET state = 'done', status = b.status, headers = b.headers::jsonb, body = b.body,
+    body_stored = b.body_stored, completed_at = now()
+FROM (
+    SELECT u.*,
+           (SELECT t.ctid FROM idempotency_record t
+            WHERE t.account_id = u.account_id AND t.idempotency_key = u.key) AS position
+    FROM (
+        SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int2[], $5::text[],
+                             $6::bytea[], $7::bool[])
+            AS u(account_id, key, owner, status, headers, body, body_stored)
+        ORDER BY account_id, key
+        OFFSET 0
+    ) AS u
+) AS b
+WHERE r.ctid = b.position AND r.owner = b.owner AND r.state = 'in_flight'
+RETURNING r.account_id, r.idempotency_key";
 
-/// Which of these records their owners have completed already.
-pub(super) const COMPLETED_BY_OWNER_SQL: &str = "\
-SELECT r.account_id, r.idempotency_key
+/// The state of each of these records that its owner still holds.
+pub(super) const STATES_BY_OWNER_SQL: &str = "\
+SELECT r.account_id, r.idempotency_key, r.state
 FROM idempotency_record r
     JOIN unnest($1::text[], $2::text[], $3::text[]) AS u(account_id, key, owner)
-    ON r.account_id = u.account_id AND r.idempotency_key = u.key AND r.owner = u.owner
-WHERE r.state = 'done'";
+    ON r.account_id = u.account_id AND r.idempotency_key = u.key AND r.owner = u.owner";
+
+/// One record's completion, found by its key: the background retry's, and a batch's for a
+/// record its statement passed over.
+pub(super) const COMPLETE_ONE_SQL: &str = "\
+UPDATE idempotency_record
+SET state = 'done', status = $4, headers = $5::text::jsonb, body = $6, body_stored = $7,
+    completed_at = now()
+WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3 AND state = 'in_flight'";
 
 /// Completions that may wait for a statement; past it, a completion goes to the background
 /// retry at once.
@@ -133,9 +171,11 @@ impl Claim {
 /// the background retry.
 pub(super) type Fallback = Arc<dyn Fn(RecordId, StoredResponse) + Send + Sync>;
 
-/// The batcher: runs until every sender is gone.
+/// The batcher: runs until every sender is gone. Its statements run on `sessions`
+/// (`db::build_completion_pool`); the look-up of records a batch did not complete, on `pool`.
 pub(super) async fn run(
     pool: Pool,
+    sessions: Pool,
     batching: Batching,
     timeout: Duration,
     sizes: Histogram,
@@ -170,9 +210,9 @@ pub(super) async fn run(
             continue;
         };
         sizes.observe(batch.len() as f64);
-        let (pool, fallback) = (pool.clone(), fallback.clone());
+        let (pool, sessions, fallback) = (pool.clone(), sessions.clone(), fallback.clone());
         slots.run(slot, async move {
-            execute(&pool, &fallback, batch).await;
+            execute(&pool, &sessions, &fallback, batch).await;
             drop(rows);
         });
     }
@@ -255,14 +295,14 @@ pub(super) fn headers_column(response: &StoredResponse) -> String {
     serde_json::to_string(&response.headers).expect("headers serialize")
 }
 
-async fn execute(pool: &Pool, fallback: &Fallback, batch: Vec<Completion>) {
+async fn execute(pool: &Pool, sessions: &Pool, fallback: &Fallback, batch: Vec<Completion>) {
     let columns = Columns::of(&batch);
     // No client-side timeout, as in the fence's batch: the server cancels a statement at
     // `statement_timeout` and the connection gives up on a silent peer (`db::pg_config`).
     let mut attempt = 0;
     let completed = loop {
         attempt += 1;
-        match complete_batch(pool, &columns).await {
+        match complete_batch(sessions, &columns).await {
             // A connection closed under us (the server restarted): one retry on a fresh one.
             // Safe: a row the first attempt completed is found completed by its owner.
             Err(DbError::ConnectionClosed(_)) if attempt == 1 => continue,
@@ -280,25 +320,78 @@ async fn execute(pool: &Pool, fallback: &Fallback, batch: Vec<Completion>) {
             Ok(completed) => break completed,
         }
     };
-    let missing: Vec<&RecordId> = batch
+    let missing: Vec<&Completion> = batch
         .iter()
-        .map(|c| &c.record)
-        .filter(|r| !completed.contains(&(r.account.as_str().to_string(), r.key.clone())))
+        .filter(|c| {
+            let record = &c.record;
+            !completed.contains(&(record.account.as_str().to_string(), record.key.clone()))
+        })
         .collect();
     if !missing.is_empty() {
-        report_gone(pool, &missing).await;
+        settle(pool, &missing).await;
     }
     for c in batch {
         let _ = c.reply.send(Ok(()));
     }
 }
 
+/// Completions the batch's statement did not store. A record its owner completed already (an
+/// earlier attempt whose answer was lost with its connection, a background retry that
+/// overtook this one) is done; one another transaction changed while the statement ran, and
+/// left in flight for its owner, was passed over (the statement goes by the record's position
+/// as its snapshot saw it, see [`COMPLETE_SQL`]) and is completed here by its key; any other
+/// is gone, and logged.
+async fn settle(pool: &Pool, missing: &[&Completion]) {
+    let records: Vec<&RecordId> = missing.iter().map(|c| &c.record).collect();
+    let states = match states_by_owner(pool, &records).await {
+        Ok(states) => states,
+        Err(e) => return unknown_whether_gone(&records, &e),
+    };
+    for c in missing {
+        let record = &c.record;
+        let state = states.get(&(record.account.as_str().to_string(), record.key.clone()));
+        match state.map(String::as_str) {
+            Some("done") => {}
+            Some("in_flight") => match complete_one(pool, record, &c.response).await {
+                Ok(1) => {}
+                Ok(_) => report_gone(pool, &[record]).await,
+                Err(e) => unknown_whether_gone(&[record], &e),
+            },
+            _ => log_gone(record),
+        }
+    }
+}
+
+/// Completes one record by its key ([`COMPLETE_ONE_SQL`]); how many rows it changed.
+pub(super) async fn complete_one(
+    pool: &Pool,
+    record: &RecordId,
+    response: &StoredResponse,
+) -> Result<u64, DbError> {
+    let client = pool.get().await?;
+    let statement = client.prepare_cached(COMPLETE_ONE_SQL).await?;
+    Ok(client
+        .execute(
+            &statement,
+            &[
+                &record.account.as_str(),
+                &record.key,
+                &record.owner,
+                &status_column(response.status),
+                &headers_column(response),
+                &response.body.as_deref(),
+                &response.body.is_some(),
+            ],
+        )
+        .await?)
+}
+
 /// Runs the batch's statement; the (account, key) of every record it completed.
 async fn complete_batch(
-    pool: &Pool,
+    sessions: &Pool,
     columns: &Columns<'_>,
 ) -> Result<HashSet<(String, String)>, DbError> {
-    let client = pool.get().await?;
+    let client = sessions.get().await?;
     let statement = client.prepare_cached(COMPLETE_SQL).await?;
     let rows = client
         .query(
@@ -323,40 +416,43 @@ async fn complete_batch(
 /// Logs each of `records` (which a completion did not change) that is gone rather than
 /// completed by its owner already.
 pub(super) async fn report_gone(pool: &Pool, records: &[&RecordId]) {
-    let done = match completed_by_owner(pool, records).await {
-        Ok(done) => done,
-        Err(e) => {
-            // Not known to be gone: say that, rather than that a retry is a new payment.
-            for record in records {
-                tracing::warn!(account = %record.account, key = record.key, error = %e,
-                    "an idempotency completion changed no row, and whether the record is gone or \
-                     was completed already (by an earlier attempt) could not be checked");
-            }
-            return;
-        }
+    let states = match states_by_owner(pool, records).await {
+        Ok(states) => states,
+        Err(e) => return unknown_whether_gone(records, &e),
     };
     for record in records {
-        if !done.contains(&(record.account.as_str().to_string(), record.key.clone())) {
+        let key = (record.account.as_str().to_string(), record.key.clone());
+        if states.get(&key).map(String::as_str) != Some("done") {
             log_gone(record);
         }
     }
 }
 
-async fn completed_by_owner(
+/// Not known to be gone: say that, rather than that a retry is a new payment.
+fn unknown_whether_gone(records: &[&RecordId], error: &DbError) {
+    for record in records {
+        tracing::warn!(account = %record.account, key = record.key, error = %error,
+            "an idempotency completion changed no row, and whether the record is gone or \
+             was completed already (by an earlier attempt) could not be checked");
+    }
+}
+
+/// The state of each of `records` that its owner still holds, by (account, key).
+async fn states_by_owner(
     pool: &Pool,
     records: &[&RecordId],
-) -> Result<HashSet<(String, String)>, DbError> {
+) -> Result<HashMap<(String, String), String>, DbError> {
     let accounts: Vec<&str> = records.iter().map(|r| r.account.as_str()).collect();
     let keys: Vec<&str> = records.iter().map(|r| r.key.as_str()).collect();
     let owners: Vec<&str> = records.iter().map(|r| r.owner.as_str()).collect();
     let client = pool.get().await?;
-    let statement = client.prepare_cached(COMPLETED_BY_OWNER_SQL).await?;
+    let statement = client.prepare_cached(STATES_BY_OWNER_SQL).await?;
     let rows = client
         .query(&statement, &[&accounts, &keys, &owners])
         .await?;
     Ok(rows
         .into_iter()
-        .map(|row| (row.get(0), row.get(1)))
+        .map(|row| ((row.get(0), row.get(1)), row.get(2)))
         .collect())
 }
 

@@ -82,6 +82,8 @@ pub struct Record {
 #[derive(Clone)]
 pub struct IdempotencyStore {
     pool: Pool,
+    /// Where the completion batcher runs its statements (`db::build_completion_pool`).
+    completion_sessions: Pool,
     timeout: Duration,
     outcomes: OutcomeMetrics,
     /// The completion batcher's queue ([`outcomes`]); `None` in the handle the batcher keeps
@@ -115,9 +117,11 @@ enum Outcome {
 
 impl IdempotencyStore {
     /// Starts the completion batcher (it stops when the last clone of the store is dropped);
-    /// `batching` groups completions as the fence groups its compare-and-sets.
+    /// `batching` groups completions as the fence groups its compare-and-sets, and their
+    /// statements run on `completion_sessions` (`db::build_completion_pool`).
     pub fn new(
         pool: Pool,
+        completion_sessions: Pool,
         timeout: Duration,
         batching: Batching,
         outcomes: OutcomeMetrics,
@@ -126,6 +130,7 @@ impl IdempotencyStore {
         // Not a clone of the store: the batcher must not hold its own queue open.
         let retries = Self {
             pool: pool.clone(),
+            completion_sessions: completion_sessions.clone(),
             timeout,
             outcomes: outcomes.clone(),
             completions: None,
@@ -136,6 +141,7 @@ impl IdempotencyStore {
         });
         tokio::spawn(outcomes::run(
             pool.clone(),
+            completion_sessions.clone(),
             batching.clone(),
             timeout,
             outcomes.batch_sizes.clone(),
@@ -144,11 +150,26 @@ impl IdempotencyStore {
         ));
         Self {
             pool,
+            completion_sessions,
             timeout,
             outcomes,
             completions: Some(completions),
             unanswered: batching.unanswered,
         }
+    }
+
+    /// `/readyz`: a completion session can be opened (every keyed request's answer is stored
+    /// on one).
+    pub async fn ready(&self) -> Result<(), String> {
+        let session = tokio::time::timeout(self.timeout, self.completion_sessions.get())
+            .await
+            .map_err(|_| format!("no answer within {:?}", self.timeout))?;
+        session.map(drop).map_err(|e| {
+            format!(
+                "the idempotency completions' sessions: {}",
+                DbError::from(e)
+            )
+        })
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, DbError> {
@@ -224,37 +245,16 @@ impl IdempotencyStore {
         owner: &str,
         response: &StoredResponse,
     ) -> Result<(), DbError> {
-        let headers = outcomes::headers_column(response);
-        let body: Option<&[u8]> = response.body.as_deref();
+        let record = RecordId {
+            account: account.clone(),
+            key: key.to_string(),
+            owner: owner.to_string(),
+        };
         self.bounded(async {
-            let client = self.client().await?;
-            let stored = client
-                .execute(
-                    "UPDATE idempotency_record
-                     SET state = 'done', status = $4, headers = $5::text::jsonb, body = $6,
-                         body_stored = $7, completed_at = now()
-                     WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3
-                       AND state = 'in_flight'",
-                    &[
-                        &account.as_str(),
-                        &key,
-                        &owner,
-                        &outcomes::status_column(response.status),
-                        &headers,
-                        &body,
-                        &response.body.is_some(),
-                    ],
-                )
-                .await?;
-            // Back to the pool before the lookup takes one: a full pool must not make this
-            // wait for itself.
-            drop(client);
+            // Its session goes back to the pool before the lookup takes one: a full pool must
+            // not make this wait for itself.
+            let stored = outcomes::complete_one(&self.pool, &record, response).await?;
             if stored == 0 {
-                let record = RecordId {
-                    account: account.clone(),
-                    key: key.to_string(),
-                    owner: owner.to_string(),
-                };
                 outcomes::report_gone(&self.pool, &[&record]).await;
             }
             Ok(())
