@@ -24,9 +24,11 @@
 //!
 //! **Gone records.** A row the statement did not complete is looked up again: completed by its
 //! own owner already (an earlier attempt whose answer was lost with its connection, or a
-//! background retry that overtook this one) is success; otherwise the record is gone — an
-//! operator forgot it, or retention removed it — and that is logged, as the single-row
-//! completion does. Nothing here creates a record, so a forgotten one is never resurrected.
+//! background retry that overtook this one) is success; still in flight for its owner (changed
+//! by another transaction while the statement waited, which the statement passes over) it is
+//! completed by its key, one row; otherwise the record is gone — an operator forgot it, or
+//! retention removed it — and that is logged, as the single-row completion does. Nothing here
+//! creates a record, so a forgotten one is never resurrected.
 //!
 //! **Callers that stop waiting.** A completion is queued when its request's guard hands it
 //! over, and from then on exactly one party answers for it ([`Claim`]): the batch that takes
