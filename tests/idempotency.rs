@@ -600,16 +600,7 @@ async fn a_completion_whose_record_was_forgotten_does_not_resurrect_it() {
     let reply = paying.await.unwrap();
     assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
     assert_eq!(neighbour.await.unwrap().status, StatusCode::CREATED);
-    let states: Vec<(String, String)> = client
-        .query(
-            "SELECT idempotency_key, state FROM idempotency_record ORDER BY idempotency_key",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect();
+    let states = support::records::record_states(&client).await;
     assert_eq!(
         states,
         [("kept".to_string(), "done".to_string())],

@@ -11,7 +11,7 @@ use railguard_testkit as support;
 use railguard::proxy::fence::LAST_LOOK_SQL;
 use railguard::proxy::idempotency::COMPLETE_SQL;
 use support::Pg;
-use support::records::{Completions, idempotency_store, insert_in_flight};
+use support::records::{Completions, idempotency_store, insert_in_flight, record_states};
 use tokio_postgres::{Client, GenericClient, Transaction};
 
 /// The batched completion as a join by key, as it was prepared before migration 0006: the
@@ -309,20 +309,6 @@ async fn change_records_2_4_5(client: &mut Client) -> Transaction<'_> {
     tx
 }
 
-/// Each record's state, by key.
-async fn states(client: &Client) -> Vec<(String, String)> {
-    client
-        .query(
-            "SELECT idempotency_key, state FROM idempotency_record ORDER BY idempotency_key",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect()
-}
-
 fn pairs(expected: &[(&str, &str)]) -> Vec<(String, String)> {
     expected
         .iter()
@@ -356,7 +342,7 @@ async fn the_completion_statement_passes_over_records_changed_while_it_waits() {
     tx.commit().await.unwrap();
     assert_eq!(completing.await.unwrap(), ["key-1", "key-3", "key-6"]);
     assert_eq!(
-        states(&client).await,
+        record_states(&client).await,
         pairs(&[
             ("key-1", "done"),
             ("key-2", "in_doubt"),
@@ -405,7 +391,7 @@ async fn a_completion_goes_by_what_a_concurrent_change_left() {
         c.await.unwrap();
     }
     assert_eq!(
-        states(&client).await,
+        record_states(&client).await,
         pairs(&[
             ("key-1", "done"),
             ("key-2", "in_doubt"),

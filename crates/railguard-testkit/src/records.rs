@@ -22,6 +22,20 @@ pub async fn insert_in_flight(client: &tokio_postgres::Client, from: i64, to: i6
         .unwrap();
 }
 
+/// Each record's (key, state), in key order.
+pub async fn record_states(client: &tokio_postgres::Client) -> Vec<(String, String)> {
+    client
+        .query(
+            "SELECT idempotency_key, state FROM idempotency_record ORDER BY idempotency_key",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
 /// The arrays of a completion batch (`railguard::proxy::idempotency::COMPLETE_SQL`) for the
 /// records [`insert_in_flight`] made: a 201 with a small JSON answer each.
 pub struct Completions {
