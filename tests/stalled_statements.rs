@@ -501,7 +501,7 @@ async fn a_backend_stopped_holding_a_record_in_its_completion_holds_up_that_reco
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(locked, 1, "the record was made");
-    let backend = s.stop_backend_waiting("SELECT completed_account").await;
+    let backend = s.stop_backend_waiting("UPDATE idempotency_record r").await;
     tx.rollback().await.unwrap();
     // The rail's answers reach the first clients even though they are not stored yet.
     for first in firsts {
