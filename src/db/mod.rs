@@ -11,10 +11,13 @@ pub mod slots;
 
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{
+    ClientWrapper, Hook, HookError, Manager, ManagerConfig, Pool, PoolBuilder, RecyclingMethod,
+    Runtime,
+};
 
 use crate::config::{DatabaseConfig, DatabaseUrl};
-use crate::tls::postgres::{PgConnect, SslMode};
+use crate::tls::postgres::{PgConnect, PgTls, SslMode};
 pub use server::{Access, PostgresServer, ServerError, ServerOptions};
 
 /// Why a statement gave no answer: what every store built on the pool returns, so that no
@@ -269,17 +272,31 @@ pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, Dat
 /// table as it is then; without sequential scans it is the primary key's whatever the
 /// statistics said (a plan made while the table was small would otherwise scan it whole until
 /// something replans).
-const LOOK_SESSION_SETTINGS: &str = "-c plan_cache_mode=force_generic_plan -c enable_seqscan=off";
+const LOOK_SESSION_SETTINGS: &[(&str, &str)] = &[
+    ("plan_cache_mode", "force_generic_plan"),
+    ("enable_seqscan", "off"),
+];
 
 /// Session settings of the connections that store idempotency completions
-/// ([`COMPLETE_SQL`](crate::proxy::idempotency::COMPLETE_SQL), and nothing else): the look's,
-/// for the same reasons (with sequential scans off, the statement has one plan, whatever the
-/// statistics say: see its docs), and commits that do not wait for their WAL flush. A
-/// completion lost to a crash leaves its record in flight, then in doubt: a retry is refused,
-/// never forwarded twice (`proxy::idempotency::outcomes`). Everything else, the record's
-/// creation with the fence's compare-and-set above all, commits durably on the main pool.
-const COMPLETION_SESSION_SETTINGS: &str =
-    "-c plan_cache_mode=force_generic_plan -c enable_seqscan=off -c synchronous_commit=off";
+/// ([`COMPLETE_SQL`](crate::proxy::idempotency::COMPLETE_SQL), and nothing else). One generic
+/// plan, as the look's; the planner may reach `idempotency_record` only by a primary-key
+/// lookup inside the statement and a nested loop fetching each row by the position it found
+/// (sequential scans, hash and merge joins off; nested loops, TID and index scans on, whatever
+/// the site's defaults say): see the statement's docs. And commits that do not wait for their
+/// WAL flush: a completion lost to a crash leaves its record in flight, then in doubt — a retry
+/// is refused, never forwarded twice (`proxy::idempotency::outcomes`). Everything else, the
+/// record's creation with the fence's compare-and-set above all, commits durably on the main
+/// pool.
+const COMPLETION_SESSION_SETTINGS: &[(&str, &str)] = &[
+    ("plan_cache_mode", "force_generic_plan"),
+    ("enable_seqscan", "off"),
+    ("enable_hashjoin", "off"),
+    ("enable_mergejoin", "off"),
+    ("enable_nestloop", "on"),
+    ("enable_tidscan", "on"),
+    ("enable_indexscan", "on"),
+    ("synchronous_commit", "off"),
+];
 
 /// The pool of the fence's last look: `size` sessions with `LOOK_SESSION_SETTINGS` on top
 /// of railguard's timeouts, each on a server that takes writes. The look must read what the
@@ -303,24 +320,67 @@ pub fn build_completion_pool(
 }
 
 /// Sessions for one statement, with `settings` on top of railguard's timeouts, on a server
-/// that takes writes.
+/// that takes writes. Each new session is checked to have them: a pooler in between that drops
+/// startup options would otherwise leave the statement to whatever plan the site's defaults
+/// give, with nothing said. Such a session is not used, and the error names the setting.
 fn sessions_with(
     url: &str,
     size: usize,
     timeout: Duration,
-    settings: &str,
+    settings: &'static [(&'static str, &'static str)],
 ) -> Result<Pool, DatabaseError> {
     let mut connect = pg_config(url, timeout)?;
     let timeouts = connect.config.get_options().unwrap_or_default().to_owned();
+    let options: String = settings
+        .iter()
+        .map(|(name, value)| format!(" -c {name}={value}"))
+        .collect();
     connect
         .config
-        .options(format!("{timeouts} {settings}"))
+        .options(format!("{timeouts}{options}"))
         .target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
-    pool_of(connect, size, timeout)
+    let PgConnect { config, tls, .. } = connect;
+    let check = Hook::async_fn(move |session: &mut ClientWrapper, _| {
+        Box::pin(async move {
+            let names: Vec<&str> = settings.iter().map(|(name, _)| *name).collect();
+            let rows = session
+                .query(
+                    "SELECT n, current_setting(n) FROM unnest($1::text[]) AS n",
+                    &[&names],
+                )
+                .await
+                .map_err(HookError::Backend)?;
+            for ((name, wanted), row) in settings.iter().zip(rows) {
+                let value: String = row.get(1);
+                if value != *wanted {
+                    return Err(HookError::message(format!(
+                        "the session's {name} is {value}, not {wanted} as railguard asked at \
+                         connect (a pooler that drops startup options?); not used"
+                    )));
+                }
+            }
+            Ok(())
+        })
+    });
+    pool_builder(config, tls, size, timeout)
+        .post_create(check)
+        .build()
+        .map_err(|e| DatabaseError::Pool(e.to_string()))
 }
 
 fn pool_of(connect: PgConnect, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
     let PgConnect { config, tls, .. } = connect;
+    pool_builder(config, tls, size, timeout)
+        .build()
+        .map_err(|e| DatabaseError::Pool(e.to_string()))
+}
+
+fn pool_builder(
+    config: tokio_postgres::Config,
+    tls: PgTls,
+    size: usize,
+    timeout: Duration,
+) -> PoolBuilder {
     let manager = Manager::from_config(
         config,
         tls,
@@ -334,8 +394,6 @@ fn pool_of(connect: PgConnect, size: usize, timeout: Duration) -> Result<Pool, D
         .wait_timeout(Some(timeout))
         .create_timeout(Some(timeout))
         .recycle_timeout(Some(timeout))
-        .build()
-        .map_err(|e| DatabaseError::Pool(e.to_string()))
 }
 
 /// The URL without its password, for messages.

@@ -61,25 +61,34 @@ use crate::proxy::held::{BatchQueue, HeldRow, Rows};
 ///
 /// - **The plan cannot degrade.** The batch, sorted by key, drives a nested loop; for each row
 ///   a sub-select finds the record by the whole primary key, and the `UPDATE` fetches it by
-///   that row's position (`ctid`). With sequential scans off, nothing else can reach
-///   `idempotency_record`: the join has no condition an index on the table could serve, so the
-///   only way to the table's rows is the position the sub-select found, for one batch row at a
-///   time. A prepared join by key (`UPDATE … FROM unnest(…) WHERE r.account_id = u.account_id
-///   …`) gets a generic plan costed for the table as it was at its sixth execution: on a new
-///   deployment a sequential scan kept while the table grows, or, after an `ANALYZE` of the
-///   empty table, a walk over the whole index with the batch inside (issue 13 measured 2,860
-///   such scans in a minute of load, and 8.9 s for a 500-row batch). Migration 0006's
-///   `railguard_complete_records` avoided that with one `UPDATE` per record in a loop, at an
-///   executor start per record. `tests/statement_plans.rs` checks the one plan on a new table
-///   and on an analyzed empty one, against a join by key as the negative control.
+///   that row's position (`ctid`). The join's one condition is the position, which no index
+///   serves; the owner and state are compared with `IS NOT DISTINCT FROM`, which no index
+///   serves either (a plain `=` on `state` let an operator's index on it drive a hash join
+///   over every in-flight record, in that index's order: a hostile review measured 57 ms per
+///   20-row batch and deadlocks with the fence's batches). With sequential scans, hash and merge
+///   joins off, the only way to `idempotency_record`'s rows is the position the sub-select
+///   found, for one batch row at a time. The sessions' settings are checked when each opens
+///   (`db::sessions_with`). A prepared join by key (`UPDATE … FROM unnest(…) WHERE
+///   r.account_id = u.account_id …`) gets a generic plan costed for the table as it was at
+///   its sixth execution: on a new deployment a sequential scan kept while the table grows,
+///   or, after an `ANALYZE` of the empty table, a walk over the whole index with the batch
+///   inside (issue 13 measured 2,860 such scans in a minute of load, and 8.9 s for a 500-row
+///   batch). Migration 0006's `railguard_complete_records` avoided that with one `UPDATE` per
+///   record in a loop, at an executor start per record. `tests/statement_plans.rs` checks the
+///   one plan on a new table, on an analyzed empty one and with indexes an operator might add,
+///   against a join by key as the negative control.
 /// - **Key order.** Records are updated, and so locked, in key order, as the fence's batch
 ///   locks the records it meets: the nested loop updates each batch row as the sorted batch
 ///   hands it over (the sort sits in a sub-select of its own, `OFFSET 0`, which PostgreSQL
 ///   does not merge into the join).
 /// - **Concurrent changes.** The sub-select reads the record as the statement's snapshot saw
-///   it. If another transaction changed or removed it meanwhile (declared it in doubt, an
-///   operator forgot it), the `UPDATE` waits for that transaction and re-checks its conditions
-///   on the record as it is now: only its owner's record, still in flight, is completed.
+///   it. If another transaction holds the row, the `UPDATE` waits for it. A row it only locked
+///   is completed after; one it changed or removed is passed over (PostgreSQL 15.20 does not
+///   take a row whose position changed; earlier minor versions may re-check the newer row
+///   instead). Either way the owner and state conditions are on the `UPDATE` itself, so only
+///   the record's owner completes it, and only while it is in flight; they must stay there. A
+///   passed-over record still in flight for its owner is completed by its key
+///   (`settle`).
 ///
 /// Its commit does not wait for the WAL flush (`synchronous_commit` off on these sessions):
 /// the rows are visible to every reader at once, and a PostgreSQL crash within
@@ -107,7 +116,8 @@ FROM (
         OFFSET 0
     ) AS u
 ) AS b
-WHERE r.ctid = b.position AND r.owner = b.owner AND r.state = 'in_flight'
+WHERE r.ctid = b.position
+  AND r.owner IS NOT DISTINCT FROM b.owner AND r.state IS NOT DISTINCT FROM 'in_flight'
 RETURNING r.account_id, r.idempotency_key";
 
 /// The state of each of these records that its owner still holds.
@@ -324,17 +334,35 @@ async fn execute(pool: &Pool, sessions: &Pool, fallback: &Fallback, batch: Vec<C
     };
     let missing: Vec<&Completion> = batch
         .iter()
-        .filter(|c| {
-            let record = &c.record;
-            !completed.contains(&(record.account.as_str().to_string(), record.key.clone()))
-        })
+        .filter(|c| !completed.contains(&record_key(&c.record)))
         .collect();
-    if !missing.is_empty() {
-        settle(pool, &missing).await;
-    }
+    let unsettled = if missing.is_empty() {
+        HashMap::new()
+    } else {
+        settle(pool, &missing).await
+    };
     for c in batch {
-        let _ = c.reply.send(Ok(()));
+        let failed = if unsettled.is_empty() {
+            None
+        } else {
+            unsettled.get(&record_key(&c.record))
+        };
+        match failed {
+            None => {
+                let _ = c.reply.send(Ok(()));
+            }
+            // Not known to be stored: a caller still waiting retries in the background itself.
+            Some(e) => {
+                if c.reply.send(Err(e.clone())).is_err() {
+                    fallback(c.record, c.response);
+                }
+            }
+        }
     }
+}
+
+fn record_key(record: &RecordId) -> (String, String) {
+    (record.account.as_str().to_string(), record.key.clone())
 }
 
 /// Completions the batch's statement did not store. A record its owner completed already (an
@@ -342,26 +370,31 @@ async fn execute(pool: &Pool, sessions: &Pool, fallback: &Fallback, batch: Vec<C
 /// overtook this one) is done; one another transaction changed while the statement ran, and
 /// left in flight for its owner, was passed over (the statement goes by the record's position
 /// as its snapshot saw it, see [`COMPLETE_SQL`]) and is completed here by its key; any other
-/// is gone, and logged.
-async fn settle(pool: &Pool, missing: &[&Completion]) {
+/// is gone, or in doubt, and logged. Returns the records whose state could not be learned or
+/// whose completion by key failed: not known to be stored, they are retried.
+async fn settle(pool: &Pool, missing: &[&Completion]) -> HashMap<(String, String), DbError> {
     let records: Vec<&RecordId> = missing.iter().map(|c| &c.record).collect();
     let states = match states_by_owner(pool, &records).await {
         Ok(states) => states,
-        Err(e) => return unknown_whether_gone(&records, &e),
+        Err(e) => return records.iter().map(|r| (record_key(r), e.clone())).collect(),
     };
+    let mut unsettled = HashMap::new();
     for c in missing {
         let record = &c.record;
-        let state = states.get(&(record.account.as_str().to_string(), record.key.clone()));
-        match state.map(String::as_str) {
+        match states.get(&record_key(record)).map(String::as_str) {
             Some("done") => {}
             Some("in_flight") => match complete_one(pool, record, &c.response).await {
                 Ok(1) => {}
                 Ok(_) => report_gone(pool, &[record]).await,
-                Err(e) => unknown_whether_gone(&[record], &e),
+                Err(e) => {
+                    unsettled.insert(record_key(record), e);
+                }
             },
+            Some("in_doubt") => log_in_doubt(record),
             _ => log_gone(record),
         }
     }
+    unsettled
 }
 
 /// Completes one record by its key ([`COMPLETE_ONE_SQL`]); how many rows it changed.
@@ -456,6 +489,15 @@ async fn states_by_owner(
         .into_iter()
         .map(|row| ((row.get(0), row.get(1)), row.get(2)))
         .collect())
+}
+
+/// Declared in doubt before its answer was stored: a retry is refused, and the answer is not
+/// replayed.
+fn log_in_doubt(record: &RecordId) {
+    tracing::warn!(account = %record.account, key = record.key,
+        "the rail answered a request whose idempotency record was declared in doubt before the \
+         answer could be stored: a retry of this key is refused (409 in_doubt), and the answer \
+         is not replayable");
 }
 
 pub(super) fn log_gone(record: &RecordId) {
