@@ -111,10 +111,10 @@ async fn check_completion_access(client: &tokio_postgres::Client) -> Result<(), 
 /// An error and its causes, `a: b: c`: tokio-postgres's own message ("error performing TLS
 /// handshake", "db error") leaves out the cause that says what went wrong.
 pub(crate) fn causes(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
+    let mut text = error.to_string().trim_end().to_string();
     let mut cause = error.source();
     while let Some(e) = cause {
-        let next = e.to_string();
+        let next = e.to_string().trim_end().to_string();
         // Wrappers that repeat their cause's text are not repeated.
         if !text.ends_with(&next) {
             text.push_str(": ");
@@ -343,12 +343,20 @@ fn sessions_with(
     let check = Hook::async_fn(move |session: &mut ClientWrapper, _| {
         Box::pin(async move {
             let names: Vec<&str> = settings.iter().map(|(name, _)| *name).collect();
-            let rows = session
-                .query(
-                    "SELECT n, current_setting(n) FROM unnest($1::text[]) AS n",
-                    &[&names],
-                )
+            // Bounded like the connect: deadpool's create timeout does not cover this hook, and
+            // a path that stalls the query while acknowledging its bytes fires no other timeout.
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
+            let query = session.query(
+                "SELECT n, current_setting(n) FROM unnest($1::text[]) AS n",
+                &params,
+            );
+            let rows = tokio::time::timeout(timeout, query)
                 .await
+                .map_err(|_| {
+                    HookError::message(format!(
+                        "the session's settings could not be read within {timeout:?}; not used"
+                    ))
+                })?
                 .map_err(HookError::Backend)?;
             for ((name, wanted), row) in settings.iter().zip(rows) {
                 let value: String = row.get(1);

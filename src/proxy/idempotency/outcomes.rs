@@ -63,11 +63,12 @@ use crate::proxy::held::{BatchQueue, HeldRow, Rows};
 ///   a sub-select finds the record by the whole primary key, and the `UPDATE` fetches it by
 ///   that row's position (`ctid`). The join's one condition is the position, which no index
 ///   serves; the owner and state are compared with `IS NOT DISTINCT FROM`, which no index
-///   serves either (a plain `=` on `state` let an operator's index on it drive a hash join
-///   over every in-flight record, in that index's order: a hostile review measured 57 ms per
-///   20-row batch and deadlocks with the fence's batches). With sequential scans, hash and merge
-///   joins off, the only way to `idempotency_record`'s rows is the position the sub-select
-///   found, for one batch row at a time. The sessions' settings are checked when each opens
+///   serves either. Keep it so: a plain `=` on `state` let an operator's index on it drive a
+///   join over every in-flight record, in that index's order (hostile reviews measured 57 ms
+///   per 20-row batch and deadlocks with the fence's batches, the second with every planner
+///   switch below set). With sequential scans off (and hash and merge joins, as a second line),
+///   the only way to `idempotency_record`'s rows is the position the sub-select found, for one
+///   batch row at a time. The sessions' settings are checked when each opens
 ///   (`db::sessions_with`). A prepared join by key (`UPDATE … FROM unnest(…) WHERE
 ///   r.account_id = u.account_id …`) gets a generic plan costed for the table as it was at
 ///   its sixth execution: on a new deployment a sequential scan kept while the table grows,
