@@ -35,7 +35,7 @@ groups = [
     ("malloc/free", r"(malloc|_int_free|cfree|unlink_chunk|realloc|calloc|_int_realloc|tcache)"),
     ("memmove/memcpy/memcmp", r"__mem(move|cpy|cmp|set)"),
     ("tracing", r"tracing"),
-    ("mark cache (moka)", r"moka|crossbeam"),
+    ("mark cache", r"moka|crossbeam|mark_cache"),
     ("PostgreSQL client", r"tokio_postgres|postgres_protocol|deadpool|postgres_types"),
     ("hyper and http", r"hyper|httparse|http::|h2::|http_body"),
     ("tokio runtime and timers", r"tokio::"),

@@ -146,6 +146,7 @@ pub async fn run(
             return Ok(());
         }
     }
+    db::open_one(&database.pool, "the database pool's sessions").await?;
     // Grants are signed with the key every railguard on this database shares.
     let proofs = Arc::new(
         load_proof_key(&database.pool)
@@ -199,13 +200,19 @@ pub async fn run(
         held: Arc::default(),
     };
     let unanswered = batching.unanswered.clone();
+    let completion_sessions = db::build_completion_pool(
+        &database.url,
+        db::slots::most_in_flight(batching.concurrency),
+        config.database.timeout,
+    )?;
+    db::open_one(
+        &completion_sessions,
+        "the idempotency completions' database sessions",
+    )
+    .await?;
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
-        db::build_completion_pool(
-            &database.url,
-            db::slots::most_in_flight(batching.concurrency),
-            config.database.timeout,
-        )?,
+        completion_sessions,
         config.database.timeout,
         batching.clone(),
         OutcomeMetrics {
@@ -225,6 +232,7 @@ pub async fn run(
         db::slots::most_in_flight(batching.concurrency),
         config.database.timeout,
     )?;
+    db::open_one(&looks, "the fence's last-look database sessions").await?;
     let marks = HighWaterStore::new(
         database.pool.clone(),
         looks,

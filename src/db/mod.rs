@@ -9,6 +9,8 @@ pub mod migrate;
 pub mod server;
 pub mod slots;
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{
@@ -76,6 +78,21 @@ pub enum DatabaseError {
     Access(String),
     #[error("schema maintenance: {0}")]
     Maintenance(String),
+    #[error("{what}: {cause}")]
+    Sessions { what: &'static str, cause: String },
+}
+
+/// Opens one session of `pool` now, so that a session the settings check refuses (a pooler
+/// that drops startup options) stops the start, saying which setting, instead of showing only
+/// in `/readyz` once requests fail. `what` names the sessions in the error.
+pub async fn open_one(pool: &Pool, what: &'static str) -> Result<(), DatabaseError> {
+    match pool.get().await {
+        Ok(_session) => Ok(()),
+        Err(e) => Err(DatabaseError::Sessions {
+            what,
+            cause: causes(&e),
+        }),
+    }
 }
 
 /// Runs the completion of idempotency records
@@ -200,7 +217,6 @@ pub(crate) fn pg_config(url: &str, timeout: Duration) -> Result<PgConnect, Datab
     let config = &mut connect.config;
     // A statement that cannot finish in time is cancelled by the server rather than committed
     // after we stopped waiting; a peer that stops acknowledging is given up on as quickly.
-    let timeout_ms = timeout.as_millis().max(1);
     config
         .connect_timeout(timeout)
         .keepalives(true)
@@ -208,9 +224,7 @@ pub(crate) fn pg_config(url: &str, timeout: Duration) -> Result<PgConnect, Datab
         .keepalives_interval(Duration::from_secs(2))
         .keepalives_retries(3)
         .tcp_user_timeout(timeout * 2)
-        .options(format!(
-            "-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms}"
-        ))
+        .options(startup_options(&timeout_settings(timeout)))
         .application_name("railguard");
     Ok(connect)
 }
@@ -275,6 +289,9 @@ pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, Dat
 const LOOK_SESSION_SETTINGS: &[(&str, &str)] = &[
     ("plan_cache_mode", "force_generic_plan"),
     ("enable_seqscan", "off"),
+    // A plan costed above `jit_above_cost` (a site's hostile cost settings) would be compiled
+    // afresh at every execution.
+    ("jit", "off"),
 ];
 
 /// Session settings of the connections that store idempotency completions
@@ -295,6 +312,7 @@ const COMPLETION_SESSION_SETTINGS: &[(&str, &str)] = &[
     ("enable_nestloop", "on"),
     ("enable_tidscan", "on"),
     ("enable_indexscan", "on"),
+    ("jit", "off"),
     ("synchronous_commit", "off"),
 ];
 
@@ -319,35 +337,74 @@ pub fn build_completion_pool(
     sessions_with(url, size, timeout, COMPLETION_SESSION_SETTINGS)
 }
 
+/// A session setting railguard asks for at connect (`-c name=value` in the startup options),
+/// and the value `pg_settings` must then show for it (with its unit, as `5000ms`).
+type Setting = (&'static str, String);
+
+/// railguard's timeouts, asked of every pooled session (see [`pg_config`]).
+fn timeout_settings(timeout: Duration) -> Vec<Setting> {
+    let ms = format!("{}ms", timeout.as_millis().max(1));
+    vec![("statement_timeout", ms.clone()), ("lock_timeout", ms)]
+}
+
+/// The startup options that ask for `settings`.
+fn startup_options(settings: &[Setting]) -> String {
+    settings
+        .iter()
+        .map(|(name, value)| format!("-c {name}={value}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// Sessions for one statement, with `settings` on top of railguard's timeouts, on a server
-/// that takes writes. Each new session is checked to have them: a pooler in between that drops
-/// startup options would otherwise leave the statement to whatever plan the site's defaults
-/// give, with nothing said. Such a session is not used, and the error names the setting.
+/// that takes writes. Each new session is checked to have them ([`settings_check`]).
 fn sessions_with(
     url: &str,
     size: usize,
     timeout: Duration,
     settings: &'static [(&'static str, &'static str)],
 ) -> Result<Pool, DatabaseError> {
+    let mut wanted = timeout_settings(timeout);
+    wanted.extend(
+        settings
+            .iter()
+            .map(|(name, value)| (*name, value.to_string())),
+    );
     let mut connect = pg_config(url, timeout)?;
-    let timeouts = connect.config.get_options().unwrap_or_default().to_owned();
-    let options: String = settings
-        .iter()
-        .map(|(name, value)| format!(" -c {name}={value}"))
-        .collect();
     connect
         .config
-        .options(format!("{timeouts}{options}"))
+        .options(startup_options(&wanted))
         .target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
     let PgConnect { config, tls, .. } = connect;
-    let check = Hook::async_fn(move |session: &mut ClientWrapper, _| {
+    pool_builder(config, tls, size, timeout, wanted)
+        .build()
+        .map_err(|e| DatabaseError::Pool(e.to_string()))
+}
+
+fn pool_of(connect: PgConnect, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
+    let PgConnect { config, tls, .. } = connect;
+    pool_builder(config, tls, size, timeout, timeout_settings(timeout))
+        .build()
+        .map_err(|e| DatabaseError::Pool(e.to_string()))
+}
+
+/// Checks each new session of a pool for the settings railguard asked for at connect. A pooler
+/// in between that drops startup options would otherwise leave every statement without its
+/// `statement_timeout` and `lock_timeout` (a statement stalled on a lock would then wait
+/// forever instead of failing with nothing committed), and the look's and the completions'
+/// statements to whatever plan the site's defaults give, with nothing said. Such a session is
+/// not used, and the error names the setting. One query per session opened, none per checkout.
+fn settings_check(wanted: Vec<Setting>, timeout: Duration) -> Hook {
+    let wanted: Arc<[Setting]> = wanted.into();
+    Hook::async_fn(move |session: &mut ClientWrapper, _| {
+        let wanted = wanted.clone();
         Box::pin(async move {
-            let names: Vec<&str> = settings.iter().map(|(name, _)| *name).collect();
+            let names: Vec<&str> = wanted.iter().map(|(name, _)| *name).collect();
             // Bounded like the connect: deadpool's create timeout does not cover this hook, and
             // a path that stalls the query while acknowledging its bytes fires no other timeout.
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
             let query = session.query(
-                "SELECT n, current_setting(n) FROM unnest($1::text[]) AS n",
+                "SELECT name, setting || coalesce(unit, '') FROM pg_settings WHERE name = ANY($1)",
                 &params,
             );
             let rows = tokio::time::timeout(timeout, query)
@@ -358,29 +415,23 @@ fn sessions_with(
                     ))
                 })?
                 .map_err(HookError::Backend)?;
-            for ((name, wanted), row) in settings.iter().zip(rows) {
-                let value: String = row.get(1);
-                if value != *wanted {
-                    return Err(HookError::message(format!(
-                        "the session's {name} is {value}, not {wanted} as railguard asked at \
-                         connect (a pooler that drops startup options?); not used"
-                    )));
+            let found: HashMap<String, String> =
+                rows.iter().map(|row| (row.get(0), row.get(1))).collect();
+            for (name, value) in wanted.iter() {
+                match found.get(*name) {
+                    Some(seen) if seen == value => {}
+                    seen => {
+                        return Err(HookError::message(format!(
+                            "the session's {name} is {}, not {value} as railguard asked at \
+                             connect (a pooler that drops startup options?); not used",
+                            seen.map_or("unknown", String::as_str)
+                        )));
+                    }
                 }
             }
             Ok(())
         })
-    });
-    pool_builder(config, tls, size, timeout)
-        .post_create(check)
-        .build()
-        .map_err(|e| DatabaseError::Pool(e.to_string()))
-}
-
-fn pool_of(connect: PgConnect, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
-    let PgConnect { config, tls, .. } = connect;
-    pool_builder(config, tls, size, timeout)
-        .build()
-        .map_err(|e| DatabaseError::Pool(e.to_string()))
+    })
 }
 
 fn pool_builder(
@@ -388,6 +439,7 @@ fn pool_builder(
     tls: PgTls,
     size: usize,
     timeout: Duration,
+    wanted: Vec<Setting>,
 ) -> PoolBuilder {
     let manager = Manager::from_config(
         config,
@@ -402,6 +454,7 @@ fn pool_builder(
         .wait_timeout(Some(timeout))
         .create_timeout(Some(timeout))
         .recycle_timeout(Some(timeout))
+        .post_create(settings_check(wanted, timeout))
 }
 
 /// The URL without its password, for messages.

@@ -99,8 +99,12 @@ impl Default for RequestIds {
 
 impl MakeRequestId for RequestIds {
     fn make_request_id<B>(&mut self, _request: &Request<B>) -> Option<RequestId> {
+        use std::fmt::Write as _;
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        HeaderValue::from_str(&format!("{}-{n}", self.prefix))
+        // Written once, into the bytes the header keeps (one allocation per request).
+        let mut id = bytes::BytesMut::with_capacity(self.prefix.len() + 21);
+        write!(id, "{}-{n}", self.prefix).ok()?;
+        HeaderValue::from_maybe_shared(id.freeze())
             .ok()
             .map(RequestId::new)
     }

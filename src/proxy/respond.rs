@@ -66,11 +66,8 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let metrics = self.metrics.clone();
-        let request_id = request
-            .headers()
-            .get("x-request-id")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        // A shared handle to the header's bytes; text only for a refusal's body.
+        let request_id = request.headers().get("x-request-id").cloned();
         Box::pin(async move {
             match inner.call(request).await {
                 Ok(response) => {
@@ -89,7 +86,10 @@ where
                         tracing::info!(status = rejection.status.as_u16(), error = rejection.error,
                             message = %rejection.message, "request refused");
                     }
-                    rejection.request_id = request_id;
+                    rejection.request_id = request_id
+                        .as_ref()
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string);
                     Ok(rejection.into_response())
                 }
             }

@@ -37,7 +37,7 @@ mod world;
 
 pub use etcd::{EtcdBuilder, EtcdCluster};
 pub use http::{Http, Reply};
-pub use pg::{Pg, PgBuilder};
+pub use pg::{Pg, PgBuilder, without_startup_settings};
 pub use pki::{Issued, Pki};
 pub use process::children_of;
 pub use prometheus::Metrics;

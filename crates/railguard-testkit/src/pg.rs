@@ -275,3 +275,122 @@ impl Pg {
             .map(|row| row.get(0))
     }
 }
+
+/// What a PostgreSQL pooler that drops startup options passes on, for
+/// [`Relay::rewrite_towards_target`](crate::relay::Relay::rewrite_towards_target): a chunk
+/// that is a startup message (protocol 3.0) loses the `-c name=value` settings of its
+/// `options` parameter whose name is in `names`, or the whole parameter when `names` is
+/// empty. Every other chunk (an SSL request, queries) passes unchanged. Assumes the startup
+/// message arrives in one chunk, as it does over loopback.
+pub fn without_startup_settings(chunk: &[u8], names: &[&str]) -> Vec<u8> {
+    const PROTOCOL_3: [u8; 4] = [0, 3, 0, 0];
+    let Some((length, rest)) = chunk.split_first_chunk::<4>() else {
+        return chunk.to_vec();
+    };
+    let length = u32::from_be_bytes(*length) as usize;
+    if length > chunk.len() || length < 9 || rest[..4] != PROTOCOL_3 {
+        return chunk.to_vec();
+    }
+    let mut fields: Vec<&[u8]> = chunk[8..length - 1].split(|b| *b == 0).collect();
+    if fields.len() % 2 == 1 && fields.last().is_some_and(|f| f.is_empty()) {
+        fields.pop();
+    }
+    let mut body = Vec::new();
+    for pair in fields.chunks(2) {
+        let [name, value] = pair else {
+            return chunk.to_vec();
+        };
+        let value = if *name == b"options" {
+            if names.is_empty() {
+                continue;
+            }
+            let text = String::from_utf8_lossy(value);
+            let mut kept = Vec::new();
+            let mut words = text.split_whitespace();
+            while let Some(word) = words.next() {
+                if word == "-c"
+                    && let Some(setting) = words.next()
+                {
+                    let name = setting.split('=').next().unwrap_or("");
+                    if !names.contains(&name) {
+                        kept.push(format!("-c {setting}"));
+                    }
+                } else {
+                    kept.push(word.to_string());
+                }
+            }
+            kept.join(" ").into_bytes()
+        } else {
+            value.to_vec()
+        };
+        body.extend_from_slice(name);
+        body.push(0);
+        body.extend_from_slice(&value);
+        body.push(0);
+    }
+    body.push(0);
+    let mut out = Vec::with_capacity(8 + body.len() + chunk.len() - length);
+    out.extend_from_slice(&((8 + body.len()) as u32).to_be_bytes());
+    out.extend_from_slice(&PROTOCOL_3);
+    out.extend_from_slice(&body);
+    out.extend_from_slice(&chunk[length..]);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_startup_settings;
+
+    fn startup(pairs: &[(&str, &str)]) -> Vec<u8> {
+        let mut body = Vec::new();
+        for (name, value) in pairs {
+            body.extend_from_slice(name.as_bytes());
+            body.push(0);
+            body.extend_from_slice(value.as_bytes());
+            body.push(0);
+        }
+        body.push(0);
+        let mut message = ((8 + body.len()) as u32).to_be_bytes().to_vec();
+        message.extend_from_slice(&[0, 3, 0, 0]);
+        message.extend_from_slice(&body);
+        message
+    }
+
+    #[test]
+    fn drops_the_named_settings_or_the_whole_options_and_nothing_else() {
+        let options = "-c statement_timeout=5000ms -c jit=off";
+        let message = startup(&[("user", "u"), ("options", options), ("database", "d")]);
+        assert_eq!(
+            without_startup_settings(&message, &["jit"]),
+            startup(&[
+                ("user", "u"),
+                ("options", "-c statement_timeout=5000ms"),
+                ("database", "d")
+            ])
+        );
+        assert_eq!(
+            without_startup_settings(&message, &[]),
+            startup(&[("user", "u"), ("database", "d")])
+        );
+        let long = "-c statement_timeout=2000ms -c plan_cache_mode=force_generic_plan \
+                    -c enable_seqscan=off -c enable_hashjoin=off -c jit=off";
+        let message = startup(&[("user", "u"), ("options", long)]);
+        assert_eq!(
+            without_startup_settings(&message, &["enable_hashjoin"]),
+            startup(&[
+                ("user", "u"),
+                (
+                    "options",
+                    "-c statement_timeout=2000ms -c plan_cache_mode=force_generic_plan \
+                     -c enable_seqscan=off -c jit=off"
+                )
+            ])
+        );
+        let ssl_request = [0, 0, 0, 8, 4, 210, 22, 47];
+        assert_eq!(without_startup_settings(&ssl_request, &[]), ssl_request);
+        assert_eq!(
+            without_startup_settings(b"Q\0\0\0\x05x", &[]),
+            b"Q\0\0\0\x05x"
+        );
+    }
+}

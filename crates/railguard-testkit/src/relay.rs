@@ -15,6 +15,10 @@
 //! connection, is held until [`Relay::release_stalled`]. Nothing is lost or closed, so none of
 //! the sender's timeouts that need a closed or unacknowledged connection fire — as with a
 //! stopped backend, or a middlebox holding one flow.
+//!
+//! [`Relay::rewrite_towards_target`] is a middlebox that changes what it passes on: every
+//! chunk sent towards the target goes through a function first (a PostgreSQL pooler that drops
+//! startup options, say: [`crate::without_startup_settings`]).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -30,8 +34,12 @@ pub struct Relay {
     delay: Arc<Mutex<Duration>>,
     cut: Arc<Cut>,
     stall: Arc<Stall>,
+    rewrite: Arc<Mutex<Option<Rewrite>>>,
     accept: tokio::task::JoinHandle<()>,
 }
+
+/// Changes a chunk sent towards the target.
+type Rewrite = Box<dyn FnMut(&[u8]) -> Vec<u8> + Send>;
 
 /// Picks the chunk that stalls its connection.
 type Trap = Box<dyn FnMut(&[u8]) -> bool + Send>;
@@ -83,7 +91,9 @@ impl Relay {
             trap: Mutex::new(None),
             released: tokio::sync::watch::channel(false).0,
         });
+        let rewrite: Arc<Mutex<Option<Rewrite>>> = Arc::default();
         let (shared, shared_cut, shared_stall) = (delay.clone(), cut.clone(), stall.clone());
+        let shared_rewrite = rewrite.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if shared_cut.refusing() {
@@ -92,6 +102,7 @@ impl Relay {
                 }
                 let delay = shared.clone();
                 let stall = shared_stall.clone();
+                let rewrite = shared_rewrite.clone();
                 let task = tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(target).await else {
                         return;
@@ -101,8 +112,14 @@ impl Relay {
                     let (client_read, client_write) = client.into_split();
                     let (server_read, server_write) = server.into_split();
                     tokio::join!(
-                        pump(client_read, server_write, delay.clone(), Some(stall)),
-                        pump(server_read, client_write, delay, None)
+                        pump(
+                            client_read,
+                            server_write,
+                            delay.clone(),
+                            Some(stall),
+                            Some(rewrite)
+                        ),
+                        pump(server_read, client_write, delay, None, None)
                     );
                 });
                 let mut open = shared_cut.open.lock().unwrap();
@@ -115,6 +132,7 @@ impl Relay {
             delay,
             cut,
             stall,
+            rewrite,
             accept,
         }
     }
@@ -146,6 +164,12 @@ impl Relay {
         self.stall.trap.lock().unwrap().is_none()
     }
 
+    /// Passes every chunk read from now on towards the target through `rewrite` (the
+    /// connections already open too).
+    pub fn rewrite_towards_target(&self, rewrite: impl FnMut(&[u8]) -> Vec<u8> + Send + 'static) {
+        *self.rewrite.lock().unwrap() = Some(Box::new(rewrite));
+    }
+
     /// Lets every stalled connection go: what it holds is delivered, in order.
     pub fn release_stalled(&self) {
         self.stall.released.send_replace(true);
@@ -171,13 +195,15 @@ impl Drop for Relay {
     }
 }
 
-/// Copies `from` to `to`, each chunk `delay` late; `stall`: this is the direction towards the
-/// target, where [`Relay::stall_first`] may hold it.
+/// Copies `from` to `to`, each chunk `delay` late; `stall` and `rewrite`: this is the
+/// direction towards the target, where [`Relay::stall_first`] may hold it and
+/// [`Relay::rewrite_towards_target`] change it.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     delay: Arc<Mutex<Duration>>,
     stall: Option<Arc<Stall>>,
+    rewrite: Option<Arc<Mutex<Option<Rewrite>>>>,
 ) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>, bool)>();
     let mut released = stall.as_ref().map(|s| s.released.subscribe());
@@ -206,7 +232,14 @@ async fn pump(
                 Ok(n) => {
                     let due = Instant::now() + *delay.lock().unwrap();
                     let stalls = stall.as_ref().is_some_and(|s| s.springs(&buf[..n]));
-                    if tx.send((due, buf[..n].to_vec(), stalls)).is_err() {
+                    let chunk = match rewrite.as_ref().map(|r| r.lock().unwrap()) {
+                        Some(mut guard) => match guard.as_mut() {
+                            Some(rewrite) => rewrite(&buf[..n]),
+                            None => buf[..n].to_vec(),
+                        },
+                        None => buf[..n].to_vec(),
+                    };
+                    if tx.send((due, chunk, stalls)).is_err() {
                         break;
                     }
                 }

@@ -1,0 +1,136 @@
+//! Every pooled database session is checked, when it opens, for the settings railguard asked
+//! for at connect: the timeouts on every session, and the plan and commit settings of the last
+//! look's and the completions' sessions (`db::settings_check`). A pooler between railguard and
+//! PostgreSQL that drops startup options would otherwise take them away without a word. Here
+//! that pooler is a relay that rewrites the startup message.
+
+use railguard_testkit as support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use railguard::config::Config;
+use railguard::db::{build_completion_pool, build_look_pool, build_pool};
+use railguard::server::{Listeners, run};
+use support::relay::Relay;
+use support::{Pg, init_tracing, without_startup_settings};
+use tokio::net::TcpListener;
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A relay to `pg` that drops `names` from every session's startup options (all of them when
+/// `names` is empty), and its `postgres://` URL.
+async fn pooler(pg: &Pg, names: &'static [&'static str]) -> (Relay, String) {
+    let relay = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
+    relay.rewrite_towards_target(move |chunk| without_startup_settings(chunk, names));
+    let url = relay.postgres_url(&pg.url());
+    (relay, url)
+}
+
+/// The error of opening one session of `pool`, or `None` if it opened.
+async fn refusal(pool: &Pool) -> Option<String> {
+    match pool.get().await {
+        Ok(_) => None,
+        Err(e) => Some(railguard::db::DbError::from(e).to_string()),
+    }
+}
+
+#[tokio::test]
+async fn sessions_whose_startup_options_were_dropped_are_refused_naming_the_setting() {
+    init_tracing();
+    let pg = Pg::start().await;
+
+    // Straight to PostgreSQL every kind of session opens.
+    let direct = pg.url();
+    for pool in [
+        build_pool(&direct, 1, TIMEOUT).unwrap(),
+        build_look_pool(&direct, 1, TIMEOUT).unwrap(),
+        build_completion_pool(&direct, 1, TIMEOUT).unwrap(),
+    ] {
+        assert_eq!(refusal(&pool).await, None);
+    }
+
+    // Every option dropped: every pool refuses, naming the timeout it lost.
+    let (_all, url) = pooler(&pg, &[]).await;
+    for pool in [
+        build_pool(&url, 1, TIMEOUT).unwrap(),
+        build_look_pool(&url, 1, TIMEOUT).unwrap(),
+        build_completion_pool(&url, 1, TIMEOUT).unwrap(),
+    ] {
+        let why = refusal(&pool).await.expect("refused");
+        assert!(
+            why.contains("statement_timeout is 0ms, not 5000ms")
+                && why.contains("a pooler that drops startup options"),
+            "{why}"
+        );
+    }
+
+    // One plan setting dropped: the sessions that need it refuse; the others open.
+    let (_some, url) = pooler(&pg, &["plan_cache_mode"]).await;
+    assert_eq!(refusal(&build_pool(&url, 1, TIMEOUT).unwrap()).await, None);
+    for pool in [
+        build_look_pool(&url, 1, TIMEOUT).unwrap(),
+        build_completion_pool(&url, 1, TIMEOUT).unwrap(),
+    ] {
+        let why = refusal(&pool).await.expect("refused");
+        assert!(
+            why.contains("plan_cache_mode is auto, not force_generic_plan"),
+            "{why}"
+        );
+    }
+
+    // Only the completions' asynchronous commit dropped: only their sessions refuse.
+    let (_commit, url) = pooler(&pg, &["synchronous_commit"]).await;
+    assert_eq!(
+        refusal(&build_look_pool(&url, 1, TIMEOUT).unwrap()).await,
+        None
+    );
+    let why = refusal(&build_completion_pool(&url, 1, TIMEOUT).unwrap())
+        .await
+        .expect("refused");
+    assert!(why.contains("synchronous_commit is on, not off"), "{why}");
+}
+
+/// `serve` through such a pooler does not start: the error says which sessions and which
+/// setting, instead of a server that reports itself up and fails its requests.
+#[tokio::test]
+async fn serve_does_not_start_through_a_pooler_that_drops_a_setting() {
+    init_tracing();
+    let pg = Pg::start().await;
+    for (dropped, sessions) in [
+        (&["lock_timeout"][..], "the database pool's sessions"),
+        // (Every setting of the last look's sessions is one of the completions' too, and those
+        // open first; the pool-level test above covers the look's sessions.)
+        (
+            &["enable_hashjoin"][..],
+            "the idempotency completions' database sessions",
+        ),
+    ] {
+        let relay = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
+        relay.rewrite_towards_target(move |chunk| without_startup_settings(chunk, dropped));
+        let url = relay.postgres_url(&pg.url());
+        let text = format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n\
+             [database]\nurl = \"{url}\"\ntimeout_ms = 2000\n"
+        );
+        let config = Config::parse(&text, "railguard.toml", &BTreeMap::new()).unwrap();
+        let bind = || TcpListener::bind("127.0.0.1:0");
+        let listeners = Listeners {
+            proxy: bind().await.unwrap(),
+            admin: bind().await.unwrap(),
+            lock: bind().await.unwrap(),
+        };
+        let started = tokio::time::timeout(
+            Duration::from_secs(60),
+            run(listeners, config, std::future::pending()),
+        )
+        .await
+        .expect("serve gave up within a minute");
+        let why = started.expect_err("serve must not start").to_string();
+        assert!(
+            why.starts_with(sessions) && why.contains(&format!("the session's {}", dropped[0])),
+            "{why}"
+        );
+    }
+}
