@@ -146,13 +146,38 @@ pub async fn run(
             return Ok(());
         }
     }
-    db::open_one(&database.pool, "the database pool's sessions").await?;
+    // The statements' own sessions: the fence's last look and the idempotency completions.
+    let sessions = db::slots::most_in_flight(config.fencing.batch_concurrency);
+    let looks = db::build_look_pool(&database.url, sessions, config.database.timeout)?;
+    let completion_sessions =
+        db::build_completion_pool(&database.url, sessions, config.database.timeout)?;
+    // A session whose settings did not take (a pooler that drops startup options, commits that
+    // are not durable) stops the start here, before anything else has started; the embedded
+    // server, if any, is stopped cleanly.
+    let opened = async {
+        db::open_one(&database.pool, "the database pool's sessions").await?;
+        db::open_one(&looks, "the fence's last-look database sessions").await?;
+        db::open_one(
+            &completion_sessions,
+            "the idempotency completions' database sessions",
+        )
+        .await
+    }
+    .await;
+    if let Err(e) = opened {
+        instance_task.abort();
+        database.shutdown().await;
+        return Err(e.into());
+    }
     // Grants are signed with the key every railguard on this database shares.
-    let proofs = Arc::new(
-        load_proof_key(&database.pool)
-            .await
-            .map_err(ServeError::ProofKey)?,
-    );
+    let proofs = match load_proof_key(&database.pool).await {
+        Ok(key) => Arc::new(key),
+        Err(e) => {
+            instance_task.abort();
+            database.shutdown().await;
+            return Err(ServeError::ProofKey(e));
+        }
+    };
     for (key, why) in config.warnings() {
         tracing::warn!(key, "configuration: {key}: {why}");
     }
@@ -200,16 +225,6 @@ pub async fn run(
         held: Arc::default(),
     };
     let unanswered = batching.unanswered.clone();
-    let completion_sessions = db::build_completion_pool(
-        &database.url,
-        db::slots::most_in_flight(batching.concurrency),
-        config.database.timeout,
-    )?;
-    db::open_one(
-        &completion_sessions,
-        "the idempotency completions' database sessions",
-    )
-    .await?;
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
         completion_sessions,
@@ -227,12 +242,6 @@ pub async fn run(
         database.url.clone(),
         config.database.timeout,
     ));
-    let looks = db::build_look_pool(
-        &database.url,
-        db::slots::most_in_flight(batching.concurrency),
-        config.database.timeout,
-    )?;
-    db::open_one(&looks, "the fence's last-look database sessions").await?;
     let marks = HighWaterStore::new(
         database.pool.clone(),
         looks,

@@ -92,6 +92,59 @@ async fn sessions_whose_startup_options_were_dropped_are_refused_naming_the_sett
     assert!(why.contains("synchronous_commit is on, not off"), "{why}");
 }
 
+/// The main pool's sessions run the fence's compare-and-sets, which must commit durably: a
+/// database (or role, or server) whose default turns `synchronous_commit` off or `local` is
+/// refused; `remote_apply` is durable and accepted, and the completions' own sessions, which
+/// ask for it off, are not affected. The check reads PostgreSQL's own `pg_settings`, not a
+/// view of that name earlier in the search path.
+#[tokio::test]
+async fn sessions_whose_commits_would_not_be_durable_are_refused() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let admin = pg.client().await;
+    let url = pg.url();
+    for (value, refused) in [("off", true), ("local", true), ("remote_apply", false)] {
+        admin
+            .batch_execute(&format!(
+                "ALTER DATABASE postgres SET synchronous_commit = {value}"
+            ))
+            .await
+            .unwrap();
+        let why = refusal(&build_pool(&url, 1, TIMEOUT).unwrap()).await;
+        if refused {
+            let why = why.expect("refused");
+            assert!(
+                why.contains(&format!("synchronous_commit is {value}"))
+                    && why.contains("must commit durably"),
+                "{why}"
+            );
+        } else {
+            assert_eq!(why, None, "{value}");
+        }
+        assert_eq!(
+            refusal(&build_completion_pool(&url, 1, TIMEOUT).unwrap()).await,
+            None
+        );
+    }
+    admin
+        .batch_execute(
+            "ALTER DATABASE postgres RESET synchronous_commit;
+             CREATE SCHEMA shadow;
+             CREATE VIEW shadow.pg_settings AS
+                 SELECT name, 'nonsense'::text AS setting, unit FROM pg_catalog.pg_settings;
+             ALTER DATABASE postgres SET search_path = shadow, pg_catalog, public",
+        )
+        .await
+        .unwrap();
+    for pool in [
+        build_pool(&url, 1, TIMEOUT).unwrap(),
+        build_look_pool(&url, 1, TIMEOUT).unwrap(),
+        build_completion_pool(&url, 1, TIMEOUT).unwrap(),
+    ] {
+        assert_eq!(refusal(&pool).await, None);
+    }
+}
+
 /// `serve` through such a pooler does not start: the error says which sessions and which
 /// setting, instead of a server that reports itself up and fails its requests.
 #[tokio::test]
@@ -100,8 +153,10 @@ async fn serve_does_not_start_through_a_pooler_that_drops_a_setting() {
     let pg = Pg::start().await;
     for (dropped, sessions) in [
         (&["lock_timeout"][..], "the database pool's sessions"),
-        // (Every setting of the last look's sessions is one of the completions' too, and those
-        // open first; the pool-level test above covers the look's sessions.)
+        (
+            &["enable_seqscan"][..],
+            "the fence's last-look database sessions",
+        ),
         (
             &["enable_hashjoin"][..],
             "the idempotency completions' database sessions",

@@ -395,7 +395,8 @@ pub struct FencingConfig {
     /// Kill switch (C5 §5.2). `false` forwards stale requests too and only counts them;
     /// it exists to demonstrate the corruption on purpose.
     pub enforce: bool,
-    /// Accounts whose last-known mark is kept in memory to reject stale tokens early.
+    /// Accounts whose last-known mark is kept in memory to reject stale tokens early (rounded
+    /// up to a multiple of 64).
     pub cache_capacity: u64,
     /// Most compare-and-sets grouped into one statement and one commit (and most
     /// idempotency-record completions, grouped the same way).

@@ -51,7 +51,18 @@ impl From<tokio_postgres::Error> for DbError {
 
 impl From<deadpool_postgres::PoolError> for DbError {
     fn from(e: deadpool_postgres::PoolError) -> Self {
-        DbError::Pool(causes(&e))
+        DbError::Pool(pool_error_text(&e))
+    }
+}
+
+/// A pool's error as an operator should read it: a session the settings check refused is said
+/// in the check's own words.
+fn pool_error_text(e: &deadpool_postgres::PoolError) -> String {
+    match e {
+        deadpool_postgres::PoolError::PostCreateHook(HookError::Message(refusal)) => {
+            refusal.to_string()
+        }
+        other => causes(other),
     }
 }
 
@@ -83,15 +94,26 @@ pub enum DatabaseError {
 }
 
 /// Opens one session of `pool` now, so that a session the settings check refuses (a pooler
-/// that drops startup options) stops the start, saying which setting, instead of showing only
-/// in `/readyz` once requests fail. `what` names the sessions in the error.
+/// that drops startup options, a role whose commits are not durable) stops the start, saying
+/// which setting, instead of showing only in `/readyz` once requests fail. `what` names the
+/// sessions in the error. Any other failure (a timeout, too many connections) may pass: it is
+/// logged, and the pool tries again when a statement needs a session, as it always has.
 pub async fn open_one(pool: &Pool, what: &'static str) -> Result<(), DatabaseError> {
     match pool.get().await {
         Ok(_session) => Ok(()),
-        Err(e) => Err(DatabaseError::Sessions {
-            what,
-            cause: causes(&e),
-        }),
+        Err(deadpool_postgres::PoolError::PostCreateHook(HookError::Message(refusal)))
+            if refusal.starts_with(REFUSAL) =>
+        {
+            Err(DatabaseError::Sessions {
+                what,
+                cause: refusal.to_string(),
+            })
+        }
+        Err(e) => {
+            tracing::warn!(sessions = what, error = %pool_error_text(&e),
+                "could not open a database session at start; trying again when one is needed");
+            Ok(())
+        }
     }
 }
 
@@ -341,6 +363,25 @@ pub fn build_completion_pool(
 /// and the value `pg_settings` must then show for it (with its unit, as `5000ms`).
 type Setting = (&'static str, String);
 
+/// How the settings check's refusals begin (and nothing else it says): what [`open_one`] stops
+/// the start for.
+const REFUSAL: &str = "the session's ";
+
+/// A setting a session must not have, whatever asked for it (a role's, a database's or the
+/// server's configuration: railguard does not ask for it at connect), and why.
+type Forbidden = (&'static str, &'static [&'static str], &'static str);
+
+/// The main pool's sessions run the fence's compare-and-sets, which create idempotency records
+/// in the same commit: those commits must be durable. A mark lost to a crash after its verdict
+/// was given would let an older token through again, and a record lost so would let a retry
+/// reach the rail twice. `on`, `remote_write` and `remote_apply` all wait for the local flush.
+const DURABLE_COMMITS: &[Forbidden] = &[(
+    "synchronous_commit",
+    &["off", "local"],
+    "the fence's compare-and-sets and idempotency records must commit durably: set it to on \
+     (or remote_write, remote_apply) for railguard's role and database",
+)];
+
 /// railguard's timeouts, asked of every pooled session (see [`pg_config`]).
 fn timeout_settings(timeout: Duration) -> Vec<Setting> {
     let ms = format!("{}ms", timeout.as_millis().max(1));
@@ -376,16 +417,23 @@ fn sessions_with(
         .options(startup_options(&wanted))
         .target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
     let PgConnect { config, tls, .. } = connect;
-    pool_builder(config, tls, size, timeout, wanted)
+    pool_builder(config, tls, size, timeout, wanted, &[])
         .build()
         .map_err(|e| DatabaseError::Pool(e.to_string()))
 }
 
 fn pool_of(connect: PgConnect, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
     let PgConnect { config, tls, .. } = connect;
-    pool_builder(config, tls, size, timeout, timeout_settings(timeout))
-        .build()
-        .map_err(|e| DatabaseError::Pool(e.to_string()))
+    pool_builder(
+        config,
+        tls,
+        size,
+        timeout,
+        timeout_settings(timeout),
+        DURABLE_COMMITS,
+    )
+    .build()
+    .map_err(|e| DatabaseError::Pool(e.to_string()))
 }
 
 /// Checks each new session of a pool for the settings railguard asked for at connect. A pooler
@@ -393,25 +441,35 @@ fn pool_of(connect: PgConnect, size: usize, timeout: Duration) -> Result<Pool, D
 /// `statement_timeout` and `lock_timeout` (a statement stalled on a lock would then wait
 /// forever instead of failing with nothing committed), and the look's and the completions'
 /// statements to whatever plan the site's defaults give, with nothing said. Such a session is
-/// not used, and the error names the setting. One query per session opened, none per checkout.
-fn settings_check(wanted: Vec<Setting>, timeout: Duration) -> Hook {
+/// not used, and the error names the setting. `forbidden`: values a session must not have at
+/// all (the main pool's non-durable commits). One query per session opened, none per checkout.
+fn settings_check(
+    wanted: Vec<Setting>,
+    forbidden: &'static [Forbidden],
+    timeout: Duration,
+) -> Hook {
     let wanted: Arc<[Setting]> = wanted.into();
     Hook::async_fn(move |session: &mut ClientWrapper, _| {
         let wanted = wanted.clone();
         Box::pin(async move {
-            let names: Vec<&str> = wanted.iter().map(|(name, _)| *name).collect();
+            let names: Vec<&str> = wanted
+                .iter()
+                .map(|(name, _)| *name)
+                .chain(forbidden.iter().map(|(name, _, _)| *name))
+                .collect();
             // Bounded like the connect: deadpool's create timeout does not cover this hook, and
             // a path that stalls the query while acknowledging its bytes fires no other timeout.
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
             let query = session.query(
-                "SELECT name, setting || coalesce(unit, '') FROM pg_settings WHERE name = ANY($1)",
+                "SELECT name, setting || coalesce(unit, '') FROM pg_catalog.pg_settings \
+                 WHERE name = ANY($1)",
                 &params,
             );
             let rows = tokio::time::timeout(timeout, query)
                 .await
                 .map_err(|_| {
                     HookError::message(format!(
-                        "the session's settings could not be read within {timeout:?}; not used"
+                        "no answer to the session's settings check within {timeout:?}"
                     ))
                 })?
                 .map_err(HookError::Backend)?;
@@ -422,11 +480,20 @@ fn settings_check(wanted: Vec<Setting>, timeout: Duration) -> Hook {
                     Some(seen) if seen == value => {}
                     seen => {
                         return Err(HookError::message(format!(
-                            "the session's {name} is {}, not {value} as railguard asked at \
-                             connect (a pooler that drops startup options?); not used",
+                            "{REFUSAL}{name} is {}, not {value} as railguard asked at connect \
+                             (a pooler that drops startup options?); not used",
                             seen.map_or("unknown", String::as_str)
                         )));
                     }
+                }
+            }
+            for (name, refused, why) in forbidden {
+                if let Some(seen) = found.get(*name)
+                    && refused.contains(&seen.as_str())
+                {
+                    return Err(HookError::message(format!(
+                        "{REFUSAL}{name} is {seen}: {why}; not used"
+                    )));
                 }
             }
             Ok(())
@@ -440,6 +507,7 @@ fn pool_builder(
     size: usize,
     timeout: Duration,
     wanted: Vec<Setting>,
+    forbidden: &'static [Forbidden],
 ) -> PoolBuilder {
     let manager = Manager::from_config(
         config,
@@ -454,7 +522,7 @@ fn pool_builder(
         .wait_timeout(Some(timeout))
         .create_timeout(Some(timeout))
         .recycle_timeout(Some(timeout))
-        .post_create(settings_check(wanted, timeout))
+        .post_create(settings_check(wanted, forbidden, timeout))
 }
 
 /// The URL without its password, for messages.

@@ -12,11 +12,16 @@
 //! grant repeats its refused requests as fast as it can, so the look-up is the whole cost of
 //! the stale path. A lock on one of 64 shards and one hash look-up cost a fraction of a general
 //! cache's bookkeeping (issue 13's profiles: `moka` was 2–3% of the proxy's CPU on the 409
-//! path). Memory is bounded by `capacity` entries; a full shard makes room by dropping an
-//! arbitrary entry, which can only cost that account a round trip. A refused account stays
-//! cached as long as its worker keeps being refused: each database refusal puts it back.
+//! path). Memory is bounded by `capacity` entries (rounded up to a multiple of the shards).
+//!
+//! **Eviction** only ever costs an account a round trip, but which account matters: the one
+//! worth keeping is the stale worker's, refused again and again, while every accepted request
+//! caches its own account too. A full shard makes room by a clock sweep over its accounts in
+//! the order they were cached: an account the cache refused a request for since the hand last
+//! passed gets a second chance, any other is dropped. So a burst of new accounts pushes out the
+//! oldest ones that refused nothing, never the hot stale account, nor the newest entry.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Mutex, MutexGuard};
 
@@ -25,9 +30,43 @@ use crate::token::{AccountId, FencingToken};
 const SHARDS: usize = 64;
 
 pub(super) struct MarkCache {
-    shards: Box<[Mutex<HashMap<AccountId, i64>>]>,
+    shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     per_shard: usize,
+}
+
+#[derive(Default)]
+struct Shard {
+    marks: HashMap<AccountId, Mark>,
+    /// The accounts of `marks`, each once, in the order the clock hand meets them.
+    hand: VecDeque<AccountId>,
+}
+
+struct Mark {
+    lower_bound: i64,
+    /// A request was refused on this bound since the hand last passed.
+    refused: bool,
+}
+
+impl Shard {
+    /// Drops one account, giving those that refused a request since the hand last passed a
+    /// second chance. False if there was none to drop.
+    fn evict_one(&mut self) -> bool {
+        while let Some(account) = self.hand.pop_front() {
+            match self.marks.get_mut(&account) {
+                Some(mark) if mark.refused => {
+                    mark.refused = false;
+                    self.hand.push_back(account);
+                }
+                Some(_) => {
+                    self.marks.remove(&account);
+                    return true;
+                }
+                None => {}
+            }
+        }
+        false
+    }
 }
 
 impl MarkCache {
@@ -35,16 +74,17 @@ impl MarkCache {
     pub(super) fn new(capacity: u64) -> Self {
         let capacity = usize::try_from(capacity).unwrap_or(usize::MAX);
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             hasher: RandomState::new(),
             per_shard: capacity.div_ceil(SHARDS),
         }
     }
 
-    fn shard(&self, account: &AccountId) -> MutexGuard<'_, HashMap<AccountId, i64>> {
+    fn shard(&self, account: &AccountId) -> MutexGuard<'_, Shard> {
         let index = (self.hasher.hash_one(account) as usize) % SHARDS;
-        // An update is one integer store or one insert: a panic cannot leave an entry above
-        // what was seen, so poisoning is ignored.
+        // No update can leave a bound above what was seen, whatever point a panic stopped it
+        // at (at worst an account is in `hand` and not in `marks`, which eviction skips), so
+        // poisoning is ignored.
         self.shards[index]
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -52,25 +92,34 @@ impl MarkCache {
 
     /// True when `token` is below a mark already known for `account`.
     pub(super) fn is_definitely_stale(&self, account: &AccountId, token: FencingToken) -> bool {
-        self.shard(account)
-            .get(account)
-            .is_some_and(|mark| token.get() < *mark)
+        let mut shard = self.shard(account);
+        match shard.marks.get_mut(account) {
+            Some(mark) if token.get() < mark.lower_bound => {
+                mark.refused = true;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Records that the mark for `account` is at least `lower_bound`. Never lowers an entry.
     pub(super) fn raise(&self, account: &AccountId, lower_bound: i64) {
         let mut shard = self.shard(account);
-        if let Some(known) = shard.get_mut(account) {
-            *known = (*known).max(lower_bound);
+        if let Some(known) = shard.marks.get_mut(account) {
+            known.lower_bound = known.lower_bound.max(lower_bound);
             return;
         }
-        if shard.len() >= self.per_shard {
-            let Some(victim) = shard.keys().next().cloned() else {
-                return; // a capacity of nothing
-            };
-            shard.remove(&victim);
+        while shard.marks.len() >= self.per_shard {
+            if !shard.evict_one() {
+                return; // no room (a capacity of nothing): the account is just not cached
+            }
         }
-        shard.insert(account.clone(), lower_bound);
+        let mark = Mark {
+            lower_bound,
+            refused: false,
+        };
+        shard.marks.insert(account.clone(), mark);
+        shard.hand.push_back(account.clone());
     }
 
     /// Records that the compare-and-set refused `token`: the mark is above it.
@@ -83,7 +132,7 @@ impl MarkCache {
     fn len(&self) -> usize {
         self.shards
             .iter()
-            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).marks.len())
             .sum()
     }
 }
@@ -138,6 +187,53 @@ mod tests {
             }
         }
         assert_eq!(survivors, cache.len());
+    }
+
+    /// The account cached last is not the next to go: a few new accounts after it leave it in
+    /// place (a sweep that took whatever came first in a shard's map dropped it almost always).
+    #[test]
+    fn a_newly_cached_account_outlives_a_burst_smaller_than_the_cache() {
+        let capacity = 1_000 * SHARDS;
+        let cache = MarkCache::new(capacity as u64);
+        for i in 0..200_000i64 {
+            cache.raise(&account(&format!("old-{i}")), 2);
+        }
+        for probe in 0..300 {
+            let probe_account = account(&format!("probe-{probe}"));
+            cache.raise(&probe_account, 2);
+            for i in 0..640 {
+                cache.raise(&account(&format!("fresh-{probe}-{i}")), 2);
+            }
+            assert!(
+                cache.is_definitely_stale(&probe_account, t(1)),
+                "probe {probe} was evicted by 640 newer accounts in a cache of {capacity}"
+            );
+        }
+    }
+
+    /// A worker stuck on a superseded grant keeps its account cached through any churn of
+    /// accepted accounts, as long as it keeps being refused; an account refused nothing goes.
+    #[test]
+    fn a_repeatedly_refused_account_survives_churn_and_an_idle_one_does_not() {
+        let capacity = 10 * SHARDS;
+        let cache = MarkCache::new(capacity as u64);
+        let (hot, idle) = (account("stale-worker"), account("idle"));
+        cache.raise(&hot, 100);
+        cache.raise(&idle, 100);
+        let mut idle_gone = false;
+        for round in 0..50 {
+            // An eighth of the cache's worth of new accounts between two of the stale
+            // worker's tries.
+            for i in 0..capacity / 8 {
+                cache.raise(&account(&format!("accepted-{round}-{i}")), 2);
+            }
+            assert!(
+                cache.is_definitely_stale(&hot, t(99)),
+                "the stale worker's account was evicted in round {round}"
+            );
+            idle_gone |= !cache.shard(&idle).marks.contains_key(&idle);
+        }
+        assert!(idle_gone, "an account that refused nothing stays forever");
     }
 
     #[test]
