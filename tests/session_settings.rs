@@ -103,7 +103,7 @@ async fn sessions_whose_commits_would_not_be_durable_are_refused() {
     let pg = Pg::start().await;
     let admin = pg.client().await;
     let url = pg.url();
-    for (value, refused) in [("off", true), ("local", true), ("remote_apply", false)] {
+    for (value, refused) in [("off", true), ("local", false), ("remote_apply", false)] {
         admin
             .batch_execute(&format!(
                 "ALTER DATABASE postgres SET synchronous_commit = {value}"
@@ -114,7 +114,7 @@ async fn sessions_whose_commits_would_not_be_durable_are_refused() {
         if refused {
             let why = why.expect("refused");
             assert!(
-                why.contains(&format!("synchronous_commit is {value}"))
+                why.contains(&format!("synchronous_commit is {value} (from: database)"))
                     && why.contains("must commit durably"),
                 "{why}"
             );
@@ -143,6 +143,93 @@ async fn sessions_whose_commits_would_not_be_durable_are_refused() {
     ] {
         assert_eq!(refusal(&pool).await, None);
     }
+}
+
+/// A checked session keeps the durable commits it was checked for: a later change of the
+/// server's configuration, reloaded, does not reach it (it does reach a session that did not
+/// pin the value: the control).
+#[tokio::test]
+async fn a_reload_does_not_make_a_checked_session_non_durable() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let admin = pg.client().await;
+    let pool = build_pool(&pg.url(), 1, TIMEOUT).unwrap();
+    let checked = pool.get().await.unwrap();
+    let unpinned = pg.client().await;
+    for statement in [
+        "ALTER SYSTEM SET synchronous_commit = off",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(statement).await.unwrap();
+    }
+    let setting = |row: tokio_postgres::Row| row.get::<_, String>(0);
+    let mut unpinned_value = String::new();
+    for _ in 0..50 {
+        unpinned_value = setting(
+            unpinned
+                .query_one("SELECT current_setting('synchronous_commit')", &[])
+                .await
+                .unwrap(),
+        );
+        if unpinned_value == "off" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        unpinned_value, "off",
+        "the reload reached an ordinary session"
+    );
+    let value = setting(
+        checked
+            .query_one("SELECT current_setting('synchronous_commit')", &[])
+            .await
+            .unwrap(),
+    );
+    assert_eq!(value, "on", "the checked session kept its durable commits");
+    drop(checked);
+    for statement in [
+        "ALTER SYSTEM RESET synchronous_commit",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(statement).await.unwrap();
+    }
+}
+
+/// Only a refusal stops the start: a settings check that gets no answer in time (a path that
+/// stalls one connection) is logged, and serve starts on the sessions that do answer.
+#[tokio::test]
+async fn a_settings_check_without_an_answer_does_not_stop_the_start() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let relay = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
+    relay.stall_first(|chunk| chunk.windows(11).any(|w| w == b"pg_settings"));
+    let url = relay.postgres_url(&pg.url());
+    let text = format!(
+        "[proxy]\nlisten = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n\
+         [database]\nurl = \"{url}\"\ntimeout_ms = 2000\n"
+    );
+    let config = Config::parse(&text, "railguard.toml", &BTreeMap::new()).unwrap();
+    let bind = || TcpListener::bind("127.0.0.1:0");
+    let listeners = Listeners {
+        proxy: bind().await.unwrap(),
+        admin: bind().await.unwrap(),
+        lock: bind().await.unwrap(),
+    };
+    // Serves for 8 s, then shuts down: a start that was stopped ends at once, with an error.
+    let ran = tokio::time::timeout(
+        Duration::from_secs(60),
+        run(
+            listeners,
+            config,
+            tokio::time::sleep(Duration::from_secs(8)),
+        ),
+    )
+    .await
+    .expect("serve ended within a minute");
+    assert!(relay.has_stalled(), "a settings check was stalled");
+    assert!(ran.is_ok(), "{ran:?}");
+    relay.release_stalled();
 }
 
 /// `serve` through such a pooler does not start: the error says which sessions and which

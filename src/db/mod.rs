@@ -372,14 +372,17 @@ const REFUSAL: &str = "the session's ";
 type Forbidden = (&'static str, &'static [&'static str], &'static str);
 
 /// The main pool's sessions run the fence's compare-and-sets, which create idempotency records
-/// in the same commit: those commits must be durable. A mark lost to a crash after its verdict
-/// was given would let an older token through again, and a record lost so would let a retry
-/// reach the rail twice. `on`, `remote_write` and `remote_apply` all wait for the local flush.
+/// in the same commit, and the lock backend's grants: those commits must be durable. A mark
+/// lost to a crash after its verdict was given would let an older token through again, and a
+/// record lost so would let a retry reach the rail twice. Every other value (`local`, `on`,
+/// `remote_write`, `remote_apply`) waits for the local WAL flush; what a synchronous standby
+/// adds is about failover, which is the site's replication setup (docs/operations.md).
 const DURABLE_COMMITS: &[Forbidden] = &[(
     "synchronous_commit",
-    &["off", "local"],
-    "the fence's compare-and-sets and idempotency records must commit durably: set it to on \
-     (or remote_write, remote_apply) for railguard's role and database",
+    &["off"],
+    "the fence's compare-and-sets, idempotency records and grants must commit durably: set it \
+     to on (or local, remote_write, remote_apply) where it is set (ALTER ROLE … IN DATABASE, \
+     ALTER ROLE, ALTER DATABASE, the server's configuration)",
 )];
 
 /// railguard's timeouts, asked of every pooled session (see [`pg_config`]).
@@ -461,7 +464,7 @@ fn settings_check(
             // a path that stalls the query while acknowledging its bytes fires no other timeout.
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
             let query = session.query(
-                "SELECT name, setting || coalesce(unit, '') FROM pg_catalog.pg_settings \
+                "SELECT name, setting || coalesce(unit, ''), source FROM pg_catalog.pg_settings \
                  WHERE name = ANY($1)",
                 &params,
             );
@@ -475,6 +478,8 @@ fn settings_check(
                 .map_err(HookError::Backend)?;
             let found: HashMap<String, String> =
                 rows.iter().map(|row| (row.get(0), row.get(1))).collect();
+            let sources: HashMap<String, String> =
+                rows.iter().map(|row| (row.get(0), row.get(2))).collect();
             for (name, value) in wanted.iter() {
                 match found.get(*name) {
                     Some(seen) if seen == value => {}
@@ -487,14 +492,37 @@ fn settings_check(
                     }
                 }
             }
+            let mut pinned: (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
             for (name, refused, why) in forbidden {
-                if let Some(seen) = found.get(*name)
-                    && refused.contains(&seen.as_str())
-                {
+                let Some(seen) = found.get(*name) else {
+                    continue;
+                };
+                if refused.contains(&seen.as_str()) {
+                    let source = sources.get(*name).map_or("unknown", String::as_str);
                     return Err(HookError::message(format!(
-                        "{REFUSAL}{name} is {seen}: {why}; not used"
+                        "{REFUSAL}{name} is {seen} (from: {source}): {why}; not used"
                     )));
                 }
+                pinned.0.push(name);
+                pinned.1.push(seen);
+            }
+            // What was checked stays so for the session's life: a value the session did not set
+            // itself would follow a later change of the server's configuration on reload.
+            if !pinned.0.is_empty() {
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
+                    [&pinned.0, &pinned.1];
+                let pin = session.query(
+                    "SELECT set_config(n, v, false) FROM unnest($1::text[], $2::text[]) AS p(n, v)",
+                    &params,
+                );
+                tokio::time::timeout(timeout, pin)
+                    .await
+                    .map_err(|_| {
+                        HookError::message(format!(
+                            "no answer to the session's settings check within {timeout:?}"
+                        ))
+                    })?
+                    .map_err(HookError::Backend)?;
             }
             Ok(())
         })

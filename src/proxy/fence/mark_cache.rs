@@ -19,7 +19,9 @@
 //! caches its own account too. A full shard makes room by a clock sweep over its accounts in
 //! the order they were cached: an account the cache refused a request for since the hand last
 //! passed gets a second chance, any other is dropped. So a burst of new accounts pushes out the
-//! oldest ones that refused nothing, never the hot stale account, nor the newest entry.
+//! oldest ones that refused nothing first; the stale worker's account goes only when more new
+//! accounts than its shard holds arrive between two of its refusals. Each cached account's id
+//! is kept twice (the map and the hand).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
@@ -83,8 +85,8 @@ impl MarkCache {
     fn shard(&self, account: &AccountId) -> MutexGuard<'_, Shard> {
         let index = (self.hasher.hash_one(account) as usize) % SHARDS;
         // No update can leave a bound above what was seen, whatever point a panic stopped it
-        // at (at worst an account is in `hand` and not in `marks`, which eviction skips), so
-        // poisoning is ignored.
+        // at (at worst an account is in `marks` and not in `hand`: never evicted, still
+        // bounded), so poisoning is ignored.
         self.shards[index]
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
