@@ -36,6 +36,27 @@ async fn refusal(pool: &Pool) -> Option<String> {
     }
 }
 
+/// `railguard serve` in this process against `url` until `shutdown`, bounded by a minute.
+async fn serve(
+    url: &str,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), railguard::server::ServeError> {
+    let text = format!(
+        "[proxy]\nlisten = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n\
+         [database]\nurl = \"{url}\"\ntimeout_ms = 2000\n"
+    );
+    let config = Config::parse(&text, "railguard.toml", &BTreeMap::new()).unwrap();
+    let bind = || TcpListener::bind("127.0.0.1:0");
+    let listeners = Listeners {
+        proxy: bind().await.unwrap(),
+        admin: bind().await.unwrap(),
+        lock: bind().await.unwrap(),
+    };
+    tokio::time::timeout(Duration::from_secs(60), run(listeners, config, shutdown))
+        .await
+        .expect("serve ended within a minute")
+}
+
 #[tokio::test]
 async fn sessions_whose_startup_options_were_dropped_are_refused_naming_the_setting() {
     init_tracing();
@@ -204,29 +225,12 @@ async fn a_settings_check_without_an_answer_does_not_stop_the_start() {
     let pg = Pg::start().await;
     let relay = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
     relay.stall_first(|chunk| chunk.windows(11).any(|w| w == b"pg_settings"));
-    let url = relay.postgres_url(&pg.url());
-    let text = format!(
-        "[proxy]\nlisten = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n\
-         [database]\nurl = \"{url}\"\ntimeout_ms = 2000\n"
-    );
-    let config = Config::parse(&text, "railguard.toml", &BTreeMap::new()).unwrap();
-    let bind = || TcpListener::bind("127.0.0.1:0");
-    let listeners = Listeners {
-        proxy: bind().await.unwrap(),
-        admin: bind().await.unwrap(),
-        lock: bind().await.unwrap(),
-    };
     // Serves for 8 s, then shuts down: a start that was stopped ends at once, with an error.
-    let ran = tokio::time::timeout(
-        Duration::from_secs(60),
-        run(
-            listeners,
-            config,
-            tokio::time::sleep(Duration::from_secs(8)),
-        ),
+    let ran = serve(
+        &relay.postgres_url(&pg.url()),
+        tokio::time::sleep(Duration::from_secs(8)),
     )
-    .await
-    .expect("serve ended within a minute");
+    .await;
     assert!(relay.has_stalled(), "a settings check was stalled");
     assert!(ran.is_ok(), "{ran:?}");
     relay.release_stalled();
@@ -251,24 +255,7 @@ async fn serve_does_not_start_through_a_pooler_that_drops_a_setting() {
     ] {
         let relay = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
         relay.rewrite_towards_target(move |chunk| without_startup_settings(chunk, dropped));
-        let url = relay.postgres_url(&pg.url());
-        let text = format!(
-            "[proxy]\nlisten = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n\
-             [database]\nurl = \"{url}\"\ntimeout_ms = 2000\n"
-        );
-        let config = Config::parse(&text, "railguard.toml", &BTreeMap::new()).unwrap();
-        let bind = || TcpListener::bind("127.0.0.1:0");
-        let listeners = Listeners {
-            proxy: bind().await.unwrap(),
-            admin: bind().await.unwrap(),
-            lock: bind().await.unwrap(),
-        };
-        let started = tokio::time::timeout(
-            Duration::from_secs(60),
-            run(listeners, config, std::future::pending()),
-        )
-        .await
-        .expect("serve gave up within a minute");
+        let started = serve(&relay.postgres_url(&pg.url()), std::future::pending()).await;
         let why = started.expect_err("serve must not start").to_string();
         assert!(
             why.starts_with(sessions) && why.contains(&format!("the session's {}", dropped[0])),

@@ -10,6 +10,7 @@ pub mod server;
 pub mod slots;
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -460,22 +461,13 @@ fn settings_check(
                 .map(|(name, _)| *name)
                 .chain(forbidden.iter().map(|(name, _, _)| *name))
                 .collect();
-            // Bounded like the connect: deadpool's create timeout does not cover this hook, and
-            // a path that stalls the query while acknowledging its bytes fires no other timeout.
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
             let query = session.query(
                 "SELECT name, setting || coalesce(unit, ''), source FROM pg_catalog.pg_settings \
                  WHERE name = ANY($1)",
                 &params,
             );
-            let rows = tokio::time::timeout(timeout, query)
-                .await
-                .map_err(|_| {
-                    HookError::message(format!(
-                        "no answer to the session's settings check within {timeout:?}"
-                    ))
-                })?
-                .map_err(HookError::Backend)?;
+            let rows = answered(timeout, query).await?;
             let found: HashMap<String, String> =
                 rows.iter().map(|row| (row.get(0), row.get(1))).collect();
             let sources: HashMap<String, String> =
@@ -515,18 +507,28 @@ fn settings_check(
                     "SELECT set_config(n, v, false) FROM unnest($1::text[], $2::text[]) AS p(n, v)",
                     &params,
                 );
-                tokio::time::timeout(timeout, pin)
-                    .await
-                    .map_err(|_| {
-                        HookError::message(format!(
-                            "no answer to the session's settings check within {timeout:?}"
-                        ))
-                    })?
-                    .map_err(HookError::Backend)?;
+                answered(timeout, pin).await?;
             }
             Ok(())
         })
     })
+}
+
+/// A statement of the settings check, bounded like the connect: deadpool's create timeout does
+/// not cover the hook, and a path that stalls the query while acknowledging its bytes fires no
+/// other timeout. Its failures are not refusals (they do not begin with [`REFUSAL`]).
+async fn answered(
+    timeout: Duration,
+    statement: impl Future<Output = Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>>,
+) -> Result<Vec<tokio_postgres::Row>, HookError> {
+    tokio::time::timeout(timeout, statement)
+        .await
+        .map_err(|_| {
+            HookError::message(format!(
+                "no answer to the session's settings check within {timeout:?}"
+            ))
+        })?
+        .map_err(HookError::Backend)
 }
 
 fn pool_builder(
