@@ -7,9 +7,14 @@
 //! pooled keep-alive connection — over TLS for an `https://` rail (`tls::client`): a failed
 //! handshake is a failed connect, so the request was not sent.
 //!
+//! The rail's connections are driven by the requests that use them (`connections`), not by
+//! tasks of their own.
+//!
 //! A failure here happens *after* the mark advanced; `fence` explains why that is safe. The
 //! client cannot tell whether the rail acted on a request that timed out, which is what
 //! idempotency keys are for.
+
+mod connections;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -23,15 +28,14 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Uri, Version, header};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Body as _;
-use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use rustls::ClientConfig;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower::Service;
 use tracing::Instrument;
 
+use self::connections::{RailConnections, SendError};
 use super::idempotency::MaybeSent;
 use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
 use crate::config::Upstream;
@@ -175,13 +179,18 @@ impl LateForwards {
     }
 }
 
+/// How long a connection to the rail may stay idle before it is closed.
+const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(60);
+/// How many idle connections to the rail are kept.
+const MAX_IDLE_CONNECTIONS: usize = 4096;
+
 /// Forwards to the rail. Cloned for every request, so everything it holds is behind one `Arc`.
 #[derive(Clone)]
 pub struct Forward(Arc<Rail>);
 
-/// What every forward shares: the pooled client, the rail's address, and the late forwards.
+/// What every forward shares: the rail's connections, its address, and the late forwards.
 struct Rail {
-    client: Client<RailConnector, Tracked>,
+    connections: Arc<RailConnections>,
     upstream: Upstream,
     late_answer_wait: Duration,
     late: LateForwards,
@@ -203,12 +212,20 @@ impl Forward {
         http.set_nodelay(true);
         http.set_keepalive(Some(Duration::from_secs(30)));
         let connector = RailConnector::new(http, tls, connect_timeout);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(4096)
-            .build(connector);
+        let target = Uri::builder()
+            .scheme(upstream.scheme.clone())
+            .authority(upstream.authority.clone())
+            .path_and_query("/")
+            .build()
+            .expect("a scheme and an authority make a URI");
+        let connections = RailConnections::new(
+            connector,
+            target,
+            IDLE_CONNECTION_TIMEOUT,
+            MAX_IDLE_CONNECTIONS,
+        );
         Self(Arc::new(Rail {
-            client,
+            connections,
             upstream,
             late_answer_wait,
             late: LateForwards::default(),
@@ -272,7 +289,7 @@ impl Service<FencedRequest> for Forward {
                     }
                 };
                 let started = Instant::now();
-                let mut pending = this.client.request(request);
+                let mut pending = Box::pin(this.connections.clone().send(request));
                 let answer = tokio::time::timeout_at(deadline, &mut pending).await;
                 this.metrics
                     .upstream_seconds
@@ -311,7 +328,7 @@ impl Service<FencedRequest> for Forward {
                         return Err(UpstreamTimeout::no_answer(sent).into());
                     }
                     Ok(Err(e)) => {
-                        let sent = sent(e.is_connect());
+                        let sent = sent(matches!(e, SendError::Connect(_)));
                         return Err(UpstreamUnavailable(e.into(), sent).into());
                     }
                     Ok(Ok(response)) => {
@@ -351,11 +368,8 @@ impl Rail {
                 .authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
-        parts.uri = Uri::builder()
-            .scheme(self.upstream.scheme.clone())
-            .authority(self.upstream.authority.clone())
-            .path_and_query(path)
-            .build()?;
+        // Origin form: the connection is the rail's already.
+        parts.uri = Uri::from(path);
         // RFC 9110 §7.6.3: Via names the protocol railguard *received*.
         let via = match parts.version {
             Version::HTTP_2 => "2 railguard",
