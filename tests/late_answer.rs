@@ -52,6 +52,42 @@ async fn arrival_order(late_answer_wait_ms: &str, delay: Duration) -> Vec<String
         .collect()
 }
 
+/// Found by a hostile review (ninth session): a request without an idempotency key runs in its
+/// client connection's task, and a client that hung up while the request was on its way to
+/// the rail used to take the account's turn with it — a newer grant's request then reached the
+/// rail first. Its forward now goes on without its client, holding the turn.
+#[tokio::test]
+async fn a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let rg = Railguard::start(&pg.url(), &slow_path.url(), &[]).await;
+    let http = rg.http();
+    let delay = Duration::from_millis(1600);
+    slow_path.set_delay(delay);
+    let hung_up = tokio::time::timeout(
+        Duration::from_millis(500),
+        http.pay_with(&rg, 5, "acct-hangup"),
+    )
+    .await;
+    assert!(hung_up.is_err(), "the client was to give up first");
+    slow_path.set_delay(Duration::ZERO);
+    let newer = http.pay_with(&rg, 7, "acct-hangup").await;
+    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    tokio::time::sleep(delay).await;
+    let order: Vec<String> = rail
+        .ledger()
+        .iter()
+        .filter_map(|e| e.token.clone())
+        .collect();
+    assert_eq!(
+        order,
+        ["5", "7"],
+        "the newer grant's request overtook the one its client left"
+    );
+}
+
 /// Found by the model checker (docs/protocol.md, "upstream timeout"): a finite
 /// `late_answer_wait_ms` is a clock, and a forward held in the network longer than it is
 /// overtaken by a newer grant's. With 0 (no limit) the turn passes on only when the rail

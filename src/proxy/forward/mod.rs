@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::uri::PathAndQuery;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Uri, Version, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, Uri, Version, header};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Body as _;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -35,7 +35,8 @@ use tokio::time::Instant;
 use tower::Service;
 use tracing::Instrument;
 
-use self::connections::{RailConnections, SendError};
+use self::connections::{RailBody, RailConnections, SendError};
+use super::fence::Turn;
 use super::idempotency::MaybeSent;
 use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
 use crate::config::Upstream;
@@ -289,49 +290,32 @@ impl Service<FencedRequest> for Forward {
                     }
                 };
                 let started = Instant::now();
-                let mut pending = Box::pin(this.connections.clone().send(request));
-                let answer = tokio::time::timeout_at(deadline, &mut pending).await;
+                let mut in_flight = InFlight {
+                    exchange: Some(Box::pin(this.connections.clone().send(request))),
+                    turn,
+                    asked: asked.clone(),
+                    rail: this.clone(),
+                };
+                let answer = match &mut in_flight.exchange {
+                    Some(exchange) => tokio::time::timeout_at(deadline, exchange).await,
+                    None => unreachable!("the exchange was just started"),
+                };
                 this.metrics
                     .upstream_seconds
                     .observe(started.elapsed().as_secs_f64());
                 let response = match answer {
                     Err(_) => {
                         let sent = sent(false);
-                        if sent == Sent::Maybe {
-                            // The request may still be on its way: keep the account's turn
-                            // (and the connection) until the rail answers or we stop waiting,
-                            // so that no newer grant's request overtakes it.
-                            let wait = this.late_answer_wait;
-                            let counted = this.late.start();
-                            tokio::spawn(
-                                async move {
-                                    // Zero is no limit: only the rail's answer, or the end of
-                                    // the connection (after which nothing more of the request
-                                    // can reach the rail), passes the turn on.
-                                    let answered = if wait.is_zero() {
-                                        pending.await.is_ok()
-                                    } else {
-                                        tokio::time::timeout(wait, pending)
-                                            .await
-                                            .is_ok_and(|r| r.is_ok())
-                                    };
-                                    tracing::info!(
-                                        answered,
-                                        "a forward past its deadline ended; the account's turn passes on"
-                                    );
-                                    drop(turn);
-                                    drop(counted);
-                                }
-                                .in_current_span(),
-                            );
-                        }
+                        in_flight.hand_off("past its deadline");
                         return Err(UpstreamTimeout::no_answer(sent).into());
                     }
                     Ok(Err(e)) => {
+                        drop(in_flight.settle());
                         let sent = sent(matches!(e, SendError::Connect(_)));
                         return Err(UpstreamUnavailable(e.into(), sent).into());
                     }
                     Ok(Ok(response)) => {
+                        drop(in_flight.settle());
                         // The rail answered: it has seen the request, whatever its body.
                         asked.set();
                         response
@@ -347,6 +331,78 @@ impl Service<FencedRequest> for Forward {
             }
             .instrument(span),
         )
+    }
+}
+
+/// An exchange with the rail: the request, and the answer's head once it comes.
+type Exchange = Pin<Box<dyn Future<Output = Result<Response<RailBody>, SendError>> + Send>>;
+
+/// A forward whose request may be on its way to the rail, with its account's turn. Dropped
+/// before the rail answered — past the deadline, or its client hung up and nothing else holds
+/// it (a request without an idempotency key runs in its client connection's task) — what is
+/// left of it goes on in a task of its own, still holding the turn, until the rail answers,
+/// the connection ends or `proxy.late_answer_wait_ms` runs out: a newer grant's request must
+/// not overtake one the rail may still receive (INV-05). One that cannot have been sent is
+/// just dropped, and the turn passes on.
+struct InFlight {
+    /// `None` once the rail answered or the exchange failed.
+    exchange: Option<Exchange>,
+    turn: Option<Turn>,
+    asked: MaybeSent,
+    rail: Arc<Rail>,
+}
+
+impl InFlight {
+    /// The exchange ended: nothing more can reach the rail. Returns the turn, to be dropped
+    /// when the caller is done.
+    fn settle(&mut self) -> Option<Turn> {
+        self.exchange = None;
+        self.turn.take()
+    }
+
+    /// Lets what is left of the exchange go on without its caller, if the request may be on
+    /// its way.
+    fn hand_off(&mut self, why: &'static str) {
+        let (Some(exchange), turn) = (self.exchange.take(), self.turn.take()) else {
+            return;
+        };
+        if !self.asked.is_set() {
+            return;
+        }
+        // Only a runtime shutting down has none; nothing can be waited for then.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let wait = self.rail.late_answer_wait;
+        let counted = self.rail.late.start();
+        runtime.spawn(
+            async move {
+                // Zero is no limit: only the rail's answer, or the end of the connection
+                // (after which nothing more of the request can reach the rail), passes the
+                // turn on.
+                let answered = if wait.is_zero() {
+                    exchange.await.is_ok()
+                } else {
+                    tokio::time::timeout(wait, exchange)
+                        .await
+                        .is_ok_and(|r| r.is_ok())
+                };
+                tracing::info!(
+                    answered,
+                    why,
+                    "a forward left by its caller ended; the account's turn passes on"
+                );
+                drop(turn);
+                drop(counted);
+            }
+            .in_current_span(),
+        );
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.hand_off("its client went away");
     }
 }
 
