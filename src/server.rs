@@ -362,7 +362,8 @@ pub async fn run(
     if late_forwards.count() > 0 {
         tracing::info!(
             forwards = late_forwards.count(),
-            "waiting for the rail's late answers to forwards past their deadline"
+            "waiting for the rail's answers to forwards still on their way (past their deadline, \
+             left by their client, or run for an idempotency key)"
         );
     }
     if tokio::time::timeout(grace, late_forwards.drained())
@@ -371,8 +372,8 @@ pub async fn run(
     {
         tracing::warn!(
             forwards = late_forwards.count(),
-            "stopping with forwards still waiting for the rail's late answer: a newer grant's \
-             request sent by another railguard may reach the rail before them"
+            "stopping with forwards still waiting for the rail's answer: a newer grant's request \
+             sent by another railguard may reach the rail before them"
         );
     }
     // A statement still unanswered may yet commit: a compare-and-set that does so after this

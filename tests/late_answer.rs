@@ -133,8 +133,61 @@ async fn a_graceful_stop_waits_for_a_late_answer_within_its_grace() {
         "the late request arrived before the exit"
     );
     assert!(
-        rg.log().contains("waiting for the rail's late answers"),
+        rg.log()
+            .contains("waiting for the rail's answers to forwards still on their way"),
         "{}",
         rg.log()
+    );
+}
+
+/// Found by the second review of the ninth session: a keyed forward runs in a task of its own,
+/// which stopping the listeners does not end, and it was not counted among the forwards a stop
+/// waits for — past the grace the process exited under it, while a keyless one was waited for.
+/// Every forward is counted from its start now.
+#[tokio::test]
+async fn a_graceful_stop_waits_for_a_keyed_forward_still_on_its_way() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let mut rg = Railguard::start_process(
+        &pg.url(),
+        &slow_path.url(),
+        &[("RAILGUARD__SHUTDOWN__GRACE_MS", "1000")],
+    )
+    .await;
+    slow_path.set_delay(Duration::from_millis(1500));
+    let proof = rg.proof("acct-keyed-stop", 5);
+    let url = rg.proxy_url("/payments");
+    let http = rg.http();
+    let paying = tokio::spawn(async move {
+        http.pay(
+            &url,
+            &[
+                ("Fencing-Token", "5"),
+                ("Fencing-Account", "acct-keyed-stop"),
+                ("Fencing-Proof", &proof),
+                ("Idempotency-Key", "keyed-stop-1"),
+            ],
+            r#"{"account":"acct-keyed-stop","amount":100}"#,
+        )
+        .await
+    });
+    // The forward is on its way (the relay holds it) when SIGTERM comes; the listeners' grace
+    // (1 s) runs out before the rail answers.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let status = rg.stop().await;
+    assert!(status.success(), "{status}");
+    paying.abort();
+    assert!(
+        rg.log()
+            .contains("waiting for the rail's answers to forwards still on their way"),
+        "the stop did not wait for the keyed forward: {}",
+        rg.log()
+    );
+    assert_eq!(
+        rail.ledger().len(),
+        1,
+        "the keyed request reached the rail before the exit"
     );
 }

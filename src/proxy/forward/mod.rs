@@ -19,7 +19,7 @@ mod connections;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -115,6 +115,9 @@ impl UpstreamTimeout {
 struct Tracked {
     body: Full<Bytes>,
     asked: MaybeSent,
+    /// Set when the request is handed to a connection (`connections`): before that, nothing
+    /// of it can reach the rail, whatever `asked` says of an empty body.
+    handed: Arc<AtomicBool>,
 }
 
 impl hyper::body::Body for Tracked {
@@ -138,13 +141,16 @@ impl hyper::body::Body for Tracked {
     }
 }
 
-/// Forwards past their request deadline that still wait for the rail's late answer, each
-/// holding its account's turn. A graceful shutdown waits for them within its grace: stopping
-/// earlier would let a newer grant's request, sent by the next process, overtake one of them.
+/// Forwards whose request may be on its way to the rail and whose answer has not come: every
+/// forward from the moment it starts, and those past their deadline or left by their client
+/// that still wait for a late answer, each holding its account's turn. A graceful shutdown
+/// waits for them within its grace — a keyed forward runs in a task of its own that stopping
+/// the listeners does not end — as stopping earlier would let a newer grant's request, sent by
+/// the next process, overtake one of them.
 #[derive(Clone, Default)]
 pub struct LateForwards(Arc<(AtomicUsize, Notify)>);
 
-/// One late forward, counted while it lives.
+/// One outstanding forward, counted while it lives.
 struct LateForward(LateForwards);
 
 impl Drop for LateForward {
@@ -166,7 +172,7 @@ impl LateForwards {
         self.0.0.load(Ordering::Acquire)
     }
 
-    /// Resolves once no late forward is left.
+    /// Resolves once no outstanding forward is left.
     pub async fn drained(&self) {
         loop {
             let notified = self.0.1.notified();
@@ -290,10 +296,13 @@ impl Service<FencedRequest> for Forward {
                     }
                 };
                 let started = Instant::now();
+                let handed = request.body().handed.clone();
                 let mut in_flight = InFlight {
                     exchange: Some(Box::pin(this.connections.clone().send(request))),
                     turn,
                     asked: asked.clone(),
+                    handed,
+                    counted: Some(this.late.start()),
                     rail: this.clone(),
                 };
                 let answer = match &mut in_flight.exchange {
@@ -306,7 +315,7 @@ impl Service<FencedRequest> for Forward {
                 let response = match answer {
                     Err(_) => {
                         let sent = sent(false);
-                        in_flight.hand_off("past its deadline");
+                        in_flight.hand_off(PAST_DEADLINE);
                         return Err(UpstreamTimeout::no_answer(sent).into());
                     }
                     Ok(Err(e)) => {
@@ -334,6 +343,8 @@ impl Service<FencedRequest> for Forward {
     }
 }
 
+const PAST_DEADLINE: &str = "past its deadline";
+
 /// An exchange with the rail: the request, and the answer's head once it comes.
 type Exchange = Pin<Box<dyn Future<Output = Result<Response<RailBody>, SendError>> + Send>>;
 
@@ -349,6 +360,10 @@ struct InFlight {
     exchange: Option<Exchange>,
     turn: Option<Turn>,
     asked: MaybeSent,
+    /// The request was handed to a connection.
+    handed: Arc<AtomicBool>,
+    /// Counted among the outstanding forwards until the exchange ends.
+    counted: Option<LateForward>,
     rail: Arc<Rail>,
 }
 
@@ -357,16 +372,20 @@ impl InFlight {
     /// when the caller is done.
     fn settle(&mut self) -> Option<Turn> {
         self.exchange = None;
+        self.counted = None;
         self.turn.take()
     }
 
     /// Lets what is left of the exchange go on without its caller, if the request may be on
     /// its way.
     fn hand_off(&mut self, why: &'static str) {
-        let (Some(exchange), turn) = (self.exchange.take(), self.turn.take()) else {
+        let (Some(exchange), turn, counted) =
+            (self.exchange.take(), self.turn.take(), self.counted.take())
+        else {
             return;
         };
-        if !self.asked.is_set() {
+        // Not handed to a connection (still connecting, say): dropping it sends nothing.
+        if !(self.handed.load(Ordering::Acquire) && self.asked.is_set()) {
             return;
         }
         // Only a runtime shutting down has none; nothing can be waited for then.
@@ -374,7 +393,6 @@ impl InFlight {
             return;
         };
         let wait = self.rail.late_answer_wait;
-        let counted = self.rail.late.start();
         runtime.spawn(
             async move {
                 // Zero is no limit: only the rail's answer, or the end of the connection
@@ -387,11 +405,21 @@ impl InFlight {
                         .await
                         .is_ok_and(|r| r.is_ok())
                 };
-                tracing::info!(
-                    answered,
-                    why,
-                    "a forward left by its caller ended; the account's turn passes on"
-                );
+                // Past its deadline is worth a line; a client hanging up is the client's doing,
+                // and a crowd of them would write one line each.
+                if why == PAST_DEADLINE {
+                    tracing::info!(
+                        answered,
+                        why,
+                        "a forward left by its caller ended; the account's turn passes on"
+                    );
+                } else {
+                    tracing::debug!(
+                        answered,
+                        why,
+                        "a forward left by its caller ended; the account's turn passes on"
+                    );
+                }
                 drop(turn);
                 drop(counted);
             }
@@ -456,6 +484,7 @@ impl Rail {
         let body = Tracked {
             body: Full::new(body),
             asked,
+            handed: Arc::default(),
         };
         Ok(Request::from_parts(parts, body))
     }
