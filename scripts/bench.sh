@@ -6,6 +6,7 @@
 #   scripts/bench.sh --duration-secs 3 --repeats 3     # quicker
 #   scripts/bench.sh --suite locks                     # one suite: proxy, locks, etcd (default all)
 #   scripts/bench.sh --suite wire                      # railguard against nginx, each its own process, under wrk
+#   scripts/bench.sh --suite statements                # what each of railguard's statements costs PostgreSQL alone
 #   scripts/bench.sh --help                            # every option
 #
 # Installs what is missing: what the build needs and the PostgreSQL server binaries
@@ -27,7 +28,8 @@ case " $* " in
     [ -x /usr/sbin/nginx ] || missing+=(nginx-light)
     command -v wrk >/dev/null || missing+=(wrk)
     ;;
-*" --suite proxy "* | *" --suite=proxy "* | *" --suite locks "* | *" --suite=locks "*) ;;
+*" --suite proxy "* | *" --suite=proxy "* | *" --suite locks "* | *" --suite=locks "* | \
+    *" --suite statements "* | *" --suite=statements "*) ;;
 *) command -v etcd >/dev/null || missing+=(etcd-server) ;;
 esac
 if ((${#missing[@]})); then

@@ -14,6 +14,7 @@ mod locks;
 mod pgbench;
 mod report;
 mod rss;
+mod statements;
 mod wire;
 
 use std::process::ExitCode;
@@ -70,10 +71,13 @@ struct Cli {
     /// directory (slows the proxy: the run's rates are then not comparable).
     #[arg(long)]
     profile_dir: Option<std::path::PathBuf>,
-    /// The wire suite: a PostgreSQL server setting for its throwaway cluster, `name=value`
+    /// The wire and statements suites: a PostgreSQL server setting for the throwaway cluster, `name=value`
     /// (repeatable), e.g. `shared_buffers=1GB`.
     #[arg(long = "pg-setting", value_parser = parse_setting)]
     pg_settings: Vec<(String, String)>,
+    /// The statements suite: rows per statement, one group of phases each.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 16, 64])]
+    batch_rows: Vec<usize>,
     /// Open client connections for the proxy RSS measurement (0 skips it).
     #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     rss_connections: u64,
@@ -86,6 +90,9 @@ enum BenchSuite {
     Etcd,
     /// railguard and nginx as processes of their own under wrk (not part of `all`).
     Wire,
+    /// What each of railguard's statements costs PostgreSQL alone, with the variants issue 13
+    /// asks about (not part of `all`).
+    Statements,
     All,
 }
 
@@ -107,6 +114,7 @@ fn main() -> ExitCode {
         batch_concurrency,
         profile_dir,
         pg_settings,
+        batch_rows,
     } = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -125,6 +133,23 @@ fn main() -> ExitCode {
             BenchSuite::Locks => vec![Suite::Locks],
             BenchSuite::Etcd => vec![Suite::Etcd],
             BenchSuite::All => Suite::ALL.to_vec(),
+            BenchSuite::Statements => {
+                let options = statements::StatementOptions {
+                    duration: Duration::from_secs(duration_secs),
+                    warmup: Duration::from_secs(warmup_secs),
+                    repeats,
+                    accounts,
+                    rows: batch_rows,
+                    pg_settings,
+                };
+                return match statements::run(options).await {
+                    Ok(report) => {
+                        print!("{}", report.to_markdown());
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(&e),
+                };
+            }
             BenchSuite::Wire => {
                 let options = wire::WireOptions {
                     duration: Duration::from_secs(duration_secs),

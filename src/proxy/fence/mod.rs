@@ -48,6 +48,7 @@ use tokio::time::Instant;
 use tower::{Layer, Service};
 use tracing::Instrument;
 
+pub use self::batch::{ADVANCE_BATCH_SQL, BATCH_SQL};
 pub use self::recheck::LAST_LOOK_SQL;
 pub use self::store::{ADVANCE_SQL, Batching, HighWaterStore, StoreError, Verdict};
 

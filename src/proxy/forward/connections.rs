@@ -154,10 +154,7 @@ impl RailConnections {
                 Some(conn) => (conn, true),
                 None => (self.connect().await?, false),
             };
-            request
-                .body()
-                .handed
-                .store(true, std::sync::atomic::Ordering::Release);
+            request.body().asked.handed_to_connection();
             let mut answer = std::pin::pin!(conn.send.try_send_request(request));
             let answer = poll_fn(|cx| {
                 conn.drive(cx);
@@ -425,7 +422,6 @@ mod tests {
             .body(Tracked {
                 body: Full::new(Bytes::from_static(b"{}")),
                 asked: MaybeSent::default(),
-                handed: Arc::default(),
             })
             .unwrap()
     }
@@ -518,7 +514,6 @@ mod tests {
         *large.body_mut() = Tracked {
             body: Full::new(Bytes::from(vec![b'x'; 8 << 20])),
             asked: MaybeSent::default(),
-            handed: Arc::default(),
         };
         let answer = connections.clone().send(large).await.unwrap();
         assert_eq!(answer.status(), 201);

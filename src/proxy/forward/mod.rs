@@ -19,7 +19,7 @@ mod connections;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -114,10 +114,9 @@ impl UpstreamTimeout {
 /// a complete request.
 struct Tracked {
     body: Full<Bytes>,
+    /// Also marked when the request is handed to a connection (`connections`): before that,
+    /// nothing of it can reach the rail, whatever it says of an empty body.
     asked: MaybeSent,
-    /// Set when the request is handed to a connection (`connections`): before that, nothing
-    /// of it can reach the rail, whatever `asked` says of an empty body.
-    handed: Arc<AtomicBool>,
 }
 
 impl hyper::body::Body for Tracked {
@@ -296,12 +295,10 @@ impl Service<FencedRequest> for Forward {
                     }
                 };
                 let started = Instant::now();
-                let handed = request.body().handed.clone();
                 let mut in_flight = InFlight {
                     exchange: Some(Box::pin(this.connections.clone().send(request))),
                     turn,
                     asked: asked.clone(),
-                    handed,
                     counted: Some(this.late.start()),
                     rail: this.clone(),
                 };
@@ -359,9 +356,8 @@ struct InFlight {
     /// `None` once the rail answered or the exchange failed.
     exchange: Option<Exchange>,
     turn: Option<Turn>,
+    /// Whether the request was handed to a connection, and may have been sent.
     asked: MaybeSent,
-    /// The request was handed to a connection.
-    handed: Arc<AtomicBool>,
     /// Counted among the outstanding forwards until the exchange ends.
     counted: Option<LateForward>,
     rail: Arc<Rail>,
@@ -385,7 +381,7 @@ impl InFlight {
             return;
         };
         // Not handed to a connection (still connecting, say): dropping it sends nothing.
-        if !(self.handed.load(Ordering::Acquire) && self.asked.is_set()) {
+        if !(self.asked.was_handed() && self.asked.is_set()) {
             return;
         }
         // Only a runtime shutting down has none; nothing can be waited for then.
@@ -484,7 +480,6 @@ impl Rail {
         let body = Tracked {
             body: Full::new(body),
             asked,
-            handed: Arc::default(),
         };
         Ok(Request::from_parts(parts, body))
     }

@@ -38,28 +38,52 @@ use crate::token::AccountId;
 /// reports that no connection to the rail could be made ([`MaybeSent::never_connected`]),
 /// nothing can have reached the rail, whatever was marked before. That lets an empty-body
 /// request that was marked at hand-off still be forgotten when the rail refuses connections.
+///
+/// The same value also says whether the request was handed to a connection at all
+/// ([`MaybeSent::handed_to_connection`]): a forward whose caller left before that sent
+/// nothing, whatever an empty body's early mark says (one allocation per request for both).
 #[derive(Debug, Clone, Default)]
 pub struct MaybeSent(Arc<AtomicU8>);
 
+/// The sending state, in the low two bits.
+const STATE: u8 = 0b011;
 const UNSENT: u8 = 0;
 const MAYBE: u8 = 1;
 const NEVER_CONNECTED: u8 = 2;
+/// The request was handed to a connection (a bit of its own).
+const HANDED: u8 = 0b100;
 
 impl MaybeSent {
     pub fn set(&self) {
         // Only from "unsent": a request known never to have been connected stays so.
         let _ = self
             .0
-            .compare_exchange(UNSENT, MAYBE, Ordering::AcqRel, Ordering::Acquire);
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                (v & STATE == UNSENT).then_some(v | MAYBE)
+            });
     }
 
     /// The connection to the rail was never made: the request cannot have been received.
     pub fn never_connected(&self) {
-        self.0.store(NEVER_CONNECTED, Ordering::Release);
+        let _ = self
+            .0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                Some((v & !STATE) | NEVER_CONNECTED)
+            });
     }
 
     pub fn is_set(&self) -> bool {
-        self.0.load(Ordering::Acquire) == MAYBE
+        self.0.load(Ordering::Acquire) & STATE == MAYBE
+    }
+
+    /// The request is being handed to a connection: from now on it may leave for the rail.
+    pub fn handed_to_connection(&self) {
+        self.0.fetch_or(HANDED, Ordering::AcqRel);
+    }
+
+    /// Whether the request was handed to a connection.
+    pub fn was_handed(&self) -> bool {
+        self.0.load(Ordering::Acquire) & HANDED != 0
     }
 }
 
@@ -226,6 +250,26 @@ pub(crate) mod tests {
             key: "pay-1".into(),
             owner: "owner-1".into(),
         }
+    }
+
+    #[test]
+    fn the_hand_over_to_a_connection_is_told_apart_from_the_sending_state() {
+        let m = MaybeSent::default();
+        assert!(!m.is_set() && !m.was_handed());
+        m.handed_to_connection();
+        assert!(m.was_handed() && !m.is_set(), "handed is not sent");
+        m.set();
+        assert!(m.is_set() && m.was_handed());
+        m.never_connected();
+        assert!(!m.is_set(), "a connect failure is a fact");
+        m.set();
+        assert!(!m.is_set(), "and stays so");
+        let early = MaybeSent::default();
+        early.set();
+        assert!(
+            early.is_set() && !early.was_handed(),
+            "an empty body's early mark"
+        );
     }
 
     #[test]

@@ -21,7 +21,7 @@
 //! connection: the p50 that railguard adds over the direct path, against one durable commit
 //! (pgbench's p50 at one client).
 
-mod procs;
+pub(crate) mod procs;
 mod profiler;
 mod report;
 mod wrk;

@@ -395,6 +395,11 @@ pub(crate) fn postgres_backend_ticks(postmaster: Option<u32>) -> u64 {
         .sum()
 }
 
+/// CPU ticks (utime + stime) of one process itself; 0 when it cannot be read.
+pub(crate) fn ticks_of(pid: u32) -> u64 {
+    ticks(pid).map_or(0, |(own, _)| own)
+}
+
 fn ticks(pid: u32) -> Option<(u64, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let fields: Vec<&str> = text[text.rfind(')')? + 1..].split_whitespace().collect();

@@ -1,0 +1,681 @@
+//! The `statements` suite: what each of railguard's statements costs PostgreSQL, measured
+//! alone, and what the variants issue 13 asks about would cost instead (its "PostgreSQL's
+//! share": `RETURNING`, `updated_at`, prepared array binds, batch size).
+//!
+//! The wire suite measures PostgreSQL's CPU per request with everything else running on the
+//! same two cores, and cannot say which statement it went to, nor what a statement that
+//! railguard does not run would cost. Here one client runs one statement at a time — as
+//! railguard's batchers do at `fencing.batch_concurrency = 1` — on sessions opened exactly as
+//! railguard opens its own (`db::build_pool`, `build_look_pool`, `build_completion_pool`), with
+//! the statement texts railguard runs (`ADVANCE_BATCH_SQL`, `BATCH_SQL`, `LAST_LOOK_SQL`,
+//! `COMPLETE_SQL`); the
+//! variants are derived from those texts by replacing one part, and a variant whose
+//! replacement no longer matches stops the run instead of measuring the original twice.
+//!
+//! Each phase runs a batch size and a variant for a fixed time; phases are interleaved
+//! round-robin and repeated, and the tables quote medians. CPU is read from `/proc` for the
+//! statement's own backend (the session that ran it) and for the whole server (the WAL writer,
+//! checkpointer and the rest), WAL bytes from `pg_current_wal_insert_lsn()`.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use railguard::db::{build_completion_pool, build_look_pool, build_pool};
+use railguard::proxy::fence::{ADVANCE_BATCH_SQL, BATCH_SQL, LAST_LOOK_SQL};
+use railguard::proxy::idempotency::COMPLETE_SQL;
+use railguard_testkit::Pg;
+use std::fmt::Write as _;
+
+use crate::load::percentile;
+use crate::report::median;
+use crate::wire::procs::{Usage, ticks_of};
+
+/// Accounts of the run are `stmt-1..=accounts`.
+const PREFIX: &str = "stmt-";
+/// How long a statement may take before the run gives up on it.
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone)]
+pub(crate) struct StatementOptions {
+    pub duration: Duration,
+    pub warmup: Duration,
+    pub repeats: u32,
+    pub accounts: u64,
+    /// Rows per statement, one phase group each.
+    pub rows: Vec<usize>,
+    pub pg_settings: Vec<(String, String)>,
+}
+
+/// What one phase runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Variant {
+    /// The fence's compare-and-set as railguard runs a batch without keys.
+    Fence,
+    /// The same without `updated_at = now()`.
+    FenceWithoutUpdatedAt,
+    /// The same without `RETURNING` (railguard cannot do without it: it is the verdict).
+    FenceWithoutReturning,
+    /// The keyed batch's statement with no records, which every batch ran until the tenth
+    /// session of issue 13.
+    RecordsStatementWithoutRecords,
+    /// The fence statement with its rows written into the text as a `VALUES` list, sent
+    /// unprepared: what prepared array binds save.
+    FenceLiteral,
+    /// The last look.
+    Look,
+    /// The fence statement creating a record for every row (a keyed request), then the
+    /// completion of those records on the completion sessions: two statements, each measured.
+    Keyed,
+}
+
+impl Variant {
+    pub(crate) const ALL: [Variant; 7] = [
+        Variant::Fence,
+        Variant::FenceWithoutUpdatedAt,
+        Variant::FenceWithoutReturning,
+        Variant::RecordsStatementWithoutRecords,
+        Variant::FenceLiteral,
+        Variant::Look,
+        Variant::Keyed,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Variant::Fence => "fence statement, no keys (`ADVANCE_BATCH_SQL`)",
+            Variant::FenceWithoutUpdatedAt => "… without `updated_at = now()`",
+            Variant::FenceWithoutReturning => "… without `RETURNING`",
+            Variant::RecordsStatementWithoutRecords => {
+                "the keyed statement (`BATCH_SQL`) with no records, as before"
+            }
+            Variant::FenceLiteral => "… rows as a literal `VALUES` list, unprepared",
+            Variant::Look => "last look",
+            Variant::Keyed => "fence statement with a record per row (keys, `BATCH_SQL`)",
+        }
+    }
+}
+
+/// The statement texts of a run, derived once (a derivation that does not match is an error).
+struct Texts {
+    fence_without_updated_at: String,
+    fence_without_returning: String,
+}
+
+/// `text` with `from` replaced by `to`, which must occur exactly once.
+fn replace_once(text: &str, from: &str, to: &str, what: &str) -> Result<String, String> {
+    match text.matches(from).count() {
+        1 => Ok(text.replacen(from, to, 1)),
+        n => Err(format!(
+            "deriving the variant \"{what}\": {from:?} occurs {n} times in the statement, not once"
+        )),
+    }
+}
+
+impl Texts {
+    fn derive() -> Result<Self, String> {
+        Ok(Self {
+            fence_without_updated_at: replace_once(
+                ADVANCE_BATCH_SQL,
+                ", updated_at = now()",
+                "",
+                "without updated_at",
+            )?,
+            fence_without_returning: replace_once(
+                ADVANCE_BATCH_SQL,
+                "\nRETURNING account_id",
+                "",
+                "without RETURNING",
+            )?,
+        })
+    }
+
+    /// The fence statement with `rows` written in, for the simple protocol.
+    fn literal(&self, rows: &[(String, i64)]) -> Result<String, String> {
+        let values: Vec<String> = rows
+            .iter()
+            .map(|(account, token)| format!("('{account}', {token}::bigint)"))
+            .collect();
+        replace_once(
+            ADVANCE_BATCH_SQL,
+            "unnest($1::text[], $2::bigint[])",
+            &format!("(VALUES {})", values.join(", ")),
+            "literal VALUES",
+        )
+    }
+}
+
+/// One repetition of one phase.
+#[derive(Debug, Clone, Default)]
+struct Sample {
+    statements: u64,
+    rows: u64,
+    seconds: f64,
+    /// CPU seconds of the backend that ran the (first) statement.
+    backend_cpu: f64,
+    /// The completion's backend (keyed phases).
+    completion_cpu: f64,
+    /// All of PostgreSQL.
+    server_cpu: f64,
+    wal_bytes: f64,
+    /// Latency of each statement (the first of a keyed pair), µs, sorted.
+    latencies_us: Vec<u32>,
+    completion_latencies_us: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Phase {
+    variant: Variant,
+    rows: usize,
+}
+
+pub(crate) struct StatementReport {
+    options: StatementOptions,
+    date: String,
+    postgres: String,
+    samples: Vec<(Phase, Vec<Sample>)>,
+}
+
+/// A small fast generator for account picks (not for anything secret).
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// The sessions of a run: one of each kind railguard opens, and their backends.
+struct Sessions {
+    main: deadpool_postgres::Pool,
+    look: deadpool_postgres::Pool,
+    completion: deadpool_postgres::Pool,
+    main_pid: u32,
+    look_pid: u32,
+    completion_pid: u32,
+}
+
+pub(crate) async fn run(options: StatementOptions) -> Result<StatementReport, String> {
+    if options.rows.is_empty() || options.rows.contains(&0) {
+        return Err("--batch-rows needs one or more sizes above 0".into());
+    }
+    let texts = Texts::derive()?;
+    eprintln!("statements: starting PostgreSQL (durable) under /var/tmp");
+    let mut builder = Pg::builder().durable(true).temp_dir_in("/var/tmp");
+    for (name, value) in &options.pg_settings {
+        builder = builder.setting(name, value);
+    }
+    let mut postgres = builder.start().await.map_err(|e| e.to_string())?;
+    let result = with_postgres(&options, &texts, &postgres).await;
+    let version = postgres.version().await;
+    postgres.server.stop().await;
+    let samples = result?;
+    Ok(StatementReport {
+        date: crate::bench::utc_now(),
+        postgres: version,
+        options,
+        samples,
+    })
+}
+
+async fn with_postgres(
+    o: &StatementOptions,
+    texts: &Texts,
+    pg: &Pg,
+) -> Result<Vec<(Phase, Vec<Sample>)>, String> {
+    let url = pg.url();
+    railguard::db::migrate_url(&url, TIMEOUT)
+        .await
+        .map_err(|e| format!("migrating: {e}"))?;
+    let monitor = pg.client_with(&url).await?;
+    monitor
+        .execute(
+            "INSERT INTO rail_high_water (account_id, highest_token)
+             SELECT $1 || g, 1 FROM generate_series(1, $2::bigint) g",
+            &[&PREFIX, &(o.accounts as i64)],
+        )
+        .await
+        .map_err(|e| format!("seeding accounts: {e}"))?;
+    monitor
+        .batch_execute("VACUUM ANALYZE rail_high_water")
+        .await
+        .map_err(|e| format!("vacuum: {e}"))?;
+    let sessions = open_sessions(&url).await?;
+    let mut phases: Vec<(Phase, Vec<Sample>)> = o
+        .rows
+        .iter()
+        .flat_map(|&rows| {
+            Variant::ALL
+                .iter()
+                .map(move |&variant| (Phase { variant, rows }, Vec::new()))
+        })
+        .collect();
+    let seed = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64);
+    let mut state = State {
+        rng: SplitMix(seed),
+        token: 1_000,
+        key: 0,
+    };
+    for round in 1..=o.repeats {
+        for (phase, samples) in &mut phases {
+            eprintln!(
+                "statements: round {round}/{}: {}, {} rows",
+                o.repeats,
+                phase.variant.label(),
+                phase.rows
+            );
+            let _ = measure(
+                o, texts, &sessions, &monitor, pg, *phase, o.warmup, &mut state,
+            )
+            .await?;
+            let sample = measure(
+                o, texts, &sessions, &monitor, pg, *phase, o.duration, &mut state,
+            )
+            .await?;
+            samples.push(sample);
+        }
+    }
+    Ok(phases)
+}
+
+async fn open_sessions(url: &str) -> Result<Sessions, String> {
+    let main = build_pool(url, 1, TIMEOUT).map_err(|e| e.to_string())?;
+    let look = build_look_pool(url, 1, TIMEOUT).map_err(|e| e.to_string())?;
+    let completion = build_completion_pool(url, 1, TIMEOUT).map_err(|e| e.to_string())?;
+    let pid = |pool: deadpool_postgres::Pool| async move {
+        let client = pool.get().await.map_err(|e| e.to_string())?;
+        let row = client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<u32, String>(row.get::<_, i32>(0) as u32)
+    };
+    Ok(Sessions {
+        main_pid: pid(main.clone()).await?,
+        look_pid: pid(look.clone()).await?,
+        completion_pid: pid(completion.clone()).await?,
+        main,
+        look,
+        completion,
+    })
+}
+
+/// What the run's statements draw from.
+struct State {
+    rng: SplitMix,
+    /// Every row of every statement carries a new, higher token: every compare-and-set is
+    /// accepted and moves its row, as a request's does.
+    token: i64,
+    key: u64,
+}
+
+impl State {
+    /// `n` distinct accounts (at most `accounts`), each with a new token.
+    fn rows(&mut self, n: usize, accounts: u64) -> Vec<(String, i64)> {
+        let n = n.min(accounts as usize);
+        let mut picked = std::collections::BTreeSet::new();
+        while picked.len() < n {
+            picked.insert(self.rng.next() % accounts + 1);
+        }
+        picked
+            .into_iter()
+            .map(|a| {
+                self.token += 1;
+                (format!("{PREFIX}{a}"), self.token)
+            })
+            .collect()
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn measure(
+    o: &StatementOptions,
+    texts: &Texts,
+    s: &Sessions,
+    monitor: &tokio_postgres::Client,
+    pg: &Pg,
+    phase: Phase,
+    duration: Duration,
+    state: &mut State,
+) -> Result<Sample, String> {
+    let main = s.main.get().await.map_err(|e| e.to_string())?;
+    let look = s.look.get().await.map_err(|e| e.to_string())?;
+    let completion = s.completion.get().await.map_err(|e| e.to_string())?;
+    let prepared = |text: &str| {
+        let text = text.to_string();
+        let main = &main;
+        async move { main.prepare_cached(&text).await.map_err(|e| e.to_string()) }
+    };
+    let fence = prepared(ADVANCE_BATCH_SQL).await?;
+    let fence_without_updated_at = prepared(&texts.fence_without_updated_at).await?;
+    let fence_without_returning = prepared(&texts.fence_without_returning).await?;
+    let with_records = prepared(BATCH_SQL).await?;
+    let last_look = look
+        .prepare_cached(LAST_LOOK_SQL)
+        .await
+        .map_err(|e| e.to_string())?;
+    let complete = completion
+        .prepare_cached(COMPLETE_SQL)
+        .await
+        .map_err(|e| e.to_string())?;
+    let instance: i64 = 42;
+    let fingerprint = "f".repeat(64);
+    let headers = r#"[["content-type","application/json"],["content-length","27"]]"#.to_string();
+    let body: &[u8] = br#"{"id":"pay-0001","ok":true}"#;
+
+    let wal_before: String = monitor
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .map_err(|e| e.to_string())?
+        .get(0);
+    let server_before = Usage::of(pg.pid());
+    let backend_pid = if phase.variant == Variant::Look {
+        s.look_pid
+    } else {
+        s.main_pid
+    };
+    let backend_before = ticks_of(backend_pid);
+    let completion_before = ticks_of(s.completion_pid);
+    let mut sample = Sample::default();
+    let started = Instant::now();
+    while started.elapsed() < duration {
+        let rows = state.rows(phase.rows, o.accounts);
+        let accounts: Vec<&str> = rows.iter().map(|(a, _)| a.as_str()).collect();
+        let tokens: Vec<i64> = rows.iter().map(|(_, t)| *t).collect();
+        let empty_text: Vec<&str> = Vec::new();
+        let empty_int: Vec<i64> = Vec::new();
+        let at = Instant::now();
+        let returned = match phase.variant {
+            Variant::Fence => main
+                .query(&fence, &[&accounts, &tokens])
+                .await
+                .map(|r| r.len()),
+            Variant::FenceWithoutUpdatedAt => main
+                .query(&fence_without_updated_at, &[&accounts, &tokens])
+                .await
+                .map(|r| r.len()),
+            Variant::FenceWithoutReturning => main
+                .execute(&fence_without_returning, &[&accounts, &tokens])
+                .await
+                .map(|n| n as usize),
+            Variant::RecordsStatementWithoutRecords => main
+                .query(
+                    &with_records,
+                    &[
+                        &accounts,
+                        &tokens,
+                        &empty_text,
+                        &empty_text,
+                        &empty_text,
+                        &empty_int,
+                        &empty_text,
+                        &empty_int,
+                        &instance,
+                    ],
+                )
+                .await
+                .map(|r| r.len()),
+            Variant::FenceLiteral => {
+                let text = texts.literal(&rows)?;
+                main.simple_query(&text).await.map(|messages| {
+                    messages
+                        .iter()
+                        .filter(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(_)))
+                        .count()
+                })
+            }
+            Variant::Look => look.query(&last_look, &[&accounts]).await.map(|r| r.len()),
+            Variant::Keyed => {
+                let keys: Vec<String> = rows
+                    .iter()
+                    .map(|_| {
+                        state.key += 1;
+                        format!("key-{}", state.key)
+                    })
+                    .collect();
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                let owners: Vec<String> = keys.iter().map(|k| format!("owner-{k}")).collect();
+                let owners: Vec<&str> = owners.iter().map(String::as_str).collect();
+                let fingerprints = vec![fingerprint.as_str(); rows.len()];
+                let in_doubt_after_ms = vec![31_000_i64; rows.len()];
+                let created = main
+                    .query(
+                        &with_records,
+                        &[
+                            &accounts,
+                            &tokens,
+                            &accounts,
+                            &keys,
+                            &fingerprints,
+                            &tokens,
+                            &owners,
+                            &in_doubt_after_ms,
+                            &instance,
+                        ],
+                    )
+                    .await
+                    .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
+                if created.len() != 2 * rows.len() {
+                    return Err(format!(
+                        "the keyed fence statement answered {} rows for {} accounts",
+                        created.len(),
+                        rows.len()
+                    ));
+                }
+                let fenced_us = at.elapsed().as_micros() as u32;
+                sample.latencies_us.push(fenced_us);
+                let completed_at = Instant::now();
+                let statuses = vec![201_i16; rows.len()];
+                let headers = vec![headers.as_str(); rows.len()];
+                let bodies = vec![Some(body); rows.len()];
+                let stored = vec![true; rows.len()];
+                let done = completion
+                    .query(
+                        &complete,
+                        &[
+                            &accounts, &keys, &owners, &statuses, &headers, &bodies, &stored,
+                        ],
+                    )
+                    .await
+                    .map_err(|e| format!("the completion: {e}"))?;
+                if done.len() != rows.len() {
+                    return Err(format!(
+                        "the completion stored {} of {} records",
+                        done.len(),
+                        rows.len()
+                    ));
+                }
+                sample
+                    .completion_latencies_us
+                    .push(completed_at.elapsed().as_micros() as u32);
+                sample.statements += 1;
+                sample.rows += rows.len() as u64;
+                continue;
+            }
+        }
+        .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
+        sample.latencies_us.push(at.elapsed().as_micros() as u32);
+        // Every row is accepted (the look reads them all): a statement that answered fewer
+        // rows measured something else.
+        if returned != rows.len() {
+            return Err(format!(
+                "{}: {returned} rows answered for {} accounts",
+                phase.variant.label(),
+                rows.len()
+            ));
+        }
+        sample.statements += 1;
+        sample.rows += rows.len() as u64;
+    }
+    sample.seconds = started.elapsed().as_secs_f64();
+    sample.backend_cpu = ticks_of(backend_pid).saturating_sub(backend_before) as f64 / 100.0;
+    sample.completion_cpu =
+        ticks_of(s.completion_pid).saturating_sub(completion_before) as f64 / 100.0;
+    sample.server_cpu = server_before.until(&Usage::of(pg.pid())).0;
+    sample.wal_bytes = monitor
+        .query_one(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::text::pg_lsn)::float8",
+            &[&wal_before],
+        )
+        .await
+        .map_err(|e| e.to_string())?
+        .get(0);
+    sample.latencies_us.sort_unstable();
+    sample.completion_latencies_us.sort_unstable();
+    Ok(sample)
+}
+
+impl StatementReport {
+    pub(crate) fn to_markdown(&self) -> String {
+        let o = &self.options;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "#### railguard-bench --suite statements, {}\n",
+            self.date
+        );
+        let _ = writeln!(
+            out,
+            "- PostgreSQL: {}, durable (fsync on, synchronous_commit on on the fence's \
+             sessions, off on the completion's, as railguard sets them), throwaway cluster \
+             under /var/tmp{}",
+            self.postgres,
+            if o.pg_settings.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; settings: {}",
+                    o.pg_settings
+                        .iter()
+                        .map(|(n, v)| format!("`{n}={v}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }
+        );
+        let _ = writeln!(
+            out,
+            "- One client, one statement at a time, on sessions opened as railguard opens its \
+             own; {} accounts, every row a new higher token (every compare-and-set accepted); \
+             {} s × {} repetitions per phase interleaved round-robin, {} s warm-up before each\n\
+             - CPU from `/proc`: the backend that ran the statement, and all of PostgreSQL \
+             (backends, WAL writer, checkpointer, …); per row = per statement ÷ rows\n",
+            o.accounts,
+            o.duration.as_secs(),
+            o.repeats,
+            o.warmup.as_secs()
+        );
+        let _ = writeln!(
+            out,
+            "| statement | rows | statements/s | rows/s | p50 µs | backend CPU µs per \
+             statement | per row | all of PostgreSQL µs per row | WAL bytes per row |"
+        );
+        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for (phase, samples) in &self.samples {
+            let m = |f: &dyn Fn(&Sample) -> f64| median(samples.iter().map(f));
+            let per_statement = |cpu: f64, s: &Sample| 1e6 * cpu / (s.statements.max(1) as f64);
+            let per_row = |cpu: f64, s: &Sample| 1e6 * cpu / (s.rows.max(1) as f64);
+            let line = |label: &str,
+                        cpu: &dyn Fn(&Sample) -> f64,
+                        latencies: &dyn Fn(&Sample) -> &Vec<u32>,
+                        all: bool,
+                        out: &mut String| {
+                let _ = writeln!(
+                    out,
+                    "| {label} | {} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} |",
+                    phase.rows,
+                    m(&|s| s.statements as f64 / s.seconds),
+                    m(&|s| s.rows as f64 / s.seconds),
+                    m(&|s| f64::from(percentile(latencies(s), 0.5))),
+                    m(&|s| per_statement(cpu(s), s)),
+                    m(&|s| per_row(cpu(s), s)),
+                    if all {
+                        format!("{:.1}", m(&|s| per_row(s.server_cpu, s)))
+                    } else {
+                        "(above)".to_string()
+                    },
+                    if all {
+                        format!("{:.0}", m(&|s| s.wal_bytes / s.rows.max(1) as f64))
+                    } else {
+                        "(above)".to_string()
+                    },
+                );
+            };
+            line(
+                phase.variant.label(),
+                &|s| s.backend_cpu,
+                &|s| &s.latencies_us,
+                true,
+                &mut out,
+            );
+            if phase.variant == Variant::Keyed {
+                line(
+                    "… then the completion of those records",
+                    &|s| s.completion_cpu,
+                    &|s| &s.completion_latencies_us,
+                    false,
+                    &mut out,
+                );
+            }
+        }
+        let _ = writeln!(out, "\nEvery repetition (statements/s):\n");
+        for (phase, samples) in &self.samples {
+            let rates: Vec<String> = samples
+                .iter()
+                .map(|s| format!("{:.0}", s.statements as f64 / s.seconds))
+                .collect();
+            let _ = writeln!(
+                out,
+                "- {}, {} rows: {}",
+                phase.variant.label(),
+                phase.rows,
+                rates.join(", ")
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_is_derived_from_the_shipped_statement() {
+        let t = Texts::derive().unwrap();
+        assert!(!t.fence_without_updated_at.contains("updated_at"));
+        assert!(!t.fence_without_returning.contains("RETURNING"));
+        assert!(t.fence_without_returning.contains("updated_at"));
+        let literal = t
+            .literal(&[("stmt-1".into(), 5), ("stmt-2".into(), 6)])
+            .unwrap();
+        assert!(!literal.contains('$'), "{literal}");
+        assert!(literal.contains("(VALUES ('stmt-1', 5::bigint), ('stmt-2', 6::bigint))"));
+    }
+
+    #[test]
+    fn a_replacement_that_does_not_match_once_is_an_error() {
+        assert!(replace_once("a b a", "a", "c", "x").is_err());
+        assert!(replace_once("a b", "z", "c", "x").is_err());
+        assert_eq!(replace_once("a b", "b", "c", "x").unwrap(), "a c");
+    }
+
+    #[test]
+    fn rows_are_distinct_sorted_and_carry_rising_tokens() {
+        let mut state = State {
+            rng: SplitMix(7),
+            token: 10,
+            key: 0,
+        };
+        let rows = state.rows(50, 60);
+        assert_eq!(rows.len(), 50);
+        let mut accounts: Vec<&String> = rows.iter().map(|(a, _)| a).collect();
+        accounts.dedup();
+        assert_eq!(accounts.len(), 50);
+        assert!(rows.windows(2).all(|w| w[0].1 < w[1].1));
+        assert_eq!(state.rows(10, 3).len(), 3);
+    }
+}
