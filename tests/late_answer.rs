@@ -191,3 +191,68 @@ async fn a_graceful_stop_waits_for_a_keyed_forward_still_on_its_way() {
         "the keyed request reached the rail before the exit"
     );
 }
+
+/// Found by the second review of the ninth session: a request without a body is marked "may
+/// have been sent" as soon as it is handed on (nothing will ever ask for its body), so one
+/// whose client hung up while railguard was still connecting to the rail went on connecting
+/// without it and was sent after its client had gone. Only a request handed to a connection
+/// goes on without its client now; one still connecting is dropped, and nothing reaches the
+/// rail.
+#[tokio::test]
+async fn a_bodiless_request_whose_client_left_while_connecting_is_never_sent() {
+    use bytes::Bytes;
+    use http_body_util::Full;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::{TcpSocket, TcpStream};
+
+    init_tracing();
+    let pg = Pg::start().await;
+    // A rail that does not accept yet, with its accept queue full: the kernel drops the SYN of
+    // a new connection, and the connecting side tries again a second later.
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(1).unwrap();
+    let rail = listener.local_addr().unwrap();
+    let mut queued = Vec::new();
+    for _ in 0..16 {
+        match tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(rail)).await {
+            Ok(Ok(stream)) => queued.push(stream),
+            _ => break,
+        }
+    }
+    assert!(!queued.is_empty() && queued.len() < 16, "{}", queued.len());
+    let rg = Railguard::start(
+        &pg.url(),
+        &format!("http://{rail}"),
+        &[("RAILGUARD__PROXY__UPSTREAM_CONNECT_TIMEOUT_MS", "5000")],
+    )
+    .await;
+    let request = http::Request::post(rg.proxy_url("/payments"))
+        .header("Fencing-Token", "5")
+        .header("Fencing-Account", "acct-bodiless")
+        .header("Fencing-Proof", rg.proof("acct-bodiless", 5))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let gave_up = tokio::time::timeout(Duration::from_millis(700), rg.http().send(request)).await;
+    assert!(
+        gave_up.is_err(),
+        "the client was to give up while railguard connected"
+    );
+    // The rail accepts now, long enough for railguard's connect to be tried again twice.
+    drop(queued);
+    let mut received = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(4);
+    while let Ok(Ok((mut stream, _))) = tokio::time::timeout_at(deadline, listener.accept()).await {
+        let mut bytes = vec![0; 4096];
+        if let Ok(Ok(n)) =
+            tokio::time::timeout(Duration::from_millis(300), stream.read(&mut bytes)).await
+        {
+            received.extend_from_slice(&bytes[..n]);
+        }
+    }
+    let received = String::from_utf8_lossy(&received);
+    assert!(
+        !received.contains("POST /payments"),
+        "a request whose client had gone reached the rail:\n{received}"
+    );
+}

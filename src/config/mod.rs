@@ -371,6 +371,9 @@ impl Default for DatabaseConfig {
     }
 }
 
+/// The longest `database.timeout_ms` accepted.
+const MAX_DATABASE_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
+
 impl DatabaseConfig {
     fn validate(&self) -> Result<(), Invalid> {
         nonzero("database.pool_size", self.pool_size as u64)?;
@@ -378,6 +381,30 @@ impl DatabaseConfig {
             return Err(("database.pool_size", "must be at most 1024".into()));
         }
         positive("database.timeout_ms", self.timeout)?;
+        // Sessions get twice this as their TCP user timeout, which the kernel takes in
+        // milliseconds as a 32-bit number; a day is far beyond any useful wait.
+        if self.timeout > MAX_DATABASE_TIMEOUT {
+            return Err((
+                "database.timeout_ms",
+                format!(
+                    "must be at most {} (one day)",
+                    MAX_DATABASE_TIMEOUT.as_millis()
+                ),
+            ));
+        }
+        if let DatabaseUrl::Postgres(url) = &self.url
+            && let Some(options) = crate::tls::postgres::options_in(url)
+        {
+            return Err((
+                "database.url",
+                format!(
+                    "must not set options ({options:?}): railguard sets its sessions' options \
+                     itself (statement_timeout, lock_timeout and more) and would replace them; \
+                     set server settings on the role or the database instead \
+                     (ALTER ROLE … SET …)"
+                ),
+            ));
+        }
         if self.url == DatabaseUrl::Embedded && self.data_dir.as_os_str().is_empty() {
             return Err((
                 "database.data_dir",
@@ -1121,6 +1148,32 @@ mod tests {
         )
         .unwrap();
         assert_eq!(config.database.tls_ca_file, "/etc/rg/pg-ca.pem");
+    }
+
+    #[test]
+    fn a_database_timeout_past_a_day_is_refused_with_the_key() {
+        let err = parse("[database]\ntimeout_ms = 1073741824\n", &[]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("database.timeout_ms"));
+        assert_eq!(err.origin, "test.toml");
+        parse("[database]\ntimeout_ms = 86400000\n", &[]).unwrap();
+    }
+
+    #[test]
+    fn options_in_the_database_url_are_refused_not_replaced() {
+        for url in [
+            "postgres://u@127.0.0.1/db?options=-c%20search_path%3Dx",
+            "postgresql://u@127.0.0.1/db?sslmode=disable&options=-csearch_path%3Dx",
+        ] {
+            let text = format!("[database]\nurl = {url:?}\n");
+            let err = parse(&text, &[]).unwrap_err();
+            assert_eq!(err.key.as_deref(), Some("database.url"), "{url}");
+            assert!(err.to_string().contains("search_path"), "{err}");
+        }
+        parse(
+            "[database]\nurl = \"postgres://u@127.0.0.1/db?sslmode=disable\"\n",
+            &[],
+        )
+        .unwrap();
     }
 
     #[test]

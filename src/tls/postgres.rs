@@ -145,6 +145,14 @@ pub fn connect_config(url: &str) -> Result<PgConnect, PgTlsError> {
     Ok(PgConnect { config, tls, mode })
 }
 
+/// The startup `options` a database URL asks for, if it parses and asks for any (the settings
+/// check refuses them: railguard sets the sessions' options itself).
+pub fn options_in(url: &str) -> Option<String> {
+    let (rest, _, _) = split_tls_params(url).ok()?;
+    let config: tokio_postgres::Config = rest.parse().ok()?;
+    config.get_options().map(str::to_string)
+}
+
 /// `url` with `sslrootcert=ca_file` added, unless it names one already or is not a
 /// `postgres://` URL (a key-value string is returned unchanged).
 pub fn with_root_cert(url: &str, ca_file: &Path) -> String {

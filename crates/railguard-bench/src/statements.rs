@@ -31,6 +31,8 @@ use crate::wire::procs::{Usage, ticks_of};
 
 /// Accounts of the run are `stmt-1..=accounts`.
 const PREFIX: &str = "stmt-";
+/// Most accounts the suite seeds (one statement, before the first phase).
+const MAX_ACCOUNTS: u64 = 1_000_000;
 /// How long a statement may take before the run gives up on it.
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -199,6 +201,20 @@ struct Sessions {
 pub(crate) async fn run(options: StatementOptions) -> Result<StatementReport, String> {
     if options.rows.is_empty() || options.rows.contains(&0) {
         return Err("--batch-rows needs one or more sizes above 0".into());
+    }
+    // Rows of one statement are distinct accounts; the report names the size asked for.
+    if let Some(rows) = options.rows.iter().find(|&&r| r as u64 > options.accounts) {
+        return Err(format!(
+            "--batch-rows {rows} is more than --accounts {}: a statement's rows are distinct \
+             accounts",
+            options.accounts
+        ));
+    }
+    if options.accounts > MAX_ACCOUNTS {
+        return Err(format!(
+            "--accounts {} is more than this suite seeds ({MAX_ACCOUNTS})",
+            options.accounts
+        ));
     }
     let texts = Texts::derive()?;
     eprintln!("statements: starting PostgreSQL (durable) under /var/tmp");
@@ -664,7 +680,7 @@ mod tests {
     }
 
     #[test]
-    fn rows_are_distinct_sorted_and_carry_rising_tokens() {
+    fn rows_are_distinct_and_carry_rising_tokens() {
         let mut state = State {
             rng: SplitMix(7),
             token: 10,

@@ -173,7 +173,10 @@ impl RailConnections {
                 Err(mut refused) => match refused.take_message() {
                     // Not one byte of it was written: a connection that had sat idle was
                     // closed under it. Another one may take it.
-                    Some(unsent) if reused => request = unsent,
+                    Some(unsent) if reused => {
+                        unsent.body().asked.taken_back();
+                        request = unsent;
+                    }
                     _ => return Err(refused.into_error().into()),
                 },
             }

@@ -81,6 +81,12 @@ impl MaybeSent {
         self.0.fetch_or(HANDED, Ordering::AcqRel);
     }
 
+    /// The connection handed the request back unwritten: until another takes it, nothing of
+    /// it can leave.
+    pub fn taken_back(&self) {
+        self.0.fetch_and(!HANDED, Ordering::AcqRel);
+    }
+
     /// Whether the request was handed to a connection.
     pub fn was_handed(&self) -> bool {
         self.0.load(Ordering::Acquire) & HANDED != 0
@@ -264,6 +270,8 @@ pub(crate) mod tests {
         assert!(!m.is_set(), "a connect failure is a fact");
         m.set();
         assert!(!m.is_set(), "and stays so");
+        m.taken_back();
+        assert!(!m.was_handed(), "handed back unwritten");
         let early = MaybeSent::default();
         early.set();
         assert!(
