@@ -311,14 +311,14 @@ impl Connection {
 
 /// A small, fast, seedable generator for picking accounts; statistical quality beyond
 /// "uniform enough" does not matter here.
-struct SplitMix64(u64);
+pub(crate) struct SplitMix64(u64);
 
 impl SplitMix64 {
-    fn new(stream: u64) -> Self {
+    pub(crate) fn new(stream: u64) -> Self {
         Self(stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03)
     }
 
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -327,7 +327,7 @@ impl SplitMix64 {
     }
 
     /// Uniform in `0..n` (Lemire's multiply-shift; the bias is below 2^-40 for our `n`).
-    fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         ((u128::from(self.next()) * u128::from(n.max(1))) >> 64) as u64
     }
 }

@@ -67,6 +67,17 @@ pub(crate) struct Report {
     pub rss: Option<Result<RssResult, String>>,
 }
 
+/// PostgreSQL settings given with `--pg-setting`, as a report prints them; `None` when none.
+pub(crate) fn pg_settings_text(settings: &[(String, String)]) -> Option<String> {
+    (!settings.is_empty()).then(|| {
+        settings
+            .iter()
+            .map(|(n, v)| format!("`{n}={v}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    })
+}
+
 /// The median of the values; the mean of the middle two for an even count.
 pub(crate) fn median(values: impl IntoIterator<Item = f64>) -> f64 {
     let mut values: Vec<f64> = values.into_iter().collect();

@@ -25,7 +25,7 @@ use railguard::proxy::idempotency::COMPLETE_SQL;
 use railguard_testkit::Pg;
 use std::fmt::Write as _;
 
-use crate::load::percentile;
+use crate::load::{SplitMix64, percentile};
 use crate::report::median;
 use crate::wire::procs::{Usage, ticks_of};
 
@@ -175,19 +175,6 @@ pub(crate) struct StatementReport {
     samples: Vec<(Phase, Vec<Sample>)>,
 }
 
-/// A small fast generator for account picks (not for anything secret).
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
 /// The sessions of a run: one of each kind railguard opens, and their backends.
 struct Sessions {
     main: deadpool_postgres::Pool,
@@ -271,7 +258,7 @@ async fn with_postgres(
         .duration_since(UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64);
     let mut state = State {
-        rng: SplitMix(seed),
+        rng: SplitMix64::new(seed),
         token: 1_000,
         key: 0,
     };
@@ -321,7 +308,7 @@ async fn open_sessions(url: &str) -> Result<Sessions, String> {
 
 /// What the run's statements draw from.
 struct State {
-    rng: SplitMix,
+    rng: SplitMix64,
     /// Every row of every statement carries a new, higher token: every compare-and-set is
     /// accepted and moves its row, as a request's does.
     token: i64,
@@ -334,7 +321,7 @@ impl State {
         let n = n.min(accounts as usize);
         let mut picked = std::collections::BTreeSet::new();
         while picked.len() < n {
-            picked.insert(self.rng.next() % accounts + 1);
+            picked.insert(self.rng.below(accounts) + 1);
         }
         picked
             .into_iter()
@@ -559,18 +546,9 @@ impl StatementReport {
              sessions, off on the completion's, as railguard sets them), throwaway cluster \
              under /var/tmp{}",
             self.postgres,
-            if o.pg_settings.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "; settings: {}",
-                    o.pg_settings
-                        .iter()
-                        .map(|(n, v)| format!("`{n}={v}`"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            }
+            crate::report::pg_settings_text(&o.pg_settings)
+                .map(|text| format!("; settings: {text}"))
+                .unwrap_or_default()
         );
         let _ = writeln!(
             out,
@@ -682,7 +660,7 @@ mod tests {
     #[test]
     fn rows_are_distinct_and_carry_rising_tokens() {
         let mut state = State {
-            rng: SplitMix(7),
+            rng: SplitMix64::new(7),
             token: 10,
             key: 0,
         };

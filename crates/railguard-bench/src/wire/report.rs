@@ -102,15 +102,8 @@ impl WireReport {
             out,
             "- PostgreSQL: {}, durable (fsync on, synchronous_commit on), throwaway cluster under /var/tmp; settings: {}",
             self.postgres,
-            if o.pg_settings.is_empty() {
-                "the defaults".to_string()
-            } else {
-                o.pg_settings
-                    .iter()
-                    .map(|(n, v)| format!("`{n}={v}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            }
+            crate::report::pg_settings_text(&o.pg_settings)
+                .unwrap_or_else(|| "the defaults".to_string())
         );
         let _ = writeln!(
             out,
