@@ -498,3 +498,83 @@ async fn an_empty_body_payment_to_a_rail_that_refuses_connections_leaves_no_reco
     assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.body);
     assert_eq!(rail.ledger().len(), 1);
 }
+
+/// Found by the tenth session's review: the record of a request that never reached the rail
+/// was deleted with one attempt, so a database that did not answer at that moment left it in
+/// flight — a retry with the same key was refused (`in_flight`, then `in_doubt`) although the
+/// rail never saw the payment. The delete is retried in the background until the database
+/// takes it.
+#[tokio::test]
+async fn an_unsent_requests_record_goes_once_the_database_answers_again() {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    // A rail that never accepts, its accept queue full: connecting to it times out, and the
+    // request is known not to have been sent.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(1).unwrap();
+    let rail = listener.local_addr().unwrap();
+    let mut queued = Vec::new();
+    for _ in 0..16 {
+        match tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(rail)).await {
+            Ok(Ok(stream)) => queued.push(stream),
+            _ => break,
+        }
+    }
+    let rg = Railguard::start(
+        &pg.url(),
+        &format!("http://{rail}"),
+        &[("RAILGUARD__PROXY__UPSTREAM_CONNECT_TIMEOUT_MS", "1500")],
+    )
+    .await;
+    let http = rg.http();
+    let paying = {
+        let (http, rg_url, proof) = (
+            http.clone(),
+            rg.proxy_url("/payments"),
+            rg.proof("acct-unsent", 5),
+        );
+        tokio::spawn(async move {
+            http.pay(
+                &rg_url,
+                &[
+                    ("Fencing-Token", "5"),
+                    ("Fencing-Account", "acct-unsent"),
+                    ("Fencing-Proof", &proof),
+                    ("Idempotency-Key", "k-unsent"),
+                ],
+                "{}",
+            )
+            .await
+        })
+    };
+    // The record is made with the compare-and-set; once the forward is connecting, the
+    // database stops (a clean stop: a statement sent to it is never run).
+    for _ in 0..250 {
+        if record_state(&pg, "acct-unsent", "k-unsent").await.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    pg.server.stop().await;
+    let refused = paying.await.unwrap();
+    assert_eq!(refused.status, StatusCode::BAD_GATEWAY, "{}", refused.body);
+    assert!(refused.body.contains("not sent"), "{}", refused.body);
+    // The first delete meets the stopped database.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    pg.server.start().await.unwrap();
+    let mut state = record_state(&pg, "acct-unsent", "k-unsent").await;
+    for _ in 0..200 {
+        if state.is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        state = record_state(&pg, "acct-unsent", "k-unsent").await;
+    }
+    assert_eq!(
+        state, None,
+        "the record of a request that never reached the rail is removed once the database answers"
+    );
+    drop(queued);
+}

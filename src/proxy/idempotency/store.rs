@@ -113,6 +113,8 @@ const OUTCOME_RETRY_FOR: Duration = Duration::from_secs(3600);
 enum Outcome {
     Done(StoredResponse),
     InDoubt,
+    /// The request never reached the rail: the record goes.
+    Unsent,
 }
 
 impl IdempotencyStore {
@@ -355,6 +357,18 @@ impl IdempotencyStore {
                         store.complete(&account, &key, &owner, response).await
                     }
                     Outcome::InDoubt => store.declare_in_doubt(&account, &key, &owner).await,
+                    Outcome::Unsent => {
+                        let record = RecordId {
+                            account: account.clone(),
+                            key: key.clone(),
+                            owner: owner.clone(),
+                        };
+                        store.delete_if_unsent(&record).await.map(|n| {
+                            tracing::info!(account = %account, records = n,
+                                "removed the idempotency record of a request that never \
+                                 reached the rail");
+                        })
+                    }
                 };
                 match stored {
                     Ok(()) => break,
@@ -378,35 +392,51 @@ impl IdempotencyStore {
         });
     }
 
-    /// Deletes, in the background and within the database timeout, a record whose request
-    /// is known never to have reached the rail. A failure only leaves the record to be in doubt
-    /// once its owner's deadline passes, which refuses a retry but never repeats a payment.
+    /// Deletes, in the background, a record whose request is known never to have reached the
+    /// rail, so that a retry is forwarded rather than refused. The first attempt is one a
+    /// graceful stop waits for (within the database timeout); one that fails is retried in the
+    /// background until the database takes it, as completions are. Should that never happen
+    /// (the process stops first), the record is in doubt once its owner's deadline passes,
+    /// which refuses a retry but never repeats a payment.
     fn delete_unsent(&self, record: RecordId) {
         let store = self.clone();
         let running = self.unanswered.start();
         tokio::spawn(async move {
-            let _running = running;
-            let deleted = store
-                .bounded(async {
-                    let client = store.client().await?;
-                    Ok(client
-                        .execute(
-                            "DELETE FROM idempotency_record
-                             WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3
-                               AND state = 'in_flight'",
-                            &[&record.account.as_str(), &record.key, &record.owner],
-                        )
-                        .await?)
-                })
-                .await;
+            let deleted = store.delete_if_unsent(&record).await;
+            drop(running);
             match deleted {
                 Ok(n) => tracing::info!(account = %record.account, records = n,
                     "removed the idempotency record of a request that never reached the rail"),
-                Err(e) => tracing::warn!(account = %record.account, error = %e,
-                    "could not remove the idempotency record of an unsent request; a retry \
-                     will find it in doubt"),
+                Err(e) => {
+                    tracing::warn!(account = %record.account, error = %e,
+                        "could not remove the idempotency record of an unsent request yet; \
+                         retrying in the background (a retry meanwhile is told in_flight)");
+                    let RecordId {
+                        account,
+                        key,
+                        owner,
+                    } = record;
+                    store.store_eventually(account, key, owner, Outcome::Unsent);
+                }
             }
         });
+    }
+
+    /// The delete itself, within the database timeout: only the owner's record, and only
+    /// while it is still in flight.
+    async fn delete_if_unsent(&self, record: &RecordId) -> Result<u64, DbError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            Ok(client
+                .execute(
+                    "DELETE FROM idempotency_record
+                     WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3
+                       AND state = 'in_flight'",
+                    &[&record.account.as_str(), &record.key, &record.owner],
+                )
+                .await?)
+        })
+        .await
     }
 
     /// The operator's way out of `in_doubt`: deletes the record only if nothing railguard
