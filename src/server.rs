@@ -291,6 +291,7 @@ pub async fn run(
     let credentials_watch = auth
         .as_ref()
         .map(|auth| auth.watch(config.auth.reload_interval));
+    let outcomes_pending = metrics.outcomes_pending.clone();
     let admin = Admin {
         metrics,
         guard: locks.guard.clone(),
@@ -378,7 +379,7 @@ pub async fn run(
     }
     // A statement still unanswered may yet commit: a compare-and-set that does so after this
     // process is gone leaves the record of a request that was never forwarded in flight, and
-    // then in doubt. Its answer, and the removal of that record, are waited for.
+    // then in doubt. Its answer, and the first attempt to remove that record, are waited for.
     if unanswered.count() > 0 {
         tracing::info!(
             statements = unanswered.count(),
@@ -395,6 +396,17 @@ pub async fn run(
              that commits later leaves its idempotency record in flight, then in doubt, though \
              its request was refused (503) and never forwarded; `railguard idempotency-forget` \
              clears such a record once this process has stopped"
+        );
+    }
+    // Outcomes still retried in the background (the database was unreachable) end with the
+    // process: their records stay in flight, then in doubt.
+    let pending = outcomes_pending.get();
+    if pending > 0 {
+        tracing::warn!(
+            outcomes = pending,
+            "stopping with idempotency outcomes not stored yet (answers to store, records to \
+             declare in doubt or remove): their records stay in flight and become in doubt; a \
+             repeat of such a request is refused, never forwarded twice"
         );
     }
     let _ = lock_task.await;

@@ -507,9 +507,37 @@ async fn an_empty_body_payment_to_a_rail_that_refuses_connections_leaves_no_reco
 #[tokio::test]
 async fn an_unsent_requests_record_goes_once_the_database_answers_again() {
     init_tracing();
+    let state = unsent_record_after_an_outage(Duration::from_millis(700), "10000").await;
+    assert_eq!(
+        state, None,
+        "the record of a request that never reached the rail is removed once the database answers"
+    );
+}
+
+/// Found by the second review of that change: past its owner's deadline a record is reported
+/// in doubt, which holds until an operator lifts it; a delete retried after that must not
+/// lift it on its own.
+#[tokio::test]
+async fn an_unsent_requests_record_stays_in_doubt_once_its_deadline_has_passed() {
+    init_tracing();
+    // Request deadline 2 s: the record is in doubt about 5 s after it was made (the deadline,
+    // the database timeout and a second); the database is back after that.
+    let state = unsent_record_after_an_outage(Duration::from_millis(6000), "2000").await;
+    assert_eq!(
+        state.as_deref(),
+        Some("in_flight"),
+        "a record past its deadline (reported in doubt) is left for an operator"
+    );
+}
+
+/// A keyed payment whose forward cannot connect (a rail whose accept queue is full), with
+/// PostgreSQL stopped cleanly while it connects and started again `outage` after the answer;
+/// the record's stored state a few seconds later (`None`: removed).
+async fn unsent_record_after_an_outage(
+    outage: Duration,
+    request_timeout_ms: &str,
+) -> Option<String> {
     let mut pg = Pg::start().await;
-    // A rail that never accepts, its accept queue full: connecting to it times out, and the
-    // request is known not to have been sent.
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let listener = socket.listen(1).unwrap();
@@ -524,19 +552,21 @@ async fn an_unsent_requests_record_goes_once_the_database_answers_again() {
     let rg = Railguard::start(
         &pg.url(),
         &format!("http://{rail}"),
-        &[("RAILGUARD__PROXY__UPSTREAM_CONNECT_TIMEOUT_MS", "1500")],
+        &[
+            ("RAILGUARD__PROXY__UPSTREAM_CONNECT_TIMEOUT_MS", "1500"),
+            ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", request_timeout_ms),
+        ],
     )
     .await;
-    let http = rg.http();
     let paying = {
-        let (http, rg_url, proof) = (
-            http.clone(),
+        let (http, url, proof) = (
+            rg.http(),
             rg.proxy_url("/payments"),
             rg.proof("acct-unsent", 5),
         );
         tokio::spawn(async move {
             http.pay(
-                &rg_url,
+                &url,
                 &[
                     ("Fencing-Token", "5"),
                     ("Fencing-Account", "acct-unsent"),
@@ -549,32 +579,36 @@ async fn an_unsent_requests_record_goes_once_the_database_answers_again() {
         })
     };
     // The record is made with the compare-and-set; once the forward is connecting, the
-    // database stops (a clean stop: a statement sent to it is never run).
+    // database stops (a clean stop: a statement sent to it later is never run).
+    let mut made = false;
     for _ in 0..250 {
         if record_state(&pg, "acct-unsent", "k-unsent").await.is_some() {
+            made = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert!(made, "the compare-and-set made the record");
     tokio::time::sleep(Duration::from_millis(300)).await;
     pg.server.stop().await;
+    assert!(
+        !paying.is_finished(),
+        "the forward was still connecting when the database stopped: the first delete meets it"
+    );
     let refused = paying.await.unwrap();
     assert_eq!(refused.status, StatusCode::BAD_GATEWAY, "{}", refused.body);
     assert!(refused.body.contains("not sent"), "{}", refused.body);
-    // The first delete meets the stopped database.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(outage).await;
     pg.server.start().await.unwrap();
+    // Background retries back off to at most 5 s between attempts.
     let mut state = record_state(&pg, "acct-unsent", "k-unsent").await;
-    for _ in 0..200 {
+    for _ in 0..140 {
         if state.is_none() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
         state = record_state(&pg, "acct-unsent", "k-unsent").await;
     }
-    assert_eq!(
-        state, None,
-        "the record of a request that never reached the rail is removed once the database answers"
-    );
     drop(queued);
+    state
 }

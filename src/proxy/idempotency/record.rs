@@ -42,6 +42,8 @@ use crate::token::AccountId;
 /// The same value also says whether the request was handed to a connection at all
 /// ([`MaybeSent::handed_to_connection`]): a forward whose caller left before that sent
 /// nothing, whatever an empty body's early mark says (one allocation per request for both).
+/// That bit, unlike the sending state, is cleared when a connection hands the request back
+/// unwritten ([`MaybeSent::taken_back`]).
 #[derive(Debug, Clone, Default)]
 pub struct MaybeSent(Arc<AtomicU8>);
 

@@ -395,8 +395,8 @@ impl IdempotencyStore {
     /// Deletes, in the background, a record whose request is known never to have reached the
     /// rail, so that a retry is forwarded rather than refused. The first attempt is one a
     /// graceful stop waits for (within the database timeout); one that fails is retried in the
-    /// background until the database takes it, as completions are. Should that never happen
-    /// (the process stops first), the record is in doubt once its owner's deadline passes,
+    /// background until the database takes it, as completions are, but deletes only before the
+    /// owner's deadline. Past it (or should the process stop first) the record is in doubt,
     /// which refuses a retry but never repeats a payment.
     fn delete_unsent(&self, record: RecordId) {
         let store = self.clone();
@@ -422,8 +422,11 @@ impl IdempotencyStore {
         });
     }
 
-    /// The delete itself, within the database timeout: only the owner's record, and only
-    /// while it is still in flight.
+    /// The delete itself, within the database timeout: only the owner's record, only while
+    /// it is still in flight, and only before its owner's deadline (`in_doubt_at`). Past that a
+    /// reader may already have been told the record is in doubt, which holds for good: only
+    /// an operator lifts it (`idempotency-forget`), so a delete that comes too late changes
+    /// nothing, and is not tried again.
     async fn delete_if_unsent(&self, record: &RecordId) -> Result<u64, DbError> {
         self.bounded(async {
             let client = self.client().await?;
@@ -431,7 +434,7 @@ impl IdempotencyStore {
                 .execute(
                     "DELETE FROM idempotency_record
                      WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3
-                       AND state = 'in_flight'",
+                       AND state = 'in_flight' AND now() <= COALESCE(in_doubt_at, created_at)",
                     &[&record.account.as_str(), &record.key, &record.owner],
                 )
                 .await?)
