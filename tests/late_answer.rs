@@ -203,27 +203,15 @@ async fn a_bodiless_request_whose_client_left_while_connecting_is_never_sent() {
     use bytes::Bytes;
     use http_body_util::Full;
     use tokio::io::AsyncReadExt;
-    use tokio::net::{TcpSocket, TcpStream};
 
     init_tracing();
     let pg = Pg::start().await;
     // A rail that does not accept yet, with its accept queue full: the kernel drops the SYN of
     // a new connection, and the connecting side tries again a second later.
-    let socket = TcpSocket::new_v4().unwrap();
-    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let listener = socket.listen(1).unwrap();
-    let rail = listener.local_addr().unwrap();
-    let mut queued = Vec::new();
-    for _ in 0..16 {
-        match tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(rail)).await {
-            Ok(Ok(stream)) => queued.push(stream),
-            _ => break,
-        }
-    }
-    assert!(!queued.is_empty() && queued.len() < 16, "{}", queued.len());
+    let mut rail = support::FullRail::start().await;
     let rg = Railguard::start(
         &pg.url(),
-        &format!("http://{rail}"),
+        &rail.url(),
         &[("RAILGUARD__PROXY__UPSTREAM_CONNECT_TIMEOUT_MS", "5000")],
     )
     .await;
@@ -239,10 +227,12 @@ async fn a_bodiless_request_whose_client_left_while_connecting_is_never_sent() {
         "the client was to give up while railguard connected"
     );
     // The rail accepts now, long enough for railguard's connect to be tried again twice.
-    drop(queued);
+    rail.release();
     let mut received = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(4);
-    while let Ok(Ok((mut stream, _))) = tokio::time::timeout_at(deadline, listener.accept()).await {
+    while let Ok(Ok((mut stream, _))) =
+        tokio::time::timeout_at(deadline, rail.listener.accept()).await
+    {
         let mut bytes = vec![0; 4096];
         if let Ok(Ok(n)) =
             tokio::time::timeout(Duration::from_millis(300), stream.read(&mut bytes)).await

@@ -538,20 +538,10 @@ async fn unsent_record_after_an_outage(
     request_timeout_ms: &str,
 ) -> Option<String> {
     let mut pg = Pg::start().await;
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let listener = socket.listen(1).unwrap();
-    let rail = listener.local_addr().unwrap();
-    let mut queued = Vec::new();
-    for _ in 0..16 {
-        match tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(rail)).await {
-            Ok(Ok(stream)) => queued.push(stream),
-            _ => break,
-        }
-    }
+    let rail = support::FullRail::start().await;
     let rg = Railguard::start(
         &pg.url(),
-        &format!("http://{rail}"),
+        &rail.url(),
         &[
             ("RAILGUARD__PROXY__UPSTREAM_CONNECT_TIMEOUT_MS", "1500"),
             ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", request_timeout_ms),
@@ -609,6 +599,6 @@ async fn unsent_record_after_an_outage(
         tokio::time::sleep(Duration::from_millis(50)).await;
         state = record_state(&pg, "acct-unsent", "k-unsent").await;
     }
-    drop(queued);
+    drop(rail);
     state
 }

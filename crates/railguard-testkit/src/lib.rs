@@ -21,6 +21,7 @@
 //! [`LaunchError`] it can report.
 
 pub mod etcd;
+mod full_rail;
 mod http;
 mod pg;
 mod pki;
@@ -36,6 +37,7 @@ mod tls_front;
 mod world;
 
 pub use etcd::{EtcdBuilder, EtcdCluster};
+pub use full_rail::FullRail;
 pub use http::{Http, Reply};
 pub use pg::{Pg, PgBuilder, without_startup_settings};
 pub use pki::{Issued, Pki};
