@@ -158,6 +158,9 @@ pub(crate) struct Sample {
     pub proxy_cpu: f64,
     pub proxy_switches: u64,
     pub upstream_cpu: f64,
+    /// CPU seconds of the load generator (wrk), read from this process's reaped children when
+    /// wrk has exited; `None` when a profiler (also a reaped child) ran in the same window.
+    pub load_cpu: Option<f64>,
     /// All of PostgreSQL: backends, background processes, reaped children.
     pub postgres_cpu: f64,
     /// PostgreSQL's live client backends only: the statements' own cost (railguard phases).
@@ -375,6 +378,7 @@ async fn measure_all(
             config
         },
         samples,
+        cpus: std::thread::available_parallelism().map_or(2, usize::from),
         table_scans: Vec::new(),
         top_statements: Vec::new(),
     })
@@ -456,6 +460,7 @@ async fn measure(
         }
         _ => None,
     };
+    let profiled = profile.is_some();
     let result = wrk(duration, run_id.to_string()).run().await;
     if let Some(profile) = profile {
         profile.finish().await;
@@ -506,6 +511,7 @@ async fn measure(
         proxy_cpu,
         proxy_switches,
         upstream_cpu,
+        load_cpu: (!profiled).then_some(machine.reaped_children_secs),
         postgres_cpu: machine.postgres_secs,
         postgres_backend_cpu: after.3.saturating_sub(before.3) as f64 / 100.0,
         machine_busy: machine.machine_busy,

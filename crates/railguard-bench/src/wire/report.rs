@@ -15,6 +15,8 @@ pub(crate) struct WireReport {
     pub stale_accounts: u64,
     pub proxy_config: Config,
     pub samples: Vec<(Phase, Vec<Sample>)>,
+    /// CPUs of the machine every process of the run shared.
+    pub cpus: usize,
     /// How PostgreSQL read railguard's tables over the whole run, read once every railguard
     /// process had stopped (a backend reports its counts when it exits).
     pub table_scans: Vec<TableScans>,
@@ -57,6 +59,8 @@ struct Medians {
     proxy_us: f64,
     switches: f64,
     upstream_us: f64,
+    /// wrk's CPU per request; `None` when no repetition could measure it (profiled runs).
+    load_us: Option<f64>,
     postgres_us: f64,
     postgres_backend_us: f64,
     busy: f64,
@@ -73,6 +77,13 @@ fn medians(samples: &[Sample]) -> Medians {
         proxy_us: m(&|s| per_request_us(s.proxy_cpu, s.requests)),
         switches: m(&|s| s.proxy_switches as f64 / s.requests.max(1) as f64),
         upstream_us: m(&|s| per_request_us(s.upstream_cpu, s.requests)),
+        load_us: {
+            let measured: Vec<f64> = samples
+                .iter()
+                .filter_map(|s| s.load_cpu.map(|cpu| per_request_us(cpu, s.requests)))
+                .collect();
+            (!measured.is_empty()).then(|| median(measured))
+        },
         postgres_us: m(&|s| per_request_us(s.postgres_cpu, s.requests)),
         postgres_backend_us: m(&|s| per_request_us(s.postgres_backend_cpu, s.requests)),
         busy: m(&|s| s.machine_busy),
@@ -139,7 +150,7 @@ impl WireReport {
             out,
             "- CPU and context switches per request: from `/proc` of each process (nginx: master \
              and workers), divided by the requests wrk counted; PostgreSQL: the postmaster and \
-             all its backends"
+             all its backends; wrk: its own time, read once it has exited"
         );
         let scans: Vec<String> = self
             .table_scans
@@ -166,12 +177,12 @@ impl WireReport {
         let direct = self.find(Route::Direct, true, false, o.connections);
         let _ = writeln!(
             out,
-            "| phase ({} connections) | req/s | × nginx | × direct | p50 ms | p99 ms | proxy CPU µs/req | × nginx | proxy ctx sw/req | PostgreSQL CPU µs/req, all | of which its sessions | rows per CAS statement | upstream CPU µs/req | machine busy | flagged |",
+            "| phase ({} connections) | req/s | × nginx | × direct | p50 ms | p99 ms | proxy CPU µs/req | × nginx | proxy ctx sw/req | PostgreSQL CPU µs/req, all | of which its sessions | rows per CAS statement | upstream CPU µs/req | wrk CPU µs/req | machine busy | flagged |",
             o.connections
         );
         let _ = writeln!(
             out,
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for (phase, samples) in self
             .samples
@@ -189,7 +200,7 @@ impl WireReport {
             );
             let _ = writeln!(
                 out,
-                "| {} | {:.0} | {} | {} | {:.2} | {:.2} | {} | {} | {} | {:.1} | {} | {} | {} | {:.0}% | {} |",
+                "| {} | {:.0} | {} | {} | {:.2} | {:.2} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {:.0}% | {} |",
                 phase.label(),
                 m.rate,
                 ratio(m.rate, nginx.map(|n| n.rate)),
@@ -227,6 +238,7 @@ impl WireReport {
                 } else {
                     format!("{:.1}", m.upstream_us)
                 },
+                m.load_us.map_or("—".into(), |us| format!("{us:.1}")),
                 m.busy * 100.0,
                 m.flagged,
             );
@@ -256,6 +268,7 @@ impl WireReport {
             }
         }
         self.targets(&mut out);
+        self.budgets(&mut out);
         self.repetitions(&mut out);
         out
     }
@@ -341,6 +354,52 @@ impl WireReport {
         }
     }
 
+    /// What the machine leaves railguard and PostgreSQL per request at the throughput targets:
+    /// every process of the run shares the same CPUs, so a target rate fixes the CPU there is
+    /// per request, and wrk and the upstream take their part of it first.
+    fn budgets(&self, out: &mut String) {
+        let c = self.options.connections;
+        let Some(nginx) = self.find(Route::Nginx, true, false, c) else {
+            return;
+        };
+        let targets = [
+            (
+                "fenced with keys ≥ 0.6× nginx",
+                0.6,
+                self.find(Route::Fenced, true, false, c),
+            ),
+            (
+                "fencing off ≥ 0.8× nginx",
+                0.8,
+                self.find(Route::RailguardOff, false, false, c),
+            ),
+        ];
+        let _ = writeln!(
+            out,
+            "\nWhat the machine leaves railguard and PostgreSQL at the throughput targets: at a \
+             target rate the {} CPUs give every process of the run together {} × 10⁶ ÷ rate µs \
+             per request; wrk and the upstream take theirs first (the lower of what they cost \
+             per request in the phase itself and in the nginx phase, which ran faster). What is \
+             left bounds what railguard and PostgreSQL may spend together, from above.\n\n\
+             | target | req/s needed | machine CPU µs/req | wrk + upstream µs/req | left for railguard + PostgreSQL µs/req | this run: railguard µs/req | this run: PostgreSQL µs/req |\n\
+             |---|---:|---:|---:|---:|---:|---:|",
+            self.cpus, self.cpus
+        );
+        for (what, share, phase) in targets {
+            let Some(phase) = phase else { continue };
+            let (Some(load), Some(nginx_load)) = (phase.load_us, nginx.load_us) else {
+                continue;
+            };
+            let taken = (load + phase.upstream_us).min(nginx_load + nginx.upstream_us);
+            let b = Budget::at(self.cpus, share * nginx.rate, taken);
+            let _ = writeln!(
+                out,
+                "| {what} | {:.0} | {:.1} | {taken:.1} | {:.1} | {:.1} | {:.1} |",
+                b.rate, b.machine_us, b.left_us, phase.proxy_us, phase.postgres_us
+            );
+        }
+    }
+
     fn repetitions(&self, out: &mut String) {
         if !self.top_statements.is_empty() {
             let _ = writeln!(
@@ -387,6 +446,26 @@ impl WireReport {
     }
 }
 
+/// The CPU a machine has per request at a rate, and what is left of it once the processes that
+/// are not under test (load generator, upstream) have taken `taken_us` per request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Budget {
+    rate: f64,
+    machine_us: f64,
+    left_us: f64,
+}
+
+impl Budget {
+    fn at(cpus: usize, rate: f64, taken_us: f64) -> Self {
+        let machine_us = cpus as f64 * 1e6 / rate.max(1e-9);
+        Self {
+            rate,
+            machine_us,
+            left_us: machine_us - taken_us,
+        }
+    }
+}
+
 fn nginx_version() -> String {
     std::process::Command::new("/usr/sbin/nginx")
         .arg("-v")
@@ -399,4 +478,22 @@ fn nginx_version() -> String {
                 .to_string()
         })
         .unwrap_or_else(|| "?".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_budget_is_the_machines_cpu_per_request_less_what_others_take() {
+        // 2 CPUs at 40,000 req/s: 50 µs per request for everything; wrk and the upstream at
+        // 21 µs leave 29.
+        let b = Budget::at(2, 40_000.0, 21.0);
+        assert!((b.machine_us - 50.0).abs() < 1e-9, "{b:?}");
+        assert!((b.left_us - 29.0).abs() < 1e-9, "{b:?}");
+        // Twice the rate halves what each request may cost.
+        let faster = Budget::at(2, 80_000.0, 21.0);
+        assert!((faster.machine_us - 25.0).abs() < 1e-9, "{faster:?}");
+        assert!(faster.left_us < 5.0, "{faster:?}");
+    }
 }
