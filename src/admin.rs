@@ -26,7 +26,7 @@ use crate::http::{ResponseBody, full};
 use crate::lock::guard::{SourceGuard, Verdict};
 use crate::metrics::Metrics;
 use crate::proxy::fence::HighWaterStore;
-use crate::proxy::idempotency::{Forgot, IdempotencyStore};
+use crate::proxy::idempotency::{Forgot, IdempotencyStore, InstanceId};
 use crate::token::AccountId;
 
 #[derive(Clone)]
@@ -72,6 +72,10 @@ struct MarkRequest {
 struct ForgetRequest {
     account: String,
     key: String,
+    /// The operator's word that the railguard process of this instance has stopped; heard
+    /// only when PostgreSQL cannot tell (`IdempotencyStore::forget_in_doubt`).
+    #[serde(default)]
+    owner_stopped: Option<i64>,
 }
 
 fn reply(status: StatusCode, content_type: &'static str, body: String) -> Response<ResponseBody> {
@@ -311,15 +315,28 @@ impl Admin {
             Ok(account) => account,
             Err(why) => return bad_request(why),
         };
-        let (status, message) = match self.idempotency.forget_in_doubt(&account, &asked.key).await {
+        let owner_stopped = asked.owner_stopped.map(InstanceId::from_stored);
+        let forgot = self
+            .idempotency
+            .forget_in_doubt(&account, &asked.key, owner_stopped)
+            .await;
+        let (status, message) = match forgot {
             Ok(Forgot::Forgotten) => {
-                tracing::warn!(account = %account, key = asked.key, "an operator forgot an idempotency record in doubt");
+                tracing::warn!(account = %account, key = asked.key, owner_stopped = asked.owner_stopped,
+                    "an operator forgot an idempotency record in doubt");
                 let audited = recover::audit(
                     self.store.pool(),
                     "idempotency_forget",
                     &account,
-                    "checked the rail's own records (railguard idempotency-forget)",
-                    serde_json::json!({ "idempotency_key": asked.key, "result": "forgotten" }),
+                    match asked.owner_stopped {
+                        None => "checked the rail's own records (railguard idempotency-forget)",
+                        Some(_) => "checked the rail's own records, and saw the owning railguard process stop (railguard idempotency-forget --owner-stopped)",
+                    },
+                    serde_json::json!({
+                        "idempotency_key": asked.key,
+                        "result": "forgotten",
+                        "owner_stopped": asked.owner_stopped,
+                    }),
                 )
                 .await;
                 match audited {
@@ -341,9 +358,16 @@ impl Admin {
                 StatusCode::CONFLICT,
                 "the railguard process that owns the record is still running (it may be paused, or still writing the request to the rail): it may still send it. Stop or restart that process, then retry".into(),
             ),
-            Ok(Forgot::OwnerUnknown) => (
+            Ok(Forgot::OwnerUnknown { owner }) => (
                 StatusCode::CONFLICT,
-                "PostgreSQL restarted since the record was made, so whether its owning railguard process still runs cannot be seen; the record is left as it is".into(),
+                format!(
+                    "PostgreSQL restarted since the record was made, so whether its owning railguard process (instance {owner}) still runs cannot be seen; the record is left as it is.{} \
+                     Find the process that logged \"instance\":{owner} when it started; once it has stopped (or if it no longer exists), run again with --owner-stopped {owner}",
+                    match asked.owner_stopped {
+                        Some(named) => format!(" --owner-stopped named instance {named}, not the record's owner."),
+                        None => String::new(),
+                    }
+                ),
             ),
             Ok(Forgot::NotFound) => (StatusCode::NOT_FOUND, "no record for this account and key".into()),
             Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
@@ -371,8 +395,12 @@ pub async fn forget_idempotency_key(
     admin: &AdminEndpoint,
     account: &str,
     key: &str,
+    owner_stopped: Option<i64>,
 ) -> Result<String, String> {
-    let body = serde_json::json!({ "account": account, "key": key });
+    let mut body = serde_json::json!({ "account": account, "key": key });
+    if let Some(instance) = owner_stopped {
+        body["owner_stopped"] = instance.into();
+    }
     ask(admin, "/idempotency/forget", body).await
 }
 

@@ -139,6 +139,12 @@ enum Command {
         /// The Idempotency-Key.
         #[arg(long)]
         key: String,
+        /// Only when forget answers that PostgreSQL restarted since the record was made: the
+        /// record's owner instance (named in that answer, and logged by that railguard when
+        /// it started), once you have seen that process stop. A process still holding its
+        /// instance lock is refused whatever this says.
+        #[arg(long, value_name = "INSTANCE")]
+        owner_stopped: Option<i64>,
     },
     /// Make a new bearer secret for the credentials file (`[auth] credentials_file`): prints
     /// the secret (give it to the worker or operator, once) and the `sha256:` line to list
@@ -242,6 +248,7 @@ fn main() -> ExitCode {
                 config,
                 account,
                 key,
+                owner_stopped,
             } => {
                 let config = match load(&config) {
                     Ok(c) => c,
@@ -251,6 +258,7 @@ fn main() -> ExitCode {
                     &admin_endpoint(&config),
                     &account,
                     &key,
+                    owner_stopped,
                 )
                 .await
                 {

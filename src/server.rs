@@ -146,6 +146,11 @@ pub async fn run(
             return Ok(());
         }
     }
+    // An operator resolving a record in doubt after a PostgreSQL restart finds its owner here.
+    tracing::info!(
+        instance = instance.get(),
+        "holding this process's instance lock: the idempotency records it creates name this instance as their owner"
+    );
     // The statements' own sessions: the fence's last look and the idempotency completions.
     let sessions = db::slots::most_in_flight(config.fencing.batch_concurrency);
     let looks = db::build_look_pool(&database.url, sessions, config.database.timeout)?;

@@ -615,3 +615,122 @@ async fn a_completion_whose_record_was_forgotten_does_not_resurrect_it() {
         "forgotten means a retry is a new payment"
     );
 }
+
+/// Whether the railguard of `instance` holds its instance lock, as forget looks it up.
+async fn instance_lock_held(pg: &Pg, instance: i64) -> bool {
+    pg.client()
+        .await
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted
+                AND objsubid = 1 AND classid = ($1::bigint >> 32)::oid
+                AND objid = ($1::bigint & 4294967295)::oid)",
+            &[&instance],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn wait_for_lock(pg: &Pg, instance: i64, held: bool) {
+    for _ in 0..200 {
+        if instance_lock_held(pg, instance).await == held {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("instance {instance}'s lock never became held = {held}");
+}
+
+/// A PostgreSQL restart takes every session lock with it, so afterwards whether the owner of a
+/// record in doubt still runs cannot be seen, and forget refused for good (the older "owner
+/// unknown" dead end). Now its refusal names the owner's instance, which the owner logged when
+/// it started, and the operator who has seen that process stop says so with
+/// `--owner-stopped`: heard only for the record's own owner, and never while that owner is
+/// seen holding its lock again.
+#[tokio::test]
+async fn after_a_database_restart_a_record_in_doubt_is_forgotten_on_the_operators_word_that_its_owner_stopped()
+ {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    // Slower than the harness's request timeout: the forward ends without an answer (504) and
+    // its owner declares the record in doubt.
+    let rail = Rail::with_latency(Duration::from_secs(6)).await;
+    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let http = rg.http();
+    let owner = rg
+        .instance()
+        .expect("railguard logs its instance when it starts");
+    let first = pay(&http, &rg, 4, "a", "gone", "{}").await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+
+    pg.server.stop().await;
+    pg.server.start().await.unwrap();
+    // The owner is still running: once it holds its lock again, no word of the operator's
+    // makes it stopped.
+    wait_for_lock(&pg, owner, true).await;
+    let owner_text = owner.to_string();
+    let refused = rg
+        .forget_with("a", "gone", &["--owner-stopped", &owner_text])
+        .await;
+    assert!(
+        !refused.status.success(),
+        "a running owner is never taken as stopped"
+    );
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("still running"), "{why}");
+
+    // Now it stops for good; the record's owner can no longer be seen either way.
+    rg.kill().await;
+    wait_for_lock(&pg, owner, false).await;
+    rg.start_again().await;
+    let running = rg.instance().unwrap();
+    assert_ne!(running, owner, "a new process is a new instance");
+    let unknown = rg.forget("a", "gone").await;
+    assert!(!unknown.status.success());
+    let why = String::from_utf8_lossy(&unknown.stderr);
+    assert!(
+        why.contains("PostgreSQL restarted") && why.contains(&format!("--owner-stopped {owner}")),
+        "{why}"
+    );
+    // Another instance's word is not the owner's.
+    let running_text = running.to_string();
+    let other = rg
+        .forget_with("a", "gone", &["--owner-stopped", &running_text])
+        .await;
+    assert!(!other.status.success());
+    let why = String::from_utf8_lossy(&other.stderr);
+    assert!(why.contains("not the record's owner"), "{why}");
+    let retry = pay(&http, &rg, 4, "a", "gone", "{}").await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    assert_eq!(retry.json()["error"], "in_doubt");
+    assert_eq!(rail.ledger().len(), 1, "never forwarded again on its own");
+
+    let forgot = rg
+        .forget_with("a", "gone", &["--owner-stopped", &owner_text])
+        .await;
+    assert!(
+        forgot.status.success(),
+        "{}",
+        String::from_utf8_lossy(&forgot.stderr)
+    );
+    let audited: i64 = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM railguard_audit WHERE action = 'idempotency_forget'
+               AND (outcome->>'owner_stopped')::bigint = $1",
+            &[&owner],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(audited, 1, "the operator's word is in the audit record");
+    let again = pay(&http, &rg, 4, "a", "gone", "{}").await;
+    assert_eq!(again.status, StatusCode::GATEWAY_TIMEOUT, "{}", again.body);
+    assert_eq!(
+        rail.ledger().len(),
+        2,
+        "forwarded again only after the operator said so"
+    );
+}

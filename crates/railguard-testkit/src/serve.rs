@@ -402,6 +402,16 @@ impl Railguard {
 
     /// `railguard idempotency-forget` against this railguard, as an operator runs it.
     pub async fn forget(&self, account: &str, key: &str) -> std::process::Output {
+        self.forget_with(account, key, &[]).await
+    }
+
+    /// `railguard idempotency-forget` with more arguments (`--owner-stopped N`).
+    pub async fn forget_with(
+        &self,
+        account: &str,
+        key: &str,
+        more: &[&str],
+    ) -> std::process::Output {
         Command::new(binary())
             .args([
                 "idempotency-forget",
@@ -412,9 +422,21 @@ impl Railguard {
                 "--config",
             ])
             .arg(self.config_path())
+            .args(more)
             .output()
             .await
             .unwrap()
+    }
+
+    /// The instance the latest start of this process logged as the owner of its idempotency
+    /// records, as an operator finds it in the log.
+    pub fn instance(&self) -> Option<i64> {
+        self.log()
+            .lines()
+            .rev()
+            .filter(|line| line.contains("instance lock: the idempotency records"))
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .find_map(|v| v["fields"]["instance"].as_i64().or(v["instance"].as_i64()))
     }
 
     pub fn lock_url(&self) -> String {

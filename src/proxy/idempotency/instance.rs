@@ -21,6 +21,18 @@ impl InstanceId {
     pub fn get(self) -> i64 {
         self.0
     }
+
+    /// The instance a stored record names (`idempotency_record.owner_instance`), or one an
+    /// operator named.
+    pub fn from_stored(id: i64) -> Self {
+        Self(id)
+    }
+}
+
+impl std::fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
 }
 
 /// Holds `instance`'s advisory lock on a connection of its own for as long as the process

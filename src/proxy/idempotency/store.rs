@@ -38,6 +38,7 @@ use bytes::Bytes;
 use deadpool_postgres::Pool;
 use tokio::sync::{mpsc, oneshot};
 
+use super::InstanceId;
 use super::outcomes::{self, Completion};
 use super::record::{BoxFuture, RecordId, Records};
 use crate::db::DbError;
@@ -446,7 +447,17 @@ impl IdempotencyStore {
     /// does can still send it — its owner declared its forward over, or the owner's own
     /// deadline passed and the owning process is gone. See the module docs for what this
     /// cannot see.
-    pub async fn forget_in_doubt(&self, account: &AccountId, key: &str) -> Result<Forgot, DbError> {
+    ///
+    /// `owner_stopped` is the operator's word that the process of that instance has stopped.
+    /// It counts only where PostgreSQL cannot tell (it restarted since the record was made,
+    /// taking every session lock with it), only for the record's own owner, and never against
+    /// an owner whose lock is held: a process seen running is not stopped, whatever anyone says.
+    pub async fn forget_in_doubt(
+        &self,
+        account: &AccountId,
+        key: &str,
+        owner_stopped: Option<InstanceId>,
+    ) -> Result<Forgot, DbError> {
         self.bounded(async {
             let mut client = self.client().await?;
             let tx = client.transaction().await?;
@@ -475,14 +486,21 @@ impl IdempotencyStore {
                         Some(owner) => tx.query_one(OWNER_ALIVE_SQL, &[&owner]).await?.get(0),
                         None => false,
                     };
-                    if alive {
-                        Forgot::OwnerMayStillSend
-                    } else if restarted && owner.is_some() {
+                    match owner {
+                        _ if alive => Forgot::OwnerMayStillSend,
                         // The owner's session lock did not survive the restart whether or not
-                        // the owner did: its absence proves nothing.
-                        Forgot::OwnerUnknown
-                    } else {
-                        Forgot::Forgotten
+                        // the owner did: its absence proves nothing, and only an operator who
+                        // has seen that process stop can say it is gone.
+                        Some(owner) if restarted => {
+                            if owner_stopped.map(InstanceId::get) == Some(owner) {
+                                Forgot::Forgotten
+                            } else {
+                                Forgot::OwnerUnknown {
+                                    owner: InstanceId::from_stored(owner),
+                                }
+                            }
+                        }
+                        _ => Forgot::Forgotten,
                     }
                 }
             };
@@ -631,9 +649,11 @@ pub enum Forgot {
     /// The owning railguard process is still running (it may be paused mid-send, or still
     /// writing the request to a slow rail).
     OwnerMayStillSend,
-    /// PostgreSQL restarted since the record was made, so whether its owner is still running
-    /// cannot be told from here.
-    OwnerUnknown,
+    /// PostgreSQL restarted since the record was made, so whether its owner (this instance)
+    /// is still running cannot be told from here; an operator who has seen it stop may say so.
+    OwnerUnknown {
+        owner: InstanceId,
+    },
     NotFound,
 }
 
