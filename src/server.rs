@@ -241,6 +241,7 @@ pub async fn run(
             batch_sizes: metrics.completion_batch_size.clone(),
         },
     );
+    let outcomes_retrying = idempotency_store.outcomes_retrying();
     let records: Arc<dyn Records> = Arc::new(idempotency_store.clone());
     // Index changes that must not block writes, in the background (db::maintenance).
     let maintenance = tokio::spawn(db::maintenance::until_done(
@@ -403,12 +404,21 @@ pub async fn run(
              clears such a record once this process has stopped"
         );
     }
-    // Outcomes still retried in the background (the database was unreachable) end with the
-    // process: their records stay in flight, then in doubt.
-    let pending = outcomes_pending.get();
-    if pending > 0 {
+    // Outcomes still retried in the background (the database did not take them at once) are
+    // waited for too; those left when the grace ends go with the process: their records stay
+    // in flight, then in doubt.
+    if outcomes_retrying.count() > 0 {
+        tracing::info!(
+            outcomes = outcomes_retrying.count(),
+            "waiting for idempotency outcomes still retried until the database takes them"
+        );
+    }
+    if tokio::time::timeout(grace, outcomes_retrying.none_left())
+        .await
+        .is_err()
+    {
         tracing::warn!(
-            outcomes = pending,
+            outcomes = outcomes_pending.get(),
             "stopping with idempotency outcomes not stored yet (answers to store, records to \
              declare in doubt or remove): their records stay in flight and become in doubt; a \
              repeat of such a request is refused, never forwarded twice"

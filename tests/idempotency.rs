@@ -734,3 +734,70 @@ async fn after_a_database_restart_a_record_in_doubt_is_forgotten_on_the_operator
         "forwarded again only after the operator said so"
     );
 }
+
+/// A completion the database did not take at once is retried in the background; a graceful
+/// stop used to end those retries with the process, leaving a paid request's record in flight,
+/// then in doubt (its repeats refused instead of replayed). Now the stop waits for them within
+/// `shutdown.grace_ms`: PostgreSQL back during the stop, the record is completed.
+#[tokio::test]
+async fn a_graceful_stop_waits_for_a_completion_still_retried_in_the_background() {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
+    // Longer than the retries' longest pause (5 s), so the test does not race the backoff.
+    let mut rg = Railguard::start_process(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__SHUTDOWN__GRACE_MS", "15000")],
+    )
+    .await;
+    let http = rg.http();
+    let paying = {
+        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
+        tokio::spawn(async move {
+            http.pay(
+                &url,
+                &[
+                    ("Fencing-Token", "4"),
+                    ("Fencing-Account", "a"),
+                    ("Idempotency-Key", "late-store"),
+                ],
+                "{}",
+            )
+            .await
+        })
+    };
+    for _ in 0..100 {
+        if !rail.ledger().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+    // PostgreSQL goes away before the rail answers: the answer cannot be stored.
+    pg.server.stop().await;
+    let answered = paying.await.unwrap();
+    assert_eq!(answered.status, StatusCode::CREATED, "{}", answered.body);
+
+    let stopping = tokio::spawn(async move {
+        let status = rg.stop().await;
+        (rg, status)
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!stopping.is_finished(), "the stop waits for the outcome");
+    pg.server.start().await.unwrap();
+    let (rg, status) = stopping.await.unwrap();
+    assert!(status.success(), "{status}");
+    let state: String = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT state FROM idempotency_record WHERE account_id = 'a'
+               AND idempotency_key = 'late-store'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "done", "{}", rg.log());
+}

@@ -93,6 +93,9 @@ pub struct IdempotencyStore {
     /// Where the removal of a record nobody was told about is counted, so that shutdown waits
     /// for it (`db::slots`).
     unanswered: Unanswered,
+    /// Outcomes retried in the background until the database takes them, counted so that a
+    /// graceful stop waits for them within its grace ([`Self::outcomes_retrying`]).
+    retrying: Unanswered,
 }
 
 /// How outcomes are shown: those waiting for the database, those given up on, and how
@@ -130,6 +133,7 @@ impl IdempotencyStore {
         outcomes: OutcomeMetrics,
     ) -> Self {
         let (completions, queue) = mpsc::channel(outcomes::QUEUE_LIMIT);
+        let retrying = Unanswered::default();
         // Not a clone of the store: the batcher must not hold its own queue open.
         let retries = Self {
             pool: pool.clone(),
@@ -138,6 +142,7 @@ impl IdempotencyStore {
             outcomes: outcomes.clone(),
             completions: None,
             unanswered: batching.unanswered.clone(),
+            retrying: retrying.clone(),
         };
         let fallback: outcomes::Fallback = Arc::new(move |record: RecordId, response| {
             retries.complete_eventually(record.account, record.key, record.owner, response);
@@ -158,7 +163,16 @@ impl IdempotencyStore {
             outcomes,
             completions: Some(completions),
             unanswered: batching.unanswered,
+            retrying,
         }
+    }
+
+    /// Outcomes still retried in the background (the database did not take them at once):
+    /// a graceful stop waits for [`Unanswered::none_left`] within its grace, so that a stop
+    /// while the database is briefly away does not leave their records in flight, then in
+    /// doubt.
+    pub fn outcomes_retrying(&self) -> Unanswered {
+        self.retrying.clone()
     }
 
     /// `/readyz`: a completion session can be opened (every keyed request's answer is stored
@@ -349,7 +363,9 @@ impl IdempotencyStore {
             return;
         }
         pending.inc();
+        let retrying = self.retrying.start();
         tokio::spawn(async move {
+            let _retrying = retrying;
             let started = tokio::time::Instant::now();
             let mut pause = Duration::from_millis(50);
             loop {
