@@ -307,10 +307,11 @@ impl Admin {
     }
 
     async fn forget(&self, request: Request<Incoming>) -> Response<ResponseBody> {
-        let asked: ForgetRequest = match Self::read_json(request, "{\"account\", \"key\"}").await {
-            Ok(asked) => asked,
-            Err(refused) => return refused,
-        };
+        let asked: ForgetRequest =
+            match Self::read_json(request, "{\"account\", \"key\", \"owner_stopped\"?}").await {
+                Ok(asked) => asked,
+                Err(refused) => return refused,
+            };
         let account = match self.account(&asked.account) {
             Ok(account) => account,
             Err(why) => return bad_request(why),
@@ -321,30 +322,12 @@ impl Admin {
             .forget_in_doubt(&account, &asked.key, owner_stopped)
             .await;
         let (status, message) = match forgot {
-            Ok(Forgot::Forgotten) => {
-                tracing::warn!(account = %account, key = asked.key, owner_stopped = asked.owner_stopped,
+            // Deleted together with its audit record, in one transaction.
+            Ok(Forgot::Forgotten(because)) => {
+                tracing::warn!(account = %account, key = asked.key,
+                    owner = because.owner().map(InstanceId::get), because = because.as_str(),
                     "an operator forgot an idempotency record in doubt");
-                let audited = recover::audit(
-                    self.store.pool(),
-                    "idempotency_forget",
-                    &account,
-                    match asked.owner_stopped {
-                        None => "checked the rail's own records (railguard idempotency-forget)",
-                        Some(_) => "checked the rail's own records, and saw the owning railguard process stop (railguard idempotency-forget --owner-stopped)",
-                    },
-                    serde_json::json!({
-                        "idempotency_key": asked.key,
-                        "result": "forgotten",
-                        "owner_stopped": asked.owner_stopped,
-                    }),
-                )
-                .await;
-                match audited {
-                    Ok(()) => (StatusCode::OK, "forgotten: the next retry of this key will be forwarded".to_string()),
-                    Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!(
-                        "forgotten (the next retry of this key will be forwarded), but the audit record could not be written: {e}"
-                    )),
-                }
+                (StatusCode::OK, "forgotten: the next retry of this key will be forwarded".to_string())
             }
             Ok(Forgot::Completed) => (
                 StatusCode::CONFLICT,
@@ -354,17 +337,22 @@ impl Admin {
                 StatusCode::CONFLICT,
                 "the record is in flight and not yet in doubt: its owner's deadline has not passed, and its forward may still be running".into(),
             ),
-            Ok(Forgot::OwnerMayStillSend) => (
-                StatusCode::CONFLICT,
-                "the railguard process that owns the record is still running (it may be paused, or still writing the request to the rail): it may still send it. Stop or restart that process, then retry".into(),
-            ),
-            Ok(Forgot::OwnerUnknown { owner }) => (
+            Ok(Forgot::OwnerMayStillSend { owner }) => (
                 StatusCode::CONFLICT,
                 format!(
-                    "PostgreSQL restarted since the record was made, so whether its owning railguard process (instance {owner}) still runs cannot be seen; the record is left as it is.{} \
-                     Find the process that logged \"instance\":{owner} when it started; once it has stopped (or if it no longer exists), run again with --owner-stopped {owner}",
-                    match asked.owner_stopped {
-                        Some(named) => format!(" --owner-stopped named instance {named}, not the record's owner."),
+                    "the railguard process that owns the record (instance {owner}) is still running (it may be paused, or still writing the request to the rail): it may still send it. \
+                     Stop that process (SIGTERM: a clean stop records that it sends nothing more), then retry"
+                ),
+            ),
+            Ok(Forgot::OwnerNotSeenStopping { owner, created, named }) => (
+                StatusCode::CONFLICT,
+                format!(
+                    "the railguard process that owns the record (instance {owner}; the record was made at {created}) does not hold its instance lock, but nothing shows it has stopped: \
+                     it may have crashed, or be paused (SIGSTOP, a frozen VM) with its database session lost, and a paused process may still send the request. The record is left as it is.{} \
+                     Find the railguard whose log names instance {owner} at its start and make sure it has stopped (paused is not stopped); if you cannot tell which it was, stopping every railguard that was running at {created} stops it for certain. \
+                     Then run again with --owner-stopped {owner} (\"owner_stopped\": {owner} in the API)",
+                    match named {
+                        Some(named) => format!(" The instance named as stopped, {named}, is not the record's owner."),
                         None => String::new(),
                     }
                 ),

@@ -34,7 +34,7 @@ use crate::proxy::fence::{Batching, FenceLayer, FencePoint, HighWaterStore};
 use crate::proxy::forward::Forward;
 use crate::proxy::idempotency::{
     IdempotencyConfig, IdempotencyLayer, IdempotencyStore, InstanceId, OutcomeMetrics, Records,
-    hold_instance_lock, sweep_forever,
+    hold_instance_lock, record_clean_stop, sweep_forever,
 };
 use crate::proxy::{self, ClientAddr};
 
@@ -149,7 +149,8 @@ pub async fn run(
     // An operator resolving a record in doubt after a PostgreSQL restart finds its owner here.
     tracing::info!(
         instance = instance.get(),
-        "holding this process's instance lock: the idempotency records it creates name this instance as their owner"
+        "holding this process's instance lock as instance {instance}: the idempotency records it \
+         creates name it as their owner"
     );
     // The statements' own sessions: the fence's last look and the idempotency completions.
     let sessions = db::slots::most_in_flight(config.fencing.batch_concurrency);
@@ -422,6 +423,31 @@ pub async fn run(
             "stopping with idempotency outcomes not stored yet (answers to store, records to \
              declare in doubt or remove): their records stay in flight and become in doubt; a \
              repeat of such a request is refused, never forwarded twice"
+        );
+    }
+    // Every forward this process started has had its answer and it starts no more: it says so,
+    // so that forget takes the records it owned as ownerless (a crash, or a stop with forwards
+    // still out, says nothing; those records wait for an operator's `--owner-stopped`).
+    if late_forwards.count() == 0 && unanswered.count() == 0 {
+        match record_clean_stop(&database.pool, instance, config.database.timeout).await {
+            Ok(()) => tracing::info!(
+                instance = instance.get(),
+                "recorded this process's clean stop: records in doubt it owned can be forgotten \
+                 without --owner-stopped"
+            ),
+            Err(e) => tracing::warn!(
+                instance = instance.get(),
+                error = %e,
+                "could not record this process's clean stop: a record in doubt it owned needs \
+                 `railguard idempotency-forget --owner-stopped {instance}`"
+            ),
+        }
+    } else {
+        tracing::warn!(
+            instance = instance.get(),
+            "stopping with forwards or statements still out, so no clean stop is recorded: a \
+             record in doubt this process owned needs `railguard idempotency-forget \
+             --owner-stopped {instance}`"
         );
     }
     let _ = lock_task.await;

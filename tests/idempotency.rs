@@ -5,7 +5,7 @@ use railguard_testkit as support;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Http, Pg, Rail, Railguard, Reply, init_tracing};
+use support::{Http, Pg, Rail, Railguard, Reply, init_tracing, signal};
 
 async fn pay(
     http: &Http,
@@ -201,6 +201,9 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+    let killed_owner = rg
+        .instance()
+        .expect("railguard logs its instance when it starts");
     rg.kill().await; // before the rail answered
     assert!(
         in_flight.await.unwrap().is_err(),
@@ -229,8 +232,19 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     );
     assert_eq!(rail.ledger().len(), 1, "never forwarded twice");
 
-    // The operator's way out, after checking the rail: asks the running railguard.
-    let out = rg.forget("a", "crash").await;
+    // The operator's way out, after checking the rail: asks the running railguard. The owner
+    // crashed, so nothing recorded its stop: forget asks for the operator's word, naming it.
+    let refused = rg.forget("a", "crash").await;
+    assert!(
+        !refused.status.success(),
+        "a crashed owner is not known stopped"
+    );
+    let why = String::from_utf8_lossy(&refused.stderr);
+    let owner = killed_owner.to_string();
+    assert!(why.contains(&format!("--owner-stopped {owner}")), "{why}");
+    let out = rg
+        .forget_with("a", "crash", &["--owner-stopped", &owner])
+        .await;
     assert!(
         out.status.success(),
         "{}",
@@ -641,19 +655,87 @@ async fn wait_for_lock(pg: &Pg, instance: i64, held: bool) {
     panic!("instance {instance}'s lock never became held = {held}");
 }
 
-/// A PostgreSQL restart takes every session lock with it, so afterwards whether the owner of a
-/// record in doubt still runs cannot be seen, and forget refused for good (the older "owner
-/// unknown" dead end). Now its refusal names the owner's instance, which the owner logged when
-/// it started, and the operator who has seen that process stop says so with
-/// `--owner-stopped`: heard only for the record's own owner, and never while that owner is
-/// seen holding its lock again.
+/// Found by the review of the eleventh session: a missing instance lock was taken as proof
+/// that a record's owner had stopped. But a paused owner whose database session is lost (a
+/// backend crash resets every session without restarting the postmaster; a terminated
+/// session; a failover) holds no lock either, and sends once it runs again. Now only the
+/// owner's own clean stop, or the operator's word naming it, shows it stopped; a held lock
+/// refuses even that word.
 #[tokio::test]
-async fn after_a_database_restart_a_record_in_doubt_is_forgotten_on_the_operators_word_that_its_owner_stopped()
- {
+async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
     init_tracing();
-    let mut pg = Pg::start().await;
+    let pg = Pg::start().await;
     // Slower than the harness's request timeout: the forward ends without an answer (504) and
     // its owner declares the record in doubt.
+    let rail = Rail::with_latency(Duration::from_secs(6)).await;
+    let owner_rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let other = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let owner = owner_rg
+        .instance()
+        .expect("railguard logs its instance when it starts");
+    let http = owner_rg.http();
+    let first = pay(&http, &owner_rg, 4, "a", "paused", "{}").await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+
+    // Running, it is refused even on the operator's word.
+    let owner_text = owner.to_string();
+    let refused = other
+        .forget_with("a", "paused", &["--owner-stopped", &owner_text])
+        .await;
+    assert!(
+        !refused.status.success(),
+        "a running owner is never taken as stopped"
+    );
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        why.contains("still running") && why.contains(&owner_text),
+        "{why}"
+    );
+
+    // Paused, and its lock's session ended under it.
+    let pid = owner_rg.pid().unwrap();
+    signal(pid, "STOP").await;
+    let ended: bool = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT bool_or(pg_terminate_backend(pid)) FROM pg_locks
+             WHERE locktype = 'advisory' AND granted AND objsubid = 1
+               AND classid = ($1::bigint >> 32)::oid AND objid = ($1::bigint & 4294967295)::oid",
+            &[&owner],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(ended, "the owner's lock session was found and ended");
+    wait_for_lock(&pg, owner, false).await;
+    let unknown = other.forget("a", "paused").await;
+    signal(pid, "CONT").await;
+    assert!(!unknown.status.success(), "a lost lock is not a stop");
+    let why = String::from_utf8_lossy(&unknown.stderr);
+    assert!(
+        why.contains("nothing shows it has stopped")
+            && why.contains(&format!("--owner-stopped {owner}")),
+        "{why}"
+    );
+    assert_eq!(records(&pg).await, 1, "the record is left as it is");
+    // Running again, it takes its lock again and is refused again.
+    wait_for_lock(&pg, owner, true).await;
+    let again = other
+        .forget_with("a", "paused", &["--owner-stopped", &owner_text])
+        .await;
+    assert!(!again.status.success());
+    assert_eq!(rail.ledger().len(), 1, "never forwarded again on its own");
+}
+
+/// A crashed owner records no stop: forget names it, refuses another instance's name, and
+/// forgets on the operator's word for the owner — the delete and its audit record in one
+/// transaction.
+#[tokio::test]
+async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() {
+    init_tracing();
+    let mut pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_secs(6)).await;
     let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
     let http = rg.http();
@@ -662,37 +744,18 @@ async fn after_a_database_restart_a_record_in_doubt_is_forgotten_on_the_operator
         .expect("railguard logs its instance when it starts");
     let first = pay(&http, &rg, 4, "a", "gone", "{}").await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
-    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
-
+    rg.kill().await;
+    // A PostgreSQL restart on top changes nothing of what follows.
     pg.server.stop().await;
     pg.server.start().await.unwrap();
-    // The owner is still running: once it holds its lock again, no word of the operator's
-    // makes it stopped.
-    wait_for_lock(&pg, owner, true).await;
-    let owner_text = owner.to_string();
-    let refused = rg
-        .forget_with("a", "gone", &["--owner-stopped", &owner_text])
-        .await;
-    assert!(
-        !refused.status.success(),
-        "a running owner is never taken as stopped"
-    );
-    let why = String::from_utf8_lossy(&refused.stderr);
-    assert!(why.contains("still running"), "{why}");
-
-    // Now it stops for good; the record's owner can no longer be seen either way.
-    rg.kill().await;
-    wait_for_lock(&pg, owner, false).await;
     rg.start_again().await;
     let running = rg.instance().unwrap();
     assert_ne!(running, owner, "a new process is a new instance");
+
     let unknown = rg.forget("a", "gone").await;
     assert!(!unknown.status.success());
     let why = String::from_utf8_lossy(&unknown.stderr);
-    assert!(
-        why.contains("PostgreSQL restarted") && why.contains(&format!("--owner-stopped {owner}")),
-        "{why}"
-    );
+    assert!(why.contains(&format!("--owner-stopped {owner}")), "{why}");
     // Another instance's word is not the owner's.
     let running_text = running.to_string();
     let other = rg
@@ -706,6 +769,7 @@ async fn after_a_database_restart_a_record_in_doubt_is_forgotten_on_the_operator
     assert_eq!(retry.json()["error"], "in_doubt");
     assert_eq!(rail.ledger().len(), 1, "never forwarded again on its own");
 
+    let owner_text = owner.to_string();
     let forgot = rg
         .forget_with("a", "gone", &["--owner-stopped", &owner_text])
         .await;
@@ -714,24 +778,60 @@ async fn after_a_database_restart_a_record_in_doubt_is_forgotten_on_the_operator
         "{}",
         String::from_utf8_lossy(&forgot.stderr)
     );
-    let audited: i64 = pg
+    let audit = pg
         .client()
         .await
         .query_one(
-            "SELECT count(*) FROM railguard_audit WHERE action = 'idempotency_forget'
-               AND (outcome->>'owner_stopped')::bigint = $1",
-            &[&owner],
+            "SELECT reason, outcome->>'owner_stopped', (outcome->>'owner_instance')::bigint
+             FROM railguard_audit WHERE action = 'idempotency_forget'",
+            &[],
         )
         .await
-        .unwrap()
-        .get(0);
-    assert_eq!(audited, 1, "the operator's word is in the audit record");
+        .unwrap();
+    let (reason, because, named): (String, String, i64) =
+        (audit.get(0), audit.get(1), audit.get(2));
+    assert!(reason.contains("--owner-stopped"), "{reason}");
+    assert_eq!(because, "on_the_operators_word");
+    assert_eq!(named, owner);
     let again = pay(&http, &rg, 4, "a", "gone", "{}").await;
     assert_eq!(again.status, StatusCode::GATEWAY_TIMEOUT, "{}", again.body);
     assert_eq!(
         rail.ledger().len(),
         2,
         "forwarded again only after the operator said so"
+    );
+}
+
+/// An owner that stops cleanly, with every forward answered, says so: its records in doubt are
+/// forgotten without the operator's word (the procedure's "stop that process, then forget").
+#[tokio::test]
+async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_secs(6)).await;
+    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let http = rg.http();
+    let owner = rg.instance().unwrap();
+    let first = pay(&http, &rg, 4, "a", "stopped", "{}").await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    rg.restart().await;
+    let stops: i64 = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM railguard_audit WHERE action = 'instance_stopped'
+               AND (outcome->>'instance')::bigint = $1",
+            &[&owner],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stops, 1, "{}", rg.log());
+    let forgot = rg.forget("a", "stopped").await;
+    assert!(
+        forgot.status.success(),
+        "{}",
+        String::from_utf8_lossy(&forgot.stderr)
     );
 }
 

@@ -231,6 +231,13 @@ async fn with_postgres(
     railguard::db::migrate_url(&url, TIMEOUT)
         .await
         .map_err(|e| format!("migrating: {e}"))?;
+    // The indexes `railguard serve` brings the tables to (the retention index a completion
+    // leaves alone, so that completions can be HOT updates), not the numbered migrations' alone.
+    match railguard::db::maintenance::run_once(&url, TIMEOUT).await {
+        Ok(railguard::db::maintenance::Maintenance::Done { .. }) => {}
+        Ok(busy) => return Err(format!("schema maintenance did not run: {busy:?}")),
+        Err(e) => return Err(format!("schema maintenance: {e}")),
+    }
     let monitor = pg.client_with(&url).await?;
     monitor
         .execute(

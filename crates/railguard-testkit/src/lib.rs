@@ -41,7 +41,7 @@ pub use full_rail::FullRail;
 pub use http::{Http, Reply};
 pub use pg::{Pg, PgBuilder, without_startup_settings};
 pub use pki::{Issued, Pki};
-pub use process::children_of;
+pub use process::{children_of, signal};
 pub use prometheus::Metrics;
 pub use prometheus_server::Prometheus;
 pub use rail::Rail;

@@ -6,7 +6,7 @@ use std::process::Stdio;
 use tokio::process::Command;
 
 /// Sends `SIG<name>` to `pid` with the `kill` command; whether it was delivered.
-pub(crate) async fn signal(pid: u32, name: &str) -> bool {
+pub async fn signal(pid: u32, name: &str) -> bool {
     Command::new("kill")
         .arg(format!("-{name}"))
         .arg(pid.to_string())

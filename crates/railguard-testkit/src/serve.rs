@@ -434,7 +434,7 @@ impl Railguard {
         self.log()
             .lines()
             .rev()
-            .filter(|line| line.contains("instance lock: the idempotency records"))
+            .filter(|line| line.contains("holding this process's instance lock as instance"))
             .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
             .find_map(|v| v["fields"]["instance"].as_i64().or(v["instance"].as_i64()))
     }

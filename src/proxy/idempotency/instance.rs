@@ -1,9 +1,13 @@
 //! This railguard process as the owner of the idempotency records it creates.
 //!
-//! Forgetting a record in doubt is safe only when its owner can no longer send it. "The owner
-//! is gone" must be PostgreSQL's own view, not a timer: each process holds a session advisory
-//! lock named by its [`InstanceId`] for its whole life, on a connection of its own, and a
-//! record names the instance that made it (`idempotency_record.owner_instance`).
+//! Forgetting a record in doubt is safe only when its owner can no longer send it. A record
+//! names the instance that made it (`idempotency_record.owner_instance`), and each process
+//! holds a session advisory lock named by its [`InstanceId`] for its whole life, on a
+//! connection of its own: a held lock shows the owner running. Its absence shows nothing — a
+//! paused process whose session was lost (a backend crash, a terminated session, a failover)
+//! holds none and may send once it runs again — so "the owner has stopped" is said by the owner
+//! itself, as it stops with nothing left to send ([`record_clean_stop`]), or by an operator who
+//! saw it stop (`railguard idempotency-forget --owner-stopped`).
 
 use std::time::Duration;
 
@@ -79,4 +83,33 @@ pub async fn hold_instance_lock(
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
+}
+
+/// Records, in `railguard_audit`, that `instance` has stopped with nothing left to send: every
+/// forward it started has had its answer, and it starts no more. Forget then takes the records
+/// it owned as ownerless. Called by a graceful stop only once that holds; a process that
+/// crashed, or stopped with forwards still out, says nothing, and its records wait for an
+/// operator's word.
+pub async fn record_clean_stop(
+    pool: &deadpool_postgres::Pool,
+    instance: InstanceId,
+    timeout: Duration,
+) -> Result<(), String> {
+    let write = async {
+        let client = pool.get().await.map_err(|e| e.to_string())?;
+        client
+            .execute(
+                "INSERT INTO railguard_audit (action, reason, outcome, finished_at)
+                 VALUES ('instance_stopped',
+                         'railguard stopped with every forward answered: it sends nothing more',
+                         jsonb_build_object('instance', $1::bigint), now())",
+                &[&instance.get()],
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    };
+    tokio::time::timeout(timeout, write)
+        .await
+        .map_err(|_| format!("no answer within {timeout:?}"))?
 }

@@ -30,15 +30,15 @@ use std::task::{Context, Poll};
 
 use tower::{Layer, Service};
 
-pub use self::instance::{InstanceId, hold_instance_lock};
+pub use self::instance::{InstanceId, hold_instance_lock, record_clean_stop};
 pub use self::key::{fingerprint, new_owner, parse_key};
 pub use self::outcomes::COMPLETE_SQL;
 pub use self::record::{MaybeSent, NewRecord, RecordGuard, RecordId, Records};
 #[cfg(test)]
 pub(crate) use self::replay::{BODY_OMITTED, REPLAYED};
 pub use self::store::{
-    CompletionError, Forgot, IdempotencyStore, OutcomeMetrics, Record, RecordState, StoredResponse,
-    sweep_forever,
+    Because, CompletionError, Forgot, IdempotencyStore, OutcomeMetrics, Record, RecordState,
+    StoredResponse, sweep_forever,
 };
 
 use super::forward::{Sent, UpstreamTimeout};

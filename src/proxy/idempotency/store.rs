@@ -16,9 +16,9 @@
 //! **Forget** ([`IdempotencyStore::forget_in_doubt`]) removes a record in doubt so that the
 //! next retry is forwarded — and refuses while its owner may still send it: a record is
 //! forgotten only when its owner declared it in doubt (its forward is over) or the owner's
-//! deadline passed *and* the owning railguard process is gone. Each process holds a session
-//! advisory lock named by its [`InstanceId`](super::InstanceId) for its whole life, so "gone" is PostgreSQL's own
-//! view of the owner's session, not a timer. What no check here can see — bytes already on
+//! deadline passed, *and* the owning railguard process has stopped: it recorded a clean stop,
+//! or an operator who saw it stop says so. Its instance lock ([`InstanceId`](super::InstanceId))
+//! shows a running owner, never a stopped one (see `instance`). What no check here can see — bytes already on
 //! their way in the network, or a rail that received a request and has not recorded it yet —
 //! is why the proxy forwards `Idempotency-Key` to the rail: a rail that deduplicates by it
 //! absorbs the rest (README, "In doubt").
@@ -65,13 +65,22 @@ pub enum RecordState {
     Done(StoredResponse),
 }
 
-/// Whether the process `instance` still holds its session in PostgreSQL.
-const OWNER_ALIVE_SQL: &str = "\
+/// Takes the owner's instance lock for the rest of forget's transaction, if nobody holds it:
+/// false while the owning process holds it (it is running), and an owner that reconnects
+/// meanwhile waits until forget has committed, so a check and its delete see the same owner.
+const OWNER_LOCK_FREE_SQL: &str = "SELECT pg_try_advisory_xact_lock($1)";
+
+/// Whether the owning process said, as it stopped, that it had nothing left to send
+/// ([`super::instance::record_clean_stop`]).
+const OWNER_STOPPED_CLEANLY_SQL: &str = "\
 SELECT EXISTS (
-    SELECT 1 FROM pg_locks
-    WHERE locktype = 'advisory' AND granted AND objsubid = 1
-      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND classid = ($1::bigint >> 32)::oid AND objid = ($1::bigint & 4294967295)::oid)";
+    SELECT 1 FROM railguard_audit
+    WHERE action = 'instance_stopped' AND (outcome->>'instance')::bigint = $1)";
+
+/// The audit record of a forget, written in its transaction: no delete without it.
+const AUDIT_FORGET_SQL: &str = "\
+INSERT INTO railguard_audit (action, account_id, reason, outcome, finished_at)
+VALUES ('idempotency_forget', $1, $2, $3::text::jsonb, now())";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
@@ -460,14 +469,16 @@ impl IdempotencyStore {
     }
 
     /// The operator's way out of `in_doubt`: deletes the record only if nothing railguard
-    /// does can still send it — its owner declared its forward over, or the owner's own
-    /// deadline passed and the owning process is gone. See the module docs for what this
-    /// cannot see.
+    /// does can still send it, and writes the audit record in the same transaction. See the
+    /// module docs for what this cannot see.
     ///
-    /// `owner_stopped` is the operator's word that the process of that instance has stopped.
-    /// It counts only where PostgreSQL cannot tell (it restarted since the record was made,
-    /// taking every session lock with it), only for the record's own owner, and never against
-    /// an owner whose lock is held: a process seen running is not stopped, whatever anyone says.
+    /// Its forward must be over: the owner declared it in doubt, or the owner's own deadline
+    /// passed. And the owner must be known to have stopped: the owning process recorded a clean
+    /// stop, or the operator says it has stopped (`owner_stopped`, naming the record's owner).
+    /// A missing instance lock alone proves nothing — a paused process whose database session
+    /// was lost (a backend crash, a terminated session, a failover) holds none, and may still
+    /// send once it runs again. An owner that holds its lock is running, and is refused
+    /// whatever anyone says.
     pub async fn forget_in_doubt(
         &self,
         account: &AccountId,
@@ -480,7 +491,7 @@ impl IdempotencyStore {
             let row = tx
                 .query_opt(
                     "SELECT state, now() > COALESCE(in_doubt_at, created_at), owner_instance,
-                            pg_postmaster_start_time() > created_at
+                            to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS\"Z\"')
                      FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2
                      FOR UPDATE",
                     &[&account.as_str(), &key],
@@ -489,41 +500,56 @@ impl IdempotencyStore {
             let Some(row) = row else {
                 return Ok(Forgot::NotFound);
             };
-            let (state, past_deadline, owner, restarted): (String, bool, Option<i64>, bool) =
+            let (state, past_deadline, owner, created): (String, bool, Option<i64>, String) =
                 (row.get(0), row.get(1), row.get(2), row.get(3));
             // Even a forward its owner declared in doubt may still be on its way out of the
             // owner's own connection (a large body written slowly to a slow rail): only an
-            // owner that is gone sends nothing more.
-            let verdict = match state.as_str() {
-                "done" => Forgot::Completed,
-                "in_flight" if !past_deadline => Forgot::StillInFlight,
-                _ => {
-                    let alive = match owner {
-                        Some(owner) => tx.query_one(OWNER_ALIVE_SQL, &[&owner]).await?.get(0),
-                        None => false,
-                    };
-                    match owner {
-                        _ if alive => Forgot::OwnerMayStillSend,
-                        // The owner's session lock did not survive the restart whether or not
-                        // the owner did: its absence proves nothing, and only an operator who
-                        // has seen that process stop can say it is gone.
-                        Some(owner) if restarted => {
-                            if owner_stopped.map(InstanceId::get) == Some(owner) {
-                                Forgot::Forgotten
-                            } else {
-                                Forgot::OwnerUnknown {
-                                    owner: InstanceId::from_stored(owner),
-                                }
-                            }
+            // owner that has stopped sends nothing more.
+            let verdict = match (state.as_str(), owner.map(InstanceId::from_stored)) {
+                ("done", _) => Forgot::Completed,
+                ("in_flight", _) if !past_deadline => Forgot::StillInFlight,
+                // Records made before owners were recorded (migration 0004).
+                (_, None) => Forgot::Forgotten(Because::NoOwner),
+                (_, Some(owner)) => {
+                    let lock_free: bool = tx
+                        .query_one(OWNER_LOCK_FREE_SQL, &[&owner.get()])
+                        .await?
+                        .get(0);
+                    if !lock_free {
+                        Forgot::OwnerMayStillSend { owner }
+                    } else if tx
+                        .query_one(OWNER_STOPPED_CLEANLY_SQL, &[&owner.get()])
+                        .await?
+                        .get(0)
+                    {
+                        Forgot::Forgotten(Because::OwnerStoppedCleanly(owner))
+                    } else if owner_stopped == Some(owner) {
+                        Forgot::Forgotten(Because::OperatorSawOwnerStop(owner))
+                    } else {
+                        Forgot::OwnerNotSeenStopping {
+                            owner,
+                            created,
+                            named: owner_stopped,
                         }
-                        _ => Forgot::Forgotten,
                     }
                 }
             };
-            if verdict == Forgot::Forgotten {
+            if let Forgot::Forgotten(because) = verdict {
                 tx.execute(
                     "DELETE FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2",
                     &[&account.as_str(), &key],
+                )
+                .await?;
+                let owner = because.owner().map(InstanceId::get);
+                let outcome = serde_json::json!({
+                    "idempotency_key": key,
+                    "result": "forgotten",
+                    "owner_instance": owner,
+                    "owner_stopped": because.as_str(),
+                });
+                tx.execute(
+                    AUDIT_FORGET_SQL,
+                    &[&account.as_str(), &because.reason(), &outcome.to_string()],
                 )
                 .await?;
             }
@@ -655,22 +681,68 @@ pub enum CompletionError {
 }
 
 /// What `forget_in_doubt` did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Forgot {
-    Forgotten,
+    Forgotten(Because),
     /// The record is complete: the rail answered; nothing to forget.
     Completed,
     /// In flight and within its owner's own deadline: its forward may still be running.
     StillInFlight,
-    /// The owning railguard process is still running (it may be paused mid-send, or still
-    /// writing the request to a slow rail).
-    OwnerMayStillSend,
-    /// PostgreSQL restarted since the record was made, so whether its owner (this instance)
-    /// is still running cannot be told from here; an operator who has seen it stop may say so.
-    OwnerUnknown {
+    /// The owning railguard process holds its instance lock: it is running (it may be paused
+    /// mid-send, or still writing the request to a slow rail).
+    OwnerMayStillSend {
         owner: InstanceId,
     },
+    /// The owning process does not hold its lock, but nothing shows it has stopped: it may have
+    /// crashed, or be paused with its database session lost. `created` is when the record was
+    /// made (UTC); `named` the instance the operator said had stopped, if another.
+    OwnerNotSeenStopping {
+        owner: InstanceId,
+        created: String,
+        named: Option<InstanceId>,
+    },
     NotFound,
+}
+
+/// Why a record could be forgotten: what shows its owner sends nothing more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Because {
+    /// The record names no owner (made before owners were recorded).
+    NoOwner,
+    /// The owner recorded a clean stop, with nothing left to send.
+    OwnerStoppedCleanly(InstanceId),
+    /// The operator said the owner has stopped (`--owner-stopped`).
+    OperatorSawOwnerStop(InstanceId),
+}
+
+impl Because {
+    pub fn owner(self) -> Option<InstanceId> {
+        match self {
+            Self::NoOwner => None,
+            Self::OwnerStoppedCleanly(owner) | Self::OperatorSawOwnerStop(owner) => Some(owner),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NoOwner => "no_owner",
+            Self::OwnerStoppedCleanly(_) => "stopped_cleanly",
+            Self::OperatorSawOwnerStop(_) => "on_the_operators_word",
+        }
+    }
+
+    /// The audit record's reason.
+    fn reason(self) -> &'static str {
+        match self {
+            Self::NoOwner | Self::OwnerStoppedCleanly(_) => {
+                "checked the rail's own records (railguard idempotency-forget)"
+            }
+            Self::OperatorSawOwnerStop(_) => {
+                "checked the rail's own records, and saw the owning railguard process stop \
+                 (railguard idempotency-forget --owner-stopped)"
+            }
+        }
+    }
 }
 
 /// Removes expired records every `interval` until the process ends.

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::Command;
 
 use crate::load::BODY;
@@ -128,10 +129,28 @@ impl Wrk {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        let output = tokio::time::timeout(Duration::from_secs(secs + 30), command.output())
-            .await
-            .map_err(|_| format!("wrk did not end within {}s", secs + 30))?
+        let mut child = command
+            .spawn()
             .map_err(|e| format!("cannot run wrk (apt-get install wrk): {e}"))?;
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let finished = tokio::time::timeout(Duration::from_secs(secs + 30), async {
+            let (out, err) = tokio::try_join!(read_all(stdout), read_all(stderr))?;
+            Ok::<_, std::io::Error>((child.wait().await?, out, err))
+        })
+        .await;
+        let Ok(finished) = finished else {
+            // Killed and waited for here: a wrk reaped later would add its CPU time to whatever
+            // phase is being measured then (the wire suite reads wrk's time from reaped children).
+            let _ = child.kill().await;
+            return Err(format!("wrk did not end within {}s", secs + 30));
+        };
+        let (status, stdout, stderr) =
+            finished.map_err(|e| format!("reading wrk's output: {e}"))?;
+        let output = std::process::Output {
+            status,
+            stdout,
+            stderr,
+        };
         let text = String::from_utf8_lossy(&output.stdout);
         if !output.status.success() {
             return Err(format!(
@@ -143,6 +162,15 @@ impl Wrk {
         }
         parse(&text)
     }
+}
+
+/// Everything a child's pipe gives until it closes.
+async fn read_all(pipe: Option<impl AsyncRead + Unpin>) -> std::io::Result<Vec<u8>> {
+    let mut all = Vec::new();
+    if let Some(mut pipe) = pipe {
+        pipe.read_to_end(&mut all).await?;
+    }
+    Ok(all)
 }
 
 /// Reads wrk's report (with `--latency`).
