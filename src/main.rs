@@ -139,10 +139,11 @@ enum Command {
         /// The Idempotency-Key.
         #[arg(long)]
         key: String,
-        /// Only when forget answers that PostgreSQL restarted since the record was made: the
-        /// record's owner instance (named in that answer, and logged by that railguard when
-        /// it started), once you have seen that process stop. A process still holding its
-        /// instance lock is refused whatever this says.
+        /// Only when forget answers that nothing shows the record's owner has stopped (it
+        /// crashed, or may be paused): the owner's instance, named in that answer and logged by
+        /// that railguard when it started, once you have seen that process stop. Paused is not
+        /// stopped. An owner holding its instance lock is refused whatever this says; the audit
+        /// record says the forget rested on your word.
         #[arg(long, value_name = "INSTANCE")]
         owner_stopped: Option<i64>,
     },

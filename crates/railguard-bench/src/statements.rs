@@ -559,7 +559,9 @@ impl StatementReport {
         );
         let _ = writeln!(
             out,
-            "- One client, one statement at a time, on sessions opened as railguard opens its \
+            "- The tables as `railguard serve` leaves them: migrations, then its index maintenance \
+             (`db::maintenance`)\n\
+             - One client, one statement at a time, on sessions opened as railguard opens its \
              own; {} accounts, every row a new higher token (every compare-and-set accepted); \
              {} s × {} repetitions per phase interleaved round-robin, {} s warm-up before each\n\
              - CPU from `/proc`: the backend that ran the statement, and all of PostgreSQL \
