@@ -28,6 +28,62 @@ async fn pay(
     .await
 }
 
+/// [`pay`] with an empty JSON body, in a task of its own: a payment left running while the
+/// test acts on what it finds at the rail.
+fn spawn_pay(
+    http: &Http,
+    rg: &Railguard,
+    token: i64,
+    account: &str,
+    key: &str,
+) -> tokio::task::JoinHandle<Reply> {
+    let (http, url) = (http.clone(), rg.proxy_url("/payments"));
+    let (token, account, key) = (token.to_string(), account.to_string(), key.to_string());
+    tokio::spawn(async move {
+        http.pay(
+            &url,
+            &[
+                ("Fencing-Token", &token),
+                ("Fencing-Account", &account),
+                ("Idempotency-Key", &key),
+            ],
+            "{}",
+        )
+        .await
+    })
+}
+
+/// Waits (up to 2 s) until the rail has received `payments`.
+async fn wait_for_ledger(rail: &Rail, payments: usize) {
+    for _ in 0..200 {
+        if rail.ledger().len() >= payments {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits (up to 5 s) until the owner has stored its declaration that `key`'s record is in
+/// doubt (it does so after answering the client).
+async fn wait_until_in_doubt(pg: &Pg, key: &str) {
+    let client = pg.client().await;
+    for _ in 0..250 {
+        let state: Option<String> = client
+            .query_opt(
+                "SELECT state FROM idempotency_record WHERE idempotency_key = $1",
+                &[&key],
+            )
+            .await
+            .unwrap()
+            .map(|row| row.get(0));
+        if state.as_deref() == Some("in_doubt") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{key}'s record was never declared in doubt");
+}
+
 async fn records(pg: &Pg) -> i64 {
     pg.client()
         .await
@@ -194,12 +250,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
             .await
         })
     };
-    for _ in 0..100 {
-        if !rail.ledger().is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_ledger(&rail, 1).await;
     assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
     let killed_owner = rg
         .instance()
@@ -563,43 +614,10 @@ async fn a_completion_whose_record_was_forgotten_does_not_resurrect_it() {
     let rail = Rail::with_latency(Duration::from_millis(600)).await;
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
     let http = rg.http();
-    let paying = {
-        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
-        tokio::spawn(async move {
-            http.pay(
-                &url,
-                &[
-                    ("Fencing-Token", "2"),
-                    ("Fencing-Account", "a"),
-                    ("Idempotency-Key", "forgotten"),
-                ],
-                "{}",
-            )
-            .await
-        })
-    };
+    let paying = spawn_pay(&http, &rg, 2, "a", "forgotten");
     // Its neighbour in the same account completes normally, in the same window.
-    let neighbour = {
-        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
-        tokio::spawn(async move {
-            http.pay(
-                &url,
-                &[
-                    ("Fencing-Token", "2"),
-                    ("Fencing-Account", "a"),
-                    ("Idempotency-Key", "kept"),
-                ],
-                "{}",
-            )
-            .await
-        })
-    };
-    for _ in 0..100 {
-        if rail.ledger().len() == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let neighbour = spawn_pay(&http, &rg, 2, "a", "kept");
+    wait_for_ledger(&rail, 2).await;
     assert_eq!(rail.ledger().len(), 2, "both reached the rail");
     let client = pg.client().await;
     let deleted = client
@@ -676,6 +694,7 @@ async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
     let http = owner_rg.http();
     let first = pay(&http, &owner_rg, 4, "a", "paused", "{}").await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    wait_until_in_doubt(&pg, "paused").await;
     assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
 
     // Running, it is refused even on the operator's word.
@@ -744,6 +763,7 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
         .expect("railguard logs its instance when it starts");
     let first = pay(&http, &rg, 4, "a", "gone", "{}").await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    wait_until_in_doubt(&pg, "gone").await;
     rg.kill().await;
     // A PostgreSQL restart on top changes nothing of what follows.
     pg.server.stop().await;
@@ -814,6 +834,7 @@ async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word
     let owner = rg.instance().unwrap();
     let first = pay(&http, &rg, 4, "a", "stopped", "{}").await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    wait_until_in_doubt(&pg, "stopped").await;
     rg.restart().await;
     let stops: i64 = pg
         .client()
@@ -852,27 +873,8 @@ async fn a_graceful_stop_waits_for_a_completion_still_retried_in_the_background(
     )
     .await;
     let http = rg.http();
-    let paying = {
-        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
-        tokio::spawn(async move {
-            http.pay(
-                &url,
-                &[
-                    ("Fencing-Token", "4"),
-                    ("Fencing-Account", "a"),
-                    ("Idempotency-Key", "late-store"),
-                ],
-                "{}",
-            )
-            .await
-        })
-    };
-    for _ in 0..100 {
-        if !rail.ledger().is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let paying = spawn_pay(&http, &rg, 4, "a", "late-store");
+    wait_for_ledger(&rail, 1).await;
     assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
     // PostgreSQL goes away before the rail answers: the answer cannot be stored.
     pg.server.stop().await;
