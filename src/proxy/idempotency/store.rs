@@ -17,8 +17,8 @@
 //! next retry is forwarded — and refuses while its owner may still send it: a record is
 //! forgotten only when its owner declared it in doubt (its forward is over) or the owner's
 //! deadline passed, *and* the owning railguard process has stopped: it recorded a clean stop,
-//! or an operator who saw it stop says so. Its instance lock ([`InstanceId`](super::InstanceId))
-//! shows a running owner, never a stopped one (see `instance`). What no check here can see — bytes already on
+//! or an operator who saw it stop says so. Its instance lock ([`InstanceId`]) shows a running
+//! owner, never a stopped one (see `instance`). What no check here can see — bytes already on
 //! their way in the network, or a rail that received a request and has not recorded it yet —
 //! is why the proxy forwards `Idempotency-Key` to the rail: a rail that deduplicates by it
 //! absorbs the rest (README, "In doubt").
