@@ -26,8 +26,10 @@ ENV RAILGUARD__PROXY__LISTEN=0.0.0.0:8080 \
 # Marks and grants live here in embedded mode: keep it across container restarts.
 VOLUME /var/lib/railguard
 EXPOSE 8080 7070 9100
-# railguard drains for up to shutdown.grace_ms (10 s) and then stops PostgreSQL cleanly:
-# give it longer than that, e.g. `docker stop -t 30`.
+# railguard drains in up to four waits of shutdown.grace_ms (10 s) each — requests, late
+# forwards, unanswered statements, idempotency outcomes; each ends as soon as nothing is left —
+# and then stops PostgreSQL cleanly: give it longer than that, e.g. `docker stop -t 60`. A stop
+# cut short leaves no clean-stop record (records in doubt then need --owner-stopped).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["railguard"]
 CMD ["serve", "--config", "/etc/railguard/railguard.toml"]

@@ -341,7 +341,8 @@ impl Admin {
                 StatusCode::CONFLICT,
                 format!(
                     "the railguard process that owns the record (instance {owner}) is still running (it may be paused, or still writing the request to the rail): it may still send it. \
-                     Stop that process (SIGTERM: a clean stop records that it sends nothing more), then retry"
+                     Stop that process (SIGTERM: a clean stop records that it sends nothing more; a paused process acts on it only once resumed with SIGCONT), then retry; \
+                     or, if it must not run again, SIGKILL it and run again with --owner-stopped {owner}"
                 ),
             ),
             Ok(Forgot::OwnerNotSeenStopping { owner, created, named }) => (

@@ -279,12 +279,15 @@ pub async fn run(
             &metrics,
             auth.clone(),
         )),
-        FenceLayer::new(Arc::new(FencePoint::new(
-            marks.clone(),
-            config.fencing.cache_capacity,
-            metrics.clone(),
-            config.fencing.enforce,
-        ))),
+        FenceLayer::new(Arc::new(
+            FencePoint::new(
+                marks.clone(),
+                config.fencing.cache_capacity,
+                metrics.clone(),
+                config.fencing.enforce,
+            )
+            .counting_into(late_forwards.clone()),
+        )),
         IdempotencyLayer::new(
             records,
             IdempotencyConfig {
@@ -428,7 +431,7 @@ pub async fn run(
     // Every forward this process started has had its answer and it starts no more: it says so,
     // so that forget takes the records it owned as ownerless (a crash, or a stop with forwards
     // still out, says nothing; those records wait for an operator's `--owner-stopped`).
-    if late_forwards.count() == 0 && unanswered.count() == 0 {
+    if late_forwards.count() == 0 && !late_forwards.any_given_up() && unanswered.count() == 0 {
         match record_clean_stop(&database.pool, instance, config.database.timeout).await {
             Ok(()) => tracing::info!(
                 instance = instance.get(),
@@ -445,7 +448,8 @@ pub async fn run(
     } else {
         tracing::warn!(
             instance = instance.get(),
-            "stopping with forwards or statements still out, so no clean stop is recorded: a \
+            "stopping with forwards or statements still out (or a forward let go unanswered by \
+             proxy.late_answer_wait_ms), so no clean stop is recorded: a \
              record in doubt this process owned needs `railguard idempotency-forget \
              --owner-stopped {instance}`"
         );

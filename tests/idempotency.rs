@@ -903,3 +903,53 @@ async fn a_graceful_stop_waits_for_a_completion_still_retried_in_the_background(
         .get(0);
     assert_eq!(state, "done", "{}", rg.log());
 }
+
+/// Found by the second review of the eleventh session: a keyed request was counted as
+/// outstanding only once its forward started, so a stop while it waited for its account's turn
+/// (behind a slower forward) recorded a clean stop — "sends nothing more" — and the request
+/// reached the rail afterwards. Now every request is counted from before its compare-and-set.
+#[tokio::test]
+async fn no_clean_stop_is_recorded_while_a_keyed_request_waits_for_its_turn() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
+    let mut rg = Railguard::start_process(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__SHUTDOWN__GRACE_MS", "1000")],
+    )
+    .await;
+    let owner = rg.instance().unwrap();
+    let http = rg.http();
+    // A keyless forward holds the account's turn at the rail; the keyed one waits behind it.
+    let first = {
+        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
+        tokio::spawn(async move {
+            http.pay(
+                &url,
+                &[("Fencing-Token", "100"), ("Fencing-Account", "turn")],
+                "{}",
+            )
+            .await
+        })
+    };
+    wait_for_ledger(&rail, 1).await;
+    let waiting = spawn_pay(&http, &rg, 101, "turn", "waits");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(records(&pg).await, 1, "the keyed request's record is made");
+    let status = rg.stop().await;
+    assert!(status.success(), "{status}");
+    let _ = (first.await, waiting.await);
+    let stops: i64 = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM railguard_audit WHERE action = 'instance_stopped'
+               AND (outcome->>'instance')::bigint = $1",
+            &[&owner],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stops, 0, "{}", rg.log());
+}

@@ -55,7 +55,7 @@ pub use self::store::{ADVANCE_SQL, Batching, HighWaterStore, StoreError, Verdict
 use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
 use self::refusal_log::RefusalLog;
-use super::forward::UpstreamTimeout;
+use super::forward::{LateForwards, UpstreamTimeout};
 use super::idempotency::NewRecord;
 use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::metrics::{FencePath, Metrics};
@@ -106,6 +106,10 @@ pub struct FencePoint<H = HighWaterStore> {
     metrics: Arc<Metrics>,
     enforce: bool,
     refusals: RefusalLog,
+    /// Where requests are counted from before their compare-and-set until their forward ends
+    /// ([`LateForwards`]), so that a stop sees one whose record is made and whose forward is to
+    /// come; `None` counts nothing (tests of this module alone).
+    outstanding: Option<LateForwards>,
 }
 
 /// Accounts whose cache refusals' log lines are limited at once (see `refusal_log`).
@@ -121,7 +125,15 @@ impl<H: HighWater> FencePoint<H> {
             metrics,
             enforce,
             refusals: RefusalLog::new(REFUSAL_LOG_ACCOUNTS),
+            outstanding: None,
         }
+    }
+
+    /// Counts every request among `forwards` from before its compare-and-set until its forward
+    /// ends.
+    pub fn counting_into(mut self, forwards: LateForwards) -> Self {
+        self.outstanding = Some(forwards);
+        self
     }
 
     /// The compare-and-set for `request` (with its idempotency record, if any), timed from
@@ -266,6 +278,9 @@ where
         return Err(point.fenced_out_cached(account, token));
     }
 
+    // Counted before the compare-and-set: once it commits, a keyed request owns a record whose
+    // forward is to come, and a stop must not say this process sends nothing more.
+    let counted = point.outstanding.as_ref().map(LateForwards::start);
     // Take our place before the compare-and-set, so that a higher token committed after ours
     // cannot lose track of us (see `ordering`).
     let ticket = point.order.enter(&account);
@@ -284,7 +299,11 @@ where
             point.cache.raise(&account, token.get());
             let owns_record = record.is_some();
             request.record = record;
-            let proceed = admitted_forward(point, inner, request, ticket, account, token);
+            let forward = admitted_forward(point, inner, request, ticket, account, token);
+            let proceed = async move {
+                let _counted = counted;
+                forward.await
+            };
             if owns_record {
                 // A request that owns a record keeps its turn until the rail has answered, and
                 // has that answer stored, even if its client goes away: it runs in a task of

@@ -19,7 +19,7 @@ mod connections;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -141,40 +141,63 @@ impl hyper::body::Body for Tracked {
 }
 
 /// Forwards whose request may be on its way to the rail and whose answer has not come: every
-/// forward from the moment it starts, and those past their deadline or left by their client
-/// that still wait for a late answer, each holding its account's turn. A graceful shutdown
-/// waits for them within its grace — a keyed forward runs in a task of its own that stopping
-/// the listeners does not end — as stopping earlier would let a newer grant's request, sent by
-/// the next process, overtake one of them.
+/// fenced request from before its compare-and-set (`fence`: a keyed one owns a record from its
+/// commit, and its forward is to come) until its forward ends, and those past their deadline or
+/// left by their client that still wait for a late answer, each holding its account's turn. A
+/// graceful shutdown waits for them within its grace — a keyed forward runs in a task of its
+/// own that stopping the listeners does not end — as stopping earlier would let a newer grant's
+/// request, sent by the next process, overtake one of them. Only once none is left, and none was
+/// given up unanswered by `proxy.late_answer_wait_ms`, may the process say it sends nothing more
+/// (`idempotency::record_clean_stop`).
 #[derive(Clone, Default)]
-pub struct LateForwards(Arc<(AtomicUsize, Notify)>);
+pub struct LateForwards(Arc<Outstanding>);
+
+#[derive(Default)]
+struct Outstanding {
+    count: AtomicUsize,
+    none_left: Notify,
+    /// A forward was let go by `proxy.late_answer_wait_ms` without an answer: what it wrote may
+    /// still be on its way, for all this process knows.
+    given_up: AtomicBool,
+}
 
 /// One outstanding forward, counted while it lives.
-struct LateForward(LateForwards);
+pub(crate) struct LateForward(LateForwards);
 
 impl Drop for LateForward {
     fn drop(&mut self) {
-        let (count, notify) = &*(self.0).0;
-        if count.fetch_sub(1, Ordering::AcqRel) == 1 {
-            notify.notify_waiters();
+        let outstanding = &(self.0).0;
+        if outstanding.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            outstanding.none_left.notify_waiters();
         }
     }
 }
 
 impl LateForwards {
-    fn start(&self) -> LateForward {
-        self.0.0.fetch_add(1, Ordering::AcqRel);
+    /// Counts one forward, or one request whose forward is to come, until the returned value
+    /// is dropped.
+    pub(crate) fn start(&self) -> LateForward {
+        self.0.count.fetch_add(1, Ordering::AcqRel);
         LateForward(self.clone())
     }
 
     pub fn count(&self) -> usize {
-        self.0.0.load(Ordering::Acquire)
+        self.0.count.load(Ordering::Acquire)
+    }
+
+    /// Whether a forward was let go by `proxy.late_answer_wait_ms` without the rail's answer.
+    pub fn any_given_up(&self) -> bool {
+        self.0.given_up.load(Ordering::Acquire)
+    }
+
+    fn give_up(&self) {
+        self.0.given_up.store(true, Ordering::Release);
     }
 
     /// Resolves once no outstanding forward is left.
     pub async fn drained(&self) {
         loop {
-            let notified = self.0.1.notified();
+            let notified = self.0.none_left.notified();
             let mut notified = std::pin::pin!(notified);
             notified.as_mut().enable();
             if self.count() == 0 {
@@ -389,6 +412,7 @@ impl InFlight {
             return;
         };
         let wait = self.rail.late_answer_wait;
+        let late = self.rail.late.clone();
         runtime.spawn(
             async move {
                 // Zero is no limit: only the rail's answer, or the end of the connection
@@ -397,9 +421,11 @@ impl InFlight {
                 let answered = if wait.is_zero() {
                     exchange.await.is_ok()
                 } else {
-                    tokio::time::timeout(wait, exchange)
-                        .await
-                        .is_ok_and(|r| r.is_ok())
+                    let ended = tokio::time::timeout(wait, exchange).await;
+                    if ended.is_err() {
+                        late.give_up();
+                    }
+                    ended.is_ok_and(|r| r.is_ok())
                 };
                 // Past its deadline is worth a line; a client hanging up is the client's doing,
                 // and a crowd of them would write one line each.

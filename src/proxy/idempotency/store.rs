@@ -65,10 +65,12 @@ pub enum RecordState {
     Done(StoredResponse),
 }
 
-/// Takes the owner's instance lock for the rest of forget's transaction, if nobody holds it:
-/// false while the owning process holds it (it is running), and an owner that reconnects
-/// meanwhile waits until forget has committed, so a check and its delete see the same owner.
-const OWNER_LOCK_FREE_SQL: &str = "SELECT pg_try_advisory_xact_lock($1)";
+/// Takes the owner's instance lock, shared, for the rest of forget's transaction, if the owner
+/// does not hold it: false while the owning process holds it (it is running), and an owner that
+/// reconnects meanwhile waits until forget has committed, so a check and its delete see the
+/// same owner. Shared, so that concurrent forgets of one owner's records do not refuse each
+/// other.
+const OWNER_LOCK_FREE_SQL: &str = "SELECT pg_try_advisory_xact_lock_shared($1)";
 
 /// Whether the owning process said, as it stopped, that it had nothing left to send
 /// ([`super::instance::record_clean_stop`]).
