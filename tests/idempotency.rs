@@ -84,6 +84,20 @@ async fn wait_until_in_doubt(pg: &Pg, key: &str) {
     panic!("{key}'s record was never declared in doubt");
 }
 
+/// The clean stops the railguard of `instance` recorded (`railguard_audit`).
+async fn clean_stops(pg: &Pg, instance: i64) -> i64 {
+    pg.client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM railguard_audit WHERE action = 'instance_stopped'
+               AND (outcome->>'instance')::bigint = $1",
+            &[&instance],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 async fn records(pg: &Pg) -> i64 {
     pg.client()
         .await
@@ -836,17 +850,7 @@ async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
     wait_until_in_doubt(&pg, "stopped").await;
     rg.restart().await;
-    let stops: i64 = pg
-        .client()
-        .await
-        .query_one(
-            "SELECT count(*) FROM railguard_audit WHERE action = 'instance_stopped'
-               AND (outcome->>'instance')::bigint = $1",
-            &[&owner],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let stops = clean_stops(&pg, owner).await;
     assert_eq!(stops, 1, "{}", rg.log());
     let forgot = rg.forget("a", "stopped").await;
     assert!(
@@ -940,16 +944,6 @@ async fn no_clean_stop_is_recorded_while_a_keyed_request_waits_for_its_turn() {
     let status = rg.stop().await;
     assert!(status.success(), "{status}");
     let _ = (first.await, waiting.await);
-    let stops: i64 = pg
-        .client()
-        .await
-        .query_one(
-            "SELECT count(*) FROM railguard_audit WHERE action = 'instance_stopped'
-               AND (outcome->>'instance')::bigint = $1",
-            &[&owner],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let stops = clean_stops(&pg, owner).await;
     assert_eq!(stops, 0, "{}", rg.log());
 }
