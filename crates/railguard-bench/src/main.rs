@@ -78,6 +78,9 @@ struct Cli {
     /// The statements suite: rows per statement, one group of phases each.
     #[arg(long, value_delimiter = ',', default_values_t = [1usize, 16, 64])]
     batch_rows: Vec<usize>,
+    /// The statements suite: which statements to measure (default: every one).
+    #[arg(long, value_delimiter = ',')]
+    statements: Vec<statements::Variant>,
     /// Open client connections for the proxy RSS measurement (0 skips it).
     #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     rss_connections: u64,
@@ -115,6 +118,7 @@ fn main() -> ExitCode {
         profile_dir,
         pg_settings,
         batch_rows,
+        statements: variants,
     } = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -140,6 +144,11 @@ fn main() -> ExitCode {
                     repeats,
                     accounts,
                     rows: batch_rows,
+                    variants: if variants.is_empty() {
+                        statements::Variant::ALL.to_vec()
+                    } else {
+                        variants
+                    },
                     pg_settings,
                 };
                 return match statements::run(options).await {

@@ -44,11 +44,13 @@ pub(crate) struct StatementOptions {
     pub accounts: u64,
     /// Rows per statement, one phase group each.
     pub rows: Vec<usize>,
+    /// The statements measured, each at every size.
+    pub variants: Vec<Variant>,
     pub pg_settings: Vec<(String, String)>,
 }
 
 /// What one phase runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Variant {
     /// The fence's compare-and-set as railguard runs a batch without keys.
     Fence,
@@ -67,10 +69,26 @@ pub(crate) enum Variant {
     /// The fence statement creating a record for every row (a keyed request), then the
     /// completion of those records on the completion sessions: two statements, each measured.
     Keyed,
+    /// A design railguard does not run: the keyed statement also completes the records the
+    /// previous statement made, in its own durable commit — one statement and one commit per
+    /// keyed request instead of two. Today's table and texts (`BATCH_SQL` with `COMPLETE_SQL`
+    /// as a third part), on a durable session with one generic plan and no sequential scans.
+    KeyedFolded,
+    /// The same folded statement on the narrowest record C3 §3.1 needs ([`LEAN_TABLE`]): what
+    /// PostgreSQL's share of a keyed request could come to with another schema.
+    LeanFolded,
+    /// The same on a record found by a 16-byte hash of its account and key, with retention's
+    /// index a BRIN one ([`HASHED_TABLE`]): the cheapest indexes such a record could have.
+    HashedFolded,
+    /// The hashed record made with the compare-and-set, and completed by a statement of its
+    /// own that does not wait for its WAL flush, as railguard completes today's: the creation
+    /// is what a client must wait for, and a completion whose client need not wait for it could
+    /// be batched without the connections' limit (run it at several `--batch-rows`).
+    HashedSplit,
 }
 
 impl Variant {
-    pub(crate) const ALL: [Variant; 7] = [
+    pub(crate) const ALL: [Variant; 11] = [
         Variant::Fence,
         Variant::FenceWithoutUpdatedAt,
         Variant::FenceWithoutReturning,
@@ -78,7 +96,18 @@ impl Variant {
         Variant::FenceLiteral,
         Variant::Look,
         Variant::Keyed,
+        Variant::KeyedFolded,
+        Variant::LeanFolded,
+        Variant::HashedFolded,
+        Variant::HashedSplit,
     ];
+
+    fn folded(self) -> bool {
+        matches!(
+            self,
+            Variant::KeyedFolded | Variant::LeanFolded | Variant::HashedFolded
+        )
+    }
 
     fn label(self) -> &'static str {
         match self {
@@ -91,14 +120,145 @@ impl Variant {
             Variant::FenceLiteral => "… rows as a literal `VALUES` list, unprepared",
             Variant::Look => "last look",
             Variant::Keyed => "fence statement with a record per row (keys, `BATCH_SQL`)",
+            Variant::KeyedFolded => {
+                "not built: `BATCH_SQL` also completing the previous statement's records, durable"
+            }
+            Variant::LeanFolded => "not built: the same on the narrowest record (`LEAN_TABLE`)",
+            Variant::HashedFolded => {
+                "not built: the same found by a 16-byte hash, BRIN for retention (`HASHED_TABLE`)"
+            }
+            Variant::HashedSplit => "not built: that record made with the compare-and-set",
         }
     }
 }
+
+/// The narrowest idempotency record C3 §3.1 needs, for [`Variant::LeanFolded`]: the key, the
+/// request's fingerprint as its 32 bytes, the owner as one number (railguard's owner id and
+/// instance together), the deadline after which a record in flight is in doubt, and the
+/// stored answer as one value (status, headers and body encoded by railguard; NULL while in
+/// flight). `created_at` and its index are retention's, as `railguard serve` keeps them.
+const LEAN_TABLE: &str = "\
+CREATE TABLE lean_record (
+    account_id      text        NOT NULL,
+    idempotency_key text        NOT NULL,
+    fingerprint     bytea       NOT NULL,
+    owner           bigint      NOT NULL,
+    in_doubt_at     timestamptz NOT NULL,
+    response        bytea,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (account_id, idempotency_key)
+);
+CREATE INDEX lean_record_created_at ON lean_record (created_at)";
+
+/// [`LEAN_TABLE`] with the cheapest indexes it could have, for [`Variant::HashedFolded`]: the
+/// primary key a 16-byte hash of account and key (railguard would compute it; the account and
+/// key are kept, unindexed, to check a match), and retention's index a BRIN one, which a
+/// table filled in `created_at` order keeps at almost no cost per row.
+const HASHED_TABLE: &str = "\
+CREATE TABLE hashed_record (
+    record_id       bytea       PRIMARY KEY,
+    account_id      text        NOT NULL,
+    idempotency_key text        NOT NULL,
+    fingerprint     bytea       NOT NULL,
+    owner           bigint      NOT NULL,
+    in_doubt_at     timestamptz NOT NULL,
+    response        bytea,
+    created_at      timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX hashed_record_created_at ON hashed_record USING brin (created_at)";
+
+/// The lean record's creation: the part of a keyed batch's statement after the fence's
+/// compare-and-set (`fenced`), whose accepted requests' records it makes.
+const LEAN_RECORDED: &str = "\
+    INSERT INTO lean_record AS r (account_id, idempotency_key, fingerprint, owner, in_doubt_at)
+    SELECT i.account_id, i.key, i.fingerprint, i.owner, now() + interval '31 s'
+    FROM unnest($3::text[], $4::text[], $5::bytea[], $6::bigint[])
+        AS i(account_id, key, fingerprint, owner)
+    WHERE i.account_id IN (SELECT account_id FROM fenced)
+    ORDER BY i.account_id, i.key
+    ON CONFLICT (account_id, idempotency_key) DO UPDATE SET owner = EXCLUDED.owner
+        WHERE r.owner = EXCLUDED.owner
+    RETURNING account_id, idempotency_key";
+
+/// The lean record's completion. A join by key, which the folded session's settings (no
+/// sequential scans, one generic plan) keep to one primary-key lookup per row.
+const LEAN_COMPLETED: &str = "\
+    UPDATE lean_record r SET response = c.response
+    FROM (
+        SELECT * FROM unnest($7::text[], $8::text[], $9::bigint[], $10::bytea[])
+            AS c(account_id, key, owner, response)
+        ORDER BY account_id, key
+        OFFSET 0
+    ) AS c
+    WHERE r.account_id = c.account_id AND r.idempotency_key = c.key AND r.owner = c.owner
+      AND r.response IS NULL
+    RETURNING r.account_id, r.idempotency_key";
+
+/// The hashed record's creation, as [`LEAN_RECORDED`].
+const HASHED_RECORDED: &str = "\
+    INSERT INTO hashed_record AS r
+        (record_id, account_id, idempotency_key, fingerprint, owner, in_doubt_at)
+    SELECT i.id, i.account_id, i.key, i.fingerprint, i.owner, now() + interval '31 s'
+    FROM unnest($3::bytea[], $4::text[], $5::text[], $6::bytea[], $7::bigint[])
+        AS i(id, account_id, key, fingerprint, owner)
+    WHERE i.account_id IN (SELECT account_id FROM fenced)
+    ORDER BY i.id
+    ON CONFLICT (record_id) DO UPDATE SET owner = EXCLUDED.owner
+        WHERE r.owner = EXCLUDED.owner
+    RETURNING account_id, idempotency_key";
+
+/// The hashed record's completion as a statement of its own ([`Variant::HashedSplit`], on the
+/// completion sessions: its commit does not wait for the WAL flush).
+const HASHED_COMPLETE_SQL: &str = "\
+    UPDATE hashed_record r SET response = c.response
+    FROM (
+        SELECT * FROM unnest($1::bytea[], $2::bigint[], $3::bytea[]) AS c(id, owner, response)
+        ORDER BY id
+        OFFSET 0
+    ) AS c
+    WHERE r.record_id = c.id AND r.owner = c.owner AND r.response IS NULL
+    RETURNING r.account_id, r.idempotency_key";
+
+/// A keyed batch's statement: the fence's compare-and-set (`ADVANCE_BATCH_SQL`, parameters 1
+/// and 2), the records of its accepted requests, and (folded designs) the completions of the
+/// previous statement's records, in one durable commit.
+fn keyed_statement(recorded: &str, completed: Option<&str>) -> String {
+    let mut text =
+        format!("WITH fenced AS (\n{ADVANCE_BATCH_SQL}\n), recorded AS (\n{recorded}\n)");
+    if let Some(completed) = completed {
+        let _ = write!(text, ", completed AS (\n{completed}\n)");
+    }
+    text.push_str(
+        "\nSELECT account_id, NULL::text FROM fenced\n\
+         UNION ALL\nSELECT account_id, idempotency_key FROM recorded",
+    );
+    if completed.is_some() {
+        text.push_str("\nUNION ALL\nSELECT account_id, idempotency_key FROM completed");
+    }
+    text
+}
+
+/// The planner settings of the folded session: one generic plan without sequential scans, as
+/// on the completion sessions (`db`'s `COMPLETION_SESSION_SETTINGS`), with commits left
+/// durable. Hash and merge joins stay allowed: the records' creation filters on the accepted
+/// accounts with a semi-join, which without a hash join is a nested loop over every pair (a
+/// first run with them off measured the folded statements at 512 rows dearer per row than at
+/// 64). The completions' joins still go by primary key (`EXPLAIN` of the generic plans: an
+/// index scan per batch row for the join by key, the position's TID scan for
+/// `COMPLETE_SQL`'s).
+const FOLDED_SESSION_SETTINGS: &str = "SET plan_cache_mode = force_generic_plan; \
+     SET enable_seqscan = off; SET jit = off; SET synchronous_commit = on";
 
 /// The statement texts of a run, derived once (a derivation that does not match is an error).
 struct Texts {
     fence_without_updated_at: String,
     fence_without_returning: String,
+    /// [`Variant::KeyedFolded`]: `BATCH_SQL` with `COMPLETE_SQL` as a third part, its
+    /// parameters renumbered after the keyed statement's nine.
+    keyed_folded: String,
+    lean_folded: String,
+    hashed_folded: String,
+    hashed_create: String,
 }
 
 /// `text` with `from` replaced by `to`, which must occur exactly once.
@@ -126,7 +286,50 @@ impl Texts {
                 "",
                 "without RETURNING",
             )?,
+            keyed_folded: Self::keyed_folded()?,
+            lean_folded: keyed_statement(LEAN_RECORDED, Some(LEAN_COMPLETED)),
+            hashed_folded: keyed_statement(HASHED_RECORDED, Some(&Self::hashed_completed()?)),
+            hashed_create: keyed_statement(HASHED_RECORDED, None),
         })
+    }
+
+    /// [`HASHED_COMPLETE_SQL`] with its parameters after the creation's seven.
+    fn hashed_completed() -> Result<String, String> {
+        let mut text = HASHED_COMPLETE_SQL.to_string();
+        for n in (1..=3).rev() {
+            text = replace_once(
+                &text,
+                &format!("${n}::"),
+                &format!("${}::", n + 7),
+                "hashed",
+            )?;
+        }
+        Ok(text)
+    }
+
+    fn keyed_folded() -> Result<String, String> {
+        let what = "keyed, folded";
+        let mut complete = COMPLETE_SQL.to_string();
+        // Downwards, so that `$1::` is never read as the start of `$10::`.
+        for n in (1..=7).rev() {
+            complete = replace_once(
+                &complete,
+                &format!("${n}::"),
+                &format!("${}::", n + 9),
+                what,
+            )?;
+        }
+        let text = replace_once(
+            BATCH_SQL,
+            "\n)\nSELECT account_id, NULL::text FROM fenced",
+            &format!(
+                "\n), completed AS (\n{complete}\n)\nSELECT account_id, NULL::text FROM fenced"
+            ),
+            what,
+        )?;
+        Ok(format!(
+            "{text}\nUNION ALL\nSELECT account_id, idempotency_key FROM completed"
+        ))
     }
 
     /// The fence statement with `rows` written in, for the simple protocol.
@@ -154,6 +357,8 @@ struct Sample {
     backend_cpu: f64,
     /// The completion's backend (keyed phases).
     completion_cpu: f64,
+    /// Records completed by folded statements (the previous statement's).
+    completed: u64,
     /// All of PostgreSQL.
     server_cpu: f64,
     wal_bytes: f64,
@@ -180,9 +385,13 @@ struct Sessions {
     main: deadpool_postgres::Pool,
     look: deadpool_postgres::Pool,
     completion: deadpool_postgres::Pool,
+    /// A durable session with one generic plan and no sequential scans, for the folded
+    /// statements railguard does not run.
+    folded: tokio_postgres::Client,
     main_pid: u32,
     look_pid: u32,
     completion_pid: u32,
+    folded_pid: u32,
 }
 
 pub(crate) async fn run(options: StatementOptions) -> Result<StatementReport, String> {
@@ -251,12 +460,16 @@ async fn with_postgres(
         .batch_execute("VACUUM ANALYZE rail_high_water")
         .await
         .map_err(|e| format!("vacuum: {e}"))?;
-    let sessions = open_sessions(&url).await?;
+    monitor
+        .batch_execute(&format!("{LEAN_TABLE}; {HASHED_TABLE}"))
+        .await
+        .map_err(|e| format!("creating the lean record's table: {e}"))?;
+    let sessions = open_sessions(pg, &url).await?;
     let mut phases: Vec<(Phase, Vec<Sample>)> = o
         .rows
         .iter()
         .flat_map(|&rows| {
-            Variant::ALL
+            o.variants
                 .iter()
                 .map(move |&variant| (Phase { variant, rows }, Vec::new()))
         })
@@ -291,7 +504,7 @@ async fn with_postgres(
     Ok(phases)
 }
 
-async fn open_sessions(url: &str) -> Result<Sessions, String> {
+async fn open_sessions(pg: &Pg, url: &str) -> Result<Sessions, String> {
     let main = build_pool(url, 1, TIMEOUT).map_err(|e| e.to_string())?;
     let look = build_look_pool(url, 1, TIMEOUT).map_err(|e| e.to_string())?;
     let completion = build_completion_pool(url, 1, TIMEOUT).map_err(|e| e.to_string())?;
@@ -303,7 +516,19 @@ async fn open_sessions(url: &str) -> Result<Sessions, String> {
             .map_err(|e| e.to_string())?;
         Ok::<u32, String>(row.get::<_, i32>(0) as u32)
     };
+    let folded = pg.client_with(url).await?;
+    folded
+        .batch_execute(FOLDED_SESSION_SETTINGS)
+        .await
+        .map_err(|e| format!("the folded session's settings: {e}"))?;
+    let folded_pid = folded
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .map_err(|e| e.to_string())?
+        .get::<_, i32>(0) as u32;
     Ok(Sessions {
+        folded,
+        folded_pid,
         main_pid: pid(main.clone()).await?,
         look_pid: pid(look.clone()).await?,
         completion_pid: pid(completion.clone()).await?,
@@ -340,6 +565,43 @@ impl State {
     }
 }
 
+/// A record a folded statement made, for the next one to complete.
+struct Made {
+    account: String,
+    key: String,
+    owner: i64,
+}
+
+impl Made {
+    /// A stand-in for the 16-byte hash railguard would compute over account and key: unique
+    /// per record, and spread over the index as a hash is.
+    fn id(&self) -> [u8; 16] {
+        let mut rng = SplitMix64::new(self.owner as u64);
+        let (a, b) = (rng.next(), rng.next());
+        let mut id = [0; 16];
+        id[..8].copy_from_slice(&a.to_be_bytes());
+        id[8..].copy_from_slice(&b.to_be_bytes());
+        id
+    }
+
+    /// The owner as today's table holds it (text).
+    fn owner_text(&self) -> String {
+        format!("owner-{}", self.owner)
+    }
+}
+
+/// The stored answer as one value for [`LEAN_TABLE`]: the status, then the headers' and the
+/// body's lengths and bytes (the same headers and body the other keyed phases store).
+fn lean_response(headers: &str, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(10 + headers.len() + body.len());
+    out.extend_from_slice(&201_u16.to_be_bytes());
+    for part in [headers.as_bytes(), body] {
+        out.extend_from_slice(&(part.len() as u32).to_be_bytes());
+        out.extend_from_slice(part);
+    }
+    out
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn measure(
     o: &StatementOptions,
@@ -371,6 +633,32 @@ async fn measure(
         .prepare_cached(COMPLETE_SQL)
         .await
         .map_err(|e| e.to_string())?;
+    let keyed_folded = s
+        .folded
+        .prepare(&texts.keyed_folded)
+        .await
+        .map_err(|e| format!("preparing the folded keyed statement: {e}"))?;
+    let lean_folded = s
+        .folded
+        .prepare(&texts.lean_folded)
+        .await
+        .map_err(|e| format!("preparing the folded lean statement: {e}"))?;
+    let hashed_folded = s
+        .folded
+        .prepare(&texts.hashed_folded)
+        .await
+        .map_err(|e| format!("preparing the folded hashed statement: {e}"))?;
+    let hashed_create = s
+        .folded
+        .prepare(&texts.hashed_create)
+        .await
+        .map_err(|e| format!("preparing the hashed creation: {e}"))?;
+    let hashed_complete = completion
+        .prepare_cached(HASHED_COMPLETE_SQL)
+        .await
+        .map_err(|e| format!("preparing the hashed completion: {e}"))?;
+    // The records the previous folded statement made: the next one completes them.
+    let mut previous: Vec<Made> = Vec::new();
     let instance: i64 = 42;
     let fingerprint = "f".repeat(64);
     let headers = r#"[["content-type","application/json"],["content-length","27"]]"#.to_string();
@@ -382,10 +670,10 @@ async fn measure(
         .map_err(|e| e.to_string())?
         .get(0);
     let server_before = Usage::of(pg.pid());
-    let backend_pid = if phase.variant == Variant::Look {
-        s.look_pid
-    } else {
-        s.main_pid
+    let backend_pid = match phase.variant {
+        Variant::Look => s.look_pid,
+        v if v.folded() || v == Variant::HashedSplit => s.folded_pid,
+        _ => s.main_pid,
     };
     let backend_before = ticks_of(backend_pid);
     let completion_before = ticks_of(s.completion_pid);
@@ -438,6 +726,185 @@ async fn measure(
                 })
             }
             Variant::Look => look.query(&last_look, &[&accounts]).await.map(|r| r.len()),
+            Variant::KeyedFolded | Variant::LeanFolded | Variant::HashedFolded => {
+                let made: Vec<Made> = rows
+                    .iter()
+                    .map(|(account, _)| {
+                        state.key += 1;
+                        Made {
+                            account: account.clone(),
+                            key: format!("key-{}", state.key),
+                            owner: state.key as i64,
+                        }
+                    })
+                    .collect();
+                let answered = if phase.variant == Variant::KeyedFolded {
+                    let text = |f: &dyn Fn(&Made) -> String| made.iter().map(f).collect::<Vec<_>>();
+                    let (keys, owners) = (text(&|m| m.key.clone()), text(&|m| m.owner_text()));
+                    let done =
+                        |f: &dyn Fn(&Made) -> String| previous.iter().map(f).collect::<Vec<_>>();
+                    let (done_accounts, done_keys, done_owners) = (
+                        done(&|m| m.account.clone()),
+                        done(&|m| m.key.clone()),
+                        done(&|m| m.owner_text()),
+                    );
+                    let n = previous.len();
+                    s.folded
+                        .query(
+                            &keyed_folded,
+                            &[
+                                &accounts,
+                                &tokens,
+                                &accounts,
+                                &keys,
+                                &vec![fingerprint.as_str(); rows.len()],
+                                &tokens,
+                                &owners,
+                                &vec![31_000_i64; rows.len()],
+                                &instance,
+                                &done_accounts,
+                                &done_keys,
+                                &done_owners,
+                                &vec![201_i16; n],
+                                &vec![headers.as_str(); n],
+                                &vec![Some(body); n],
+                                &vec![true; n],
+                            ],
+                        )
+                        .await
+                } else if phase.variant == Variant::HashedFolded {
+                    let ids: Vec<[u8; 16]> = made.iter().map(Made::id).collect();
+                    let ids: Vec<&[u8]> = ids.iter().map(|id| id.as_slice()).collect();
+                    let done_ids: Vec<[u8; 16]> = previous.iter().map(Made::id).collect();
+                    let done_ids: Vec<&[u8]> = done_ids.iter().map(|id| id.as_slice()).collect();
+                    let keys: Vec<&str> = made.iter().map(|m| m.key.as_str()).collect();
+                    let owners: Vec<i64> = made.iter().map(|m| m.owner).collect();
+                    let response = lean_response(&headers, body);
+                    s.folded
+                        .query(
+                            &hashed_folded,
+                            &[
+                                &accounts,
+                                &tokens,
+                                &ids,
+                                &accounts,
+                                &keys,
+                                &vec![[0xf5_u8; 32].as_slice(); rows.len()],
+                                &owners,
+                                &done_ids,
+                                &previous.iter().map(|m| m.owner).collect::<Vec<_>>(),
+                                &vec![response.as_slice(); previous.len()],
+                            ],
+                        )
+                        .await
+                } else {
+                    let keys: Vec<&str> = made.iter().map(|m| m.key.as_str()).collect();
+                    let owners: Vec<i64> = made.iter().map(|m| m.owner).collect();
+                    let fingerprints = vec![[0xf5_u8; 32].as_slice(); rows.len()];
+                    let response = lean_response(&headers, body);
+                    s.folded
+                        .query(
+                            &lean_folded,
+                            &[
+                                &accounts,
+                                &tokens,
+                                &accounts,
+                                &keys,
+                                &fingerprints,
+                                &owners,
+                                &previous
+                                    .iter()
+                                    .map(|m| m.account.as_str())
+                                    .collect::<Vec<_>>(),
+                                &previous.iter().map(|m| m.key.as_str()).collect::<Vec<_>>(),
+                                &previous.iter().map(|m| m.owner).collect::<Vec<_>>(),
+                                &vec![response.as_slice(); previous.len()],
+                            ],
+                        )
+                        .await
+                }
+                .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
+                // Every row accepted, every record made, every earlier record completed.
+                if answered.len() != 2 * rows.len() + previous.len() {
+                    return Err(format!(
+                        "{}: {} rows answered for {} accounts and {} completions",
+                        phase.variant.label(),
+                        answered.len(),
+                        rows.len(),
+                        previous.len()
+                    ));
+                }
+                sample.latencies_us.push(at.elapsed().as_micros() as u32);
+                sample.completed += previous.len() as u64;
+                previous = made;
+                sample.statements += 1;
+                sample.rows += rows.len() as u64;
+                continue;
+            }
+            Variant::HashedSplit => {
+                let made: Vec<Made> = rows
+                    .iter()
+                    .map(|(account, _)| {
+                        state.key += 1;
+                        Made {
+                            account: account.clone(),
+                            key: format!("key-{}", state.key),
+                            owner: state.key as i64,
+                        }
+                    })
+                    .collect();
+                let ids: Vec<[u8; 16]> = made.iter().map(Made::id).collect();
+                let ids: Vec<&[u8]> = ids.iter().map(|id| id.as_slice()).collect();
+                let keys: Vec<&str> = made.iter().map(|m| m.key.as_str()).collect();
+                let owners: Vec<i64> = made.iter().map(|m| m.owner).collect();
+                let created = s
+                    .folded
+                    .query(
+                        &hashed_create,
+                        &[
+                            &accounts,
+                            &tokens,
+                            &ids,
+                            &accounts,
+                            &keys,
+                            &vec![[0xf5_u8; 32].as_slice(); rows.len()],
+                            &owners,
+                        ],
+                    )
+                    .await
+                    .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
+                if created.len() != 2 * rows.len() {
+                    return Err(format!(
+                        "{}: {} rows answered for {} accounts",
+                        phase.variant.label(),
+                        created.len(),
+                        rows.len()
+                    ));
+                }
+                sample.latencies_us.push(at.elapsed().as_micros() as u32);
+                let completed_at = Instant::now();
+                let response = lean_response(&headers, body);
+                let done = completion
+                    .query(
+                        &hashed_complete,
+                        &[&ids, &owners, &vec![response.as_slice(); rows.len()]],
+                    )
+                    .await
+                    .map_err(|e| format!("the hashed completion: {e}"))?;
+                if done.len() != rows.len() {
+                    return Err(format!(
+                        "the hashed completion stored {} of {} records",
+                        done.len(),
+                        rows.len()
+                    ));
+                }
+                sample
+                    .completion_latencies_us
+                    .push(completed_at.elapsed().as_micros() as u32);
+                sample.statements += 1;
+                sample.rows += rows.len() as u64;
+                continue;
+            }
             Variant::Keyed => {
                 let keys: Vec<String> = rows
                     .iter()
@@ -565,7 +1032,14 @@ impl StatementReport {
              own; {} accounts, every row a new higher token (every compare-and-set accepted); \
              {} s × {} repetitions per phase interleaved round-robin, {} s warm-up before each\n\
              - CPU from `/proc`: the backend that ran the statement, and all of PostgreSQL \
-             (backends, WAL writer, checkpointer, …); per row = per statement ÷ rows\n",
+             (backends, WAL writer, checkpointer, …); per row = per statement ÷ rows\n\
+             - \"not built\": designs railguard does not run, measured for what they would \
+             cost — one durable statement per batch that creates this batch's records and \
+             completes the previous batch's (each row one record made and one completed), on \
+             today's table and on the narrowest record C3 §3.1 needs (key, 32-byte \
+             fingerprint, numeric owner, in-doubt deadline, the answer as one `bytea`), and on \
+             that record found by a 16-byte hash with a BRIN index for retention, on a \
+             durable session with one generic plan and no sequential scans\n",
             o.accounts,
             o.duration.as_secs(),
             o.repeats,
@@ -614,7 +1088,7 @@ impl StatementReport {
                 true,
                 &mut out,
             );
-            if phase.variant == Variant::Keyed {
+            if matches!(phase.variant, Variant::Keyed | Variant::HashedSplit) {
                 line(
                     "… then the completion of those records",
                     &|s| s.completion_cpu,
@@ -630,9 +1104,20 @@ impl StatementReport {
                 .iter()
                 .map(|s| format!("{:.0}", s.statements as f64 / s.seconds))
                 .collect();
+            let completed = if phase.variant.folded() {
+                let (done, rows) = samples
+                    .iter()
+                    .fold((0, 0), |(d, r), s| (d + s.completed, r + s.rows));
+                format!(
+                    " (records completed: {:.1}% of the records made)",
+                    100.0 * done as f64 / rows.max(1) as f64
+                )
+            } else {
+                String::new()
+            };
             let _ = writeln!(
                 out,
-                "- {}, {} rows: {}",
+                "- {}, {} rows: {}{completed}",
                 phase.variant.label(),
                 phase.rows,
                 rates.join(", ")
@@ -657,6 +1142,36 @@ mod tests {
             .unwrap();
         assert!(!literal.contains('$'), "{literal}");
         assert!(literal.contains("(VALUES ('stmt-1', 5::bigint), ('stmt-2', 6::bigint))"));
+        let folded = &t.keyed_folded;
+        assert!(
+            folded.contains("completed AS (\nUPDATE idempotency_record r"),
+            "{folded}"
+        );
+        assert!(folded.ends_with("SELECT account_id, idempotency_key FROM completed"));
+        for n in 1..=16 {
+            assert_eq!(
+                folded.matches(&format!("${n}::")).count(),
+                1,
+                "${n} in {folded}"
+            );
+        }
+        assert!(t.lean_folded.contains("$10::bytea[]"));
+        assert!(
+            t.hashed_folded
+                .contains("unnest($8::bytea[], $9::bigint[], $10::bytea[])")
+        );
+        assert!(t.hashed_folded.ends_with("FROM completed"));
+        assert!(!t.hashed_create.contains("completed"));
+        assert!(
+            t.hashed_create
+                .starts_with(&format!("WITH fenced AS (\n{ADVANCE_BATCH_SQL}"))
+        );
+    }
+
+    #[test]
+    fn the_lean_answer_holds_status_headers_and_body() {
+        let r = lean_response("[]", b"ok");
+        assert_eq!(r, [0, 201, 0, 0, 0, 2, b'[', b']', 0, 0, 0, 2, b'o', b'k']);
     }
 
     #[test]
