@@ -402,10 +402,12 @@ pub async fn run(
     {
         tracing::warn!(
             statements = unanswered.count(),
-            "stopping with database statements still unanswered: a compare-and-set among them \
-             that commits later leaves its idempotency record in flight, then in doubt, though \
-             its request was refused (503) and never forwarded; `railguard idempotency-forget` \
-             clears such a record once this process has stopped"
+            "stopping with database statements still unanswered (compare-and-sets, last \
+             looks, idempotency completions): a compare-and-set among them that commits later \
+             leaves its idempotency record in flight, then in doubt, though its request was \
+             refused (503) and never forwarded; a completion among them that never commits \
+             leaves its record in flight, then in doubt, though the rail answered. \
+             `railguard idempotency-forget` clears such a record once this process has stopped"
         );
     }
     // Outcomes still retried in the background (the database did not take them at once) are
