@@ -26,7 +26,7 @@ use crate::http::{ResponseBody, full};
 use crate::lock::guard::{SourceGuard, Verdict};
 use crate::metrics::Metrics;
 use crate::proxy::fence::HighWaterStore;
-use crate::proxy::idempotency::{Forgot, IdempotencyStore, InstanceId};
+use crate::proxy::idempotency::{Forgot, IdempotencyStore, InstanceId, OwnerStopped};
 use crate::token::AccountId;
 
 #[derive(Clone)]
@@ -72,10 +72,28 @@ struct MarkRequest {
 struct ForgetRequest {
     account: String,
     key: String,
-    /// The operator's word that the railguard process of this instance has stopped; heard
+    /// The operator's word that the railguard process of this instance has stopped, or
+    /// `"unrecorded"`: every railguard running when a record naming no owner was made; heard
     /// only when PostgreSQL cannot tell (`IdempotencyStore::forget_in_doubt`).
     #[serde(default)]
-    owner_stopped: Option<i64>,
+    owner_stopped: Option<OwnerStoppedField>,
+}
+
+/// `owner_stopped` as JSON gives it: an instance number, or a word.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OwnerStoppedField {
+    Instance(i64),
+    Word(String),
+}
+
+impl OwnerStoppedField {
+    fn parse(self) -> Result<OwnerStopped, String> {
+        match self {
+            Self::Instance(n) => Ok(OwnerStopped::Instance(InstanceId::from_stored(n))),
+            Self::Word(word) => word.parse().map_err(|e| format!("owner_stopped: {e}")),
+        }
+    }
 }
 
 fn reply(status: StatusCode, content_type: &'static str, body: String) -> Response<ResponseBody> {
@@ -307,16 +325,27 @@ impl Admin {
     }
 
     async fn forget(&self, request: Request<Incoming>) -> Response<ResponseBody> {
-        let asked: ForgetRequest =
-            match Self::read_json(request, "{\"account\", \"key\", \"owner_stopped\"?}").await {
-                Ok(asked) => asked,
-                Err(refused) => return refused,
-            };
+        let asked: ForgetRequest = match Self::read_json(
+            request,
+            "{\"account\", \"key\", \"owner_stopped\"?: INSTANCE or \"unrecorded\"}",
+        )
+        .await
+        {
+            Ok(asked) => asked,
+            Err(refused) => return refused,
+        };
         let account = match self.account(&asked.account) {
             Ok(account) => account,
             Err(why) => return bad_request(why),
         };
-        let owner_stopped = asked.owner_stopped.map(InstanceId::from_stored);
+        let owner_stopped = match asked
+            .owner_stopped
+            .map(OwnerStoppedField::parse)
+            .transpose()
+        {
+            Ok(word) => word,
+            Err(why) => return bad_request(why),
+        };
         let forgot = self
             .idempotency
             .forget_in_doubt(&account, &asked.key, owner_stopped)
@@ -353,9 +382,19 @@ impl Admin {
                      Find the railguard whose log names instance {owner} at its start and make sure it has stopped (paused is not stopped); if you cannot tell which it was, stopping every railguard that was running at {created} stops it for certain. \
                      Then run again with --owner-stopped {owner} (\"owner_stopped\": {owner} in the API)",
                     match named {
-                        Some(named) => format!(" The instance named as stopped, {named}, is not the record's owner."),
+                        Some(OwnerStopped::Instance(named)) => format!(" The instance named as stopped, {named}, is not the record's owner."),
+                        Some(OwnerStopped::Unrecorded) => " \"unrecorded\" is for records that name no owner; this one names its owner.".to_string(),
                         None => String::new(),
                     }
+                ),
+            ),
+            Ok(Forgot::OwnerUnrecorded { created }) => (
+                StatusCode::CONFLICT,
+                format!(
+                    "the record names no owner: a railguard older than migration 0004, which did not record its instance, made it at {created}. Nothing shows that process has stopped; \
+                     a paused one (SIGSTOP, a frozen VM) may still send the request. The record is left as it is. \
+                     Make sure every railguard that was running at {created} has stopped (paused is not stopped), \
+                     then run again with --owner-stopped unrecorded (\"owner_stopped\": \"unrecorded\" in the API)"
                 ),
             ),
             Ok(Forgot::NotFound) => (StatusCode::NOT_FOUND, "no record for this account and key".into()),
@@ -384,11 +423,13 @@ pub async fn forget_idempotency_key(
     admin: &AdminEndpoint,
     account: &str,
     key: &str,
-    owner_stopped: Option<i64>,
+    owner_stopped: Option<OwnerStopped>,
 ) -> Result<String, String> {
     let mut body = serde_json::json!({ "account": account, "key": key });
-    if let Some(instance) = owner_stopped {
-        body["owner_stopped"] = instance.into();
+    match owner_stopped {
+        Some(OwnerStopped::Instance(instance)) => body["owner_stopped"] = instance.get().into(),
+        Some(OwnerStopped::Unrecorded) => body["owner_stopped"] = "unrecorded".into(),
+        None => {}
     }
     ask(admin, "/idempotency/forget", body).await
 }

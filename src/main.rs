@@ -143,9 +143,11 @@ enum Command {
         /// crashed, or may be paused): the owner's instance, named in that answer and logged by
         /// that railguard when it started, once you have seen that process stop. Paused is not
         /// stopped. An owner holding its instance lock is refused whatever this says; the audit
-        /// record says the forget rested on your word.
-        #[arg(long, value_name = "INSTANCE")]
-        owner_stopped: Option<i64>,
+        /// record says the forget rested on your word. `unrecorded` is for a record that names
+        /// no owner (made by a railguard older than migration 0004): every railguard running
+        /// when it was made has stopped.
+        #[arg(long, value_name = "INSTANCE|unrecorded")]
+        owner_stopped: Option<railguard::proxy::idempotency::OwnerStopped>,
     },
     /// Make a new bearer secret for the credentials file (`[auth] credentials_file`): prints
     /// the secret (give it to the worker or operator, once) and the `sha256:` line to list

@@ -836,6 +836,81 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
     );
 }
 
+/// A record that names no owner (made by a railguard older than migration 0004) has nothing in
+/// the database to speak for the process that made it — no lock, no clean stop — and that
+/// process may be paused, not stopped: forget keeps it until the operator says every railguard
+/// running when it was made has stopped (`--owner-stopped unrecorded`), and audits that word.
+#[tokio::test]
+async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::with_latency(Duration::from_secs(6)).await;
+    let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let http = rg.http();
+    let first = pay(&http, &rg, 4, "a", "old", "{}").await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    wait_until_in_doubt(&pg, "old").await;
+    // As a binary from before migration 0004 left it: no owner instance.
+    let db = pg.client().await;
+    let unowned = db
+        .execute(
+            "UPDATE idempotency_record SET owner_instance = NULL WHERE idempotency_key = 'old'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(unowned, 1);
+
+    for word in [&[][..], &["--owner-stopped", "7"][..]] {
+        let refused = rg.forget_with("a", "old", word).await;
+        assert!(!refused.status.success(), "{word:?}");
+        let why = String::from_utf8_lossy(&refused.stderr);
+        assert!(
+            why.contains("names no owner") && why.contains("--owner-stopped unrecorded"),
+            "{word:?}: {why}"
+        );
+    }
+    let nonsense = rg
+        .forget_with("a", "old", &["--owner-stopped", "maybe"])
+        .await;
+    assert!(!nonsense.status.success());
+    let why = String::from_utf8_lossy(&nonsense.stderr);
+    assert!(why.contains("neither an instance number"), "{why}");
+    let retry = pay(&http, &rg, 4, "a", "old", "{}").await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    assert_eq!(retry.json()["error"], "in_doubt");
+    assert_eq!(rail.ledger().len(), 1, "kept, and never forwarded again");
+
+    let forgot = rg
+        .forget_with("a", "old", &["--owner-stopped", "unrecorded"])
+        .await;
+    assert!(
+        forgot.status.success(),
+        "{}",
+        String::from_utf8_lossy(&forgot.stderr)
+    );
+    let audit = db
+        .query_one(
+            "SELECT reason, outcome->>'owner_stopped', outcome->>'owner_instance'
+             FROM railguard_audit WHERE action = 'idempotency_forget'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (reason, because, named): (String, String, Option<String>) =
+        (audit.get(0), audit.get(1), audit.get(2));
+    assert!(reason.contains("--owner-stopped unrecorded"), "{reason}");
+    assert_eq!(because, "no_owner");
+    assert_eq!(named, None);
+    let again = pay(&http, &rg, 4, "a", "old", "{}").await;
+    assert_eq!(again.status, StatusCode::GATEWAY_TIMEOUT, "{}", again.body);
+    assert_eq!(
+        rail.ledger().len(),
+        2,
+        "forwarded again only after the word"
+    );
+}
+
 /// An owner that stops cleanly, with every forward answered, says so: its records in doubt are
 /// forgotten without the operator's word (the procedure's "stop that process, then forget").
 #[tokio::test]

@@ -37,8 +37,8 @@ pub use self::record::{MaybeSent, NewRecord, RecordGuard, RecordId, Records};
 #[cfg(test)]
 pub(crate) use self::replay::{BODY_OMITTED, REPLAYED};
 pub use self::store::{
-    Because, CompletionError, Forgot, IdempotencyStore, OutcomeMetrics, Record, RecordState,
-    StoredResponse, sweep_forever,
+    Because, CompletionError, Forgot, IdempotencyStore, OutcomeMetrics, OwnerStopped, Record,
+    RecordState, StoredResponse, sweep_forever,
 };
 
 use super::forward::{Sent, UpstreamTimeout};

@@ -18,7 +18,9 @@
 //! forgotten only when its owner declared it in doubt (its forward is over) or the owner's
 //! deadline passed, *and* the owning railguard process has stopped: it recorded a clean stop,
 //! or an operator who saw it stop says so. Its instance lock ([`InstanceId`]) shows a running
-//! owner, never a stopped one (see `instance`). What no check here can see — bytes already on
+//! owner, never a stopped one (see `instance`). A record that names no owner (made before
+//! migration 0004) has neither lock nor clean stop to speak for it: only the operator's word
+//! that every railguard running when it was made has stopped ([`OwnerStopped::Unrecorded`]). What no check here can see — bytes already on
 //! their way in the network, or a rail that received a request and has not recorded it yet —
 //! is why the proxy forwards `Idempotency-Key` to the rail: a rail that deduplicates by it
 //! absorbs the rest (README, "In doubt").
@@ -485,7 +487,7 @@ impl IdempotencyStore {
         &self,
         account: &AccountId,
         key: &str,
-        owner_stopped: Option<InstanceId>,
+        owner_stopped: Option<OwnerStopped>,
     ) -> Result<Forgot, DbError> {
         self.bounded(async {
             let mut client = self.client().await?;
@@ -510,8 +512,12 @@ impl IdempotencyStore {
             let verdict = match (state.as_str(), owner.map(InstanceId::from_stored)) {
                 ("done", _) => Forgot::Completed,
                 ("in_flight", _) if !past_deadline => Forgot::StillInFlight,
-                // Records made before owners were recorded (migration 0004).
-                (_, None) => Forgot::Forgotten(Because::NoOwner),
+                // Made before owners were recorded (migration 0004): no lock and no clean stop
+                // can speak for the process that made it, so only the operator's word can.
+                (_, None) if owner_stopped == Some(OwnerStopped::Unrecorded) => {
+                    Forgot::Forgotten(Because::NoOwner)
+                }
+                (_, None) => Forgot::OwnerUnrecorded { created },
                 (_, Some(owner)) => {
                     let lock_free: bool = tx
                         .query_one(OWNER_LOCK_FREE_SQL, &[&owner.get()])
@@ -525,7 +531,7 @@ impl IdempotencyStore {
                         .get(0)
                     {
                         Forgot::Forgotten(Because::OwnerStoppedCleanly(owner))
-                    } else if owner_stopped == Some(owner) {
+                    } else if owner_stopped == Some(OwnerStopped::Instance(owner)) {
                         Forgot::Forgotten(Because::OperatorSawOwnerStop(owner))
                     } else {
                         Forgot::OwnerNotSeenStopping {
@@ -697,19 +703,60 @@ pub enum Forgot {
     },
     /// The owning process does not hold its lock, but nothing shows it has stopped: it may have
     /// crashed, or be paused with its database session lost. `created` is when the record was
-    /// made (UTC); `named` the instance the operator said had stopped, if another.
+    /// made (UTC); `named` what the operator said had stopped, if not the owner.
     OwnerNotSeenStopping {
         owner: InstanceId,
         created: String,
-        named: Option<InstanceId>,
+        named: Option<OwnerStopped>,
+    },
+    /// The record names no owner: a binary older than migration 0004 made it (at `created`,
+    /// UTC) and recorded none, so nothing in the database shows whether the process that made
+    /// it has stopped, and the operator did not say so.
+    OwnerUnrecorded {
+        created: String,
     },
     NotFound,
+}
+
+/// What the operator says has stopped, asking to forget a record in doubt
+/// (`--owner-stopped`, `owner_stopped`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnerStopped {
+    /// The railguard process of this instance: a record's owner, named in forget's answer and
+    /// logged by that process when it started.
+    Instance(InstanceId),
+    /// Every railguard that was running when the record was made: for a record that names no
+    /// owner (made by a binary older than migration 0004, which recorded none).
+    Unrecorded,
+}
+
+impl std::str::FromStr for OwnerStopped {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        if text == "unrecorded" {
+            return Ok(Self::Unrecorded);
+        }
+        text.parse::<i64>()
+            .map(|n| Self::Instance(InstanceId::from_stored(n)))
+            .map_err(|_| format!("{text:?} is neither an instance number nor \"unrecorded\""))
+    }
+}
+
+impl std::fmt::Display for OwnerStopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Instance(instance) => write!(f, "{instance}"),
+            Self::Unrecorded => f.write_str("unrecorded"),
+        }
+    }
 }
 
 /// Why a record could be forgotten: what shows its owner sends nothing more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Because {
-    /// The record names no owner (made before owners were recorded).
+    /// The record names no owner (made before owners were recorded), and the operator said
+    /// every railguard running when it was made has stopped (`--owner-stopped unrecorded`).
     NoOwner,
     /// The owner recorded a clean stop, with nothing left to send.
     OwnerStoppedCleanly(InstanceId),
@@ -736,8 +783,12 @@ impl Because {
     /// The audit record's reason.
     fn reason(self) -> &'static str {
         match self {
-            Self::NoOwner | Self::OwnerStoppedCleanly(_) => {
+            Self::OwnerStoppedCleanly(_) => {
                 "checked the rail's own records (railguard idempotency-forget)"
+            }
+            Self::NoOwner => {
+                "checked the rail's own records, and saw every railguard running when the \
+                 record was made stop (railguard idempotency-forget --owner-stopped unrecorded)"
             }
             Self::OperatorSawOwnerStop(_) => {
                 "checked the rail's own records, and saw the owning railguard process stop \
