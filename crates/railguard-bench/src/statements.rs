@@ -548,6 +548,20 @@ struct State {
 }
 
 impl State {
+    /// A new record for each of `rows`' accounts: key and owner numbered by the run.
+    fn records(&mut self, rows: &[(String, i64)]) -> Vec<Made> {
+        rows.iter()
+            .map(|(account, _)| {
+                self.key += 1;
+                Made {
+                    account: account.clone(),
+                    key: format!("key-{}", self.key),
+                    owner: self.key as i64,
+                }
+            })
+            .collect()
+    }
+
     /// `n` distinct accounts (at most `accounts`), each with a new token.
     fn rows(&mut self, n: usize, accounts: u64) -> Vec<(String, i64)> {
         let n = n.min(accounts as usize);
@@ -565,7 +579,16 @@ impl State {
     }
 }
 
-/// A record a folded statement made, for the next one to complete.
+/// A statement that answered `got` rows where `want` were due measured something else.
+fn expect_rows(what: &str, got: usize, want: usize) -> Result<(), String> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("{what}: {got} rows answered where {want} were due"))
+    }
+}
+
+/// A record a keyed statement makes (a folded one's, for the next one to complete).
 struct Made {
     account: String,
     key: String,
@@ -727,17 +750,7 @@ async fn measure(
             }
             Variant::Look => look.query(&last_look, &[&accounts]).await.map(|r| r.len()),
             Variant::KeyedFolded | Variant::LeanFolded | Variant::HashedFolded => {
-                let made: Vec<Made> = rows
-                    .iter()
-                    .map(|(account, _)| {
-                        state.key += 1;
-                        Made {
-                            account: account.clone(),
-                            key: format!("key-{}", state.key),
-                            owner: state.key as i64,
-                        }
-                    })
-                    .collect();
+                let made = state.records(&rows);
                 let answered = if phase.variant == Variant::KeyedFolded {
                     let text = |f: &dyn Fn(&Made) -> String| made.iter().map(f).collect::<Vec<_>>();
                     let (keys, owners) = (text(&|m| m.key.clone()), text(&|m| m.owner_text()));
@@ -825,15 +838,11 @@ async fn measure(
                 }
                 .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
                 // Every row accepted, every record made, every earlier record completed.
-                if answered.len() != 2 * rows.len() + previous.len() {
-                    return Err(format!(
-                        "{}: {} rows answered for {} accounts and {} completions",
-                        phase.variant.label(),
-                        answered.len(),
-                        rows.len(),
-                        previous.len()
-                    ));
-                }
+                expect_rows(
+                    phase.variant.label(),
+                    answered.len(),
+                    2 * rows.len() + previous.len(),
+                )?;
                 sample.latencies_us.push(at.elapsed().as_micros() as u32);
                 sample.completed += previous.len() as u64;
                 previous = made;
@@ -842,17 +851,7 @@ async fn measure(
                 continue;
             }
             Variant::HashedSplit => {
-                let made: Vec<Made> = rows
-                    .iter()
-                    .map(|(account, _)| {
-                        state.key += 1;
-                        Made {
-                            account: account.clone(),
-                            key: format!("key-{}", state.key),
-                            owner: state.key as i64,
-                        }
-                    })
-                    .collect();
+                let made = state.records(&rows);
                 let ids: Vec<[u8; 16]> = made.iter().map(Made::id).collect();
                 let ids: Vec<&[u8]> = ids.iter().map(|id| id.as_slice()).collect();
                 let keys: Vec<&str> = made.iter().map(|m| m.key.as_str()).collect();
@@ -873,14 +872,7 @@ async fn measure(
                     )
                     .await
                     .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
-                if created.len() != 2 * rows.len() {
-                    return Err(format!(
-                        "{}: {} rows answered for {} accounts",
-                        phase.variant.label(),
-                        created.len(),
-                        rows.len()
-                    ));
-                }
+                expect_rows(phase.variant.label(), created.len(), 2 * rows.len())?;
                 sample.latencies_us.push(at.elapsed().as_micros() as u32);
                 let completed_at = Instant::now();
                 let response = lean_response(&headers, body);
@@ -891,13 +883,7 @@ async fn measure(
                     )
                     .await
                     .map_err(|e| format!("the hashed completion: {e}"))?;
-                if done.len() != rows.len() {
-                    return Err(format!(
-                        "the hashed completion stored {} of {} records",
-                        done.len(),
-                        rows.len()
-                    ));
-                }
+                expect_rows("the hashed completion", done.len(), rows.len())?;
                 sample
                     .completion_latencies_us
                     .push(completed_at.elapsed().as_micros() as u32);
@@ -906,15 +892,9 @@ async fn measure(
                 continue;
             }
             Variant::Keyed => {
-                let keys: Vec<String> = rows
-                    .iter()
-                    .map(|_| {
-                        state.key += 1;
-                        format!("key-{}", state.key)
-                    })
-                    .collect();
-                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                let owners: Vec<String> = keys.iter().map(|k| format!("owner-{k}")).collect();
+                let made = state.records(&rows);
+                let keys: Vec<&str> = made.iter().map(|m| m.key.as_str()).collect();
+                let owners: Vec<String> = made.iter().map(Made::owner_text).collect();
                 let owners: Vec<&str> = owners.iter().map(String::as_str).collect();
                 let fingerprints = vec![fingerprint.as_str(); rows.len()];
                 let in_doubt_after_ms = vec![31_000_i64; rows.len()];
@@ -935,13 +915,7 @@ async fn measure(
                     )
                     .await
                     .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
-                if created.len() != 2 * rows.len() {
-                    return Err(format!(
-                        "the keyed fence statement answered {} rows for {} accounts",
-                        created.len(),
-                        rows.len()
-                    ));
-                }
+                expect_rows("the keyed fence statement", created.len(), 2 * rows.len())?;
                 let fenced_us = at.elapsed().as_micros() as u32;
                 sample.latencies_us.push(fenced_us);
                 let completed_at = Instant::now();
@@ -958,13 +932,7 @@ async fn measure(
                     )
                     .await
                     .map_err(|e| format!("the completion: {e}"))?;
-                if done.len() != rows.len() {
-                    return Err(format!(
-                        "the completion stored {} of {} records",
-                        done.len(),
-                        rows.len()
-                    ));
-                }
+                expect_rows("the completion", done.len(), rows.len())?;
                 sample
                     .completion_latencies_us
                     .push(completed_at.elapsed().as_micros() as u32);
@@ -975,15 +943,8 @@ async fn measure(
         }
         .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
         sample.latencies_us.push(at.elapsed().as_micros() as u32);
-        // Every row is accepted (the look reads them all): a statement that answered fewer
-        // rows measured something else.
-        if returned != rows.len() {
-            return Err(format!(
-                "{}: {returned} rows answered for {} accounts",
-                phase.variant.label(),
-                rows.len()
-            ));
-        }
+        // Every row is accepted (the look reads them all).
+        expect_rows(phase.variant.label(), returned, rows.len())?;
         sample.statements += 1;
         sample.rows += rows.len() as u64;
     }
