@@ -76,23 +76,24 @@ struct ForgetRequest {
     /// `"unrecorded"`: every railguard running when a record naming no owner was made; heard
     /// only when PostgreSQL cannot tell (`IdempotencyStore::forget_in_doubt`).
     #[serde(default)]
-    owner_stopped: Option<OwnerStoppedField>,
+    owner_stopped: Option<serde_json::Value>,
 }
 
-/// `owner_stopped` as JSON gives it: an instance number, or a word.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum OwnerStoppedField {
-    Instance(i64),
-    Word(String),
-}
-
-impl OwnerStoppedField {
-    fn parse(self) -> Result<OwnerStopped, String> {
-        match self {
-            Self::Instance(n) => Ok(OwnerStopped::Instance(InstanceId::from_stored(n))),
-            Self::Word(word) => word.parse().map_err(|e| format!("owner_stopped: {e}")),
-        }
+/// `owner_stopped` as the API takes it: an instance number (a JSON integer), or the string
+/// `"unrecorded"`; nothing else, not a number inside a string.
+fn parse_owner_stopped(value: serde_json::Value) -> Result<OwnerStopped, String> {
+    match &value {
+        serde_json::Value::Number(n) => match n.as_i64() {
+            Some(n) => Ok(OwnerStopped::Instance(InstanceId::from_stored(n))),
+            None => Err(format!(
+                "owner_stopped: {value} is not an instance number; nothing was done"
+            )),
+        },
+        serde_json::Value::String(word) if word == "unrecorded" => Ok(OwnerStopped::Unrecorded),
+        _ => Err(format!(
+            "owner_stopped: {value} is neither an instance number nor \"unrecorded\"; nothing \
+             was done"
+        )),
     }
 }
 
@@ -338,11 +339,7 @@ impl Admin {
             Ok(account) => account,
             Err(why) => return bad_request(why),
         };
-        let owner_stopped = match asked
-            .owner_stopped
-            .map(OwnerStoppedField::parse)
-            .transpose()
-        {
+        let owner_stopped = match asked.owner_stopped.map(parse_owner_stopped).transpose() {
             Ok(word) => word,
             Err(why) => return bad_request(why),
         };
@@ -393,8 +390,9 @@ impl Admin {
                 format!(
                     "the record names no owner: a railguard older than migration 0004, which did not record its instance, made it at {created}. Nothing shows that process has stopped; \
                      a paused one (SIGSTOP, a frozen VM) may still send the request. The record is left as it is. \
-                     Make sure every railguard that was running at {created} has stopped (paused is not stopped), \
-                     then run again with --owner-stopped unrecorded (\"owner_stopped\": \"unrecorded\" in the API)"
+                     Make sure every railguard that was running at {created} has stopped (paused is not stopped): the maker is one whose log does not say \
+                     \"holding this process's instance lock\" at its start, so stopping every such older railguard stops it for certain. \
+                     Then run again with --owner-stopped unrecorded (\"owner_stopped\": \"unrecorded\" in the API), asked of a railguard of this version or later (an older one forgets such a record without that word)"
                 ),
             ),
             Ok(Forgot::NotFound) => (StatusCode::NOT_FOUND, "no record for this account and key".into()),
@@ -522,5 +520,38 @@ async fn ask_within(
         Ok(text)
     } else {
         Err(format!("{status}: {text}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn owner_stopped_is_an_instance_number_or_unrecorded_and_nothing_else() {
+        assert_eq!(
+            parse_owner_stopped(json!(7)),
+            Ok(OwnerStopped::Instance(InstanceId::from_stored(7)))
+        );
+        assert_eq!(
+            parse_owner_stopped(json!("unrecorded")),
+            Ok(OwnerStopped::Unrecorded)
+        );
+        for refused in [
+            json!("7"),
+            json!("Unrecorded"),
+            json!(" unrecorded"),
+            json!(7.5),
+            json!(u64::MAX),
+            json!(true),
+            json!(null),
+            json!([7]),
+        ] {
+            let why = parse_owner_stopped(refused.clone()).unwrap_err();
+            assert!(why.starts_with("owner_stopped: "), "{refused}: {why}");
+            assert!(why.contains("nothing was done"), "{refused}: {why}");
+        }
     }
 }

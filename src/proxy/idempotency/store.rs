@@ -495,7 +495,7 @@ impl IdempotencyStore {
             let row = tx
                 .query_opt(
                     "SELECT state, now() > COALESCE(in_doubt_at, created_at), owner_instance,
-                            to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS\"Z\"')
+                            to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US\"Z\"')
                      FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2
                      FOR UPDATE",
                     &[&account.as_str(), &key],
