@@ -860,6 +860,14 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
         .await
         .unwrap();
     assert_eq!(unowned, 1);
+    let created: std::time::SystemTime = db
+        .query_one(
+            "SELECT created_at FROM idempotency_record WHERE idempotency_key = 'old'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
 
     for word in [&[][..], &["--owner-stopped", "7"][..]] {
         let refused = rg.forget_with("a", "old", word).await;
@@ -891,15 +899,19 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     );
     let audit = db
         .query_one(
-            "SELECT reason, outcome->>'owner_stopped', outcome->>'owner_instance'
-             FROM railguard_audit WHERE action = 'idempotency_forget'",
-            &[],
+            "SELECT reason, outcome->>'owner_stopped', outcome->>'owner_instance',
+                    outcome->>'record_created'
+                        = to_char(r.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US\"Z\"')
+             FROM railguard_audit, (SELECT $1::timestamptz AS created_at) r
+             WHERE action = 'idempotency_forget'",
+            &[&created],
         )
         .await
         .unwrap();
-    let (reason, because, named): (String, String, Option<String>) =
-        (audit.get(0), audit.get(1), audit.get(2));
+    let (reason, because, named, dated): (String, String, Option<String>, bool) =
+        (audit.get(0), audit.get(1), audit.get(2), audit.get(3));
     assert!(reason.contains("--owner-stopped unrecorded"), "{reason}");
+    assert!(dated, "the audit names when the record was made");
     assert_eq!(because, "no_owner");
     assert_eq!(named, None);
     let again = pay(&http, &rg, 4, "a", "old", "{}").await;

@@ -517,7 +517,9 @@ impl IdempotencyStore {
                 (_, None) if owner_stopped == Some(OwnerStopped::Unrecorded) => {
                     Forgot::Forgotten(Because::NoOwner)
                 }
-                (_, None) => Forgot::OwnerUnrecorded { created },
+                (_, None) => Forgot::OwnerUnrecorded {
+                    created: created.clone(),
+                },
                 (_, Some(owner)) => {
                     let lock_free: bool = tx
                         .query_one(OWNER_LOCK_FREE_SQL, &[&owner.get()])
@@ -536,7 +538,7 @@ impl IdempotencyStore {
                     } else {
                         Forgot::OwnerNotSeenStopping {
                             owner,
-                            created,
+                            created: created.clone(),
                             named: owner_stopped,
                         }
                     }
@@ -554,6 +556,8 @@ impl IdempotencyStore {
                     "result": "forgotten",
                     "owner_instance": owner,
                     "owner_stopped": because.as_str(),
+                    // What "running when the record was made" refers to (UTC).
+                    "record_created": created,
                 });
                 tx.execute(
                     AUDIT_FORGET_SQL,
