@@ -20,10 +20,11 @@
 //! or an operator who saw it stop says so. Its instance lock ([`InstanceId`]) shows a running
 //! owner, never a stopped one (see `instance`). A record that names no owner (made before
 //! migration 0004) has neither lock nor clean stop to speak for it: only the operator's word
-//! that every railguard running when it was made has stopped ([`OwnerStopped::Unrecorded`]). What no check here can see — bytes already on
-//! their way in the network, or a rail that received a request and has not recorded it yet —
-//! is why the proxy forwards `Idempotency-Key` to the rail: a rail that deduplicates by it
-//! absorbs the rest (README, "In doubt").
+//! that every railguard running when it was made has stopped ([`OwnerStopped::Unrecorded`]).
+//! What no check here can see — bytes already on their way in the network, or a rail that
+//! received a request and has not recorded it yet — is why the proxy forwards
+//! `Idempotency-Key` to the rail: a rail that deduplicates by it absorbs the rest (README, "In
+//! doubt").
 //!
 //! **Completions are group-committed** (`outcomes`): concurrent requests'
 //! answers are stored by one statement and one commit, and each request still waits for the
