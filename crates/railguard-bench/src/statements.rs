@@ -656,26 +656,19 @@ async fn measure(
         .prepare_cached(COMPLETE_SQL)
         .await
         .map_err(|e| e.to_string())?;
-    let keyed_folded = s
-        .folded
-        .prepare(&texts.keyed_folded)
-        .await
-        .map_err(|e| format!("preparing the folded keyed statement: {e}"))?;
-    let lean_folded = s
-        .folded
-        .prepare(&texts.lean_folded)
-        .await
-        .map_err(|e| format!("preparing the folded lean statement: {e}"))?;
-    let hashed_folded = s
-        .folded
-        .prepare(&texts.hashed_folded)
-        .await
-        .map_err(|e| format!("preparing the folded hashed statement: {e}"))?;
-    let hashed_create = s
-        .folded
-        .prepare(&texts.hashed_create)
-        .await
-        .map_err(|e| format!("preparing the hashed creation: {e}"))?;
+    let on_folded = |text: &str, what: &'static str| {
+        let (folded, text) = (&s.folded, text.to_string());
+        async move {
+            folded
+                .prepare(&text)
+                .await
+                .map_err(|e| format!("preparing {what}: {e}"))
+        }
+    };
+    let keyed_folded = on_folded(&texts.keyed_folded, "the folded keyed statement").await?;
+    let lean_folded = on_folded(&texts.lean_folded, "the folded lean statement").await?;
+    let hashed_folded = on_folded(&texts.hashed_folded, "the folded hashed statement").await?;
+    let hashed_create = on_folded(&texts.hashed_create, "the hashed creation").await?;
     let hashed_complete = completion
         .prepare_cached(HASHED_COMPLETE_SQL)
         .await
