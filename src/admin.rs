@@ -363,12 +363,17 @@ impl Admin {
                 StatusCode::CONFLICT,
                 "the record is in flight and not yet in doubt: its owner's deadline has not passed, and its forward may still be running".into(),
             ),
-            Ok(Forgot::OwnerMayStillSend { owner }) => (
+            Ok(Forgot::OwnerMayStillSend { owner, named }) => (
                 StatusCode::CONFLICT,
                 format!(
-                    "the railguard process that owns the record (instance {owner}) is still running (it may be paused, or still writing the request to the rail): it may still send it. \
+                    "the railguard process that owns the record (instance {owner}) is still running (it may be paused, or still writing the request to the rail): it may still send it.{} \
                      Stop that process (SIGTERM: a clean stop records that it sends nothing more; a paused process acts on it only once resumed with SIGCONT), then retry; \
-                     or, if it must not run again, SIGKILL it and run again with --owner-stopped {owner}"
+                     or, if it must not run again, SIGKILL it and run again with --owner-stopped {owner}",
+                    match named {
+                        Some(OwnerStopped::Unrecorded) => " (\"unrecorded\" is for records that name no owner; this one names its owner.)",
+                        Some(OwnerStopped::Instance(_)) => " (What was said about a stopped instance is not heard while the owner holds its lock.)",
+                        None => "",
+                    }
                 ),
             ),
             Ok(Forgot::OwnerNotSeenStopping { owner, created, named }) => (

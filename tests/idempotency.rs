@@ -722,7 +722,18 @@ async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
     );
     let why = String::from_utf8_lossy(&refused.stderr);
     assert!(
-        why.contains("still running") && why.contains(&owner_text),
+        why.contains("still running")
+            && why.contains(&owner_text)
+            && why.contains("not heard while the owner holds its lock"),
+        "{why}"
+    );
+    let unrecorded = other
+        .forget_with("a", "paused", &["--owner-stopped", "unrecorded"])
+        .await;
+    assert!(!unrecorded.status.success());
+    let why = String::from_utf8_lossy(&unrecorded.stderr);
+    assert!(
+        why.contains("still running") && why.contains("this one names its owner"),
         "{why}"
     );
 

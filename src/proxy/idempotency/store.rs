@@ -527,7 +527,10 @@ impl IdempotencyStore {
                         .await?
                         .get(0);
                     if !lock_free {
-                        Forgot::OwnerMayStillSend { owner }
+                        Forgot::OwnerMayStillSend {
+                            owner,
+                            named: owner_stopped,
+                        }
                     } else if tx
                         .query_one(OWNER_STOPPED_CLEANLY_SQL, &[&owner.get()])
                         .await?
@@ -702,9 +705,11 @@ pub enum Forgot {
     /// In flight and within its owner's own deadline: its forward may still be running.
     StillInFlight,
     /// The owning railguard process holds its instance lock: it is running (it may be paused
-    /// mid-send, or still writing the request to a slow rail).
+    /// mid-send, or still writing the request to a slow rail), whatever the operator said
+    /// (`named`, not heard).
     OwnerMayStillSend {
         owner: InstanceId,
+        named: Option<OwnerStopped>,
     },
     /// The owning process does not hold its lock, but nothing shows it has stopped: it may have
     /// crashed, or be paused with its database session lost. `created` is when the record was
