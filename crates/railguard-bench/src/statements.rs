@@ -367,6 +367,19 @@ struct Sample {
     completion_latencies_us: Vec<u32>,
 }
 
+impl Sample {
+    /// One statement (a keyed pair: two) of `rows` rows done.
+    fn done(&mut self, rows: usize) {
+        self.statements += 1;
+        self.rows += rows as u64;
+    }
+}
+
+/// µs since `at`, as the latency lists hold them.
+fn micros_since(at: Instant) -> u32 {
+    at.elapsed().as_micros() as u32
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Phase {
     variant: Variant,
@@ -836,11 +849,10 @@ async fn measure(
                     answered.len(),
                     2 * rows.len() + previous.len(),
                 )?;
-                sample.latencies_us.push(at.elapsed().as_micros() as u32);
+                sample.latencies_us.push(micros_since(at));
                 sample.completed += previous.len() as u64;
                 previous = made;
-                sample.statements += 1;
-                sample.rows += rows.len() as u64;
+                sample.done(rows.len());
                 continue;
             }
             Variant::HashedSplit => {
@@ -866,7 +878,7 @@ async fn measure(
                     .await
                     .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
                 expect_rows(phase.variant.label(), created.len(), 2 * rows.len())?;
-                sample.latencies_us.push(at.elapsed().as_micros() as u32);
+                sample.latencies_us.push(micros_since(at));
                 let completed_at = Instant::now();
                 let response = lean_response(&headers, body);
                 let done = completion
@@ -879,9 +891,8 @@ async fn measure(
                 expect_rows("the hashed completion", done.len(), rows.len())?;
                 sample
                     .completion_latencies_us
-                    .push(completed_at.elapsed().as_micros() as u32);
-                sample.statements += 1;
-                sample.rows += rows.len() as u64;
+                    .push(micros_since(completed_at));
+                sample.done(rows.len());
                 continue;
             }
             Variant::Keyed => {
@@ -909,8 +920,7 @@ async fn measure(
                     .await
                     .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
                 expect_rows("the keyed fence statement", created.len(), 2 * rows.len())?;
-                let fenced_us = at.elapsed().as_micros() as u32;
-                sample.latencies_us.push(fenced_us);
+                sample.latencies_us.push(micros_since(at));
                 let completed_at = Instant::now();
                 let statuses = vec![201_i16; rows.len()];
                 let headers = vec![headers.as_str(); rows.len()];
@@ -928,18 +938,16 @@ async fn measure(
                 expect_rows("the completion", done.len(), rows.len())?;
                 sample
                     .completion_latencies_us
-                    .push(completed_at.elapsed().as_micros() as u32);
-                sample.statements += 1;
-                sample.rows += rows.len() as u64;
+                    .push(micros_since(completed_at));
+                sample.done(rows.len());
                 continue;
             }
         }
         .map_err(|e| format!("{}: {e}", phase.variant.label()))?;
-        sample.latencies_us.push(at.elapsed().as_micros() as u32);
+        sample.latencies_us.push(micros_since(at));
         // Every row is accepted (the look reads them all).
         expect_rows(phase.variant.label(), returned, rows.len())?;
-        sample.statements += 1;
-        sample.rows += rows.len() as u64;
+        sample.done(rows.len());
     }
     sample.seconds = started.elapsed().as_secs_f64();
     sample.backend_cpu = ticks_of(backend_pid).saturating_sub(backend_before) as f64 / 100.0;
