@@ -25,7 +25,7 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 use crate::check::{self, FaultRecord, Inputs, Report};
-use crate::faults::{self, FaultKind, Schedule, Targets, Timing};
+use crate::faults::{self, FaultKind, Operator, Schedule, Setup, Targets, Timing};
 use crate::history;
 use crate::paydb;
 use crate::progress::Progress;
@@ -47,6 +47,9 @@ pub enum NegativeControl {
     Reread,
     /// The proxy runs with `fencing.enforce = false`.
     KillSwitch,
+    /// railguard runs with `guard.detect_store_changes = false`: it does not notice a store
+    /// it fences against going back (`pg-rewind-data`, `etcd-restore`).
+    NoStoreChangeDetection,
 }
 
 #[derive(Debug, Clone, Serialize, clap::Args)]
@@ -105,6 +108,12 @@ impl RunOptions {
         (self.backend == BackendChoice::Etcd).then_some(self.etcd_members)
     }
 
+    fn setup(&self) -> Setup {
+        Setup {
+            etcd_members: self.etcd_members(),
+        }
+    }
+
     fn ttl(&self) -> Duration {
         let asked = self.ttl_ms.unwrap_or(match self.backend {
             BackendChoice::Postgres => 1000,
@@ -156,7 +165,7 @@ impl RunOptions {
                 self.out.display()
             ));
         }
-        FaultKind::parse_list(&self.faults, self.etcd_members())
+        FaultKind::parse_list(&self.faults, self.setup())
     }
 }
 
@@ -244,6 +253,12 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         Some(NegativeControl::Reread) => {
             env.push(("RAILGUARD__FENCING__REQUIRE_PROOF".into(), "false".into()));
         }
+        Some(NegativeControl::NoStoreChangeDetection) => {
+            env.push((
+                "RAILGUARD__GUARD__DETECT_STORE_CHANGES".into(),
+                "false".into(),
+            ));
+        }
         None => {}
     }
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
@@ -252,6 +267,11 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     for _ in 0..options.proxies {
         proxies.push(Railguard::start_process(&database_url, &rail_relay.url(), &env_refs).await);
     }
+    let operator = Operator {
+        config: proxies[0].config_path(),
+        env: env.clone(),
+        paydb_url: paydb_pg.url(),
+    };
     let mut lock_relays = Vec::new();
     let mut proxy_relays = Vec::new();
     for rg in &proxies {
@@ -310,6 +330,7 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
             proxy_relays: &proxy_relays,
             pg_relay: &pg_relay,
             rail_relay: &rail_relay,
+            operator: &operator,
         };
         let record = faults::inject(kind, &mut targets, &mut rng, timing).await;
         if let Some(p) = &progress {

@@ -9,11 +9,24 @@
 //!
 //! The schedule is drawn from the run's seed: the order of kinds (every enabled kind before
 //! any repeats), their targets and the gaps between them.
+//!
+//! Two kinds make a store that railguard fences against **go back**, as production does:
+//! `pg-rewind-data` puts lockdb back to a copy taken seconds earlier (what promoting an
+//! asynchronous standby that missed the last commits does: marks, records and
+//! `fencing_token_seq` go back together), `etcd-restore` restores etcd from a snapshot taken
+//! seconds earlier (the revision, and so the next tokens, go back). Load runs while the copy
+//! is taken and for 2–3 s after it. Then the run waits until every railguard grants again; one
+//! that refuses (it saw the store go back) gets what an operator does
+//! (docs/operations.md, "Restore of lockdb"): `railguard fast-forward` past the marks and
+//! paydb's fences, and, if its guard has not reopened a few seconds later, a restart.
 
 use std::fmt;
+use std::path::PathBuf;
+use std::process::Stdio;
 use std::time::Duration;
 
-use railguard_testkit::{EtcdCluster, Pg, Railguard, Relay};
+use railguard_testkit::{EtcdCluster, Http, Pg, Railguard, Relay};
+use tokio::time::Instant;
 
 use crate::check::FaultRecord;
 use crate::history::now_us;
@@ -52,10 +65,21 @@ pub enum FaultKind {
     /// A `railguard serve` restarted with another request timeout: for a while two processes
     /// run with different timeouts, as during a rolling config change.
     RollingConfig,
+    /// lockdb put back to a copy of its data directory taken 2–3 s earlier, under load.
+    PgRewindData,
+    /// etcd restored from a snapshot taken 2–3 s earlier, under load.
+    EtcdRestore,
+}
+
+/// What a run is made of, as far as which faults mean anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Setup {
+    /// etcd members when the lock backend is etcd.
+    pub etcd_members: Option<usize>,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 15] = [
+    pub const ALL: [FaultKind; 17] = [
         FaultKind::WorkerStop,
         FaultKind::WorkerPause,
         FaultKind::LeaseExpiresMidSubmit,
@@ -71,6 +95,8 @@ impl FaultKind {
         FaultKind::ProxyStop,
         FaultKind::RailPastDeadline,
         FaultKind::RollingConfig,
+        FaultKind::PgRewindData,
+        FaultKind::EtcdRestore,
     ];
 
     pub fn name(self) -> &'static str {
@@ -90,6 +116,8 @@ impl FaultKind {
             FaultKind::ProxyStop => "proxy-sigstop",
             FaultKind::RailPastDeadline => "rail-past-deadline",
             FaultKind::RollingConfig => "rolling-config",
+            FaultKind::PgRewindData => "pg-rewind-data",
+            FaultKind::EtcdRestore => "etcd-restore",
         }
     }
 
@@ -98,22 +126,27 @@ impl FaultKind {
     }
 
     /// Whether the kind means anything for this setup.
-    pub fn applies(self, etcd_members: Option<usize>) -> bool {
+    pub fn applies(self, setup: Setup) -> bool {
         match self {
-            FaultKind::EtcdMemberRestart => etcd_members.is_some(),
-            FaultKind::EtcdLeaderKill => etcd_members.is_some_and(|n| n >= 3),
+            FaultKind::EtcdMemberRestart | FaultKind::EtcdRestore => setup.etcd_members.is_some(),
+            FaultKind::EtcdLeaderKill => setup.etcd_members.is_some_and(|n| n >= 3),
             _ => true,
         }
     }
 
+    /// Why the kind does not apply to a setup, for the refusal of `--faults`.
+    fn needs(self) -> &'static str {
+        match self {
+            FaultKind::EtcdLeaderKill => "the etcd backend with --etcd-members 3",
+            _ => "the etcd backend",
+        }
+    }
+
     /// `all`, `none`, or a comma-separated list of names.
-    pub fn parse_list(text: &str, etcd_members: Option<usize>) -> Result<Vec<FaultKind>, String> {
+    pub fn parse_list(text: &str, setup: Setup) -> Result<Vec<FaultKind>, String> {
         match text {
             "none" | "" => Ok(Vec::new()),
-            "all" => Ok(Self::ALL
-                .into_iter()
-                .filter(|k| k.applies(etcd_members))
-                .collect()),
+            "all" => Ok(Self::ALL.into_iter().filter(|k| k.applies(setup)).collect()),
             list => list
                 .split(',')
                 .map(|name| {
@@ -123,15 +156,8 @@ impl FaultKind {
                             Self::ALL.map(|k| k.name()).join(", ")
                         )
                     })?;
-                    if !kind.applies(etcd_members) {
-                        return Err(format!(
-                            "--faults: {name} needs the etcd backend{}",
-                            if kind == FaultKind::EtcdLeaderKill {
-                                " with --etcd-members 3"
-                            } else {
-                                ""
-                            }
-                        ));
+                    if !kind.applies(setup) {
+                        return Err(format!("--faults: {name} needs {}", kind.needs()));
                     }
                     Ok(kind)
                 })
@@ -182,6 +208,17 @@ pub struct Targets<'a> {
     pub proxy_relays: &'a [Relay],
     pub pg_relay: &'a Relay,
     pub rail_relay: &'a Relay,
+    pub operator: &'a Operator,
+}
+
+/// What an operator runs when railguard refuses to grant after a store went back.
+#[derive(Debug, Clone)]
+pub struct Operator {
+    /// A railguard's config file and its `RAILGUARD__…` overrides, as the processes run.
+    pub config: PathBuf,
+    pub env: Vec<(String, String)>,
+    /// paydb, whose `account.fence` `railguard fast-forward` must pass too.
+    pub paydb_url: String,
 }
 
 /// How long faults last, from the run's lease and request timeout.
@@ -372,12 +409,206 @@ pub async fn inject(
             rg.start_again().await;
             format!("railguard {i} restarted ({stopped}) with request_timeout_ms = {ms}")
         }
+        FaultKind::PgRewindData => {
+            let hold = Duration::from_millis(rng.between(2000, 3000));
+            let before = token_position(targets.lockdb).await;
+            match targets.lockdb.copy_data().await {
+                Ok(copy) => {
+                    let copied = token_position(targets.lockdb).await;
+                    tokio::time::sleep(hold.saturating_sub(copy.taken.elapsed())).await;
+                    let reached = token_position(targets.lockdb).await;
+                    let held = copy.taken.elapsed();
+                    match targets.lockdb.rewind_to(&copy).await {
+                        Ok(()) => {
+                            let back = token_position(targets.lockdb).await;
+                            let recovery = recover(targets).await;
+                            format!(
+                                "PostgreSQL put back to a copy taken {} ms earlier (lsn {}; \
+                                 fencing_token_seq {before} at the copy's start, {copied} at \
+                                 its end, {reached} at the kill, {back} after); {recovery}",
+                                held.as_millis(),
+                                copy.lsn
+                            )
+                        }
+                        Err(e) => format!("PostgreSQL rewind FAILED: {e}"),
+                    }
+                }
+                Err(e) => format!("PostgreSQL data copy FAILED: {e}"),
+            }
+        }
+        FaultKind::EtcdRestore => {
+            let hold = Duration::from_millis(rng.between(2000, 3000));
+            let Some(etcd) = targets.etcd.as_deref_mut() else {
+                return record(kind, "no etcd".to_string(), start_us);
+            };
+            let restored = match etcd.snapshot().await {
+                Ok(snapshot) => {
+                    tokio::time::sleep(hold.saturating_sub(snapshot.taken.elapsed())).await;
+                    let reached = etcd.try_revision().await;
+                    let held = snapshot.taken.elapsed();
+                    etcd.restore(&snapshot).await.map(|()| {
+                        format!(
+                            "etcd ({} members) restored from a snapshot taken {} ms earlier \
+                             (revision {} in the snapshot, {} at the stop)",
+                            etcd.size(),
+                            held.as_millis(),
+                            snapshot.revision,
+                            reached.map_or("?".into(), |r| r.to_string())
+                        )
+                    })
+                }
+                Err(e) => Err(format!("snapshot: {e}")),
+            };
+            match restored {
+                Ok(done) => format!("{done}; {}", recover(targets).await),
+                Err(e) => format!("etcd restore FAILED: {e}"),
+            }
+        }
     };
+    record(kind, target, start_us)
+}
+
+fn record(kind: FaultKind, target: String, start_us: i64) -> FaultRecord {
     FaultRecord {
         kind: kind.name().to_string(),
         target,
         start_us,
         end_us: now_us(),
+    }
+}
+
+/// `fencing_token_seq`'s last value in lockdb, for the record; `?` when it cannot be read.
+async fn token_position(lockdb: &Pg) -> String {
+    let read = async {
+        lockdb
+            .client_with(&lockdb.url())
+            .await
+            .ok()?
+            .query_one("SELECT last_value FROM fencing_token_seq", &[])
+            .await
+            .ok()
+            .map(|row| row.get::<_, i64>(0).to_string())
+    };
+    tokio::time::timeout(Duration::from_secs(2), read)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| "?".into())
+}
+
+/// How long recovery after a store went back may take before the run goes on without it.
+const RECOVERY_LIMIT: Duration = Duration::from_secs(60);
+/// How long railguard may refuse grants before the operator steps in.
+const OPERATOR_PATIENCE: Duration = Duration::from_secs(3);
+
+/// Waits until every railguard grants again (a probe grant on a key no worker uses, released
+/// at once) and says `/readyz`; one that keeps refusing gets `railguard fast-forward`, then a
+/// restart. Says what it took.
+async fn recover(targets: &mut Targets<'_>) -> String {
+    let began = Instant::now();
+    let mut fast_forward: Option<String> = None;
+    let mut restarted = Vec::new();
+    let mut since = Instant::now();
+    loop {
+        let mut refusing = Vec::new();
+        for (i, rg) in targets.proxies.iter().enumerate() {
+            if !grants(rg).await {
+                refusing.push(i);
+            }
+        }
+        if refusing.is_empty() {
+            let mut said = format!("granting again after {} ms", began.elapsed().as_millis());
+            if let Some(ff) = &fast_forward {
+                said.push_str(&format!(", after `railguard fast-forward` ({ff})"));
+            }
+            if !restarted.is_empty() {
+                said.push_str(&format!(" and a restart of railguard {restarted:?}"));
+            }
+            return said;
+        }
+        if began.elapsed() > RECOVERY_LIMIT {
+            return format!(
+                "railguard {refusing:?} NOT granting {} s later (fast-forward: {})",
+                RECOVERY_LIMIT.as_secs(),
+                fast_forward.as_deref().unwrap_or("not run")
+            );
+        }
+        if since.elapsed() > OPERATOR_PATIENCE {
+            if fast_forward.is_none() {
+                fast_forward = Some(run_fast_forward(targets.operator).await);
+            } else if restarted.is_empty() {
+                for i in refusing {
+                    let rg = &mut targets.proxies[i];
+                    rg.stop().await;
+                    rg.start_again().await;
+                    restarted.push(i);
+                }
+            }
+            since = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Whether `rg` grants a lock now and says it is ready.
+async fn grants(rg: &Railguard) -> bool {
+    let client = rg.lock_client().with_timeout(Duration::from_secs(2));
+    let granted = match client
+        .acquire(
+            "harness-recovery-probe",
+            "harness",
+            Duration::from_secs(1),
+            Duration::ZERO,
+        )
+        .await
+    {
+        Ok(handle) => {
+            let _ = client.release(handle).await;
+            true
+        }
+        // Held by a probe whose release was lost: the service grants.
+        Err(railguard_sdk::SdkError::Held) => true,
+        Err(_) => false,
+    };
+    granted
+        && matches!(
+            Http::new()
+                .get(&format!("http://{}/readyz", rg.admin))
+                .await,
+            Ok((http::StatusCode::OK, _))
+        )
+}
+
+/// `railguard fast-forward` past the marks and paydb's fences; its exit and last line.
+async fn run_fast_forward(operator: &Operator) -> String {
+    let run = tokio::process::Command::new(railguard_testkit::railguard_binary())
+        .arg("fast-forward")
+        .arg("--config")
+        .arg(&operator.config)
+        .args(["--paydb-url", &operator.paydb_url])
+        .args(["--paydb-table", "account", "--paydb-column", "fence"])
+        .envs(operator.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output();
+    match tokio::time::timeout(Duration::from_secs(60), run).await {
+        Ok(Ok(out)) => {
+            // The verdict is stdout's last line; stderr has progress, or why it failed.
+            let last = |bytes: &[u8]| {
+                String::from_utf8_lossy(bytes)
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .map(|l| l.trim().to_string())
+            };
+            let said = match out.status.success() {
+                true => last(&out.stdout).or_else(|| last(&out.stderr)),
+                false => last(&out.stderr).or_else(|| last(&out.stdout)),
+            };
+            format!("{}: {}", out.status, said.unwrap_or_default())
+        }
+        Ok(Err(e)) => format!("cannot run it: {e}"),
+        Err(_) => "did not finish within 60 s".into(),
     }
 }
 
@@ -387,21 +618,36 @@ mod tests {
 
     #[test]
     fn lists_parse_and_refuse_what_does_not_apply() {
-        assert_eq!(FaultKind::parse_list("none", None).unwrap(), vec![]);
-        let all_pg = FaultKind::parse_list("all", None).unwrap();
+        let pg = Setup { etcd_members: None };
+        let etcd = |n| Setup {
+            etcd_members: Some(n),
+        };
+        assert_eq!(FaultKind::parse_list("none", pg).unwrap(), vec![]);
+        let all_pg = FaultKind::parse_list("all", pg).unwrap();
         assert!(!all_pg.contains(&FaultKind::EtcdMemberRestart));
-        assert_eq!(FaultKind::parse_list("all", Some(3)).unwrap().len(), 15);
+        assert!(!all_pg.contains(&FaultKind::EtcdRestore));
+        assert!(all_pg.contains(&FaultKind::PgRewindData));
+        assert_eq!(FaultKind::parse_list("all", etcd(3)).unwrap().len(), 17);
         assert_eq!(
-            FaultKind::parse_list("worker-sigstop,pg-kill", None).unwrap(),
+            FaultKind::parse_list("worker-sigstop,pg-kill", pg).unwrap(),
             vec![FaultKind::WorkerStop, FaultKind::PgKill]
         );
         assert!(
-            FaultKind::parse_list("etcd-leader-kill", Some(1))
+            FaultKind::parse_list("etcd-leader-kill", etcd(1))
                 .unwrap_err()
                 .contains("--etcd-members 3")
         );
         assert!(
-            FaultKind::parse_list("sigkill-everything", None)
+            FaultKind::parse_list("etcd-restore", pg)
+                .unwrap_err()
+                .contains("the etcd backend")
+        );
+        assert_eq!(
+            FaultKind::parse_list("etcd-restore,pg-rewind-data", etcd(1)).unwrap(),
+            vec![FaultKind::EtcdRestore, FaultKind::PgRewindData]
+        );
+        assert!(
+            FaultKind::parse_list("sigkill-everything", pg)
                 .unwrap_err()
                 .contains("unknown fault")
         );
@@ -409,7 +655,13 @@ mod tests {
 
     #[test]
     fn a_schedule_uses_every_kind_before_repeating_and_a_seed_reproduces_it() {
-        let kinds = FaultKind::parse_list("all", Some(3)).unwrap();
+        let kinds = FaultKind::parse_list(
+            "all",
+            Setup {
+                etcd_members: Some(3),
+            },
+        )
+        .unwrap();
         let draw = |seed| {
             let mut rng = Rng::new(seed);
             let mut s = Schedule::new(kinds.clone());
@@ -418,7 +670,7 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         let a = draw(1);
-        let mut first: Vec<_> = a[..15].to_vec();
+        let mut first: Vec<_> = a[..17].to_vec();
         first.sort();
         assert_eq!(first, FaultKind::ALL.to_vec());
         assert_eq!(a, draw(1));

@@ -32,8 +32,13 @@ struct Cli {
 
 const FAULTS_HELP: &str = "Faults (--faults all|none|LIST): worker-sigstop, worker-pause, \
 lease-expires-mid-submit, lock-path-cut, proxy-path-cut, proxy-path-delay, pg-path-cut, \
-pg-path-delay, pg-kill, etcd-member-restart (etcd), etcd-leader-kill (etcd, 3 members), \
-proxy-kill, proxy-sigstop, rail-past-deadline, rolling-config.
+pg-path-delay, pg-kill, pg-rewind-data, etcd-member-restart (etcd), etcd-leader-kill (etcd, 3 \
+members), etcd-restore (etcd), proxy-kill, proxy-sigstop, rail-past-deadline, rolling-config.
+
+pg-rewind-data and etcd-restore make a store go back: lockdb put back to a copy of its data \
+taken 2-3 s earlier under load (an asynchronous standby promoted), etcd restored from a \
+snapshot taken 2-3 s earlier. railguard must notice; `--negative-control \
+no-store-change-detection` turns that off to show what it prevents.
 
 Exit status: 0 no violation, 1 an invariant was violated, 2 the run could not be made.";
 

@@ -637,6 +637,22 @@ impl EtcdCluster {
         uint(&reply["header"]["revision"]).expect("range reply has a revision")
     }
 
+    /// [`revision`](Self::revision) in one try on the running members: `None` when none
+    /// answers.
+    pub async fn try_revision(&self) -> Option<i64> {
+        let probe = base64_encode(b"railguard-test-revision-probe");
+        for i in 0..self.members.len() {
+            if self.state(i) != MemberState::Running {
+                continue;
+            }
+            let url = format!("{}/v3/kv/range", self.members[i].endpoint());
+            if let Ok(reply) = self.post(&url, json!({ "key": probe })).await {
+                return uint(&reply["header"]["revision"]);
+            }
+        }
+        None
+    }
+
     /// The ids of every lease that exists now (granted, neither revoked nor expired), from
     /// `/v3/lease/leases`, sorted.
     pub async fn leases(&self) -> Vec<i64> {
