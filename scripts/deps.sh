@@ -7,6 +7,8 @@
 #   etcd-server                         throwaway etcd members for the tests (only with --test)
 #   etcd-client                         etcdctl: snapshots and restores of those members (only
 #                                       with --test)
+#   patroni, python3-etcd               throwaway high-availability PostgreSQL clusters for the
+#                                       failover tests (only with --test)
 #   prometheus                          promtool for the alert rules' tests, and a throwaway
 #                                       Prometheus for tests/alerts.rs (only with --test)
 #   openssl                             the test kit's private CA for the TLS tests (only with --test)
@@ -28,6 +30,8 @@ bare=()
 if [ "${1:-}" = "--test" ]; then
     command -v etcd >/dev/null || missing+=(etcd-server)
     command -v etcdctl >/dev/null || missing+=(etcd-client)
+    # The test kit runs /usr/bin/patroni under /usr/bin/python3, whatever python is on PATH.
+    [ -x /usr/bin/patroni ] || missing+=(patroni python3-etcd)
     command -v openssl >/dev/null || missing+=(openssl)
     { [ -x /usr/bin/promtool ] && [ -x /usr/bin/prometheus ]; } || bare+=(prometheus)
 fi

@@ -6,6 +6,8 @@
 //!   earlier copy of its data; durable for the benchmark.
 //! - [`EtcdCluster`]: one or three real etcd members, each stoppable, killable and pausable;
 //!   the whole cluster can be restored from a snapshot taken earlier.
+//! - [`PatroniCluster`]: a high-availability PostgreSQL (Patroni, two or three members, its
+//!   own etcd) whose primary a test kills or switches over, losing its last commits if asked.
 //! - [`Rail`]: the rail simulator, in-process, whose ledger a test reads directly.
 //! - [`Railguard`]: railguard itself, with a config written for the test and overrides on top.
 //! - [`Http`]: an HTTP client over real sockets; [`Metrics`]: a strict Prometheus text parser.
@@ -24,6 +26,7 @@
 pub mod etcd;
 mod full_rail;
 mod http;
+mod patroni;
 mod pg;
 mod pki;
 mod process;
@@ -40,6 +43,7 @@ mod world;
 pub use etcd::{EtcdBuilder, EtcdCluster, EtcdSnapshot};
 pub use full_rail::FullRail;
 pub use http::{Http, Reply};
+pub use patroni::{PatroniBuilder, PatroniCluster};
 pub use pg::{DataCopy, Pg, PgBuilder, without_startup_settings};
 pub use pki::{Issued, Pki};
 pub use process::{children_of, signal};
@@ -59,6 +63,8 @@ pub enum LaunchError {
     Postgres(#[from] railguard::db::ServerError),
     #[error("etcd: {0}")]
     Etcd(String),
+    #[error("Patroni: {0}")]
+    Patroni(String),
     #[error("{what}: {source}")]
     Io {
         what: String,
