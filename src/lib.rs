@@ -10,7 +10,10 @@
 //!   HTTP API; [`sdk`] is what a worker uses (`LockClient`, `LockHandle`, `RailClient`, the
 //!   paydb fenced UPDATE).
 //! - [`proof`] — grant proofs: a token is good only for the lock key it was granted on.
-//! - [`db`] — the pool, migrations, and the embedded/throwaway PostgreSQL server.
+//! - [`db`] — the pool, migrations, and the embedded/throwaway PostgreSQL server;
+//!   [`store`] — what railguard keeps there, in SQL: [`store::epoch`] notices a store that
+//!   went back (a failover, a rewound data directory, a restored etcd) and raises the
+//!   fencing floor.
 //! - [`admin`], [`metrics`], [`telemetry`] — what operators see; [`openapi`] — the document
 //!   of every listener's HTTP contract (`docs/openapi.yaml`), served by the admin listener.
 //! - [`railsim`] — a non-idempotent rail simulator for tests and demos; [`demo`] — T-042
@@ -39,6 +42,7 @@ pub mod proof;
 pub mod proxy;
 pub mod railsim;
 pub mod server;
+pub mod store;
 pub mod telemetry;
 pub mod tls;
 

@@ -14,6 +14,8 @@ use prometheus::{
 pub enum Outcome {
     Forwarded,
     FencedOut,
+    /// A token whose grant was made before the fencing store last went back (`store::epoch`).
+    FencedBelowFloor,
     BadRequest,
     /// The token came without a valid proof that it was granted for the account's lock key.
     BadProof,
@@ -34,9 +36,10 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 14] = [
+    pub const ALL: [Outcome; 15] = [
         Outcome::Forwarded,
         Outcome::FencedOut,
+        Outcome::FencedBelowFloor,
         Outcome::BadRequest,
         Outcome::BadProof,
         Outcome::BodyTooLarge,
@@ -55,6 +58,7 @@ impl Outcome {
         match self {
             Outcome::Forwarded => "forwarded",
             Outcome::FencedOut => "fenced_out",
+            Outcome::FencedBelowFloor => "fenced_below_floor",
             Outcome::BadRequest => "bad_request",
             Outcome::BadProof => "bad_proof",
             Outcome::BodyTooLarge => "body_too_large",

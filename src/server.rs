@@ -154,9 +154,8 @@ pub async fn run(
     );
     // The statements' own sessions: the fence's last look and the idempotency completions.
     let sessions = db::slots::most_in_flight(config.fencing.batch_concurrency);
-    let looks = db::build_look_pool(&database.url, sessions, config.database.timeout)?;
-    let completion_sessions =
-        db::build_completion_pool(&database.url, sessions, config.database.timeout)?;
+    let looks = database.look_pool(sessions, config.database.timeout)?;
+    let completion_sessions = database.completion_pool(sessions, config.database.timeout)?;
     // A session whose settings did not take (a pooler that drops startup options, commits that
     // are not durable) stops the start here, before anything else has started; the embedded
     // server, if any, is stopped cleanly.
@@ -215,6 +214,35 @@ pub async fn run(
         },
         metrics.registry(),
     );
+    // Every session is checked against the server the database was acknowledged on before it
+    // is used (store::epoch); the sessions opened so far are let go so that none escapes it.
+    let epoch = locks
+        .guard
+        .epoch()
+        .expect("the guard has the store epoch")
+        .clone();
+    if !config.guard.detect_store_changes {
+        tracing::error!(
+            "!!! STORE CHANGE DETECTION IS OFF (guard.detect_store_changes = false) !!! A \
+             PostgreSQL failover or rewind, or a restored etcd, can make the rail pay twice. This \
+             switch exists only to demonstrate that corruption. \
+             railguard_store_change_detection is 0."
+        );
+    }
+    database.gate.install(epoch.clone());
+    for pool in [&database.pool, &looks, &completion_sessions] {
+        pool.retain(|_, _| false);
+    }
+    match database.pool.get().await {
+        Ok(mut session) => {
+            if let Err(e) = epoch.check_session(&mut session).await {
+                tracing::error!(error = %e, "could not check the database's server at start");
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "could not check the database's server at start")
+        }
+    }
     // The token source is compared with the fencing marks before the first grant (C1 §1.7):
     // until a check has found it ahead, the lock API grants nothing.
     if let Err(e) = locks.guard.check().await {
@@ -286,7 +314,8 @@ pub async fn run(
                 metrics.clone(),
                 config.fencing.enforce,
             )
-            .counting_into(late_forwards.clone()),
+            .counting_into(late_forwards.clone())
+            .with_floor(epoch.clone()),
         )),
         IdempotencyLayer::new(
             records,

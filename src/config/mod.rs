@@ -560,6 +560,11 @@ pub struct GuardConfig {
     pub interval: Duration,
     /// Writes in flight at once when `railguard fast-forward` moves etcd's revision.
     pub fast_forward_concurrency: usize,
+    /// Whether a store that went back (a PostgreSQL failover or rewind, etcd restored from a
+    /// snapshot) is detected and fenced (`crate::store::epoch`). `false` exists only to show,
+    /// in the fault harness, what goes wrong without it: it is logged loudly and
+    /// `railguard_store_change_detection` is 0.
+    pub detect_store_changes: bool,
 }
 
 impl Default for GuardConfig {
@@ -567,6 +572,7 @@ impl Default for GuardConfig {
         Self {
             interval: Duration::from_secs(30),
             fast_forward_concurrency: 64,
+            detect_store_changes: true,
         }
     }
 }

@@ -50,6 +50,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "completion_plan",
         sql: include_str!("../../migrations/0006_completion_plan.sql"),
     },
+    Migration {
+        version: 7,
+        name: "store_epoch",
+        sql: include_str!("../../migrations/0007_store_epoch.sql"),
+    },
 ];
 
 /// The schema version this binary expects.

@@ -165,9 +165,53 @@ pub(crate) fn causes(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
+/// A check every new session of a pool passes before it is used, installed once the checker
+/// exists ([`SessionGate::install`]); until then sessions pass unchecked (start-up's own
+/// reads). railguard's is the store epoch (`crate::store::epoch`): a session on a server
+/// other than the one the database was acknowledged on is fenced before it is used.
+#[derive(Clone, Default)]
+pub struct SessionGate(Arc<std::sync::Mutex<Option<Arc<dyn SessionCheck>>>>);
+
+/// What a [`SessionGate`] runs on each new session; an error refuses the session.
+pub trait SessionCheck: Send + Sync {
+    fn check<'a>(
+        &'a self,
+        client: &'a mut tokio_postgres::Client,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
+}
+
+impl SessionGate {
+    /// Every session opened from now on passes `check`.
+    pub fn install(&self, check: Arc<dyn SessionCheck>) {
+        *self.0.lock().expect("session gate") = Some(check);
+    }
+
+    /// Runs the installed check on `client` now (sessions opened before it was installed).
+    pub async fn check(&self, client: &mut tokio_postgres::Client) -> Result<(), String> {
+        let installed = self.0.lock().expect("session gate").clone();
+        match installed {
+            Some(check) => check.check(client).await,
+            None => Ok(()),
+        }
+    }
+
+    fn hook(&self) -> Hook {
+        let gate = self.clone();
+        Hook::async_fn(move |session: &mut ClientWrapper, _| {
+            let gate = gate.clone();
+            Box::pin(async move {
+                let client: &mut tokio_postgres::Client = session;
+                gate.check(client).await.map_err(HookError::message)
+            })
+        })
+    }
+}
+
 /// The pool, and the embedded server when there is one.
 pub struct Database {
     pub pool: Pool,
+    /// The check the pool's sessions (and those of [`Database::sessions_with_gate`]) pass.
+    pub gate: SessionGate,
     /// Where the database is, for connections outside the pool (LISTEN): `database.url`
     /// with `database.tls_ca_file` folded in as `sslrootcert` ([`url_of`]).
     pub url: String,
@@ -202,8 +246,14 @@ impl Database {
             }
             return Err(e);
         }
-        let pool = build_pool(&url, config.pool_size, timeout)?;
-        Ok(Self { pool, url, server })
+        let gate = SessionGate::default();
+        let pool = pool_gated(&url, config.pool_size, timeout, Some(&gate))?;
+        Ok(Self {
+            pool,
+            gate,
+            url,
+            server,
+        })
     }
 
     /// Resolves if the embedded server exits on its own; pending forever otherwise.
@@ -291,6 +341,15 @@ pub async fn migrate_url(url: &str, timeout: Duration) -> Result<usize, Database
 
 /// A pool whose connections are opened lazily and checked for closure when reused.
 pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
+    pool_gated(url, size, timeout, None)
+}
+
+fn pool_gated(
+    url: &str,
+    size: usize,
+    timeout: Duration,
+    gate: Option<&SessionGate>,
+) -> Result<Pool, DatabaseError> {
     let connect = pg_config(url, timeout)?;
     // Asked for TLS, yet nothing to authenticate the server with (libpq's `require` without a
     // root certificate): said once. The default `prefer` is not worth a warning at every start.
@@ -299,7 +358,7 @@ pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, Dat
             "sslmode=require without a CA (sslrootcert or database.tls_ca_file): sessions are \
              encrypted, but the server is not authenticated");
     }
-    pool_of(connect, size, timeout)
+    pool_of(connect, size, timeout, gate)
 }
 
 /// Session settings of the connections that take the fence's last look, which run one
@@ -346,7 +405,7 @@ const COMPLETION_SESSION_SETTINGS: &[(&str, &str)] = &[
 /// did not answer in time when it connected) and read marks that lag, while the
 /// compare-and-sets, which fail on a standby, stay on the primary.
 pub fn build_look_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
-    sessions_with(url, size, timeout, LOOK_SESSION_SETTINGS)
+    sessions_with(url, size, timeout, LOOK_SESSION_SETTINGS, None)
 }
 
 /// The pool of the idempotency completions: `size` sessions with
@@ -357,7 +416,32 @@ pub fn build_completion_pool(
     size: usize,
     timeout: Duration,
 ) -> Result<Pool, DatabaseError> {
-    sessions_with(url, size, timeout, COMPLETION_SESSION_SETTINGS)
+    sessions_with(url, size, timeout, COMPLETION_SESSION_SETTINGS, None)
+}
+
+impl Database {
+    /// The last look's sessions ([`build_look_pool`]), each passing this database's gate.
+    pub fn look_pool(&self, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
+        sessions_with(
+            &self.url,
+            size,
+            timeout,
+            LOOK_SESSION_SETTINGS,
+            Some(&self.gate),
+        )
+    }
+
+    /// The completions' sessions ([`build_completion_pool`]), each passing this database's
+    /// gate.
+    pub fn completion_pool(&self, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
+        sessions_with(
+            &self.url,
+            size,
+            timeout,
+            COMPLETION_SESSION_SETTINGS,
+            Some(&self.gate),
+        )
+    }
 }
 
 /// A session setting railguard asks for at connect (`-c name=value` in the startup options),
@@ -408,6 +492,7 @@ fn sessions_with(
     size: usize,
     timeout: Duration,
     settings: &'static [(&'static str, &'static str)],
+    gate: Option<&SessionGate>,
 ) -> Result<Pool, DatabaseError> {
     let mut wanted = timeout_settings(timeout);
     wanted.extend(
@@ -421,12 +506,17 @@ fn sessions_with(
         .options(startup_options(&wanted))
         .target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
     let PgConnect { config, tls, .. } = connect;
-    pool_builder(config, tls, size, timeout, wanted, &[])
+    pool_builder(config, tls, size, timeout, wanted, &[], gate)
         .build()
         .map_err(|e| DatabaseError::Pool(e.to_string()))
 }
 
-fn pool_of(connect: PgConnect, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
+fn pool_of(
+    connect: PgConnect,
+    size: usize,
+    timeout: Duration,
+    gate: Option<&SessionGate>,
+) -> Result<Pool, DatabaseError> {
     let PgConnect { config, tls, .. } = connect;
     pool_builder(
         config,
@@ -435,6 +525,7 @@ fn pool_of(connect: PgConnect, size: usize, timeout: Duration) -> Result<Pool, D
         timeout,
         timeout_settings(timeout),
         DURABLE_COMMITS,
+        gate,
     )
     .build()
     .map_err(|e| DatabaseError::Pool(e.to_string()))
@@ -538,6 +629,7 @@ fn pool_builder(
     timeout: Duration,
     wanted: Vec<Setting>,
     forbidden: &'static [Forbidden],
+    gate: Option<&SessionGate>,
 ) -> PoolBuilder {
     let manager = Manager::from_config(
         config,
@@ -546,13 +638,17 @@ fn pool_builder(
             recycling_method: RecyclingMethod::Fast,
         },
     );
-    Pool::builder(manager)
+    let builder = Pool::builder(manager)
         .max_size(size)
         .runtime(Runtime::Tokio1)
         .wait_timeout(Some(timeout))
         .create_timeout(Some(timeout))
         .recycle_timeout(Some(timeout))
-        .post_create(settings_check(wanted, forbidden, timeout))
+        .post_create(settings_check(wanted, forbidden, timeout));
+    match gate {
+        Some(gate) => builder.post_create(gate.hook()),
+        None => builder,
+    }
 }
 
 /// The URL without its password, for messages.

@@ -25,15 +25,16 @@
 //! compare with, and answers workers yes or no (C2 §2.7). Numbers go to the log and the
 //! admin listener only.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::time::Instant;
 
-use super::source::{SourceError, TokenSource};
+use super::source::{Progress, SourceError, TokenSource};
+use crate::store::epoch::{StoreEpoch, floor_above};
 
 /// The guard's last verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,8 +71,19 @@ pub struct SourceGuard {
     trips: std::sync::atomic::AtomicU64,
     /// `fencing.lock_key_template` split around `{account}`: which account a lock key fences.
     lock_key: (String, String),
+    /// The store's epoch and floor (`store::epoch`): with it, the guard also compares against
+    /// every token the etcd backend recorded and the floor, and moves the source on by itself
+    /// when it went back.
+    epoch: Option<Arc<StoreEpoch>>,
+    /// One recovery at a time in this process.
+    recovery: tokio::sync::Mutex<()>,
     metrics: GuardMetrics,
 }
+
+/// The most writes the guard makes to move etcd's revision on by itself after a restore;
+/// past it (a switch of backend from PostgreSQL's far larger tokens) it waits for an operator
+/// to run `railguard fast-forward`, which shows its progress.
+pub const AUTO_ADVANCE_LIMIT: i64 = 1_000_000;
 
 /// Why the lock service refuses to grant (a 503 on acquire; nothing was granted).
 pub const BEHIND_MESSAGE: &str = "the token source is behind the highest fencing mark the proxy \
@@ -127,6 +139,8 @@ impl SourceGuard {
             reread: tokio::sync::Mutex::new(None),
             trips: std::sync::atomic::AtomicU64::new(0),
             lock_key: (String::new(), String::new()),
+            epoch: None,
+            recovery: tokio::sync::Mutex::new(()),
             metrics: GuardMetrics {
                 behind,
                 checks,
@@ -139,6 +153,21 @@ impl SourceGuard {
     pub fn with_lock_key_template(mut self, prefix: &str, suffix: &str) -> Self {
         self.lock_key = (prefix.to_string(), suffix.to_string());
         self
+    }
+
+    /// Compares with the store's floor and the etcd backend's recorded tokens too, and moves
+    /// the source on by itself when it went back (`guard.detect_store_changes`).
+    pub fn with_epoch(mut self, epoch: Arc<StoreEpoch>) -> Self {
+        self.epoch = Some(epoch);
+        self
+    }
+
+    pub fn epoch(&self) -> Option<&Arc<StoreEpoch>> {
+        self.epoch.as_ref()
+    }
+
+    fn detecting(&self) -> Option<&Arc<StoreEpoch>> {
+        self.epoch.as_ref().filter(|epoch| epoch.detects())
     }
 
     fn account_of<'k>(&self, key: &'k str) -> Option<&'k str> {
@@ -157,35 +186,56 @@ impl SourceGuard {
 
     /// Reads the highest mark, then the position, and records the verdict.
     pub async fn check(&self) -> Result<Verdict, SourceError> {
-        let trips = self.trips.load(Ordering::Acquire);
-        let outcome = async {
-            let mark = highest_mark(&self.marks, self.timeout).await?;
-            let position = self.source.position().await?;
-            Ok::<_, SourceError>((mark, position))
-        }
-        .await;
-        let (mark, position) = match outcome {
-            Ok(read) => read,
-            Err(e) => {
-                self.metrics.checks.with_label_values(&["failed"]).inc();
-                tracing::warn!(error = %e, verdict = ?self.verdict(),
-                    "could not check the token source against the fencing marks; keeping the last verdict");
-                return Err(e);
+        let (mut trips, mut moved) = (self.trips.load(Ordering::Acquire), false);
+        loop {
+            let (mark, position) = match self.read_position_and_mark().await {
+                Ok(read) => read,
+                Err(e) => {
+                    self.metrics.checks.with_label_values(&["failed"]).inc();
+                    tracing::warn!(error = %e, verdict = ?self.verdict(),
+                        "could not check the token source against the fencing marks; keeping the last verdict");
+                    return Err(e);
+                }
+            };
+            self.known_mark.fetch_max(mark, Ordering::Relaxed);
+            self.ceiling.fetch_max(position, Ordering::Relaxed);
+            // Behind with detection on: moved on by itself, then read once more.
+            if position < mark && !moved && self.detecting().is_some() {
+                moved = true;
+                match self.recover(position, mark).await {
+                    Ok(()) => {
+                        trips = self.trips.load(Ordering::Acquire);
+                        continue;
+                    }
+                    Err(e) => tracing::error!(error = %e, position, mark,
+                        "the token source went back and could not be moved on by itself"),
+                }
             }
-        };
-        self.known_mark.fetch_max(mark, Ordering::Relaxed);
-        self.ceiling.fetch_max(position, Ordering::Relaxed);
-        let verdict = if position < mark {
-            Verdict::Behind { position, mark }
-        } else if self.trips.load(Ordering::Acquire) != trips {
-            // A grant showed the source behind while this check was reading: what it read
-            // is older than that, and reopens nothing.
-            return Ok(self.verdict());
+            let verdict = if position < mark {
+                Verdict::Behind { position, mark }
+            } else if self.trips.load(Ordering::Acquire) != trips {
+                // A grant showed the source behind while this check was reading: what it read
+                // is older than that, and reopens nothing.
+                return Ok(self.verdict());
+            } else {
+                Verdict::Ahead { position, mark }
+            };
+            self.record(verdict.clone());
+            return Ok(verdict);
+        }
+    }
+
+    /// The highest mark (with detection on: of marks, recorded tokens and the floor), then
+    /// the source's position: in that order, so that every token issued before the first read
+    /// is at most the second.
+    async fn read_position_and_mark(&self) -> Result<(i64, i64), SourceError> {
+        let mark = if self.detecting().is_some() {
+            highest_known(&self.marks, self.timeout).await?
         } else {
-            Verdict::Ahead { position, mark }
+            highest_mark(&self.marks, self.timeout).await?
         };
-        self.record(verdict.clone());
-        Ok(verdict)
+        let position = self.source.position().await?;
+        Ok((mark, position))
     }
 
     fn record(&self, verdict: Verdict) {
@@ -241,10 +291,30 @@ impl SourceGuard {
         };
         loop {
             tokio::time::sleep(next).await;
+            self.check_store().await;
             next = match self.check().await {
                 Ok(_) => interval,
                 Err(_) => soon,
             };
+        }
+    }
+
+    /// The store's server and floor, read again on a session of the pool (a floor another
+    /// railguard raised is learnt here; a session opened since a change was checked when it
+    /// opened).
+    async fn check_store(&self) {
+        let Some(epoch) = &self.epoch else {
+            return;
+        };
+        let checked = async {
+            let mut client = self.marks.get().await.map_err(|e| e.to_string())?;
+            epoch
+                .check_session(&mut client)
+                .await
+                .map_err(|e| e.to_string())
+        };
+        if let Err(e) = checked.await {
+            tracing::warn!(error = %e, "could not check the database's server");
         }
     }
 
@@ -270,9 +340,41 @@ impl SourceGuard {
     pub async fn admit(&self, key: &str, token: i64, mark_before: i64) -> Result<(), &'static str> {
         self.ceiling.fetch_max(token, Ordering::Relaxed);
         let mut mark = mark_before;
-        if let Some(account) = self.account_of(key) {
-            match account_mark(&self.marks, self.timeout, account).await {
-                Ok(current) => mark = mark.max(current),
+        let account = self.account_of(key);
+        let detecting = self.detecting().is_some();
+        if account.is_some() || detecting {
+            let sql = match (&self.source, detecting) {
+                (TokenSource::Etcd { .. }, true) => ADMIT_RECORDING_SQL,
+                _ => ADMIT_SQL,
+            };
+            match grant_marks(&self.marks, self.timeout, sql, key, token, account).await {
+                Ok((new_for_key, current, floor)) => {
+                    mark = mark.max(current);
+                    if detecting && (!new_for_key || token < floor) {
+                        tracing::error!(
+                            lock.key = key,
+                            lock.token = token,
+                            "a grant's token is not above every token granted before for its key, \
+                             or is below the fencing floor: the token source went back"
+                        );
+                        self.trip(token, mark.max(floor));
+                        let known = match highest_known(&self.marks, self.timeout).await {
+                            Ok(known) => known.max(token),
+                            Err(_) => token,
+                        };
+                        match self.recover(token, known).await {
+                            // Grants resume once a check that started after the trip finds
+                            // the source ahead; this grant is ended all the same.
+                            Ok(()) => {
+                                let _ = self.check().await;
+                            }
+                            Err(e) => {
+                                tracing::error!(error = %e, "could not move the token source on");
+                            }
+                        }
+                        return Err(BEHIND_MESSAGE);
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read the granted key's fencing mark");
                     return Err(UNREADABLE_MARK_MESSAGE);
@@ -282,12 +384,83 @@ impl SourceGuard {
         if token > mark {
             return Ok(());
         }
-        self.trips.fetch_add(1, Ordering::AcqRel);
-        self.record(Verdict::Behind {
-            position: token,
-            mark,
-        });
+        self.trip(token, mark);
         Err(BEHIND_MESSAGE)
+    }
+
+    fn trip(&self, position: i64, mark: i64) {
+        self.trips.fetch_add(1, Ordering::AcqRel);
+        self.record(Verdict::Behind { position, mark });
+    }
+
+    /// The source went back (it is at `position`, below `known`, the highest of the marks,
+    /// the etcd backend's recorded tokens and the floor): raises the floor above everything
+    /// known, audited, so that every grant from before is fenced out once, then moves the
+    /// source to the floor. The next check finds it ahead and grants resume.
+    async fn recover(&self, position: i64, known: i64) -> Result<(), String> {
+        let Some(epoch) = self.detecting() else {
+            return Err("store change detection is off".into());
+        };
+        let _one = self.recovery.lock().await;
+        let floor = match &self.source {
+            TokenSource::Postgres { .. } => floor_above(known).map_err(|e| e.to_string())?,
+            TokenSource::Etcd { .. } => known.saturating_add(1),
+        };
+        let current = self.source.position().await.map_err(|e| e.to_string())?;
+        if matches!(self.source, TokenSource::Etcd { .. })
+            && floor.saturating_sub(current) > AUTO_ADVANCE_LIMIT
+        {
+            return Err(format!(
+                "etcd's revision {current} is {} below the floor {floor}: more writes than the \
+                 guard makes by itself; run `railguard fast-forward` (docs/operations.md)",
+                floor - current
+            ));
+        }
+        if epoch.floor() < floor {
+            let mut client = self.marks.get().await.map_err(|e| e.to_string())?;
+            epoch
+                .raise_floor(
+                    &mut client,
+                    floor,
+                    "a grant's token, or the token source's position, was not above every token \
+                     granted or accepted before: the token source went back (etcd restored \
+                     from a snapshot, a switched lock backend)",
+                    serde_json::json!({
+                        "source": self.source.name(),
+                        "position": position,
+                        "known": known,
+                    }),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let logged = std::sync::atomic::AtomicI64::new(0);
+        let progress = |p: Progress| {
+            let step = (p.target / 20).max(1);
+            if p.position / step > logged.load(Ordering::Relaxed) {
+                logged.store(p.position / step, Ordering::Relaxed);
+                tracing::warn!(
+                    position = p.position,
+                    target = p.target,
+                    "moving the token source past the fencing floor"
+                );
+            }
+        };
+        let reached = self
+            .source
+            .advance_to(
+                floor - 1,
+                &progress,
+                &std::sync::atomic::AtomicBool::new(false),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        tracing::warn!(
+            source = self.source.name(),
+            position = reached,
+            "the token source is past the fencing floor: grants resume"
+        );
+        Ok(())
     }
 
     /// Was `token` ever issued by the source? `false` only when a read of the position that
@@ -347,21 +520,70 @@ impl IssuedTokens for SourceGuard {
     }
 }
 
-/// One account's mark, 0 when it has none.
-async fn account_mark(pool: &Pool, timeout: Duration, account: &str) -> Result<i64, SourceError> {
+/// What a grant is compared with: whether its token is above every token recorded for its key
+/// (always, here: PostgreSQL's grants are the record), its account's mark, and the floor.
+const ADMIT_SQL: &str = "\
+SELECT $1::text IS NOT NULL AND $2::bigint IS NOT NULL,
+       COALESCE((SELECT highest_token FROM rail_high_water WHERE account_id = $3), 0),
+       (SELECT floor FROM railguard_store_epoch)";
+
+/// The same for the etcd backend, which records the grant's token for its key first: no row
+/// comes back from the insert when the key's recorded token is not below it.
+const ADMIT_RECORDING_SQL: &str = "\
+WITH issued AS (
+    INSERT INTO lock_issued AS l (key, token) VALUES ($1, $2)
+    ON CONFLICT (key) DO UPDATE SET token = EXCLUDED.token WHERE l.token < EXCLUDED.token
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM issued),
+       COALESCE((SELECT highest_token FROM rail_high_water WHERE account_id = $3), 0),
+       (SELECT floor FROM railguard_store_epoch)";
+
+/// The highest of the marks, the etcd backend's recorded tokens and the floor's last excluded
+/// token: the source's position must not be below it.
+const HIGHEST_KNOWN_SQL: &str = "\
+SELECT GREATEST((SELECT COALESCE(max(highest_token), 0) FROM rail_high_water),
+                (SELECT COALESCE(max(token), 0) FROM lock_issued),
+                (SELECT floor - 1 FROM railguard_store_epoch))::bigint";
+
+async fn grant_marks(
+    pool: &Pool,
+    timeout: Duration,
+    sql: &'static str,
+    key: &str,
+    token: i64,
+    account: Option<&str>,
+) -> Result<(bool, i64, i64), SourceError> {
     let read = async {
         let client = pool.get().await.map_err(|e| e.to_string())?;
         let row = client
-            .query_opt(
-                "SELECT highest_token FROM rail_high_water WHERE account_id = $1",
-                &[&account],
-            )
+            .query_one(sql, &[&key, &token, &account])
             .await
             .map_err(|e| e.to_string())?;
-        Ok::<i64, String>(row.map_or(0, |r| r.get(0)))
+        Ok::<_, String>((row.get(0), row.get(1), row.get(2)))
     };
     match tokio::time::timeout(timeout, read).await {
-        Ok(Ok(mark)) => Ok(mark),
+        Ok(Ok(found)) => Ok(found),
+        Ok(Err(e)) => Err(SourceError::Unavailable(format!(
+            "PostgreSQL (fencing marks): {e}"
+        ))),
+        Err(_) => Err(SourceError::Unavailable(format!(
+            "PostgreSQL (fencing marks): no answer within {timeout:?}"
+        ))),
+    }
+}
+
+async fn highest_known(pool: &Pool, timeout: Duration) -> Result<i64, SourceError> {
+    let read = async {
+        let client = pool.get().await.map_err(|e| e.to_string())?;
+        let row = client
+            .query_one(HIGHEST_KNOWN_SQL, &[])
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<i64, String>(row.get(0))
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(Ok(known)) => Ok(known),
         Ok(Err(e)) => Err(SourceError::Unavailable(format!(
             "PostgreSQL (fencing marks): {e}"
         ))),

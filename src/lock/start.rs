@@ -16,6 +16,7 @@ use super::postgres::{PgLocks, listen_for_releases};
 use super::service::{LockLimits, LockMetrics, LockService};
 use super::source::TokenSource;
 use crate::config::{EtcdConfig, GuardConfig, LockBackendKind, LockConfig, LockKeyTemplate};
+use crate::store::epoch::{StoreEpoch, TokenJump};
 
 /// A running lock service, its release watcher and its token-source guard.
 pub struct Locks {
@@ -77,9 +78,16 @@ impl Locks {
                 (AnyBackend::Etcd(locks.clone()), Watch::Etcd(locks), source)
             }
         };
+        let epoch = Arc::new(StoreEpoch::new(
+            token_jump(&source),
+            guard.detect_store_changes,
+            database.timeout,
+            registry,
+        ));
         let source_guard = Arc::new(
             SourceGuard::new(source, database.pool.clone(), database.timeout, registry)
-                .with_lock_key_template(lock_key_template.prefix(), lock_key_template.suffix()),
+                .with_lock_key_template(lock_key_template.prefix(), lock_key_template.suffix())
+                .with_epoch(epoch),
         );
         let service =
             Arc::new(LockService::new(backend, metrics, limits).with_guard(source_guard.clone()));
@@ -162,4 +170,20 @@ pub fn token_source(
 enum Watch {
     Postgres(String),
     Etcd(Arc<EtcdLocks>),
+}
+
+/// How a change of the database's server moves the lock backend's token source
+/// (`store::epoch`): PostgreSQL's sequence went back with it and is set past it; etcd's revision
+/// did not, and is read.
+fn token_jump(source: &TokenSource) -> TokenJump {
+    match source {
+        TokenSource::Postgres { .. } => TokenJump::Sequence,
+        etcd @ TokenSource::Etcd { .. } => {
+            let etcd = etcd.clone();
+            TokenJump::Revision(Arc::new(move || {
+                let etcd = etcd.clone();
+                Box::pin(async move { etcd.position().await.map_err(|e| e.to_string()) })
+            }))
+        }
+    }
 }

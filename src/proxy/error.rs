@@ -192,14 +192,25 @@ impl Rejection {
     }
 
     fn fenced_out(e: &FencedOut) -> Self {
+        let (outcome, message) = if e.below_floor {
+            (
+                Outcome::FencedBelowFloor,
+                "the fencing token's grant was made before the fencing store last went back (a \
+                 failover, a restart, a restore): this grant must stop; take a new grant",
+            )
+        } else {
+            (
+                Outcome::FencedOut,
+                "the fencing token is below the account's high-water mark: this grant has been \
+                 superseded and must stop; do not retry with another token",
+            )
+        };
         let mut r = Self::new(
             StatusCode::CONFLICT,
-            Outcome::FencedOut,
+            outcome,
             "fenced_out",
             Origin::Client,
-            "the fencing token is below the account's high-water mark: this grant has been \
-             superseded and must stop; do not retry with another token"
-                .into(),
+            message.into(),
         );
         r.account = Some(e.account.to_string());
         r.token = Some(e.token.get());
@@ -409,6 +420,7 @@ pub(crate) fn examples() -> Vec<BoxError> {
         Box::new(FencedOut {
             account: AccountId::parse("acct-1", 64).expect("valid account"),
             token: FencingToken::new(41).expect("valid token"),
+            below_floor: false,
         }),
         Box::new(BadProof {
             header,
@@ -455,6 +467,7 @@ mod tests {
         let r = rejection(&boxed(FencedOut {
             account: AccountId::parse("acct-1", 64).unwrap(),
             token: FencingToken::new(41).unwrap(),
+            below_floor: false,
         }));
         assert_eq!(r.status, StatusCode::CONFLICT);
         assert_eq!(r.error, "fenced_out");

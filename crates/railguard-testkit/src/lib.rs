@@ -38,6 +38,7 @@ pub mod relay;
 mod serve;
 mod tls;
 mod tls_front;
+mod wait;
 mod world;
 
 pub use etcd::{EtcdBuilder, EtcdCluster, EtcdSnapshot};
@@ -54,6 +55,7 @@ pub use relay::Relay;
 pub use serve::{Railguard, binary as railguard_binary, run_command as railguard_command};
 pub use tls::{TlsClient, TlsReply, hex};
 pub use tls_front::TlsFront;
+pub use wait::eventually;
 pub use world::{Backend, World};
 
 /// Why a launcher could not start what it launches.

@@ -40,13 +40,15 @@ use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, RecordId, Re
 use crate::token::{AccountId, FencingToken};
 
 /// The compare-and-set of a batch, written once for both statements below: advances every
-/// account whose token is at least its mark, in account order, and answers the accounts it
+/// account whose token is at least its mark and the fencing floor (`store::epoch`: tokens
+/// granted before the store last went back), in account order, and answers the accounts it
 /// advanced.
 macro_rules! advance_batch {
     () => {
         "\
 INSERT INTO rail_high_water AS h (account_id, highest_token)
 SELECT account_id, token FROM unnest($1::text[], $2::bigint[]) AS t(account_id, token)
+WHERE t.token >= (SELECT floor FROM railguard_store_epoch)
 ORDER BY account_id
 ON CONFLICT (account_id) DO UPDATE
     SET highest_token = EXCLUDED.highest_token, updated_at = now()

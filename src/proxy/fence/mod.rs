@@ -59,6 +59,7 @@ use super::forward::{LateForwards, UpstreamTimeout};
 use super::idempotency::NewRecord;
 use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::metrics::{FencePath, Metrics};
+use crate::store::epoch::StoreEpoch;
 use crate::token::{AccountId, FencingToken};
 
 /// Where the per-account high-water marks live (FR-17).
@@ -90,6 +91,10 @@ pub trait HighWater: Send + Sync + 'static {
 pub struct FencedOut {
     pub account: AccountId,
     pub token: FencingToken,
+    /// Refused because it is below the fencing floor: its grant was made before the store
+    /// last went back (`store::epoch`), not superseded by a later holder. Counted apart from
+    /// `lock_fenced_out_total`, which pages on a lease lost under a live holder.
+    pub below_floor: bool,
 }
 
 /// No verdict could be had from the database; nothing was forwarded.
@@ -110,6 +115,9 @@ pub struct FencePoint<H = HighWaterStore> {
     /// ([`LateForwards`]), so that a stop sees one whose record is made and whose forward is to
     /// come; `None` counts nothing (tests of this module alone).
     outstanding: Option<LateForwards>,
+    /// The fencing floor this process knows (`store::epoch`): a token below it is refused
+    /// without asking the database, whose compare-and-set refuses it anyway.
+    epoch: Option<Arc<StoreEpoch>>,
 }
 
 /// Accounts whose cache refusals' log lines are limited at once (see `refusal_log`).
@@ -126,7 +134,20 @@ impl<H: HighWater> FencePoint<H> {
             enforce,
             refusals: RefusalLog::new(REFUSAL_LOG_ACCOUNTS),
             outstanding: None,
+            epoch: None,
         }
+    }
+
+    /// Refuses tokens below `epoch`'s floor before anything else.
+    pub fn with_floor(mut self, epoch: Arc<StoreEpoch>) -> Self {
+        self.epoch = Some(epoch);
+        self
+    }
+
+    fn below_known_floor(&self, token: FencingToken) -> bool {
+        self.epoch
+            .as_ref()
+            .is_some_and(|epoch| token.get() < epoch.floor())
     }
 
     /// Counts every request among `forwards` from before its compare-and-set until its forward
@@ -163,7 +184,29 @@ impl<H: HighWater> FencePoint<H> {
     fn fenced_out(&self, account: AccountId, token: FencingToken, why: &'static str) -> BoxError {
         tracing::warn!(lock.token = token.get(), account = %account, why,
             "stale fencing token refused: a lease expired under a live holder");
-        FencedOut { account, token }.into()
+        FencedOut {
+            account,
+            token,
+            below_floor: false,
+        }
+        .into()
+    }
+
+    /// A refusal because the token's grant was made before the store last went back: each
+    /// holder from before meets it once, then takes a new grant.
+    fn below_floor(&self, account: AccountId, token: FencingToken) -> BoxError {
+        if let Some(left_out) = self.refusals.admit(&account) {
+            tracing::warn!(lock.token = token.get(), account = %account, left_out,
+                "fencing token refused: its grant was made before the store went back (a \
+                 failover, a restart, a rewound data directory, a restored etcd); the holder \
+                 must take a new grant (counted in railguard_fenced_below_floor_total)");
+        }
+        FencedOut {
+            account,
+            token,
+            below_floor: true,
+        }
+        .into()
     }
 
     /// A refusal from the mark cache, with no database work: what a worker stuck on a
@@ -177,7 +220,12 @@ impl<H: HighWater> FencePoint<H> {
                  (left_out: this account's refusals not logged since its last such line; all \
                  are counted in lock_fenced_out_total)");
         }
-        FencedOut { account, token }.into()
+        FencedOut {
+            account,
+            token,
+            below_floor: false,
+        }
+        .into()
     }
 }
 
@@ -270,6 +318,10 @@ where
 {
     let (token, account) = (request.token, request.account.clone());
     let started = Instant::now();
+    if point.below_known_floor(token) {
+        span.record("verdict", "below_floor");
+        return Err(point.below_floor(account, token));
+    }
     if point.cache.is_definitely_stale(&account, token) {
         point
             .metrics
@@ -289,6 +341,10 @@ where
         .await
         .map_err(FenceUnavailable)?
     {
+        Verdict::Stale if point.below_known_floor(token) => {
+            span.record("verdict", "below_floor");
+            Err(point.below_floor(account, token))
+        }
         Verdict::Stale => {
             span.record("verdict", "stale");
             point.cache.raise_past(&account, token);

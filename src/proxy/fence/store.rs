@@ -35,7 +35,8 @@ use crate::token::{AccountId, FencingToken};
 /// The single-row compare-and-set, as one statement per request would run it. The proxy runs
 /// the batched form in `batch`; benchmarks run this one with `pgbench` as the baseline.
 pub const ADVANCE_SQL: &str = "\
-INSERT INTO rail_high_water AS h (account_id, highest_token) VALUES ($1, $2)
+INSERT INTO rail_high_water AS h (account_id, highest_token)
+SELECT $1, $2 WHERE $2 >= (SELECT floor FROM railguard_store_epoch)
 ON CONFLICT (account_id) DO UPDATE
     SET highest_token = EXCLUDED.highest_token, updated_at = now()
     WHERE h.highest_token <= EXCLUDED.highest_token";

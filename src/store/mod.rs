@@ -1,0 +1,7 @@
+//! What railguard keeps in PostgreSQL, spoken in SQL, knowing nothing of HTTP or the proxy's
+//! types: callers hand it plain values and get plain values back.
+//!
+//! - [`epoch`]: which server the database was last acknowledged on, and the fencing floor
+//!   that a store going back (a failover, a rewound data directory, a restored etcd) raises.
+
+pub mod epoch;

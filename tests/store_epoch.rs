@@ -1,0 +1,203 @@
+//! The store goes back: PostgreSQL's data directory put back to a copy taken seconds earlier —
+//! what promoting an asynchronous standby that missed the last commits does. Marks, lock rows
+//! and `fencing_token_seq` go back together; railguard notices the server changed before it
+//! uses a session, raises the fencing floor, and every grant from before is fenced out once:
+//! no token is handed out twice (INV-04) and no superseded grant pays again (INV-05).
+//! With the detection switched off (the negative control), the same rewind lets the
+//! superseded grant pay after the newer one: the rail pays twice.
+
+use railguard_testkit as support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use http::StatusCode;
+use railguard::sdk::{LockHandle, RailClient, SdkError};
+use support::{Pg, Rail, Railguard, init_tracing};
+use tempfile::TempDir;
+
+/// A `pg_basebackup` of the running server, as a standby that stopped receiving would hold it.
+async fn copy_of(pg: &Pg) -> TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("railguard-pg-copy-")
+        .tempdir()
+        .unwrap();
+    let out = tokio::process::Command::new(pg.server.bin_dir().join("pg_basebackup"))
+        .arg("-d")
+        .arg(pg.url())
+        .arg("-D")
+        .arg(dir.path().join("data"))
+        .args(["-X", "stream", "-c", "fast"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "pg_basebackup: {out:?}");
+    dir
+}
+
+/// SIGKILL, the data directory put back to `copy`, started again on the same port.
+async fn rewind_to(pg: &mut Pg, copy: &Path) {
+    pg.kill().await;
+    let data = pg.server.data_dir().display().to_string();
+    let copy = copy.join("data").display().to_string();
+    let script = format!(
+        "owner=$(stat -c %u:%g '{data}') && find '{data}' -mindepth 1 -maxdepth 1 -exec rm -rf {{}} + \
+         && cp -a '{copy}/.' '{data}/' && chown -R \"$owner\" '{data}' && chmod 700 '{data}'"
+    );
+    let out = tokio::process::Command::new("sh")
+        .args(["-c", &script])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    pg.server.start().await.unwrap();
+}
+
+async fn pay(proxy: &RailClient, grant: &LockHandle, id: &str) -> Result<StatusCode, SdkError> {
+    proxy
+        .post(
+            grant,
+            "acct",
+            "/payments",
+            format!("{{\"id\":\"{id}\"}}").into(),
+            Some(id),
+        )
+        .await
+        .map(|r| r.status)
+}
+
+struct Run {
+    /// The superseded grant's payment after the rewind: refused?
+    old_refused: bool,
+    /// The newer grant's payment after the rewind: refused (it predates the rewind too)?
+    newer_refused: bool,
+    /// Tokens: the superseded grant's, the newer one's, the first after the rewind.
+    tokens: (i64, i64, Option<i64>),
+    rail_tokens: Vec<i64>,
+    rg: Railguard,
+    pg: Pg,
+}
+
+/// W1 pays, the copy is taken, W1's lease runs out, W2 takes the key and pays; the database
+/// is put back to the copy and railguard restarted; W1 and W2 try again, and W3 acquires.
+async fn rewind_under(env: &[(&str, &str)]) -> Run {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), env).await;
+    let lock = rg.lock_client();
+    let proxy = RailClient::new(rg.proxy_url(""));
+    let ttl = Duration::from_millis(300);
+
+    let w1 = lock
+        .acquire("acct", "w1", ttl, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(pay(&proxy, &w1, "p1").await.unwrap(), StatusCode::CREATED);
+    let copy = copy_of(&pg).await;
+    let w2 = lock
+        .acquire("acct", "w2", Duration::from_secs(60), ttl * 20)
+        .await
+        .unwrap();
+    assert!(w2.token().get() > w1.token().get());
+    assert_eq!(pay(&proxy, &w2, "p2").await.unwrap(), StatusCode::CREATED);
+
+    rewind_to(&mut pg, copy.path()).await;
+    // A railguard that did not run through the rewind remembers no mark of its own.
+    rg.restart().await;
+
+    let old = pay(&proxy, &w1, "p3").await;
+    let newer = pay(&proxy, &w2, "p4").await;
+    // Without the detection the token-source guard may find the source behind a mark and
+    // refuse every grant: then there is no third grant.
+    let w3 = lock
+        .acquire(
+            "acct",
+            "w3",
+            Duration::from_secs(60),
+            Duration::from_secs(5),
+        )
+        .await
+        .ok();
+    let rail_tokens = rail
+        .ledger()
+        .iter()
+        .map(|e| e.token.as_deref().unwrap().parse().unwrap())
+        .collect();
+    Run {
+        old_refused: matches!(old, Err(SdkError::FencedOut { .. })),
+        newer_refused: matches!(newer, Err(SdkError::FencedOut { .. })),
+        tokens: (
+            w1.token().get(),
+            w2.token().get(),
+            w3.map(|w3| w3.token().get()),
+        ),
+        rail_tokens,
+        rg,
+        pg,
+    }
+}
+
+#[tokio::test]
+async fn a_rewound_database_fences_every_grant_from_before_it() {
+    let run = rewind_under(&[]).await;
+    let (t1, t2, t3) = run.tokens;
+    let t3 = t3.expect("grants go on after the rewind");
+    assert!(run.old_refused, "the superseded grant must not pay again");
+    assert!(
+        run.newer_refused,
+        "a grant from before the rewind is fenced once"
+    );
+    assert!(
+        t3 > t2,
+        "a token is never handed out twice: {t3} after {t2}"
+    );
+    assert_eq!(
+        t3 % railguard::store::epoch::FLOOR_GAP,
+        0,
+        "the first grant after the rewind starts the new floor: {t3}"
+    );
+    // The rail saw each grant once, in order, and nothing after the rewind.
+    assert_eq!(run.rail_tokens, [t1, t2]);
+    // Whichever railguard met the new server first fenced it (here the one stopping, as it
+    // recorded its clean stop): one audit row, one error line, and every railguard reads the
+    // new epoch.
+    let audit = run
+        .pg
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*), min(outcome->>'floor')::bigint FROM railguard_audit \
+             WHERE action = 'store_changed'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(audit.get::<_, i64>(0), 1);
+    assert_eq!(audit.get::<_, i64>(1), t3);
+    let metrics = run.rg.metrics().await;
+    assert_eq!(metrics.get("railguard_store_epoch"), 1.0);
+    // W2's grant was superseded by nothing: it meets the floor. (W1's may meet the mark this
+    // process remembers first: it was superseded by W2's.)
+    assert!(metrics.get("railguard_requests_total{outcome=\"fenced_below_floor\"}") >= 1.0);
+    assert!(
+        run.rg.log().contains("CHANGED SERVER"),
+        "an error line names the change"
+    );
+}
+
+#[tokio::test]
+async fn without_the_detection_a_rewound_database_lets_a_superseded_grant_pay_again() {
+    let run = rewind_under(&[("RAILGUARD__GUARD__DETECT_STORE_CHANGES", "false")]).await;
+    let (t1, t2, _) = run.tokens;
+    assert!(!run.old_refused, "the negative control must show the bug");
+    // The rail received the superseded grant's payment after the newer grant's.
+    assert_eq!(run.rail_tokens[..3], [t1, t2, t1]);
+    assert_eq!(
+        run.rg
+            .metrics()
+            .await
+            .get("railguard_store_change_detection"),
+        0.0
+    );
+}
