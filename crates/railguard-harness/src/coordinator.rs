@@ -93,6 +93,10 @@ pub struct RunOptions {
     pub workers: usize,
     #[arg(long, default_value_t = 4)]
     pub accounts: usize,
+    /// Keys workers also lock with no payment under them (`lock-only-0`, ...): no fencing
+    /// mark ever records their tokens, which must increase all the same (INV-04).
+    #[arg(long, default_value_t = 0)]
+    pub lock_only_keys: usize,
     /// Payments created up front; enough that the workers stay busy for the whole run (they
     /// stop early when every payment is done, and faults after that would hit an idle system).
     #[arg(long, default_value_t = 20_000)]
@@ -172,6 +176,9 @@ impl RunOptions {
         }
         if self.workers > 64 {
             return Err("--workers must be at most 64".into());
+        }
+        if self.lock_only_keys > 64 {
+            return Err("--lock-only-keys must be at most 64".into());
         }
         if !matches!(self.etcd_members, 1 | 3) {
             return Err("--etcd-members must be 1 or 3".into());
@@ -507,6 +514,7 @@ fn spawn_worker(
         .args(["--proxy-urls", &urls(proxy_relays)])
         .args(["--paydb-url", paydb_url])
         .args(["--accounts", &options.accounts.to_string()])
+        .args(["--lock-only-keys", &options.lock_only_keys.to_string()])
         .args(["--ttl-ms", &ttl.as_millis().to_string()])
         .args(["--duration-ms", &duration.as_millis().to_string()])
         .args(["--pause-ms", &timing_short(ttl).as_millis().to_string()])

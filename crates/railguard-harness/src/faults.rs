@@ -528,11 +528,12 @@ enum Failover {
 
 impl Failover {
     /// The `n`th failover's form: hard and planned take turns; without synchronous
-    /// replication every other hard one loses the primary's last commits.
+    /// replication every other hard one, the first included, loses the primary's last
+    /// commits.
     fn nth(n: usize, synchronous: bool) -> Failover {
         match (n % 4, synchronous) {
             (1 | 3, _) => Failover::Planned,
-            (2, false) => Failover::AsyncLoss,
+            (0, false) => Failover::AsyncLoss,
             _ => Failover::Hard,
         }
     }
@@ -622,9 +623,11 @@ async fn failover(targets: &mut Targets<'_>) -> String {
 /// operator runs `railguard fast-forward`, and then before a restart.
 const OPERATOR_PATIENCE: Duration = Duration::from_secs(1);
 const GUARD_PATIENCE: Duration = Duration::from_secs(5);
+/// How long every railguard must keep granting for recovery to count as done.
+const SETTLE: Duration = Duration::from_secs(1);
 
-/// Waits until every railguard grants again (a probe grant on a key no worker uses, released
-/// at once) and says `/readyz`. One that refuses because its token source is behind (it says
+/// Waits until every railguard grants (a probe grant on a key no worker uses, released at once)
+/// and says `/readyz`, and still does a second later. One that refuses because its token source is behind (it says
 /// to run `railguard fast-forward`) gets what an operator does: `railguard fast-forward`,
 /// then, if its guard has not reopened a few seconds later, a restart. Says what it took.
 async fn recover(proxies: &mut [Railguard], operator: &Operator) -> String {
@@ -632,6 +635,7 @@ async fn recover(proxies: &mut [Railguard], operator: &Operator) -> String {
     let mut fast_forward: Option<String> = None;
     let mut restarted = Vec::new();
     let mut refusing_since: Option<Instant> = None;
+    let mut granting_since: Option<Duration> = None;
     loop {
         let mut refusing = Vec::new();
         let mut down = Vec::new();
@@ -643,7 +647,14 @@ async fn recover(proxies: &mut [Railguard], operator: &Operator) -> String {
             }
         }
         if refusing.is_empty() && down.is_empty() {
-            let mut said = format!("granting again after {} ms", began.elapsed().as_millis());
+            // Granting, and still a moment later: under load, the workers' own grants are
+            // what shows whether the token source went back.
+            let since = *granting_since.get_or_insert_with(|| began.elapsed());
+            if began.elapsed() < since + SETTLE {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            let mut said = format!("granting again after {} ms", since.as_millis());
             if let Some(ff) = &fast_forward {
                 said.push_str(&format!(", after `railguard fast-forward` ({ff})"));
             }
@@ -652,6 +663,7 @@ async fn recover(proxies: &mut [Railguard], operator: &Operator) -> String {
             }
             return said;
         }
+        granting_since = None;
         if began.elapsed() > RECOVERY_LIMIT {
             return format!(
                 "railguard NOT granting {} s later (refusing: {refusing:?}, down: {down:?}; \

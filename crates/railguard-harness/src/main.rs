@@ -42,8 +42,8 @@ Stores that go back: pg-rewind-data puts railguard's PostgreSQL back to a copy o
 taken 2-3 s earlier under load (what promoting an asynchronous standby that missed the last \
 commits does); etcd-restore restores etcd from a snapshot taken 2-3 s earlier; pg-failover \
 replaces the Patroni primary, hard (SIGKILL, the old primary rejoins) and planned \
-(switchover) in turns, and with --pg-sync off every fourth one after a second of commits \
-its standbys never received. railguard must notice a store that went back; \
+(switchover) in turns, and with --pg-sync off every other hard one (the first included) \
+after a second of commits its standbys never received. railguard must notice a store that went back; \
 `--negative-control no-store-change-detection` turns that off, to show what it prevents.
 
 Exit status: 0 no violation, 1 an invariant was violated, 2 the run could not be made.";
