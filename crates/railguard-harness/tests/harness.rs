@@ -215,14 +215,24 @@ fn the_controls_runs_without_the_bug_violate_nothing() {
 /// grant of an account after the restore is at or below its mark, and the token-source guard
 /// stops granting even without store change detection. What only the detection sees are keys
 /// no mark covers, so the etcd runs lock mostly such keys (`--lock-only-keys`).
+///
+/// `pg-failover` (lockdb a Patroni cluster, asynchronous replication) makes the same loss the
+/// production way: its first failover kills the primary after a second of commits its standby
+/// never received; then a switchover and a hard failover follow when the run is long enough.
 fn store_goes_back(backend: &str, fault: &str, control: Option<&str>) -> (Run, Vec<String>) {
     let dir = out_dir();
     let out = dir.path().join("run");
-    let (seconds, accounts, lock_only) = match backend {
-        "etcd" => ("20", "1", "15"),
+    let (seconds, accounts, lock_only) = match (backend, fault, control) {
+        ("etcd", ..) => ("20", "1", "15"),
+        (_, "pg-failover", None) => ("30", "2", "2"),
+        (_, "pg-failover", Some(_)) => ("16", "2", "2"),
         _ => ("12", "2", "2"),
     };
-    let mut args = vec![
+    let mut args = vec![];
+    if fault == "pg-failover" {
+        args.extend(["--pg", "patroni", "--pg-sync", "off"]);
+    }
+    args.extend([
         "--backend",
         backend,
         "--accounts",
@@ -237,7 +247,7 @@ fn store_goes_back(backend: &str, fault: &str, control: Option<&str>) -> (Run, V
         fault,
         "--seed",
         "5",
-    ];
+    ]);
     if let Some(control) = control {
         args.extend(["--negative-control", control]);
     }
@@ -280,6 +290,11 @@ fn etcd_restored_from_an_earlier_snapshot_violates_nothing() {
     store_goes_back_and_nothing_is_violated("etcd", "etcd-restore");
 }
 
+#[test]
+fn lockdb_failing_over_violates_nothing() {
+    store_goes_back_and_nothing_is_violated("postgres", "pg-failover");
+}
+
 /// The same runs with railguard's detection of a store that went back turned off: the
 /// checker must see tokens repeat (INV-04) or what they let through (INV-05, INV-02).
 #[test]
@@ -289,6 +304,12 @@ fn lockdb_put_back_without_detection_is_caught() {
         "pg-rewind-data",
         Some("no-store-change-detection"),
     );
+    assert_caught(&run, &["INV-04", "INV-05", "INV-02"]);
+}
+
+#[test]
+fn lockdb_failing_over_after_lost_commits_without_detection_is_caught() {
+    let (run, _) = store_goes_back("postgres", "pg-failover", Some("no-store-change-detection"));
     assert_caught(&run, &["INV-04", "INV-05", "INV-02"]);
 }
 
