@@ -315,7 +315,8 @@ pub async fn run(
                 config.fencing.enforce,
             )
             .counting_into(late_forwards.clone())
-            .with_floor(epoch.clone()),
+            .with_floor(epoch.clone())
+            .answering_own_repeats(records.clone()),
         )),
         IdempotencyLayer::new(
             records,
