@@ -278,6 +278,7 @@ pub async fn run(
         stalled: metrics.db_statements_stalled.clone(),
         unanswered: db::slots::Unanswered::default(),
         held: Arc::default(),
+        notices: database.notices.clone(),
     };
     let unanswered = batching.unanswered.clone();
     let idempotency_store = IdempotencyStore::new(
