@@ -27,6 +27,7 @@ use crate::lock::guard::{SourceGuard, Verdict};
 use crate::metrics::Metrics;
 use crate::proxy::fence::HighWaterStore;
 use crate::proxy::idempotency::{Forgot, IdempotencyStore, InstanceId, OwnerStopped};
+use crate::store::replication::ReplicationCheck;
 use crate::token::AccountId;
 
 #[derive(Clone)]
@@ -41,6 +42,9 @@ pub struct Admin {
     pub lock_key_template: LockKeyTemplate,
     /// `None`: authentication is off and every route is open.
     pub auth: Option<Arc<Authenticator>>,
+    /// Not ready while PostgreSQL can lose an accepted compare-and-set, with
+    /// `database.replication_risk = "refuse"`.
+    pub replication: Arc<ReplicationCheck>,
 }
 
 /// What a route needs of an operator, with authentication on. Health probes need nothing:
@@ -192,10 +196,12 @@ impl Admin {
         })
     }
 
-    /// PostgreSQL answers, the schema is current, and the token source is ahead of every mark.
+    /// PostgreSQL answers, the schema is current, its replication is accepted
+    /// (`database.replication_risk`), and the token source is ahead of every mark.
     async fn ready(&self) -> Result<(), String> {
         self.store.ready().await?;
         self.idempotency.ready().await?;
+        self.replication.ready()?;
         match self.guard.verdict() {
             Verdict::Ahead { .. } => Ok(()),
             Verdict::Unchecked => Err("the token source has not been checked against the \

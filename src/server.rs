@@ -22,6 +22,7 @@ use crate::admin::Admin;
 use crate::auth::{AuthMetrics, Authenticator, LockKeyShape};
 use crate::config::Config;
 use crate::config::ListenerConfig;
+use crate::config::ReplicationRisk;
 use crate::db::{self, Database, DatabaseError};
 use crate::http::{Listener, serve};
 use crate::lock::api::LockApi;
@@ -37,6 +38,7 @@ use crate::proxy::idempotency::{
     hold_instance_lock, record_clean_stop, sweep_forever,
 };
 use crate::proxy::{self, ClientAddr};
+use crate::store::replication::{ReplicationCheck, ReplicationError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -65,6 +67,8 @@ pub enum ServeError {
     },
     #[error("the embedded PostgreSQL exited unexpectedly ({0}); see its log in the data directory")]
     EmbeddedDied(String),
+    #[error("{0}")]
+    Replication(String),
 }
 
 /// The three listeners railguard serves on.
@@ -174,6 +178,18 @@ pub async fn run(
         database.shutdown().await;
         return Err(e.into());
     }
+    // Replication that can lose an accepted compare-and-set is said loudly, or refused
+    // (`database.replication_risk`, store::replication).
+    let replication = Arc::new(ReplicationCheck::new(
+        config.database.replication_risk == ReplicationRisk::Refuse,
+        config.database.timeout,
+        metrics.registry(),
+    ));
+    if let Err(e) = check_replication(&replication, &database.pool).await {
+        instance_task.abort();
+        database.shutdown().await;
+        return Err(e);
+    }
     // Grants are signed with the key every railguard on this database shares.
     let proofs = match load_proof_key(&database.pool).await {
         Ok(key) => Arc::new(key),
@@ -250,6 +266,11 @@ pub async fn run(
             "could not check the token source at start; no grants until a check succeeds");
     }
     locks.check_periodically(config.guard.interval);
+    let replication_task = tokio::spawn(
+        replication
+            .clone()
+            .run(database.pool.clone(), config.guard.interval),
+    );
 
     let batching = Batching {
         max_batch: config.fencing.batch_max,
@@ -257,6 +278,7 @@ pub async fn run(
         stalled: metrics.db_statements_stalled.clone(),
         unanswered: db::slots::Unanswered::default(),
         held: Arc::default(),
+        notices: database.notices.clone(),
     };
     let unanswered = batching.unanswered.clone();
     let idempotency_store = IdempotencyStore::new(
@@ -315,7 +337,8 @@ pub async fn run(
                 config.fencing.enforce,
             )
             .counting_into(late_forwards.clone())
-            .with_floor(epoch.clone()),
+            .with_floor(epoch.clone())
+            .answering_own_repeats(records.clone()),
         )),
         IdempotencyLayer::new(
             records,
@@ -339,6 +362,7 @@ pub async fn run(
         max_account_len: config.proxy.max_account_len,
         lock_key_template: config.fencing.lock_key_template.clone(),
         auth: auth.clone(),
+        replication,
     };
 
     let grace = config.shutdown.grace;
@@ -492,6 +516,7 @@ pub async fn run(
         watch.abort();
     }
     sweeper.abort();
+    replication_task.abort();
     // A build under way goes on in its server session and is picked up by the next start.
     maintenance.abort();
     instance_task.abort();
@@ -586,6 +611,34 @@ fn load_credentials(
     tracing::info!(file = %config.auth.credentials_file.display(),
         "authentication is on for the lock, proxy and admin listeners");
     Ok(Some(auth))
+}
+
+/// The replication check at start, on a session of the main pool: with
+/// `database.replication_risk = "refuse"` a risk stops the start. A check that cannot be made
+/// now is made again every `guard.interval_ms` (until then, a refusing railguard is not ready).
+async fn check_replication(
+    check: &ReplicationCheck,
+    pool: &deadpool_postgres::Pool,
+) -> Result<(), ServeError> {
+    let found = async {
+        let client = pool
+            .get()
+            .await
+            .map_err(|e| ReplicationError(db::DbError::from(e).to_string()))?;
+        check.check(&client).await
+    };
+    match found.await {
+        Ok(found) => match check.refusal(&found) {
+            Some(why) => Err(ServeError::Replication(why)),
+            None => Ok(()),
+        },
+        Err(e) => {
+            tracing::warn!(error = %e,
+                "could not check PostgreSQL's replication settings at start; trying again \
+                 every guard.interval_ms");
+            Ok(())
+        }
+    }
 }
 
 async fn load_proof_key(pool: &deadpool_postgres::Pool) -> Result<ProofKey, String> {

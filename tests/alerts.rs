@@ -42,7 +42,8 @@ const FIRE_TIMEOUT: Duration = Duration::from_secs(60);
 #[tokio::test]
 async fn a_stale_token_fires_the_fenced_out_alert_and_nothing_fires_before() {
     init_tracing();
-    let pg = Pg::start().await;
+    // Durable: a server without fsync is a risk an alert names (RailguardReplicationAtRisk).
+    let pg = Pg::builder().durable(true).start().await.unwrap();
     let rail = Rail::start().await;
     let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
     let prometheus = Prometheus::start("railguard", &[rg.admin], &[PathBuf::from(RULES)]).await;

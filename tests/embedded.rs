@@ -4,6 +4,7 @@ use railguard_testkit as support;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
+use std::time::Duration;
 
 use http::StatusCode;
 use support::{Http, Rail, Railguard, init_tracing};
@@ -109,10 +110,24 @@ async fn embedded_postgres_is_private_survives_restarts_and_is_stopped_cleanly()
         StatusCode::CONFLICT,
         "the mark survived"
     );
+    // The embedded server restarted with railguard: a token from before is fenced once, above
+    // the mark as below it, and a new grant pays (store::epoch).
     assert_eq!(
         http.pay_with(&rg, 58, "k").await.status,
-        StatusCode::CREATED
+        StatusCode::CONFLICT,
+        "a grant from before the restart is fenced once"
     );
+    let grant = rg
+        .lock_client()
+        .acquire("k", "w", Duration::from_secs(30), Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(grant.token().get() > 58);
+    let paid = railguard::sdk::RailClient::new(rg.proxy_url(""))
+        .post(&grant, "k", "/payments", "{}".into(), None)
+        .await
+        .unwrap();
+    assert_eq!(paid.status, StatusCode::CREATED);
     assert!(rg.stop().await.success());
     assert_eq!(rail.ledger().len(), 3);
 }

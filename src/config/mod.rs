@@ -357,6 +357,19 @@ pub struct DatabaseConfig {
     /// name its own `sslrootcert`. The URL's `sslmode` says whether TLS is used and what is
     /// checked (libpq's meaning: `verify-full` checks the CA and the host name).
     pub tls_ca_file: String,
+    /// What railguard does about replication or durability settings under which PostgreSQL
+    /// can lose a commit it acknowledged (`crate::store::replication`).
+    pub replication_risk: ReplicationRisk,
+}
+
+/// `database.replication_risk`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ReplicationRisk {
+    /// A loud warning and `railguard_db_replication_risk` 1.
+    Warn,
+    /// That, and the start fails, and `/readyz` fails while a risk is present.
+    Refuse,
 }
 
 impl Default for DatabaseConfig {
@@ -367,6 +380,7 @@ impl Default for DatabaseConfig {
             pool_size: 16,
             timeout: Duration::from_secs(2),
             tls_ca_file: String::new(),
+            replication_risk: ReplicationRisk::Warn,
         }
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod maintenance;
 pub mod migrate;
+pub mod notices;
 pub mod server;
 pub mod slots;
 
@@ -21,6 +22,7 @@ use deadpool_postgres::{
 
 use crate::config::{DatabaseConfig, DatabaseUrl};
 use crate::tls::postgres::{PgConnect, PgTls, SslMode};
+pub use notices::Notices;
 pub use server::{Access, PostgresServer, ServerError, ServerOptions};
 
 /// Why a statement gave no answer: what every store built on the pool returns, so that no
@@ -212,6 +214,8 @@ pub struct Database {
     pub pool: Pool,
     /// The check the pool's sessions (and those of [`Database::sessions_with_gate`]) pass.
     pub gate: SessionGate,
+    /// The pool's commits reported as done but not replicated, per session ([`notices`]).
+    pub notices: Notices,
     /// Where the database is, for connections outside the pool (LISTEN): `database.url`
     /// with `database.tls_ca_file` folded in as `sslrootcert` ([`url_of`]).
     pub url: String,
@@ -247,10 +251,12 @@ impl Database {
             return Err(e);
         }
         let gate = SessionGate::default();
-        let pool = pool_gated(&url, config.pool_size, timeout, Some(&gate))?;
+        let notices = Notices::default();
+        let pool = pool_gated(&url, config.pool_size, timeout, Some(&gate), Some(&notices))?;
         Ok(Self {
             pool,
             gate,
+            notices,
             url,
             server,
         })
@@ -341,7 +347,7 @@ pub async fn migrate_url(url: &str, timeout: Duration) -> Result<usize, Database
 
 /// A pool whose connections are opened lazily and checked for closure when reused.
 pub fn build_pool(url: &str, size: usize, timeout: Duration) -> Result<Pool, DatabaseError> {
-    pool_gated(url, size, timeout, None)
+    pool_gated(url, size, timeout, None, None)
 }
 
 fn pool_gated(
@@ -349,6 +355,7 @@ fn pool_gated(
     size: usize,
     timeout: Duration,
     gate: Option<&SessionGate>,
+    notices: Option<&Notices>,
 ) -> Result<Pool, DatabaseError> {
     let connect = pg_config(url, timeout)?;
     // Asked for TLS, yet nothing to authenticate the server with (libpq's `require` without a
@@ -358,7 +365,7 @@ fn pool_gated(
             "sslmode=require without a CA (sslrootcert or database.tls_ca_file): sessions are \
              encrypted, but the server is not authenticated");
     }
-    pool_of(connect, size, timeout, gate)
+    pool_of(connect, size, timeout, gate, notices)
 }
 
 /// Session settings of the connections that take the fence's last look, which run one
@@ -506,7 +513,7 @@ fn sessions_with(
         .options(startup_options(&wanted))
         .target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
     let PgConnect { config, tls, .. } = connect;
-    pool_builder(config, tls, size, timeout, wanted, &[], gate)
+    pool_builder(config, tls, size, timeout, wanted, &[], gate, None)
         .build()
         .map_err(|e| DatabaseError::Pool(e.to_string()))
 }
@@ -516,6 +523,7 @@ fn pool_of(
     size: usize,
     timeout: Duration,
     gate: Option<&SessionGate>,
+    notices: Option<&Notices>,
 ) -> Result<Pool, DatabaseError> {
     let PgConnect { config, tls, .. } = connect;
     pool_builder(
@@ -526,6 +534,7 @@ fn pool_of(
         timeout_settings(timeout),
         DURABLE_COMMITS,
         gate,
+        notices,
     )
     .build()
     .map_err(|e| DatabaseError::Pool(e.to_string()))
@@ -622,6 +631,7 @@ async fn answered(
         .map_err(HookError::Backend)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn pool_builder(
     config: tokio_postgres::Config,
     tls: PgTls,
@@ -630,14 +640,15 @@ fn pool_builder(
     wanted: Vec<Setting>,
     forbidden: &'static [Forbidden],
     gate: Option<&SessionGate>,
+    notices: Option<&Notices>,
 ) -> PoolBuilder {
-    let manager = Manager::from_config(
-        config,
-        tls,
-        ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        },
-    );
+    let manager_config = ManagerConfig {
+        recycling_method: RecyclingMethod::Fast,
+    };
+    let manager = match notices {
+        Some(notices) => Manager::from_connect(config, notices.connect(tls), manager_config),
+        None => Manager::from_config(config, tls, manager_config),
+    };
     let builder = Pool::builder(manager)
         .max_size(size)
         .runtime(Runtime::Tokio1)
@@ -645,6 +656,10 @@ fn pool_builder(
         .create_timeout(Some(timeout))
         .recycle_timeout(Some(timeout))
         .post_create(settings_check(wanted, forbidden, timeout));
+    let builder = match notices {
+        Some(notices) => builder.post_create(notices.hook(timeout)),
+        None => builder,
+    };
     match gate {
         Some(gate) => builder.post_create(gate.hook()),
         None => builder,

@@ -188,7 +188,7 @@ impl SourceGuard {
     pub async fn check(&self) -> Result<Verdict, SourceError> {
         let (mut trips, mut moved) = (self.trips.load(Ordering::Acquire), false);
         loop {
-            let (mark, position) = match self.read_position_and_mark().await {
+            let (mark, issued, position) = match self.read_position_and_mark().await {
                 Ok(read) => read,
                 Err(e) => {
                     self.metrics.checks.with_label_values(&["failed"]).inc();
@@ -197,17 +197,20 @@ impl SourceGuard {
                     return Err(e);
                 }
             };
+            let mark = mark.max(issued);
             self.known_mark.fetch_max(mark, Ordering::Relaxed);
             self.ceiling.fetch_max(position, Ordering::Relaxed);
-            // Behind with detection on: moved on by itself, then read once more.
-            if position < mark && !moved && self.detecting().is_some() {
+            // Below a token it issued itself (or the floor): the source went back, and is moved
+            // on by itself, then read once more. Below a mark only (a switched backend, a
+            // poisoned mark) is for an operator to look at: grants wait for `fast-forward`.
+            if position < issued && !moved && self.detecting().is_some() {
                 moved = true;
-                match self.recover(position, mark).await {
+                match self.recover(position, issued).await {
                     Ok(()) => {
                         trips = self.trips.load(Ordering::Acquire);
                         continue;
                     }
-                    Err(e) => tracing::error!(error = %e, position, mark,
+                    Err(e) => tracing::error!(error = %e, position, issued,
                         "the token source went back and could not be moved on by itself"),
                 }
             }
@@ -225,17 +228,17 @@ impl SourceGuard {
         }
     }
 
-    /// The highest mark (with detection on: of marks, recorded tokens and the floor), then
-    /// the source's position: in that order, so that every token issued before the first read
-    /// is at most the second.
-    async fn read_position_and_mark(&self) -> Result<(i64, i64), SourceError> {
-        let mark = if self.detecting().is_some() {
+    /// The highest mark, the highest token the etcd backend recorded or the floor excludes
+    /// (with detection on; else 0), then the source's position: in that order, so that every
+    /// token issued before the first read is at most the second.
+    async fn read_position_and_mark(&self) -> Result<(i64, i64, i64), SourceError> {
+        let (mark, issued) = if self.detecting().is_some() {
             highest_known(&self.marks, self.timeout).await?
         } else {
-            highest_mark(&self.marks, self.timeout).await?
+            (highest_mark(&self.marks, self.timeout).await?, 0)
         };
         let position = self.source.position().await?;
-        Ok((mark, position))
+        Ok((mark, issued, position))
     }
 
     fn record(&self, verdict: Verdict) {
@@ -359,7 +362,7 @@ impl SourceGuard {
                         );
                         self.trip(token, mark.max(floor));
                         let known = match highest_known(&self.marks, self.timeout).await {
-                            Ok(known) => known.max(token),
+                            Ok((_, issued)) => issued.max(token),
                             Err(_) => token,
                         };
                         match self.recover(token, known).await {
@@ -539,11 +542,11 @@ SELECT EXISTS (SELECT 1 FROM issued),
        COALESCE((SELECT highest_token FROM rail_high_water WHERE account_id = $3), 0),
        (SELECT floor FROM railguard_store_epoch)";
 
-/// The highest of the marks, the etcd backend's recorded tokens and the floor's last excluded
-/// token: the source's position must not be below it.
+/// The highest mark; and the highest of the etcd backend's recorded tokens and the floor's last
+/// excluded token: the source's position must not be below either.
 const HIGHEST_KNOWN_SQL: &str = "\
-SELECT GREATEST((SELECT COALESCE(max(highest_token), 0) FROM rail_high_water),
-                (SELECT COALESCE(max(token), 0) FROM lock_issued),
+SELECT (SELECT COALESCE(max(highest_token), 0) FROM rail_high_water)::bigint,
+       GREATEST((SELECT COALESCE(max(token), 0) FROM lock_issued),
                 (SELECT floor - 1 FROM railguard_store_epoch))::bigint";
 
 async fn grant_marks(
@@ -573,14 +576,14 @@ async fn grant_marks(
     }
 }
 
-async fn highest_known(pool: &Pool, timeout: Duration) -> Result<i64, SourceError> {
+async fn highest_known(pool: &Pool, timeout: Duration) -> Result<(i64, i64), SourceError> {
     let read = async {
         let client = pool.get().await.map_err(|e| e.to_string())?;
         let row = client
             .query_one(HIGHEST_KNOWN_SQL, &[])
             .await
             .map_err(|e| e.to_string())?;
-        Ok::<i64, String>(row.get(0))
+        Ok::<(i64, i64), String>((row.get(0), row.get(1)))
     };
     match tokio::time::timeout(timeout, read).await {
         Ok(Ok(known)) => Ok(known),

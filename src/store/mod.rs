@@ -3,5 +3,8 @@
 //!
 //! - [`epoch`]: which server the database was last acknowledged on, and the fencing floor
 //!   that a store going back (a failover, a rewound data directory, a restored etcd) raises.
+//! - [`replication`]: replication and durability settings under which PostgreSQL can lose a
+//!   commit it acknowledged.
 
 pub mod epoch;
+pub mod replication;

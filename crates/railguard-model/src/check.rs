@@ -128,11 +128,11 @@ fn effects(action: &Action, before: &ProtocolState, after: &ProtocolState) -> Ve
                     ""
                 }
             )),
-            Some(old) if old.status != grant.status => {
-                if grant.status == GrantStatus::Released {
-                    notes.push(format!("g{} released", g + 1));
-                }
-            }
+            Some(old) if old.status != grant.status => match grant.status {
+                GrantStatus::Released => notes.push(format!("g{} released", g + 1)),
+                GrantStatus::Ended => notes.push(format!("g{} ended", g + 1)),
+                GrantStatus::Live | GrantStatus::Expired => {}
+            },
             Some(_) => {}
         }
     }
@@ -142,6 +142,12 @@ fn effects(action: &Action, before: &ProtocolState, after: &ProtocolState) -> Ve
         }
         match new.phase {
             Phase::Drawn { token } => notes.push(format!("drew {token}")),
+            Phase::Idle if matches!(action, Action::PostgresGoesBack) => {
+                notes.push(format!(
+                    "W{}'s acquire statement dies with its server",
+                    w + 1
+                ));
+            }
             Phase::Idle if matches!(old.phase, Phase::Drawn { .. }) => {
                 notes.push(format!("W{} finds the key held or its draw stale", w + 1));
             }
@@ -179,6 +185,35 @@ fn effects(action: &Action, before: &ProtocolState, after: &ProtocolState) -> Ve
             arrival.token,
             arrival.grant + 1
         ));
+    }
+    if let Action::Acquire(w) = action
+        && after.lock.grants.len() == before.lock.grants.len()
+    {
+        notes.push(format!(
+            "W{}'s grant WITHDRAWN: its token is not above account {}'s lock_issued {} \
+             (etcd went back)",
+            w + 1,
+            (b'A' + after.workers[*w as usize].account) as char,
+            before.epoch.issued[after.workers[*w as usize].account as usize]
+        ));
+    }
+    if matches!(action, Action::PostgresGoesBack) {
+        notes.push(format!(
+            "sequence at {}, records {:?}{}",
+            after.lock.sequence(),
+            after.fence.records,
+            if after.past.lost_records.is_empty() {
+                String::new()
+            } else {
+                format!(", records LOST {:?}", after.past.lost_records)
+            }
+        ));
+    }
+    if matches!(action, Action::EtcdRestored) {
+        notes.push(format!("revision back to {}", after.lock.revision()));
+    }
+    if before.epoch.floor != after.epoch.floor {
+        notes.push(format!("FLOOR raised to {}", after.epoch.floor));
     }
     if before.fence.marks != after.fence.marks {
         notes.push(format!("marks {:?}", after.fence.marks));

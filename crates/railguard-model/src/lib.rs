@@ -14,17 +14,21 @@
 //!
 //! Map of the modules:
 //! - [`lock`]: the lock service, both backends, and the ledger of every grant it made;
+//! - [`epoch`]: a store going back (PostgreSQL to an earlier copy, etcd to an older snapshot)
+//!   and the store epoch that fences it: the server check, the floor, `lock_issued`;
 //! - [`worker`]: the payment worker's steps, from acquire to release;
 //! - [`paydb`]: the worker's own database and its fenced UPDATE;
 //! - [`proxy`]: the fence — mark cache, compare-and-set, idempotency records, forwarding order;
 //! - [`network`]: the messages in flight between workers, proxies and the rail, and the rail;
 //! - [`model`]: the [`stateright::Model`] that ties them together;
 //! - [`properties`]: INV-02, INV-04, INV-05, INV-06, "equal token ⇒ same grant", and the
-//!   `sometimes` checks that show the model is not vacuous;
+//!   `sometimes` checks that show the model is not vacuous (and, with a store that goes back,
+//!   the one payment no fencing can save);
 //! - [`variants`]: the rejected alternatives and removed guards, each expected to fail;
 //! - [`check`]: running the checker and rendering a counterexample readably.
 
 pub mod check;
+pub mod epoch;
 pub mod lock;
 pub mod model;
 pub mod network;

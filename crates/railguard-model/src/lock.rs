@@ -18,6 +18,9 @@
 //!
 //! Expiry is an action of its own, enabled whenever a grant is live: there is no clock, so a
 //! lease may run out at any moment (INV-07).
+//!
+//! A store that goes back ([`crate::epoch`]) forgets the grants its rows or keys no longer name:
+//! they end there and then, and their holders learn it at their next renewal.
 
 use crate::Backend;
 use crate::variants::Variant;
@@ -43,6 +46,9 @@ pub enum GrantStatus {
     /// Its lease ran out (nobody renewed it in time).
     Expired,
     Released,
+    /// Ended by the lock service, not by its holder: the store went back and no longer names
+    /// it, or its token is below the fencing floor (`src/store/epoch.rs`).
+    Ended,
 }
 
 /// One grant, as made: who got it, for which key, with which token.
@@ -331,6 +337,102 @@ impl LockService {
             }
         }
         true
+    }
+
+    /// Takes back the grant just made, before its holder received it: the etcd backend's
+    /// issued-token check found its token not above the key's recorded one. etcd deletes the
+    /// key again (a write: the revision moves on).
+    pub fn withdraw_last(&mut self) {
+        let grant = self.grants.pop().expect("a grant to withdraw");
+        if let Store::Etcd {
+            revision, entries, ..
+        } = &mut self.store
+        {
+            *revision += 1;
+            entries[grant.key as usize] = None;
+        }
+    }
+
+    /// etcd's revision now (0 on PostgreSQL).
+    pub fn revision(&self) -> Token {
+        match &self.store {
+            Store::Etcd { revision, .. } => *revision,
+            Store::Postgres { .. } => 0,
+        }
+    }
+
+    /// PostgreSQL: `fencing_token_seq`'s last value (0 on etcd).
+    pub fn sequence(&self) -> Token {
+        match &self.store {
+            Store::Postgres { last_value, .. } => *last_value,
+            Store::Etcd { .. } => 0,
+        }
+    }
+
+    /// Moves the token source up to `floor`, so that no token drawn from now on is below it.
+    /// PostgreSQL: `setval('fencing_token_seq', floor, false)`, the next `nextval` is `floor`;
+    /// etcd: writes to a scratch key until the revision is `floor`, the next grant's is above.
+    pub fn fast_forward(&mut self, floor: Token) {
+        match &mut self.store {
+            Store::Postgres { last_value, .. } => *last_value = (*last_value).max(floor - 1),
+            Store::Etcd { revision, .. } => *revision = (*revision).max(floor),
+        }
+    }
+
+    /// Ends every live grant whose token is below `floor`.
+    pub fn end_below(&mut self, floor: Token) {
+        for grant in &mut self.grants {
+            if grant.status == GrantStatus::Live && grant.token < floor {
+                grant.status = GrantStatus::Ended;
+            }
+        }
+    }
+
+    /// The store goes back to `earlier` (a copy of [`Self::store`]): PostgreSQL's rows and
+    /// sequence, or etcd's revision and keys (the variants' lease and clock counters stay). A
+    /// live grant its key's row or entry no longer names is ended.
+    pub fn go_back(&mut self, earlier: &Store) {
+        match (&mut self.store, earlier) {
+            (
+                Store::Postgres { last_value, rows },
+                Store::Postgres {
+                    last_value: then,
+                    rows: rows_then,
+                },
+            ) => {
+                *last_value = *then;
+                rows.clone_from(rows_then);
+            }
+            (
+                Store::Etcd {
+                    revision, entries, ..
+                },
+                Store::Etcd {
+                    revision: then,
+                    entries: entries_then,
+                    ..
+                },
+            ) => {
+                *revision = *then;
+                entries.clone_from(entries_then);
+            }
+            _ => unreachable!("a copy of the other backend"),
+        }
+        let named: Vec<Option<GrantId>> = match &self.store {
+            Store::Postgres { rows, .. } => {
+                rows.iter().map(|r| r.as_ref().map(|r| r.grant)).collect()
+            }
+            Store::Etcd { entries, .. } => entries
+                .iter()
+                .map(|e| e.as_ref().map(|e| e.grant))
+                .collect(),
+        };
+        for (g, grant) in self.grants.iter_mut().enumerate() {
+            if grant.status == GrantStatus::Live && named[grant.key as usize] != Some(g as GrantId)
+            {
+                grant.status = GrantStatus::Ended;
+            }
+        }
     }
 
     /// What the §A2.3 trap reads at write time: the key's token *now* (ModRevision, or the

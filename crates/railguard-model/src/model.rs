@@ -3,8 +3,8 @@
 //!
 //! Every action is one atomic step of one component: a worker's step, a lock service event
 //! (a lease expiring, etcd deleting an expired key, the wall clock stepping back), the network
-//! delivering or dropping one message, or a proxy taking the next step of one request. The
-//! checker tries every order of them.
+//! delivering or dropping one message, a proxy taking the next step of one request, or a store
+//! being copied and later going back to the copy. The checker tries every order of them.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -13,11 +13,12 @@ use std::sync::{Arc, Mutex};
 use stateright::{Model, Property};
 
 use crate::Backend;
+use crate::epoch::{self, Epoch, Past, StoreCopy, WentBack};
 use crate::lock::{GrantId, Key, LockService, Token};
 use crate::network::{Arrival, Msg, Network, Rail, Reply};
 use crate::paydb::{FencedWrite, PayDb, PaymentState};
 use crate::properties::{self, Observations};
-use crate::proxy::{Checked, Fence, FenceRules, Stage, Started, Task};
+use crate::proxy::{Checked, Fence, FenceRules, Record, Stage, Started, Task};
 use crate::variants::Variant;
 use crate::worker::{Phase, Worker};
 
@@ -38,6 +39,11 @@ pub struct Bounds {
     pub proxies: u8,
     /// Whether the network may drop messages (it always delays and reorders them).
     pub lossy: bool,
+    /// Whether PostgreSQL may go back to an earlier copy (a failover to a standby that missed
+    /// commits, a rewound data directory). At most one store goes back per run.
+    pub postgres_goes_back: bool,
+    /// etcd backend: whether etcd may be restored from an earlier snapshot.
+    pub etcd_goes_back: bool,
 }
 
 impl Bounds {
@@ -52,6 +58,8 @@ impl Bounds {
         retries: 1,
         proxies: 1,
         lossy: false,
+        postgres_goes_back: false,
+        etcd_goes_back: false,
     };
 
     /// CI's check of the protocol as designed: three workers contending for one account, a
@@ -65,6 +73,8 @@ impl Bounds {
         retries: 1,
         proxies: 1,
         lossy: true,
+        postgres_goes_back: false,
+        etcd_goes_back: false,
     };
 
     /// CI's check with workers that acquire again after they released or lost their grant.
@@ -77,6 +87,8 @@ impl Bounds {
         retries: 0,
         proxies: 1,
         lossy: false,
+        postgres_goes_back: false,
+        etcd_goes_back: false,
     };
 
     /// CI's check with two accounts (two keys: tokens jump by the other key's grants).
@@ -89,6 +101,8 @@ impl Bounds {
         retries: 1,
         proxies: 1,
         lossy: false,
+        postgres_goes_back: false,
+        etcd_goes_back: false,
     };
 
     /// Bigger than CI can afford, explored by the ignored test (and the binary) in a release
@@ -102,6 +116,46 @@ impl Bounds {
         retries: 1,
         proxies: 1,
         lossy: false,
+        postgres_goes_back: false,
+        etcd_goes_back: false,
+    };
+
+    /// The variants' bounds with a store that may go back: PostgreSQL (both backends) or, on
+    /// etcd, etcd itself — once, to a copy taken at any moment before.
+    pub const GOING_BACK: Bounds = Bounds {
+        postgres_goes_back: true,
+        etcd_goes_back: true,
+        ..Bounds::VARIANTS
+    };
+
+    /// CI's check of a store going back with workers that acquire again: a worker whose grant
+    /// was fenced out may take a new one (two grants in all).
+    pub const GOING_BACK_REACQUIRE: Bounds = Bounds {
+        workers: 2,
+        accounts: 1,
+        acquires_per_worker: 2,
+        max_grants: 2,
+        payments_per_account: 2,
+        retries: 0,
+        proxies: 1,
+        lossy: false,
+        postgres_goes_back: true,
+        etcd_goes_back: true,
+    };
+
+    /// Three grants with a store that may go back (one before the copy, one between the copy
+    /// and the event, one after): explored by the ignored test.
+    pub const GOING_BACK_THREE_GRANTS: Bounds = Bounds {
+        max_grants: 3,
+        payments_per_account: 1,
+        ..Bounds::GOING_BACK_REACQUIRE
+    };
+
+    /// [`Bounds::REACQUIRE`] with a store that may go back: explored by the ignored test.
+    pub const GOING_BACK_LARGE: Bounds = Bounds {
+        postgres_goes_back: true,
+        etcd_goes_back: true,
+        ..Bounds::REACQUIRE
     };
 }
 
@@ -125,7 +179,13 @@ impl fmt::Display for Bounds {
             } else {
                 "reordering"
             }
-        )
+        )?;
+        match (self.postgres_goes_back, self.etcd_goes_back) {
+            (true, true) => write!(f, ", PostgreSQL or etcd may go back once"),
+            (true, false) => write!(f, ", PostgreSQL may go back once"),
+            (false, true) => write!(f, ", etcd may go back once"),
+            (false, false) => Ok(()),
+        }
     }
 }
 
@@ -156,6 +216,10 @@ pub struct ProtocolState {
     pub seen: Observations,
     /// Retries the workers may still make.
     pub retries_left: u8,
+    /// The store epoch, in PostgreSQL beside the marks.
+    pub epoch: Epoch,
+    /// The server, the stores' earlier copy, and what going back did.
+    pub past: Past,
 }
 
 /// One step.
@@ -193,6 +257,13 @@ pub enum Action {
     Start(Task),
     /// A proxy stops waiting for the rail's answer (504).
     GiveUp(Task),
+    /// The stores as they are now become the copy they may go back to: a standby's last
+    /// replayed commit, a backup, an etcd snapshot.
+    CopyStores,
+    /// PostgreSQL comes back on another server (or restarted) with the data of the copy.
+    PostgresGoesBack,
+    /// etcd is restored from the copy's snapshot.
+    EtcdRestored,
 }
 
 fn worker_name(w: u8) -> String {
@@ -323,6 +394,12 @@ impl fmt::Display for Action {
             Action::Drop(m) => write!(f, "lose {m}"),
             Action::Start(t) => write!(f, "start {t}: turn, last look, forward"),
             Action::GiveUp(t) => write!(f, "give up waiting for the rail: {t}"),
+            Action::CopyStores => write!(f, "the stores are copied (standby, backup, snapshot)"),
+            Action::PostgresGoesBack => write!(
+                f,
+                "PostgreSQL GOES BACK to the copy (failover to a standby that missed commits)"
+            ),
+            Action::EtcdRestored => write!(f, "etcd IS RESTORED from the copy's snapshot"),
         }
     }
 }
@@ -341,13 +418,17 @@ impl FencingModel {
 
     /// The protocol with one variant, on the backend the variant concerns.
     pub fn with_variant(variant: Variant, bounds: Bounds) -> Self {
-        let bounds = if variant == Variant::TwoProxiesNoRouting {
-            Bounds {
+        let bounds = match variant {
+            Variant::TwoProxiesNoRouting => Bounds {
                 proxies: bounds.proxies.max(2),
                 ..bounds
-            }
-        } else {
-            bounds
+            },
+            Variant::NoStoreEpochCheck | Variant::NoStoreEpochCheckOnEtcd => Bounds {
+                postgres_goes_back: true,
+                etcd_goes_back: true,
+                ..bounds
+            },
+            _ => bounds,
         };
         Self {
             backend: variant.backend(),
@@ -394,6 +475,117 @@ impl FencingModel {
             ordering: !self.is(Variant::NoForwardOrder),
             turn_until_answer: !self.is(Variant::TurnReleasedOnSend),
             idempotency: !self.is(Variant::NoIdempotencyKeys),
+        }
+    }
+
+    /// Whether a store going back is noticed (`guard.detect_store_changes`).
+    fn detects(&self) -> bool {
+        !self.is(Variant::NoStoreEpochCheck) && !self.is(Variant::NoStoreEpochCheckOnEtcd)
+    }
+
+    /// Whether a store may go back in this run.
+    pub fn store_may_go_back(&self) -> bool {
+        self.bounds.postgres_goes_back || self.etcd_may_go_back()
+    }
+
+    /// Whether etcd may be restored in this run.
+    pub fn etcd_may_go_back(&self) -> bool {
+        self.backend == Backend::Etcd && self.bounds.etcd_goes_back
+    }
+
+    /// The check every PostgreSQL session passes before it is used (`StoreEpoch::check_session`):
+    /// on a server other than the acknowledged one, the token source is moved past everything
+    /// issued before, the floor raised to it and the server acknowledged, in one transaction.
+    fn session(&self, s: &mut ProtocolState) {
+        if !self.detects() || s.epoch.acknowledged == s.past.incarnation {
+            return;
+        }
+        let known = [
+            s.lock.sequence(),
+            s.epoch.floor,
+            s.fence.marks.iter().copied().max().unwrap_or(0),
+            s.epoch.issued.iter().copied().max().unwrap_or(0),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        let floor = match self.backend {
+            Backend::Postgres => {
+                // More than the whole run can draw: no token issued before is at or above it.
+                let gap = self.bounds.workers * self.bounds.acquires_per_worker + 1;
+                let floor = epoch::postgres_floor(known, gap);
+                s.lock.fast_forward(floor);
+                s.lock.end_below(floor);
+                floor
+            }
+            Backend::Etcd => epoch::etcd_floor(s.lock.revision(), known),
+        };
+        s.epoch.floor = s.epoch.floor.max(floor);
+        s.epoch.acknowledged = s.past.incarnation;
+    }
+
+    /// The etcd backend's `lock_issued` check of the grant just made for `key`: true if it may
+    /// be handed out. If not, etcd went back: the grant is withdrawn, the floor raised above
+    /// every recorded token and the revision moved up to it.
+    ///
+    /// The variants that replace ModRevision by another token source are checked bare, without
+    /// it: `lock_issued` would withdraw their grants that do not increase (and never hand out
+    /// another while the source stays below the record), which hides a wrong source behind lost
+    /// grants instead of making it right.
+    fn issued_check(&self, s: &mut ProtocolState, key: Key, token: Token) -> bool {
+        let other_source = matches!(
+            self.variant,
+            Some(Variant::CreateRevisionToken | Variant::LeaseIdToken | Variant::WallClockToken)
+        );
+        if self.backend != Backend::Etcd || !self.detects() || other_source {
+            return true;
+        }
+        let recorded = &mut s.epoch.issued[key as usize];
+        if token > *recorded {
+            *recorded = token;
+            return true;
+        }
+        s.lock.withdraw_last();
+        let above = s.epoch.issued.iter().copied().max().unwrap_or(0) + 1;
+        s.epoch.floor = s.epoch.floor.max(above);
+        s.lock.fast_forward(s.epoch.floor);
+        s.seen.withdrawn = true;
+        false
+    }
+
+    /// The store goes back to the copy.
+    fn go_back(&self, s: &mut ProtocolState, which: WentBack) {
+        let copy = s
+            .past
+            .copy
+            .take()
+            .expect("a store goes back only to a copy");
+        s.past.went_back = Some((which, s.lock.grants.len() as GrantId));
+        match which {
+            WentBack::Postgres => {
+                s.past.incarnation += 1;
+                for (a, (now, then)) in s.fence.records.iter().zip(&copy.records).enumerate() {
+                    for (p, (now, then)) in now.iter().zip(then).enumerate() {
+                        if *now != Record::Absent && *then == Record::Absent {
+                            s.past.lost_records.push((a as u8, p as u8));
+                        }
+                    }
+                }
+                s.fence.marks = copy.marks;
+                s.fence.records = copy.records;
+                s.epoch = copy.epoch;
+                if self.backend == Backend::Postgres {
+                    s.lock.go_back(&copy.lock);
+                    // An acquire statement between its `nextval` and its row lock dies with
+                    // its session on the old server.
+                    for worker in &mut s.workers {
+                        if matches!(worker.phase, Phase::Drawn { .. }) {
+                            worker.phase = Phase::Idle;
+                        }
+                    }
+                }
+            }
+            WentBack::Etcd => s.lock.go_back(&copy.lock),
         }
     }
 
@@ -561,11 +753,18 @@ impl FencingModel {
                 grant,
                 payment,
             } => {
+                self.session(s);
+                let floor = s.epoch.floor;
                 let reply = match s
                     .fence
-                    .check(rules, proxy, account, token, grant, payment, worker)
+                    .check(rules, floor, proxy, account, token, grant, payment, worker)
                 {
                     Checked::Accepted => None,
+                    Checked::BelowFloor => {
+                        s.seen.fenced_by_floor = true;
+                        Self::fenced_at_proxy(s, account, grant);
+                        Some(Reply::FencedOut)
+                    }
                     Checked::FencedOut => {
                         Self::fenced_at_proxy(s, account, grant);
                         Some(Reply::FencedOut)
@@ -609,6 +808,7 @@ impl FencingModel {
                 grant,
                 payment,
             } => {
+                self.session(s);
                 let task = Task {
                     proxy,
                     account,
@@ -710,6 +910,8 @@ impl Model for FencingModel {
             rail: Rail::default(),
             seen: Observations::default(),
             retries_left: b.retries,
+            epoch: Epoch::new(b.accounts),
+            past: Past::default(),
         }]
     }
 
@@ -743,12 +945,25 @@ impl Model for FencingModel {
                 actions.push(Action::Drop(msg.clone()));
             }
         }
+        if self.store_may_go_back() && s.past.went_back.is_none() {
+            if s.past.copy.is_none() {
+                actions.push(Action::CopyStores);
+            } else {
+                if self.bounds.postgres_goes_back {
+                    actions.push(Action::PostgresGoesBack);
+                }
+                if self.etcd_may_go_back() {
+                    actions.push(Action::EtcdRestored);
+                }
+            }
+        }
     }
 
     fn next_state(&self, last: &ProtocolState, action: Action) -> Option<ProtocolState> {
         let mut s = last.clone();
         match action {
             Action::Draw(w) => {
+                self.session(&mut s);
                 let token = s.lock.draw();
                 let worker = &mut s.workers[w as usize];
                 worker.acquires_left -= 1;
@@ -760,6 +975,7 @@ impl Model for FencingModel {
                     unreachable!("only a drawn token locks")
                 };
                 let account = worker.account;
+                self.session(&mut s);
                 let granted = s.lock.pg_lock(account, w, token, self.variant);
                 s.workers[w as usize].phase = match granted {
                     Some(grant) => Phase::Holding { grant, token },
@@ -768,6 +984,10 @@ impl Model for FencingModel {
             }
             Action::Acquire(w) => {
                 let account = s.workers[w as usize].account;
+                // The acquire reads the marks before its txn (the token-source guard), and
+                // the etcd backend writes `lock_issued` after it: a PostgreSQL session either
+                // way.
+                self.session(&mut s);
                 let granted = if self.backend == Backend::Etcd {
                     s.lock.etcd_acquire(account, w, self.variant)
                 } else {
@@ -775,9 +995,12 @@ impl Model for FencingModel {
                 };
                 let grant = granted.expect("acquire is offered only for a free key");
                 let token = s.lock.grants[grant as usize].token;
-                let worker = &mut s.workers[w as usize];
-                worker.acquires_left -= 1;
-                worker.phase = Phase::Holding { grant, token };
+                // A withdrawn grant never reached its worker: it may try again.
+                if self.issued_check(&mut s, account, token) {
+                    let worker = &mut s.workers[w as usize];
+                    worker.acquires_left -= 1;
+                    worker.phase = Phase::Holding { grant, token };
+                }
             }
             Action::Expire(g) => s.lock.expire(g),
             Action::Reap(k) => s.lock.reap(k),
@@ -818,6 +1041,9 @@ impl Model for FencingModel {
                     .phase
                     .grant()
                     .expect("only a holder releases");
+                if self.backend == Backend::Postgres {
+                    self.session(&mut s);
+                }
                 s.lock.release(grant, self.variant);
                 s.workers[w as usize].phase = Phase::Idle;
             }
@@ -832,25 +1058,39 @@ impl Model for FencingModel {
                     return None;
                 }
             }
-            Action::Start(task) => match s.fence.start(self.rules(), &task) {
-                Started::FencedOut => {
-                    Self::fenced_at_proxy(&mut s, task.account, task.grant);
-                    s.network.send(Msg::Reply {
-                        worker: task.worker,
+            Action::Start(task) => {
+                // The last look reads the mark on a checked session.
+                self.session(&mut s);
+                match s.fence.start(self.rules(), &task) {
+                    Started::FencedOut => {
+                        Self::fenced_at_proxy(&mut s, task.account, task.grant);
+                        s.network.send(Msg::Reply {
+                            worker: task.worker,
+                            grant: task.grant,
+                            payment: task.payment,
+                            reply: Reply::FencedOut,
+                        });
+                    }
+                    Started::Waiting => {}
+                    Started::Forwarded => s.network.send(Msg::Forward {
+                        proxy: task.proxy,
+                        account: task.account,
+                        token: task.token,
                         grant: task.grant,
                         payment: task.payment,
-                        reply: Reply::FencedOut,
-                    });
+                    }),
                 }
-                Started::Waiting => {}
-                Started::Forwarded => s.network.send(Msg::Forward {
-                    proxy: task.proxy,
-                    account: task.account,
-                    token: task.token,
-                    grant: task.grant,
-                    payment: task.payment,
-                }),
-            },
+            }
+            Action::CopyStores => {
+                s.past.copy = Some(StoreCopy {
+                    lock: s.lock.store.clone(),
+                    marks: s.fence.marks.clone(),
+                    records: s.fence.records.clone(),
+                    epoch: s.epoch.clone(),
+                });
+            }
+            Action::PostgresGoesBack => self.go_back(&mut s, WentBack::Postgres),
+            Action::EtcdRestored => self.go_back(&mut s, WentBack::Etcd),
             Action::GiveUp(task) => {
                 s.fence.give_up(self.rules(), &task);
                 s.network.send(Msg::Reply {
@@ -868,6 +1108,6 @@ impl Model for FencingModel {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        properties::all()
+        properties::all(self)
     }
 }

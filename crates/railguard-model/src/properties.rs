@@ -1,17 +1,28 @@
 //! What must always hold, and what must be reachable for the model to mean anything.
 //!
-//! The `always` properties (INV-05 split in two: at the rail, at paydb) judge the system by its ground truth: the lock service's ledger of
-//! grants (in the order they were made), the rail's arrivals (each with the grant that really
-//! sent it) and paydb's record of the grant that wrote each row last. A token is only what a
-//! request *says*; these properties ask what actually happened.
+//! The `always` properties (INV-05 split in two: at the rail, at paydb) judge the system by its
+//! ground truth: the lock service's ledger of grants (in the order they were made), the rail's
+//! arrivals (each with the grant that really sent it) and paydb's record of the grant that
+//! wrote each row last. A token is only what a request *says*; these properties ask what
+//! actually happened.
 //!
 //! The `sometimes` properties show that the model is not vacuous: the checker must reach a
 //! takeover, a stale writer fenced at each fencing point, a completed payment, and T-042 itself.
+//!
+//! When a store may go back ([`crate::epoch`]) the same `always` properties are checked across
+//! the event, with one exception to INV-02 that no fencing can close: a payment whose
+//! idempotency record PostgreSQL lost after the rail took it, retried by a grant made after
+//! the store went back, reaches the rail again — nothing railguard still keeps knows it was
+//! paid. INV-02 is judged without that case, and [`LOST_RECORD_PAID_AGAIN`] shows that it is
+//! real. Three more `sometimes` show the event is not vacuous either: a grant from before it
+//! refused below the floor, a grant made after it reaching the rail, and (etcd restored) a
+//! grant withdrawn because its token was not above its key's `lock_issued`.
 
 use stateright::Property;
 
 use crate::lock::{GrantStatus, Key};
 use crate::model::{FencingModel, ProtocolState};
+use crate::network::Arrival;
 use crate::paydb::PaymentState;
 
 pub const INV_02: &str = "INV-02 the rail never receives the same payment twice";
@@ -29,6 +40,14 @@ pub const FENCED_AT_PAYDB: &str = "sometimes: a stale writer is fenced at paydb"
 pub const PAYMENT_COMPLETES: &str = "sometimes: a payment completes";
 pub const T_042: &str =
     "sometimes: T-042, a stalled survivor fenced out after the new holder reached the rail";
+pub const FENCED_BY_FLOOR: &str =
+    "sometimes: a grant from before the store went back is refused below the floor";
+pub const PAID_AFTER_GOING_BACK: &str =
+    "sometimes: a grant made after the store went back reaches the rail";
+pub const WITHDRAWN: &str =
+    "sometimes: an etcd grant not above its key's lock_issued is withdrawn (etcd went back)";
+pub const LOST_RECORD_PAID_AGAIN: &str = "sometimes (the limit): a payment whose idempotency \
+     record PostgreSQL lost reaches the rail again, retried by a new grant";
 
 /// Things seen happen that no component's state keeps: stale writes that matched, tokens
 /// shared by two grants at paydb, and refusals. They only ever go from false to true.
@@ -43,11 +62,15 @@ pub struct Observations {
     pub fenced_at_paydb: bool,
     /// The proxy refused a request of a grant after a newer grant of the key reached the rail.
     pub t042: bool,
+    /// The compare-and-set refused a token below the fencing floor.
+    pub fenced_by_floor: bool,
+    /// An etcd grant was withdrawn: its token was not above its key's `lock_issued`.
+    pub withdrawn: bool,
 }
 
-/// Every property the model checks.
-pub fn all() -> Vec<Property<FencingModel>> {
-    vec![
+/// Every property the model checks (those about a store going back only when one may).
+pub fn all(model: &FencingModel) -> Vec<Property<FencingModel>> {
+    let mut properties: Vec<Property<FencingModel>> = vec![
         Property::always(INV_02, |m, s: &ProtocolState| {
             m.judge(INV_02, no_payment_twice(s))
         }),
@@ -82,17 +105,63 @@ pub fn all() -> Vec<Property<FencingModel>> {
                 .any(|a| a.payments.contains(&PaymentState::Done))
         }),
         Property::sometimes(T_042, |_, s: &ProtocolState| s.seen.t042),
-    ]
+    ];
+    if model.store_may_go_back() {
+        properties.push(Property::sometimes(
+            FENCED_BY_FLOOR,
+            |_, s: &ProtocolState| s.seen.fenced_by_floor,
+        ));
+        properties.push(Property::sometimes(
+            PAID_AFTER_GOING_BACK,
+            |_, s: &ProtocolState| {
+                s.rail
+                    .arrivals
+                    .iter()
+                    .any(|a| s.past.after_going_back(a.grant))
+            },
+        ));
+    }
+    if model.etcd_may_go_back() {
+        properties.push(Property::sometimes(WITHDRAWN, |_, s: &ProtocolState| {
+            s.seen.withdrawn
+        }));
+    }
+    if model.bounds.postgres_goes_back {
+        properties.push(Property::sometimes(
+            LOST_RECORD_PAID_AGAIN,
+            |_, s: &ProtocolState| {
+                let arrivals = &s.rail.arrivals;
+                arrivals
+                    .iter()
+                    .enumerate()
+                    .any(|(i, a)| repeated(&arrivals[..i], a) && lost_record_retried(s, a))
+            },
+        ));
+    }
+    properties
 }
 
-/// INV-02: no (account, payment) arrives at the rail twice.
+/// Whether `a` repeats a payment among `earlier` arrivals.
+fn repeated(earlier: &[Arrival], a: &Arrival) -> bool {
+    earlier
+        .iter()
+        .any(|b| (a.account, a.payment) == (b.account, b.payment))
+}
+
+/// Whether arrival `a` is a grant made after the store went back retrying a payment whose
+/// idempotency record the store lost: the case of INV-02 no fencing can close.
+fn lost_record_retried(s: &ProtocolState, a: &Arrival) -> bool {
+    s.past.after_going_back(a.grant) && s.past.lost_records.contains(&(a.account, a.payment))
+}
+
+/// INV-02: no (account, payment) arrives at the rail twice — except a new grant's retry of a
+/// payment whose idempotency record the store lost when it went back.
 fn no_payment_twice(s: &ProtocolState) -> bool {
     let arrivals = &s.rail.arrivals;
-    arrivals.iter().enumerate().all(|(i, a)| {
-        arrivals[..i]
-            .iter()
-            .all(|b| (a.account, a.payment) != (b.account, b.payment))
-    })
+    arrivals
+        .iter()
+        .enumerate()
+        .all(|(i, a)| !repeated(&arrivals[..i], a) || lost_record_retried(s, a))
 }
 
 /// INV-04: in the order grants were made, each key's tokens strictly increase.

@@ -9,14 +9,16 @@
 //! forgotten when its last ticket is dropped.
 //!
 //! One request goes through the steps of `fence::enforce`:
-//! 1. **check** (on arrival): refused at once if below the cached mark; otherwise it takes its
+//! 1. **check** (on arrival): refused at once if below the fencing floor (`src/store/epoch.rs`:
+//!    the store went back, see [`crate::epoch`]) or the cached mark; otherwise it takes its
 //!    ticket and runs the compare-and-set `token >= mark ⇒ mark := token`, creating its
 //!    idempotency record in the same commit;
 //! 2. **start** (later, as its own step): `Ticket::admit` — raise the slot's highest; refused
 //!    if below it; admitted if no forward of another token is in flight, else it waits — then
 //!    the last look at the mark in the database, then the forward is sent, holding the ticket;
 //! 3. **answered**: the rail's answer drops the ticket (passing the turn on) and completes the
-//!    record. A refusal after the compare-and-set forgets the record: nothing was sent.
+//!    record (an UPDATE: a record the store lost by going back stays lost). A refusal after the
+//!    compare-and-set forgets the record: nothing was sent.
 
 use crate::lock::{GrantId, Token};
 use crate::network::Reply;
@@ -82,6 +84,8 @@ pub struct FenceRules {
 /// What the check step decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Checked {
+    /// 409: below the fencing floor: its grant was made before the store went back.
+    BelowFloor,
     /// 409: below the cached mark, or the compare-and-set refused it.
     FencedOut,
     /// Not forwarded, answered from the idempotency record.
@@ -154,11 +158,13 @@ impl Fence {
         Some(self.tasks.remove(at))
     }
 
-    /// Step 1: the cache, the ticket, the compare-and-set and the idempotency record.
+    /// Step 1: the floor, the cache, the ticket, the compare-and-set and the idempotency
+    /// record.
     #[allow(clippy::too_many_arguments)]
     pub fn check(
         &mut self,
         rules: FenceRules,
+        floor: Token,
         proxy: u8,
         account: u8,
         token: Token,
@@ -166,6 +172,9 @@ impl Fence {
         payment: u8,
         worker: u8,
     ) -> Checked {
+        if token < floor {
+            return Checked::BelowFloor;
+        }
         if token < self.processes[proxy as usize].cache[account as usize] {
             return Checked::FencedOut;
         }
@@ -274,8 +283,9 @@ impl Fence {
         if rules.ordering && rules.turn_until_answer {
             self.drop_ticket(task.proxy, task.account, true);
         }
-        if rules.idempotency {
-            self.records[task.account as usize][task.payment as usize] = Record::Completed;
+        let record = &mut self.records[task.account as usize][task.payment as usize];
+        if rules.idempotency && *record != Record::Absent {
+            *record = Record::Completed;
         }
         Some(task)
     }

@@ -4,6 +4,11 @@
 //! catch would mean either the model is too weak to see the hazard or the hazard is not real;
 //! the tests assert a counterexample exists for each, and that the same bounds pass without
 //! the variant, so that the failure is the variant's.
+//!
+//! Two variants bring the situation they concern with them: the two-proxy one a second proxy,
+//! the store epoch ones a store that may go back ([`crate::epoch`]). The variants that replace
+//! etcd's token source are checked without `lock_issued`, which would only withdraw their
+//! grants that do not increase — a wrong source hidden behind lost grants, not made right.
 
 use crate::Backend;
 
@@ -38,11 +43,19 @@ pub enum Variant {
     TwoProxiesNoRouting,
     /// No `Idempotency-Key`: a retry of a payment whose answer was lost reaches the rail again.
     NoIdempotencyKeys,
+    /// PostgreSQL backend, the store going back unnoticed (`guard.detect_store_changes =
+    /// false`): sessions are used whatever server they reach, no floor is raised, and the
+    /// sequence that went back hands out a token again.
+    NoStoreEpochCheck,
+    /// etcd backend, the same switch: no server check and no `lock_issued`. etcd restored
+    /// hands out a revision again; PostgreSQL gone back forgets marks and records, and an old
+    /// grant's retry is paid twice.
+    NoStoreEpochCheckOnEtcd,
 }
 
 impl Variant {
     /// Every variant, in the order of the docs' table.
-    pub const ALL: [Variant; 11] = [
+    pub const ALL: [Variant; 13] = [
         Variant::RereadTokenAtWrite,
         Variant::CreateRevisionToken,
         Variant::PerRowVersionToken,
@@ -54,6 +67,8 @@ impl Variant {
         Variant::TurnReleasedOnUpstreamTimeout,
         Variant::TwoProxiesNoRouting,
         Variant::NoIdempotencyKeys,
+        Variant::NoStoreEpochCheck,
+        Variant::NoStoreEpochCheckOnEtcd,
     ];
 
     /// The backend whose semantics the variant changes (or the one it is checked with).
@@ -62,14 +77,16 @@ impl Variant {
             Variant::CreateRevisionToken
             | Variant::LeaseIdToken
             | Variant::WallClockToken
-            | Variant::RereadTokenAtWrite => Backend::Etcd,
+            | Variant::RereadTokenAtWrite
+            | Variant::NoStoreEpochCheckOnEtcd => Backend::Etcd,
             Variant::PerRowVersionToken
             | Variant::NoTakeoverTokenGuard
             | Variant::NoForwardOrder
             | Variant::TurnReleasedOnSend
             | Variant::TurnReleasedOnUpstreamTimeout
             | Variant::TwoProxiesNoRouting
-            | Variant::NoIdempotencyKeys => Backend::Postgres,
+            | Variant::NoIdempotencyKeys
+            | Variant::NoStoreEpochCheck => Backend::Postgres,
         }
     }
 
@@ -91,6 +108,10 @@ impl Variant {
             }
             Variant::TwoProxiesNoRouting => "two proxies on one database, no routing by account",
             Variant::NoIdempotencyKeys => "no idempotency keys on submits",
+            Variant::NoStoreEpochCheck => "PostgreSQL going back unnoticed (no store epoch check)",
+            Variant::NoStoreEpochCheckOnEtcd => {
+                "etcd or PostgreSQL going back unnoticed (no store epoch check, no lock_issued)"
+            }
         }
     }
 
@@ -109,6 +130,22 @@ impl Variant {
             Variant::TurnReleasedOnUpstreamTimeout => p::INV_05_RAIL,
             Variant::TwoProxiesNoRouting => p::INV_05_RAIL,
             Variant::NoIdempotencyKeys => p::INV_02,
+            Variant::NoStoreEpochCheck => p::INV_04,
+            Variant::NoStoreEpochCheckOnEtcd => p::INV_04,
+        }
+    }
+
+    /// Further properties the variant must break, each with a counterexample of its own (the
+    /// tests assert them too).
+    pub fn also_breaks(self) -> &'static [&'static str] {
+        use crate::properties as p;
+        match self {
+            // Marks and records gone back let an old grant's retry through to the rail again;
+            // a token handed out twice puts an old grant's forward after a new one's.
+            Variant::NoStoreEpochCheck | Variant::NoStoreEpochCheckOnEtcd => {
+                &[p::INV_02, p::INV_05_RAIL]
+            }
+            _ => &[],
         }
     }
 }

@@ -5,9 +5,9 @@
 
 use railguard_model::{Bounds, FencingModel, Variant, run};
 
-/// Explores `variant` completely at the variants' bounds: the property it breaks must have a
-/// counterexample (printed, shortest first: breadth-first, one thread). Then the protocol as
-/// designed at the same bounds must hold that property.
+/// Explores `variant` completely at the variants' bounds: the property it breaks, and each it
+/// also breaks, must have a counterexample (printed, shortest first: breadth-first, one
+/// thread). Then the protocol as designed at the same bounds must hold those properties.
 fn assert_caught(variant: Variant) {
     let broken = variant.breaks();
     let model = FencingModel::with_variant(variant, Bounds::VARIANTS);
@@ -18,17 +18,25 @@ fn assert_caught(variant: Variant) {
         panic!("variant `{variant}` was not caught: no counterexample to {broken}")
     });
     println!("shortest counterexample to {broken}:\n{trace}");
+    for also in variant.also_breaks() {
+        assert!(
+            outcome.discoveries.contains_key(also),
+            "variant `{variant}` was not caught breaking {also}"
+        );
+    }
     for other in outcome.violations().into_iter().filter(|p| *p != broken) {
         let trace = outcome.trace(other).expect("a violation has a trace");
         println!("also breaks {other}; shortest counterexample:\n{trace}");
     }
 
     let baseline = run(FencingModel::correct(variant.backend(), bounds), 1, None);
-    assert!(
-        !baseline.discoveries.contains_key(broken),
-        "without the variant, {broken} must hold at the same bounds ({})",
-        baseline.summary()
-    );
+    for property in std::iter::once(&broken).chain(variant.also_breaks()) {
+        assert!(
+            !baseline.discoveries.contains_key(property),
+            "without the variant, {property} must hold at the same bounds ({})",
+            baseline.summary()
+        );
+    }
 }
 
 #[test]
@@ -84,6 +92,20 @@ fn two_proxies_without_routing_break_inv05() {
 #[test]
 fn no_idempotency_keys_breaks_inv02() {
     assert_caught(Variant::NoIdempotencyKeys);
+}
+
+/// PostgreSQL goes back unnoticed: its sequence went back with the data and hands a new grant
+/// a token already granted.
+#[test]
+fn no_store_epoch_check_breaks_inv04() {
+    assert_caught(Variant::NoStoreEpochCheck);
+}
+
+/// On etcd, unnoticed: etcd restored hands out a revision again (INV-04); PostgreSQL gone back
+/// forgets a payment's mark and record, and its grant's retry reaches the rail again (INV-02).
+#[test]
+fn no_store_epoch_check_on_etcd_breaks_inv04_and_inv02() {
+    assert_caught(Variant::NoStoreEpochCheckOnEtcd);
 }
 
 /// Exploring up to a renaming of workers (as the protocol-as-designed tests do) hides no

@@ -387,6 +387,22 @@ impl Pg {
             .expect("query mark")
             .map(|row| row.get(0))
     }
+
+    /// The fencing floor, once a railguard has acknowledged this server as it runs now
+    /// (`store::epoch`): a restart raises it, and every token from before is fenced out once.
+    /// `None` until a railguard has used a session on it since it started.
+    pub async fn floor(&self) -> Option<i64> {
+        let client = self.client_with(&self.url()).await.ok()?;
+        let row = client
+            .query_one(
+                "SELECT e.floor, e.postmaster_start IS NOT DISTINCT FROM \
+                 pg_postmaster_start_time() FROM railguard_store_epoch e",
+                &[],
+            )
+            .await
+            .ok()?;
+        row.get::<_, bool>(1).then(|| row.get(0))
+    }
 }
 
 /// The server's log, inside its data directory (railguard's `PostgresServer` writes it there).

@@ -34,7 +34,7 @@ use prometheus::Histogram;
 use tokio::sync::{mpsc, oneshot};
 
 use super::store::{Batching, StoreError, Verdict};
-use crate::db::DbError;
+use crate::db::{DbError, Notices};
 use crate::proxy::held::{BatchQueue, HeldRow, Rows};
 use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, RecordId, Records};
 use crate::token::{AccountId, FencingToken};
@@ -107,10 +107,11 @@ pub(super) async fn run(
     records: Arc<dyn Records>,
     queue: mpsc::Receiver<Pending>,
 ) {
-    let (slots, held, max_batch) = (
+    let (slots, held, max_batch, notices) = (
         batching.slots("fence", timeout),
         batching.held.clone(),
         batching.max_batch,
+        batching.notices.clone(),
     );
     let mut queue = BatchQueue::new(queue);
     let wanted = |p: &Pending| !p.reply.is_closed();
@@ -135,11 +136,11 @@ pub(super) async fn run(
             continue;
         };
         sizes.observe(batch.len() as f64);
-        let (pool, records) = (pool.clone(), records.clone());
+        let (pool, records, notices) = (pool.clone(), records.clone(), notices.clone());
         // A statement that stalls stops holding up the next batch, and is still listened to;
         // the rows it touches are held until it answers.
         slots.run(slot, async move {
-            execute(&pool, instance, &records, batch).await;
+            execute(&pool, &notices, instance, &records, batch).await;
             drop(rows);
         });
     }
@@ -199,6 +200,7 @@ fn take_batch(
 
 async fn execute(
     pool: &Pool,
+    notices: &Notices,
     instance: InstanceId,
     records_store: &Arc<dyn Records>,
     batch: Vec<Pending>,
@@ -226,12 +228,15 @@ async fn execute(
     // No client-side timeout: the server cancels a statement at `statement_timeout`, and the
     // connection gives up on a silent peer at `tcp_user_timeout` (see `db::pg_config`). So a
     // statement either commits and its verdicts are handed out here, or fails with nothing
-    // committed — it never commits after we stopped listening.
+    // committed — it never commits after we stopped listening. A commit that PostgreSQL
+    // reports as done but not replicated (its wait for the synchronous standby was cancelled)
+    // is no verdict either (`db::notices`).
     let mut attempt = 0;
-    let rows = loop {
+    let (rows, unreplicated) = loop {
         attempt += 1;
         let result = async {
             let client = pool.get().await.map_err(DbError::from)?;
+            let watch = notices.watch(&client);
             let rows = if records.accounts.is_empty() {
                 let statement = client.prepare_cached(ADVANCE_BATCH_SQL).await?;
                 client.query(&statement, &[&accounts, &tokens]).await?
@@ -254,7 +259,8 @@ async fn execute(
                     )
                     .await?
             };
-            Ok::<_, StoreError>(rows)
+            let unreplicated = watch.is_some_and(|watch| watch.unreplicated() > 0);
+            Ok::<_, StoreError>((rows, unreplicated))
         }
         .await;
         match result {
@@ -263,7 +269,7 @@ async fn execute(
             // the first attempt is recognised by its owner id.
             Err(StoreError::Db(DbError::ConnectionClosed(_))) if attempt == 1 => continue,
             Err(e) => return fail(batch, e),
-            Ok(rows) => break rows,
+            Ok(answer) => break answer,
         }
     };
     let mut fenced: HashSet<String> = HashSet::new();
@@ -284,6 +290,9 @@ async fn execute(
                 recorded.insert((account, key));
             }
         }
+    }
+    if unreplicated {
+        return not_replicated(batch, &recorded, records_store);
     }
     for pending in batch {
         let verdict = if fenced.contains(pending.account.as_str()) {
@@ -317,6 +326,47 @@ struct RecordColumns<'a> {
     tokens: Vec<i64>,
     owners: Vec<&'a str>,
     in_doubt_after_ms: Vec<i64>,
+}
+
+/// The batch committed, but PostgreSQL could not say that the commit reached the synchronous
+/// standby: a failover may lose it. No request of it is taken as accepted: each is answered as
+/// the database failing (503, nothing forwarded; the client may retry). The records the commit
+/// made are handed to guards and let go at once, before anything was forwarded, so they are
+/// removed as unsent, and a retry with the same key is not refused (should the removal itself
+/// be lost, the record is in doubt once its deadline passes: a retry is refused, never
+/// forwarded twice). The marks it advanced stay: a mark advanced for a request that was not
+/// forwarded is safe (`proxy::fence`), and one lost at a failover is covered by the fencing
+/// floor (`store::epoch`).
+fn not_replicated(
+    batch: Vec<Pending>,
+    recorded: &HashSet<(String, String)>,
+    records_store: &Arc<dyn Records>,
+) {
+    tracing::error!(
+        requests = batch.len(),
+        records = recorded.len(),
+        "a fence batch committed locally but its wait for the synchronous standby was \
+         cancelled: none of its requests is forwarded (503), and the idempotency records it made \
+         are removed"
+    );
+    for pending in batch {
+        if let Some(record) = pending
+            .record
+            .filter(|r| recorded.contains(&(pending.account.as_str().to_string(), r.key.clone())))
+        {
+            let id = RecordId {
+                account: pending.account.clone(),
+                key: record.key,
+                owner: record.owner,
+            };
+            drop(RecordGuard::new(
+                records_store.clone(),
+                id,
+                record.maybe_sent,
+            ));
+        }
+        let _ = pending.reply.send(Err(StoreError::NotReplicated));
+    }
 }
 
 fn fail(batch: Vec<Pending>, error: StoreError) {

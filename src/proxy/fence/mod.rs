@@ -56,7 +56,7 @@ use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
 use self::refusal_log::RefusalLog;
 use super::forward::{LateForwards, UpstreamTimeout};
-use super::idempotency::NewRecord;
+use super::idempotency::{NewRecord, Records, own_answer};
 use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::metrics::{FencePath, Metrics};
 use crate::store::epoch::StoreEpoch;
@@ -118,6 +118,9 @@ pub struct FencePoint<H = HighWaterStore> {
     /// The fencing floor this process knows (`store::epoch`): a token below it is refused
     /// without asking the database, whose compare-and-set refuses it anyway.
     epoch: Option<Arc<StoreEpoch>>,
+    /// Where a refused keyed request looks for the record of its own earlier attempt
+    /// (`idempotency::own_answer`); `None`: refusals stand.
+    records: Option<Arc<dyn Records>>,
 }
 
 /// Accounts whose cache refusals' log lines are limited at once (see `refusal_log`).
@@ -135,7 +138,29 @@ impl<H: HighWater> FencePoint<H> {
             refusals: RefusalLog::new(REFUSAL_LOG_ACCOUNTS),
             outstanding: None,
             epoch: None,
+            records: None,
         }
+    }
+
+    /// A refused keyed request made under the same token as a record of its key gets that
+    /// record's answer instead of the refusal (`idempotency::own_answer`).
+    pub fn answering_own_repeats(mut self, records: Arc<dyn Records>) -> Self {
+        self.records = Some(records);
+        self
+    }
+
+    /// `refusal`, unless the request is a repeat of one this token already made.
+    async fn refuse(
+        &self,
+        request: &FencedRequest,
+        refusal: impl FnOnce() -> BoxError,
+    ) -> Result<ProxyResponse, BoxError> {
+        if let Some(records) = &self.records
+            && let Some(answer) = own_answer(&**records, request).await
+        {
+            return answer;
+        }
+        Err(refusal())
     }
 
     /// Refuses tokens below `epoch`'s floor before anything else.
@@ -320,14 +345,18 @@ where
     let started = Instant::now();
     if point.below_known_floor(token) {
         span.record("verdict", "below_floor");
-        return Err(point.below_floor(account, token));
+        return point
+            .refuse(&request, || point.below_floor(account, token))
+            .await;
     }
     if point.cache.is_definitely_stale(&account, token) {
         point
             .metrics
             .observe_fence(FencePath::Cache, started.elapsed().as_secs_f64());
         span.record("verdict", "stale_cached");
-        return Err(point.fenced_out_cached(account, token));
+        return point
+            .refuse(&request, || point.fenced_out_cached(account, token))
+            .await;
     }
 
     // Counted before the compare-and-set: once it commits, a keyed request owns a record whose
@@ -343,12 +372,18 @@ where
     {
         Verdict::Stale if point.below_known_floor(token) => {
             span.record("verdict", "below_floor");
-            Err(point.below_floor(account, token))
+            point
+                .refuse(&request, || point.below_floor(account, token))
+                .await
         }
         Verdict::Stale => {
             span.record("verdict", "stale");
             point.cache.raise_past(&account, token);
-            Err(point.fenced_out(account, token, "below the mark"))
+            point
+                .refuse(&request, || {
+                    point.fenced_out(account, token, "below the mark")
+                })
+                .await
         }
         Verdict::Accepted { record } => {
             span.record("verdict", "accepted");

@@ -62,6 +62,13 @@ pub enum StoreError {
     Closed,
     #[error("too many fence checks are waiting for the database")]
     Overloaded,
+    /// PostgreSQL committed the compare-and-set locally, but its wait for the synchronous
+    /// standby was cancelled: a failover may lose it, so it is not taken as accepted.
+    #[error(
+        "PostgreSQL committed the compare-and-set locally but its wait for the synchronous \
+         standby was cancelled: it may be lost at a failover, so it was not taken as accepted"
+    )]
+    NotReplicated,
 }
 
 impl From<tokio_postgres::Error> for StoreError {
@@ -90,6 +97,9 @@ pub struct Batching {
     /// Rows the statements in flight hold, which the batchers' requests wait for
     /// (`proxy::held`); the fence's and the completions' batchers share it.
     pub held: Arc<HeldRows>,
+    /// Commits of the main pool's sessions reported as done but not replicated
+    /// ([`crate::db::notices`]): the fence's compare-and-sets read theirs.
+    pub notices: crate::db::Notices,
 }
 
 impl Default for Batching {
@@ -100,6 +110,7 @@ impl Default for Batching {
             stalled: crate::metrics::statements_stalled(),
             unanswered: Unanswered::default(),
             held: Arc::default(),
+            notices: crate::db::Notices::default(),
         }
     }
 }

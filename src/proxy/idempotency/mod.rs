@@ -150,6 +150,26 @@ where
     }
 }
 
+/// A keyed request the fence refused may be a retry of one it let through before its grant was
+/// superseded (or the store went back): that request's answer is its own, and fencing refuses
+/// new payments of a superseded grant, not the replay of one it accepted. So a refusal looks
+/// for the request's record first: made under this very token, it answers as any repeat would
+/// (the stored answer, `in_flight`, `in_doubt`, or 422 for another request under the same key).
+/// No record, or one made under another grant's token: `None`, and the refusal stands — a stale
+/// grant never receives another grant's answer. A record that cannot be read leaves the refusal
+/// standing too.
+pub async fn own_answer(
+    records: &dyn Records,
+    request: &FencedRequest,
+) -> Option<Result<ProxyResponse, BoxError>> {
+    let key = request.idempotency.as_ref()?;
+    let record = records.find(&request.account, &key.key).await.ok()??;
+    if record.token != request.token.get() {
+        return None;
+    }
+    Some(answer_repeat(record, &key.fingerprint))
+}
+
 /// A repeat of a key whose record already exists.
 async fn repeat(
     records: &dyn Records,
@@ -166,6 +186,10 @@ async fn repeat(
     let Some(record) = record else {
         return Err(IdempotencyConflict::InFlight.into());
     };
+    answer_repeat(record, fingerprint)
+}
+
+fn answer_repeat(record: Record, fingerprint: &str) -> Result<ProxyResponse, BoxError> {
     if record.fingerprint != fingerprint {
         return Err(IdempotencyConflict::Mismatch.into());
     }
@@ -277,6 +301,7 @@ mod tests {
         let service = layer(&records).layer(rail);
         *records.found.lock().unwrap() = Some(Record {
             fingerprint: "f".into(),
+            token: 3,
             state: RecordState::Done(StoredResponse {
                 status: 201,
                 headers: vec![],
@@ -297,6 +322,7 @@ mod tests {
         ] {
             *records.found.lock().unwrap() = Some(Record {
                 fingerprint: "f".into(),
+                token: 3,
                 state,
             });
             let error = service.clone().oneshot(repeat_of("f")).await.unwrap_err();

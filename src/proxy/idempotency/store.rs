@@ -90,6 +90,8 @@ VALUES ('idempotency_forget', $1, $2, $3::text::jsonb, now())";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
     pub fingerprint: String,
+    /// The token of the grant whose request made the record.
+    pub token: i64,
     pub state: RecordState,
 }
 
@@ -229,7 +231,7 @@ impl IdempotencyStore {
                                  WHEN state = 'in_doubt'
                                    OR now() > COALESCE(in_doubt_at, created_at) THEN 'in_doubt'
                                  ELSE 'in_flight' END,
-                            status, headers::text, body, body_stored
+                            status, headers::text, body, body_stored, token
                      FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2",
                     &[&account.as_str(), &key],
                 )
@@ -259,6 +261,7 @@ impl IdempotencyStore {
                 };
                 Record {
                     fingerprint: row.get(0),
+                    token: row.get(6),
                     state,
                 }
             }))

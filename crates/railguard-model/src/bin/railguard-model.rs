@@ -4,10 +4,13 @@
 //! ```text
 //! cargo run --release -p railguard-model -- [--backend postgres|etcd|both] [--workers N]
 //!     [--accounts N] [--acquires N] [--grants N] [--payments N] [--retries N]
-//!     [--proxies N] [--lossy | --no-loss] [--variant NAME|all] [--threads N] [--no-symmetry]
+//!     [--proxies N] [--lossy | --no-loss] [--postgres-goes-back] [--etcd-goes-back]
+//!     [--variant NAME|all] [--threads N] [--no-symmetry]
 //! ```
 //!
-//! The bounds start from `Bounds::THREE_WORKERS` (CI's) and each flag changes one of them.
+//! The bounds start from `Bounds::THREE_WORKERS` (CI's) and each flag changes one of them;
+//! `--postgres-goes-back` and `--etcd-goes-back` let that store go back once to an earlier copy
+//! (etcd's only on the etcd backend).
 //! Without `--variant` it checks the protocol as designed, up to a renaming of workers unless
 //! `--no-symmetry`, and fails (exit 1) on any violation or unreached `sometimes`;
 //! `--variant all` checks every variant at the given bounds (breadth-first, one thread) and
@@ -74,6 +77,8 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
             "--retries" => b.retries = number(args.next(), &flag)?,
             "--proxies" => b.proxies = number(args.next(), &flag)?,
             "--lossy" => b.lossy = true,
+            "--postgres-goes-back" => b.postgres_goes_back = true,
+            "--etcd-goes-back" => b.etcd_goes_back = true,
             "--no-symmetry" => parsed.symmetry = false,
             "--no-loss" => b.lossy = false,
             "--threads" => parsed.threads = number(args.next(), &flag)?.into(),
