@@ -839,7 +839,7 @@ mod tests {
         assert_eq!(
             forms(false),
             [
-                Hard, Planned, AsyncLoss, Planned, Hard, Planned, AsyncLoss, Planned
+                AsyncLoss, Planned, Hard, Planned, AsyncLoss, Planned, Hard, Planned
             ]
         );
         assert_eq!(
