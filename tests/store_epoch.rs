@@ -201,3 +201,59 @@ async fn without_the_detection_a_rewound_database_lets_a_superseded_grant_pay_ag
         0.0
     );
 }
+
+/// A payment whose record went back with the store may already be on the rail. W1 pays P after
+/// the copy is taken; the database goes back to the copy, and P's record with it. W2, holding
+/// the account afterwards, retries P with P's key and the token P was first sent under: in
+/// doubt, not paid twice. A payment first sent under W2's own grant goes through.
+#[tokio::test]
+async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let lock = rg.lock_client();
+    let proxy = RailClient::new(rg.proxy_url(""));
+
+    let w1 = lock
+        .acquire("acct", "w1", Duration::from_millis(300), Duration::ZERO)
+        .await
+        .unwrap();
+    let copy = copy_of(&pg).await;
+    assert_eq!(pay(&proxy, &w1, "p").await.unwrap(), StatusCode::CREATED);
+    rewind_to(&mut pg, copy.path()).await;
+    rg.restart().await;
+
+    let w2 = lock
+        .acquire(
+            "acct",
+            "w2",
+            Duration::from_secs(60),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let body = "{\"id\":\"p\"}";
+    let retry = proxy
+        .retry(&w2, "acct", "/payments", body.into(), "p", w1.token())
+        .await
+        .unwrap();
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    let answer: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
+    assert_eq!(answer["error"], "in_doubt", "{answer}");
+    assert_eq!(rail.ledger().len(), 1, "P was paid once");
+
+    let fresh = proxy
+        .retry(
+            &w2,
+            "acct",
+            "/payments",
+            "{\"id\":\"q\"}".into(),
+            "q",
+            w2.token(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(fresh.status, StatusCode::CREATED);
+    assert_eq!(rail.ledger().len(), 2);
+}
