@@ -397,6 +397,9 @@ where
         Verdict::Accepted { record } => {
             span.record("verdict", "accepted");
             point.cache.raise(&account, token.get());
+            if let Some(epoch) = &point.epoch {
+                epoch.observe(token.get());
+            }
             let owns_record = record.is_some();
             request.record = record;
             let forward = admitted_forward(point, inner, request, ticket, account, token);
