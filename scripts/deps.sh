@@ -5,6 +5,8 @@
 #   postgresql                          server binaries: the embedded database, test clusters
 #   protobuf-compiler, libprotobuf-dev  protoc and the well-known protos, for etcd-client's build
 #   etcd-server                         throwaway etcd members for the tests (only with --test)
+#   etcd-client                         etcdctl: snapshots and restores of those members (only
+#                                       with --test)
 #   patroni, python3-etcd               throwaway high-availability PostgreSQL clusters for the
 #                                       failover tests (only with --test)
 #   prometheus                          promtool for the alert rules' tests, and a throwaway
@@ -27,6 +29,7 @@ command -v protoc >/dev/null || missing+=(protobuf-compiler)
 bare=()
 if [ "${1:-}" = "--test" ]; then
     command -v etcd >/dev/null || missing+=(etcd-server)
+    command -v etcdctl >/dev/null || missing+=(etcd-client)
     # The test kit runs /usr/bin/patroni under /usr/bin/python3, whatever python is on PATH.
     [ -x /usr/bin/patroni ] || missing+=(patroni python3-etcd)
     command -v openssl >/dev/null || missing+=(openssl)

@@ -10,6 +10,10 @@
 //!  workers ─────────▶ paydb (its own PostgreSQL)
 //! ```
 //!
+//! With `--pg patroni`, railguard's PostgreSQL is a Patroni cluster instead, reached without a
+//! relay through a URL naming every member (`target_session_attrs=read-write`), so that it
+//! follows the primary across failovers as a production client does.
+//!
 //! Every relay can cut or slow its path; processes can be stopped and killed. Everything it
 //! started is stopped at the end, whatever happened.
 
@@ -19,14 +23,15 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use railguard_testkit::{EtcdCluster, Http, Pg, Rail, Railguard, Relay};
+use railguard_testkit::{EtcdCluster, Http, PatroniCluster, Pg, Rail, Railguard, Relay};
 use serde::Serialize;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 use crate::check::{self, FaultRecord, Inputs, Report};
-use crate::faults::{self, FaultKind, Schedule, Targets, Timing};
+use crate::faults::{self, FaultKind, Operator, Schedule, Setup, Targets, Timing};
 use crate::history;
+use crate::lockdb::LockDb;
 use crate::paydb;
 use crate::progress::Progress;
 use crate::rng::Rng;
@@ -38,6 +43,17 @@ pub enum BackendChoice {
     Etcd,
 }
 
+/// What railguard's own PostgreSQL is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum PgChoice {
+    /// One PostgreSQL cluster, behind a relay (the `pg-kill`, `pg-path-*` and `pg-rewind-data`
+    /// faults act on it).
+    Single,
+    /// A Patroni cluster (`--pg-members`, `--pg-sync`; the `pg-failover` fault acts on it).
+    Patroni,
+}
+
 /// The bug a run has on purpose, to prove that the checker sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -47,6 +63,9 @@ pub enum NegativeControl {
     Reread,
     /// The proxy runs with `fencing.enforce = false`.
     KillSwitch,
+    /// railguard runs with `guard.detect_store_changes = false`: it does not notice a store
+    /// it fences against going back (`pg-rewind-data`, `etcd-restore`).
+    NoStoreChangeDetection,
 }
 
 #[derive(Debug, Clone, Serialize, clap::Args)]
@@ -56,6 +75,17 @@ pub struct RunOptions {
     /// etcd members (1 or 3), for `--backend etcd`.
     #[arg(long, default_value_t = 1)]
     pub etcd_members: usize,
+    /// railguard's own PostgreSQL (marks, idempotency records, the postgres lock backend).
+    #[arg(long, value_enum, default_value = "single")]
+    pub pg: PgChoice,
+    /// PostgreSQL members of `--pg patroni` (2 or 3).
+    #[arg(long, default_value_t = 2)]
+    pub pg_members: usize,
+    /// Patroni's synchronous_mode for `--pg patroni` (on|off). Off, a failover can lose the
+    /// primary's last commits.
+    #[arg(long, default_value = "off", action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub pg_sync: bool,
     /// `railguard serve` processes; workers spread their calls over all of them.
     #[arg(long, default_value_t = 1)]
     pub proxies: usize,
@@ -63,6 +93,10 @@ pub struct RunOptions {
     pub workers: usize,
     #[arg(long, default_value_t = 4)]
     pub accounts: usize,
+    /// Keys workers also lock with no payment under them (`lock-only-0`, ...): no fencing
+    /// mark ever records their tokens, which must increase all the same (INV-04).
+    #[arg(long, default_value_t = 0)]
+    pub lock_only_keys: usize,
     /// Payments created up front; enough that the workers stay busy for the whole run (they
     /// stop early when every payment is done, and faults after that would hit an idle system).
     #[arg(long, default_value_t = 20_000)]
@@ -105,6 +139,13 @@ impl RunOptions {
         (self.backend == BackendChoice::Etcd).then_some(self.etcd_members)
     }
 
+    fn setup(&self) -> Setup {
+        Setup {
+            etcd_members: self.etcd_members(),
+            patroni: self.pg == PgChoice::Patroni,
+        }
+    }
+
     fn ttl(&self) -> Duration {
         let asked = self.ttl_ms.unwrap_or(match self.backend {
             BackendChoice::Postgres => 1000,
@@ -136,8 +177,14 @@ impl RunOptions {
         if self.workers > 64 {
             return Err("--workers must be at most 64".into());
         }
+        if self.lock_only_keys > 64 {
+            return Err("--lock-only-keys must be at most 64".into());
+        }
         if !matches!(self.etcd_members, 1 | 3) {
             return Err("--etcd-members must be 1 or 3".into());
+        }
+        if !matches!(self.pg_members, 2 | 3) {
+            return Err("--pg-members must be 2 or 3".into());
         }
         if self.duration_s == 0 || self.duration_s > 3600 {
             return Err("--duration-s must be between 1 and 3600".into());
@@ -156,7 +203,7 @@ impl RunOptions {
                 self.out.display()
             ));
         }
-        FaultKind::parse_list(&self.faults, self.etcd_members())
+        FaultKind::parse_list(&self.faults, self.setup())
     }
 }
 
@@ -179,9 +226,17 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     write_json(&out.join("run.json"), &options)?;
     let ttl = options.ttl();
     let timeout = Duration::from_millis(options.request_timeout_ms);
+    let pg = match options.pg {
+        PgChoice::Single => "one PostgreSQL".to_string(),
+        PgChoice::Patroni => format!(
+            "Patroni PostgreSQL ({} members, synchronous_mode {})",
+            options.pg_members,
+            if options.pg_sync { "on" } else { "off" }
+        ),
+    };
     eprintln!(
-        "harness: {:?} backend, {} proxies, {} workers, {} accounts, {} payments, ttl {} ms, \
-         {} s, seed {}, faults {}, control {:?}, idempotency keys {}",
+        "harness: {:?} backend on {pg}, {} proxies, {} workers, {} accounts, {} payments, \
+         ttl {} ms, {} s, seed {}, faults {}, control {:?}, idempotency keys {}",
         options.backend,
         options.proxies,
         options.workers,
@@ -196,10 +251,26 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     );
 
     // The stores and the rail.
-    let mut lockdb = Pg::builder()
-        .start()
-        .await
-        .map_err(|e| format!("lock database: {e}"))?;
+    let mut lockdb = match options.pg {
+        PgChoice::Single => LockDb::Single(Box::new(
+            Pg::builder()
+                .start()
+                .await
+                .map_err(|e| format!("lock database: {e}"))?,
+        )),
+        PgChoice::Patroni => LockDb::Patroni {
+            cluster: Box::new(
+                PatroniCluster::builder()
+                    .members(options.pg_members)
+                    .synchronous_mode(options.pg_sync)
+                    .start()
+                    .await
+                    .map_err(|e| format!("lock database (Patroni): {e}"))?,
+            ),
+            synchronous: options.pg_sync,
+            failovers: 0,
+        },
+    };
     let paydb_pg = Pg::builder()
         .start()
         .await
@@ -220,8 +291,16 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     };
     let rail = Arc::new(Rail::with_latency(Duration::from_millis(options.rail_latency_ms)).await);
     let rail_relay = Relay::start(rail.addr).await;
-    let lockdb_addr = std::net::SocketAddr::from(([127, 0, 0, 1], lockdb.server.port()));
-    let pg_relay = Relay::start(lockdb_addr).await;
+    let pg_relay = match lockdb.single() {
+        Some(pg) => Some(
+            Relay::start(std::net::SocketAddr::from((
+                [127, 0, 0, 1],
+                pg.server.port(),
+            )))
+            .await,
+        ),
+        None => None,
+    };
 
     // railguard.
     let mut env: Vec<(String, String)> = vec![
@@ -244,14 +323,28 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         Some(NegativeControl::Reread) => {
             env.push(("RAILGUARD__FENCING__REQUIRE_PROOF".into(), "false".into()));
         }
+        Some(NegativeControl::NoStoreChangeDetection) => {
+            env.push((
+                "RAILGUARD__GUARD__DETECT_STORE_CHANGES".into(),
+                "false".into(),
+            ));
+        }
         None => {}
     }
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let database_url = pg_relay.postgres_url(&lockdb.url());
+    let database_url = match &pg_relay {
+        Some(relay) => relay.postgres_url(&lockdb.url()),
+        None => lockdb.url(),
+    };
     let mut proxies = Vec::new();
     for _ in 0..options.proxies {
         proxies.push(Railguard::start_process(&database_url, &rail_relay.url(), &env_refs).await);
     }
+    let operator = Operator {
+        config: proxies[0].config_path(),
+        env: env.clone(),
+        paydb_url: paydb_pg.url(),
+    };
     let mut lock_relays = Vec::new();
     let mut proxy_relays = Vec::new();
     for rg in &proxies {
@@ -308,8 +401,9 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
             proxies: &mut proxies,
             lock_relays: &lock_relays,
             proxy_relays: &proxy_relays,
-            pg_relay: &pg_relay,
+            pg_relay: pg_relay.as_ref(),
             rail_relay: &rail_relay,
+            operator: &operator,
         };
         let record = faults::inject(kind, &mut targets, &mut rng, timing).await;
         if let Some(p) = &progress {
@@ -420,6 +514,7 @@ fn spawn_worker(
         .args(["--proxy-urls", &urls(proxy_relays)])
         .args(["--paydb-url", paydb_url])
         .args(["--accounts", &options.accounts.to_string()])
+        .args(["--lock-only-keys", &options.lock_only_keys.to_string()])
         .args(["--ttl-ms", &ttl.as_millis().to_string()])
         .args(["--duration-ms", &duration.as_millis().to_string()])
         .args(["--pause-ms", &timing_short(ttl).as_millis().to_string()])

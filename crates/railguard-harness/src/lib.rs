@@ -7,12 +7,14 @@
 //! - [`worker`]: one payment worker, an OS process of its own;
 //! - [`history`]: the recorded history; [`check`]: the checker;
 //! - [`faults`]: the fault kinds and their schedule; [`paydb`]: the workload's database;
+//! - [`lockdb`]: railguard's own PostgreSQL, one cluster or a Patroni cluster;
 //! - [`reread`]: the §A2.3 bug, on purpose, for the negative control.
 
 pub mod check;
 pub mod coordinator;
 pub mod faults;
 pub mod history;
+pub mod lockdb;
 pub mod paydb;
 pub mod progress;
 pub mod reread;

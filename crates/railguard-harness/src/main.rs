@@ -31,9 +31,20 @@ struct Cli {
 }
 
 const FAULTS_HELP: &str = "Faults (--faults all|none|LIST): worker-sigstop, worker-pause, \
-lease-expires-mid-submit, lock-path-cut, proxy-path-cut, proxy-path-delay, pg-path-cut, \
-pg-path-delay, pg-kill, etcd-member-restart (etcd), etcd-leader-kill (etcd, 3 members), \
-proxy-kill, proxy-sigstop, rail-past-deadline, rolling-config.
+lease-expires-mid-submit, lock-path-cut, proxy-path-cut, proxy-path-delay, proxy-kill, \
+proxy-sigstop, rail-past-deadline, rolling-config;
+  with --pg single (the default): pg-path-cut, pg-path-delay, pg-kill, pg-rewind-data;
+  with --pg patroni: pg-failover;
+  with --backend etcd: etcd-member-restart, etcd-restore, and with --etcd-members 3 \
+etcd-leader-kill. `all` is every fault that applies.
+
+Stores that go back: pg-rewind-data puts railguard's PostgreSQL back to a copy of its data \
+taken 2-3 s earlier under load (what promoting an asynchronous standby that missed the last \
+commits does); etcd-restore restores etcd from a snapshot taken 2-3 s earlier; pg-failover \
+replaces the Patroni primary, hard (SIGKILL, the old primary rejoins) and planned \
+(switchover) in turns, and with --pg-sync off every other hard one (the first included) \
+after a second of commits its standbys never received. railguard must notice a store that went back; \
+`--negative-control no-store-change-detection` turns that off, to show what it prevents.
 
 Exit status: 0 no violation, 1 an invariant was violated, 2 the run could not be made.";
 

@@ -8,6 +8,10 @@
 //! taken again, with the same id, by a later holder of the account. Every step goes to the
 //! worker's history (see [`crate::history`]).
 //!
+//! With `--lock-only-keys`, some rounds lock a key that no payment goes with instead, as a
+//! service that uses the lock service for mutual exclusion alone does: acquire, a moment's
+//! work, release.
+//!
 //! SIGUSR1 asks for the T-042 pause: after the next claim and just before its submit, the
 //! worker stops — keep-alive included, as a process stalled in a GC pause would — for
 //! `pause_ms`, then carries on with its old grant. SIGUSR2 asks for `long_pause_ms`, past the
@@ -49,6 +53,9 @@ pub struct WorkerArgs {
     pub paydb_url: String,
     #[arg(long)]
     pub accounts: usize,
+    /// Keys locked besides the accounts, with no payment (see `lock_only_key`).
+    #[arg(long, default_value_t = 0)]
+    pub lock_only_keys: usize,
     #[arg(long)]
     pub ttl_ms: u64,
     #[arg(long)]
@@ -138,6 +145,11 @@ pub async fn run(args: WorkerArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// The `i`th key workers lock without paying anything under it.
+pub fn lock_only_key(i: usize) -> String {
+    format!("lock-only-{i}")
+}
+
 async fn connect_paydb(url: &str) -> Result<tokio_postgres::Client, String> {
     paydb::connect(url)
         .await
@@ -174,14 +186,33 @@ impl Worker {
             if rounds.is_multiple_of(16) && self.all_done().await {
                 break;
             }
-            let account = paydb::account_id(self.rng.below(self.args.accounts as u64) as usize);
+            let keys = self.args.accounts + self.args.lock_only_keys;
+            let pick = self.rng.below(keys as u64) as usize;
             let lock = self.rng.below(self.locks.len() as u64) as usize;
+            if pick >= self.args.accounts {
+                self.lock_only(lock, &lock_only_key(pick - self.args.accounts))
+                    .await;
+                continue;
+            }
+            let account = paydb::account_id(pick);
             let Some(handle) = self.acquire(lock, &account).await else {
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 continue;
             };
             self.hold(lock, &account, &handle).await;
             self.release(lock, &account, handle).await;
+        }
+    }
+
+    /// A grant of a key no payment goes with: held for a moment, released. Nothing reaches
+    /// the proxy, so no fencing mark ever records its tokens; they must still increase.
+    async fn lock_only(&mut self, lock: usize, key: &str) {
+        match self.acquire(lock, key).await {
+            Some(handle) => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                self.release(lock, key, handle).await;
+            }
+            None => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
 

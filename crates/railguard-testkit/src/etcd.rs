@@ -11,6 +11,13 @@
 //! base64 and 64-bit integers as decimal strings, and fields with zero values are omitted.
 //! Leases are read the same way, and counted from a member's own `/metrics`, so that a test
 //! can tell how many leases railguard granted and revoked, not only which exist now.
+//!
+//! A cluster can be put back in time with `etcdctl` (Debian's `etcd-client`):
+//! [`EtcdCluster::snapshot`] saves a snapshot while the cluster serves, and
+//! [`EtcdCluster::restore`] stops every member and restores each from it into a fresh data
+//! directory, with the name, peer URL, initial cluster and cluster token it was started with,
+//! then starts them again on the same ports. Every write made after the snapshot is gone and
+//! the revision is back where it was (etcd 3.4 has no `--bump-revision`).
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -30,6 +37,7 @@ use crate::process::signal;
 use crate::{Http, LaunchError};
 
 const ETCD: &str = "/usr/bin/etcd";
+const ETCDCTL: &str = "/usr/bin/etcdctl";
 /// How long a whole cluster (or a restarted member) may take to report healthy.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long `leader()` waits for the responsive members to agree on a leader.
@@ -47,6 +55,23 @@ pub struct EtcdCluster {
     token: String,
     quota_backend_bytes: Option<u64>,
     http: Http,
+}
+
+/// A snapshot of an [`EtcdCluster`]'s keyspace (`etcdctl snapshot save`), to restore with
+/// [`EtcdCluster::restore`]. Removed when dropped.
+#[derive(Debug)]
+pub struct EtcdSnapshot {
+    dir: TempDir,
+    /// The cluster's revision in the snapshot: a restored cluster is back at it.
+    pub revision: i64,
+    /// When the snapshot was complete.
+    pub taken: Instant,
+}
+
+impl EtcdSnapshot {
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("snapshot.db")
+    }
 }
 
 /// Lease operations one etcd member has counted (`etcd_debugging_lease_*_total`). `revoked`
@@ -396,6 +421,90 @@ impl EtcdCluster {
         }
     }
 
+    /// Saves a snapshot of the keyspace from a running member, while the cluster serves.
+    pub async fn snapshot(&self) -> Result<EtcdSnapshot, String> {
+        let i = (0..self.members.len())
+            .find(|i| self.state(*i) == MemberState::Running)
+            .ok_or("no running etcd member to take a snapshot from")?;
+        let dir = tempfile::Builder::new()
+            .prefix("railguard-etcd-snapshot-")
+            .tempdir()
+            .map_err(|e| format!("cannot create the snapshot's temp dir: {e}"))?;
+        let mut snapshot = EtcdSnapshot {
+            dir,
+            revision: 0,
+            taken: Instant::now(),
+        };
+        let path = snapshot.path();
+        etcdctl(&[
+            "--endpoints",
+            &self.members[i].endpoint(),
+            "snapshot",
+            "save",
+            path.to_str().ok_or("snapshot path is not UTF-8")?,
+        ])
+        .await?;
+        snapshot.taken = Instant::now();
+        let status = etcdctl(&[
+            "snapshot",
+            "status",
+            path.to_str().ok_or("snapshot path is not UTF-8")?,
+            "--write-out",
+            "json",
+        ])
+        .await?;
+        snapshot.revision = serde_json::from_str::<Value>(&status)
+            .ok()
+            .and_then(|v| v["revision"].as_i64())
+            .ok_or_else(|| format!("etcdctl snapshot status: no revision in {status}"))?;
+        Ok(snapshot)
+    }
+
+    /// Restores the whole cluster from `snapshot`: SIGKILLs every member still running,
+    /// replaces each data directory with `etcdctl snapshot restore` (same name, peer URL,
+    /// initial cluster and cluster token as at the first start, so the member and cluster ids
+    /// stay the same), starts every member on its old ports and waits until all are healthy.
+    pub async fn restore(&mut self, snapshot: &EtcdSnapshot) -> Result<(), String> {
+        let initial_cluster = self.initial_cluster();
+        let path = snapshot.path();
+        let path = path.to_str().ok_or("snapshot path is not UTF-8")?;
+        for i in 0..self.members.len() {
+            if self.state(i) != MemberState::Stopped {
+                self.kill(i).await;
+            }
+            let member = &self.members[i];
+            let data = member.data_dir();
+            if data.exists() {
+                std::fs::remove_dir_all(&data)
+                    .map_err(|e| format!("cannot remove {}: {e}", data.display()))?;
+            }
+            etcdctl(&[
+                "snapshot",
+                "restore",
+                path,
+                "--name",
+                &member.name,
+                "--initial-cluster",
+                &initial_cluster,
+                "--initial-cluster-token",
+                &self.token,
+                "--initial-advertise-peer-urls",
+                &member.peer_url(),
+                "--data-dir",
+                data.to_str().ok_or("data dir is not UTF-8")?,
+            ])
+            .await
+            .map_err(|e| format!("member {i}: {e}"))?;
+        }
+        for i in 0..self.members.len() {
+            self.spawn(i, "existing")?;
+        }
+        for i in 0..self.members.len() {
+            self.wait_healthy(i).await?;
+        }
+        Ok(())
+    }
+
     /// Member `i`'s pid while it runs (paused included), e.g. to sample its CPU time.
     pub fn pid(&self, i: usize) -> Option<u32> {
         self.members[i].pid()
@@ -526,6 +635,22 @@ impl EtcdCluster {
         let probe = base64_encode(b"railguard-test-revision-probe");
         let reply = self.kv(None, "/v3/kv/range", json!({ "key": probe })).await;
         uint(&reply["header"]["revision"]).expect("range reply has a revision")
+    }
+
+    /// [`revision`](Self::revision) in one try on the running members: `None` when none
+    /// answers.
+    pub async fn try_revision(&self) -> Option<i64> {
+        let probe = base64_encode(b"railguard-test-revision-probe");
+        for i in 0..self.members.len() {
+            if self.state(i) != MemberState::Running {
+                continue;
+            }
+            let url = format!("{}/v3/kv/range", self.members[i].endpoint());
+            if let Ok(reply) = self.post(&url, json!({ "key": probe })).await {
+                return uint(&reply["header"]["revision"]);
+            }
+        }
+        None
     }
 
     /// The ids of every lease that exists now (granted, neither revoked nor expired), from
@@ -663,6 +788,30 @@ impl Member {
     fn pid(&self) -> Option<u32> {
         self.child.as_ref()?.id()
     }
+}
+
+/// Runs `etcdctl` (v3 API) and returns its stdout, or why it failed.
+async fn etcdctl(args: &[&str]) -> Result<String, String> {
+    let out = timeout(
+        Duration::from_secs(30),
+        Command::new(ETCDCTL)
+            .args(args)
+            .env("ETCDCTL_API", "3")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .map_err(|_| format!("etcdctl {} did not finish within 30 s", args.join(" ")))?
+    .map_err(|e| format!("cannot run {ETCDCTL} (Debian package etcd-client): {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "etcdctl {} failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// A token no other cluster on this machine uses, so stray peers can never join.

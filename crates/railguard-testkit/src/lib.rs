@@ -2,9 +2,10 @@
 //! shared by the integration tests, the benchmark and the fault harness.
 //!
 //! - [`Pg`]: a PostgreSQL cluster initialised into a temp dir (run as the `postgres` user when
-//!   the tests run as root), which a test can stop, kill, pause and restart; durable for the
-//!   benchmark.
-//! - [`EtcdCluster`]: one or three real etcd members, each stoppable, killable and pausable.
+//!   the tests run as root), which a test can stop, kill, pause and restart, or put back to an
+//!   earlier copy of its data; durable for the benchmark.
+//! - [`EtcdCluster`]: one or three real etcd members, each stoppable, killable and pausable;
+//!   the whole cluster can be restored from a snapshot taken earlier.
 //! - [`PatroniCluster`]: a high-availability PostgreSQL (Patroni, two or three members, its
 //!   own etcd) whose primary a test kills or switches over, losing its last commits if asked.
 //! - [`Rail`]: the rail simulator, in-process, whose ledger a test reads directly.
@@ -40,11 +41,11 @@ mod tls_front;
 mod wait;
 mod world;
 
-pub use etcd::{EtcdBuilder, EtcdCluster};
+pub use etcd::{EtcdBuilder, EtcdCluster, EtcdSnapshot};
 pub use full_rail::FullRail;
 pub use http::{Http, Reply};
 pub use patroni::{PatroniBuilder, PatroniCluster};
-pub use pg::{Pg, PgBuilder, without_startup_settings};
+pub use pg::{DataCopy, Pg, PgBuilder, without_startup_settings};
 pub use pki::{Issued, Pki};
 pub use process::{children_of, signal};
 pub use prometheus::Metrics;

@@ -6,8 +6,16 @@
 //! in the server: fsync off for speed (or left on, [`PgBuilder::durable`], for the
 //! benchmark), loopback access for `pgbench`, and kill and pause, done by signalling the
 //! postmaster and its backends.
+//!
+//! A cluster can also be put back in time: [`Pg::copy_data`] takes a `pg_basebackup` copy while
+//! it serves, and [`Pg::rewind_to`] kills the server, puts the copy in place of its data
+//! directory and starts it again on the same port. Every commit made after the copy is gone,
+//! as when an asynchronous standby that missed the last commits is promoted: rows and
+//! sequences go back together.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tempfile::TempDir;
@@ -25,7 +33,26 @@ const NOT_DURABLE_SETTINGS: [(&str, &str); 2] = [("fsync", "off"), ("full_page_w
 /// A throwaway PostgreSQL cluster.
 pub struct Pg {
     pub server: PostgresServer,
-    _dir: TempDir,
+    dir: TempDir,
+}
+
+/// A copy of a [`Pg`]'s data directory, taken by [`Pg::copy_data`] while the server ran; put
+/// back with [`Pg::rewind_to`] (as often as wanted: the copy stays as it was). Removed when
+/// dropped.
+#[derive(Debug)]
+pub struct DataCopy {
+    dir: PathBuf,
+    /// The WAL position the copy ends at (`pg_current_wal_lsn()` after the copy was made):
+    /// a rewound server comes back with every commit up to here and none after.
+    pub lsn: String,
+    /// When the copy was complete.
+    pub taken: tokio::time::Instant,
+}
+
+impl Drop for DataCopy {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// How to start a [`Pg`]; [`Pg::start`] is the default (not durable, in the system temp dir).
@@ -111,7 +138,7 @@ impl PgBuilder {
             serve_tls_only(server.data_dir(), issued)?;
         }
         server.start().await?;
-        Ok(Pg { server, _dir: dir })
+        Ok(Pg { server, dir })
     }
 }
 
@@ -207,6 +234,92 @@ impl Pg {
         }
     }
 
+    /// Copies the data directory while the server runs (`pg_basebackup`, a fast checkpoint,
+    /// the WAL streamed alongside), as the server's own user, into this cluster's temp dir.
+    /// Needs the server's default replication access (`host replication all 127.0.0.1/32`),
+    /// which a [TLS-only](PgBuilder::tls) cluster does not have.
+    pub async fn copy_data(&self) -> Result<DataCopy, String> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = self
+            .dir
+            .path()
+            .join(format!("copy-{}", NEXT.fetch_add(1, Ordering::Relaxed)));
+        let owner = owner_of(self.server.data_dir())?;
+        std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        // Dropped on every path from here: a failed copy leaves nothing behind.
+        let mut copy = DataCopy {
+            dir,
+            lsn: String::new(),
+            taken: tokio::time::Instant::now(),
+        };
+        hand_over(&copy.dir, owner, 0o700)?;
+        let mut command = tokio::process::Command::new(self.server.bin_dir().join("pg_basebackup"));
+        command
+            .arg("--dbname")
+            .arg(self.url())
+            .arg("--pgdata")
+            .arg(&copy.dir)
+            .args(["--wal-method=stream", "--checkpoint=fast", "--no-sync"])
+            .current_dir(&copy.dir)
+            .stdin(Stdio::null());
+        if owner.0 != current_uid() {
+            command.uid(owner.0).gid(owner.1);
+        }
+        let out = tokio::time::timeout(Duration::from_secs(60), command.output())
+            .await
+            .map_err(|_| "pg_basebackup did not finish within 60 s".to_string())?
+            .map_err(|e| format!("cannot run pg_basebackup: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "pg_basebackup failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        copy.taken = tokio::time::Instant::now();
+        copy.lsn = self
+            .client_with(&self.url())
+            .await?
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .map(|row| row.get(0))
+            .unwrap_or_default();
+        Ok(copy)
+    }
+
+    /// Puts the data directory back to `copy`: SIGKILLs the server (a crash: nothing is
+    /// flushed or handed over), replaces the data directory with the copy and starts the
+    /// server again on the same port, where it recovers to the end of the copy. Every commit
+    /// made after the copy is lost. The server's log is kept across.
+    pub async fn rewind_to(&mut self, copy: &DataCopy) -> Result<(), String> {
+        self.kill().await;
+        let data = self.server.data_dir().to_path_buf();
+        let log = std::fs::read(data.join(SERVER_LOG)).unwrap_or_default();
+        std::fs::remove_dir_all(&data)
+            .map_err(|e| format!("cannot remove {}: {e}", data.display()))?;
+        // `cp -a` keeps the server user's ownership and the 0700 modes PostgreSQL insists on.
+        let out = tokio::process::Command::new("cp")
+            .arg("-a")
+            .arg(&copy.dir)
+            .arg(&data)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .map_err(|e| format!("cannot run cp: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "cannot put the copy in place: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        std::fs::write(data.join(SERVER_LOG), log)
+            .map_err(|e| format!("cannot keep the server log: {e}"))?;
+        self.server
+            .start()
+            .await
+            .map_err(|e| format!("PostgreSQL did not start on the copy: {e}"))
+    }
+
     /// SIGSTOP to the postmaster and every backend: a server that stops answering without
     /// closing its sockets (a VM pause, a partition that drops packets).
     pub async fn pause(&self) {
@@ -290,6 +403,34 @@ impl Pg {
             .ok()?;
         row.get::<_, bool>(1).then(|| row.get(0))
     }
+}
+
+/// The server's log, inside its data directory (railguard's `PostgresServer` writes it there).
+const SERVER_LOG: &str = "railguard-postgres.log";
+
+/// `(uid, gid)` owning `path`.
+fn owner_of(path: &Path) -> Result<(u32, u32), String> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path)
+        .map(|m| (m.uid(), m.gid()))
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
+fn current_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").map_or(u32::MAX, |m| m.uid())
+}
+
+/// Gives `dir` to the server's user with `mode`.
+fn hand_over(dir: &Path, (uid, gid): (u32, u32), mode: u32) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("cannot set the mode of {}: {e}", dir.display()))?;
+    if uid != current_uid() {
+        std::os::unix::fs::chown(dir, Some(uid), Some(gid))
+            .map_err(|e| format!("cannot hand {} to uid {uid}: {e}", dir.display()))?;
+    }
+    Ok(())
 }
 
 /// What a PostgreSQL pooler that drops startup options passes on, for
