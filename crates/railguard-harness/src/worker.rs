@@ -434,7 +434,10 @@ impl Worker {
             // A retry of a payment first claimed under an earlier grant says so: if that
             // grant predates a store that went back, the proxy answers in_doubt rather than
             // pay again what the rail may already have.
-            _ => match (key, first_token.and_then(railguard_sdk::token::FencingToken::new)) {
+            _ => match (
+                key,
+                first_token.and_then(railguard_sdk::token::FencingToken::new),
+            ) {
                 (Some(key), Some(first)) if first != handle.token() => {
                     self.rails[rail]
                         .retry(handle, account, &path, body, key, first)
