@@ -565,6 +565,7 @@ fn extract_config(
         token_header: config.proxy.token_header.clone(),
         account_header: config.proxy.account_header.clone(),
         idempotency_header: config.proxy.idempotency_header.clone(),
+        first_token_header: config.proxy.first_token_header.clone(),
         proof_header: config.proxy.proof_header.clone(),
         idempotency_required: config.idempotency.required,
         max_account_len: config.proxy.max_account_len,

@@ -1053,3 +1053,50 @@ async fn no_clean_stop_is_recorded_while_a_keyed_request_waits_for_its_turn() {
     let stops = clean_stops(&pg, owner).await;
     assert_eq!(stops, 0, "{}", rg.log());
 }
+
+/// W1 pays P; W2 takes the account over and pays; W1, whose answer was lost, retries P with
+/// P's key: it gets P's own answer, not `fenced_out` — fencing refuses new payments of a
+/// superseded grant, not the replay of one it let through. W1's new payment under the same
+/// grant is refused, and a stale grant never receives another grant's answer (W2's key under
+/// W1's token is refused too).
+#[tokio::test]
+async fn a_retry_after_its_grant_was_superseded_gets_its_own_answer() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let http = rg.http();
+    let first = pay(&http, &rg, 10, "a", "p", "{\"n\":1}").await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let newer = pay(&http, &rg, 11, "a", "q", "{\"n\":2}").await;
+    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+
+    let retry = support::eventually(Duration::from_secs(10), || async {
+        let reply = pay(&http, &rg, 10, "a", "p", "{\"n\":1}").await;
+        // The completion may still be on its way: in_flight until it is stored.
+        (reply.status != StatusCode::CONFLICT || reply.json()["error"] != "in_flight")
+            .then_some(reply)
+    })
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    assert_eq!(retry.headers.get("idempotency-replayed").unwrap(), "true");
+    assert_eq!(retry.body, first.body);
+
+    let changed = pay(&http, &rg, 10, "a", "p", "{\"n\":9}").await;
+    assert_eq!(
+        changed.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        changed.body
+    );
+    let new_payment = pay(&http, &rg, 10, "a", "r", "{\"n\":3}").await;
+    assert_eq!(
+        new_payment.json()["error"],
+        "fenced_out",
+        "{}",
+        new_payment.body
+    );
+    let others = pay(&http, &rg, 10, "a", "q", "{\"n\":2}").await;
+    assert_eq!(others.json()["error"], "fenced_out", "{}", others.body);
+    assert_eq!(rail.ledger().len(), 2, "the rail saw P and Q once each");
+}

@@ -240,6 +240,7 @@ fn review_every_key_has_a_working_environment_override() {
                 }
                 (k, _) if k.ends_with(".tls_client_auth") => ("required".into(), "required".into()),
                 ("log.format", _) => ("json".into(), "json".into()),
+                ("database.replication_risk", _) => ("refuse".into(), "refuse".into()),
                 ("log.level", _) => ("debug".into(), "debug".into()),
                 (_, toml::Value::Integer(i)) => ((i + 1).to_string(), toml::Value::Integer(i + 1)),
                 (_, toml::Value::Boolean(b)) => ((!b).to_string(), toml::Value::Boolean(!b)),

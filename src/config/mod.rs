@@ -98,6 +98,11 @@ pub struct ProxyConfig {
     /// rail so that a rail which deduplicates by it absorbs a retry the proxy cannot judge.
     #[serde(with = "header")]
     pub idempotency_header: HeaderName,
+    /// Header a retry sends with the token its key was first sent under (`docs/operations.md`,
+    /// "When a store goes back"): if that token is below the fencing floor and the key has no
+    /// record, the record may have been lost with the store, and the retry is in doubt.
+    #[serde(with = "header")]
+    pub first_token_header: HeaderName,
     /// Header that carries the grant's proof that the token was granted for the account's
     /// lock key (C2 §2.3).
     #[serde(with = "header")]
@@ -125,6 +130,7 @@ impl Default for ProxyConfig {
             token_header: HeaderName::from_static("fencing-token"),
             account_header: HeaderName::from_static("fencing-account"),
             idempotency_header: HeaderName::from_static("idempotency-key"),
+            first_token_header: HeaderName::from_static("idempotency-first-token"),
             proof_header: HeaderName::from_static("fencing-proof"),
             max_account_len: 128,
             listener: ListenerConfig::default(),
@@ -170,6 +176,7 @@ impl ProxyConfig {
             ("proxy.token_header", &self.token_header),
             ("proxy.account_header", &self.account_header),
             ("proxy.idempotency_header", &self.idempotency_header),
+            ("proxy.first_token_header", &self.first_token_header),
             ("proxy.proof_header", &self.proof_header),
         ];
         for (i, (key, name)) in headers.iter().enumerate() {

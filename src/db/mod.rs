@@ -212,7 +212,8 @@ impl SessionGate {
 /// The pool, and the embedded server when there is one.
 pub struct Database {
     pub pool: Pool,
-    /// The check the pool's sessions (and those of [`Database::sessions_with_gate`]) pass.
+    /// The check the pool's sessions (and those of [`Database::look_pool`] and
+    /// [`Database::completion_pool`]) pass.
     pub gate: SessionGate,
     /// The pool's commits reported as done but not replicated, per session ([`notices`]).
     pub notices: Notices,

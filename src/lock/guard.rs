@@ -342,6 +342,9 @@ impl SourceGuard {
     /// read refuses the grant too.
     pub async fn admit(&self, key: &str, token: i64, mark_before: i64) -> Result<(), &'static str> {
         self.ceiling.fetch_max(token, Ordering::Relaxed);
+        if let Some(epoch) = &self.epoch {
+            epoch.observe(token);
+        }
         let mut mark = mark_before;
         let account = self.account_of(key);
         let detecting = self.detecting().is_some();

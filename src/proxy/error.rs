@@ -313,7 +313,9 @@ impl Rejection {
     fn idempotency_conflict(e: &IdempotencyConflict) -> Self {
         let (status, code) = match e {
             IdempotencyConflict::InFlight => (StatusCode::CONFLICT, "in_flight"),
-            IdempotencyConflict::InDoubt => (StatusCode::CONFLICT, "in_doubt"),
+            IdempotencyConflict::InDoubt | IdempotencyConflict::FirstAttemptLost => {
+                (StatusCode::CONFLICT, "in_doubt")
+            }
             IdempotencyConflict::Mismatch => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
             }
@@ -404,12 +406,14 @@ pub(crate) fn examples() -> Vec<BoxError> {
         IdempotencyConflict::InFlight,
         IdempotencyConflict::InDoubt,
         IdempotencyConflict::Mismatch,
+        IdempotencyConflict::FirstAttemptLost,
     ];
     for e in &conflicts {
         match e {
             IdempotencyConflict::InFlight
             | IdempotencyConflict::InDoubt
-            | IdempotencyConflict::Mismatch => {}
+            | IdempotencyConflict::Mismatch
+            | IdempotencyConflict::FirstAttemptLost => {}
         }
     }
     let mut examples: Vec<BoxError> = vec![

@@ -72,6 +72,7 @@ pub struct ExtractConfig {
     pub token_header: HeaderName,
     pub account_header: HeaderName,
     pub idempotency_header: HeaderName,
+    pub first_token_header: HeaderName,
     /// Refuse requests without an idempotency key.
     pub idempotency_required: bool,
     pub max_account_len: usize,
@@ -303,6 +304,36 @@ pub fn idempotency_key(
     }
 }
 
+/// A retry's `Idempotency-First-Token`: the token its key was first sent under, in the same
+/// form as the fencing token, at most the token presented now (tokens of one key only grow),
+/// and only beside an idempotency key.
+pub fn first_token(
+    headers: &HeaderMap,
+    name: &HeaderName,
+    keyed: bool,
+    token: FencingToken,
+) -> Result<Option<FencingToken>, BadRequest> {
+    let bad = |reason: String| BadRequest::Header {
+        header: name.clone(),
+        reason,
+    };
+    let text = match single_header(headers, name) {
+        Err(HeaderError::Missing) => return Ok(None),
+        Err(e) => return Err(bad(e.to_string())),
+        Ok(text) => text,
+    };
+    let first = FencingToken::parse(text).map_err(|e| bad(e.to_string()))?;
+    if !keyed {
+        return Err(bad("is only meaningful with an idempotency key".into()));
+    }
+    if first > token {
+        return Err(bad(
+            "is above the fencing token: a key is first sent under an earlier grant".into(),
+        ));
+    }
+    Ok(Some(first))
+}
+
 impl<S, B> Service<Request<B>> for Extract<S>
 where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
@@ -364,6 +395,12 @@ where
                     }
                 })?;
             let idempotency_key = config.idempotency_key(request.headers())?;
+            let first_token = first_token(
+                request.headers(),
+                &config.first_token_header,
+                idempotency_key.is_some(),
+                token,
+            )?;
             let span = tracing::Span::current();
             span.record("lock.token", token.get());
             span.record("account", account.as_str());
@@ -399,6 +436,7 @@ where
                 let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
                 IdempotencyKey {
                     key,
+                    first_token,
                     owner: super::idempotency::new_owner(),
                     fingerprint: super::idempotency::fingerprint(
                         parts.method.as_str(),
@@ -476,6 +514,41 @@ mod tests {
 
     use crate::proof::ProofKey;
 
+    #[test]
+    fn a_first_token_is_a_token_at_most_the_presented_one_and_only_with_a_key() {
+        let name = HeaderName::from_static("idempotency-first-token");
+        let token = FencingToken::new(7).unwrap();
+        let with = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(name.clone(), value.parse().unwrap());
+            headers
+        };
+        assert_eq!(
+            first_token(&HeaderMap::new(), &name, true, token).unwrap(),
+            None
+        );
+        assert_eq!(
+            first_token(&with("5"), &name, true, token).unwrap(),
+            FencingToken::new(5)
+        );
+        assert_eq!(
+            first_token(&with("7"), &name, true, token).unwrap(),
+            Some(token)
+        );
+        for (value, keyed) in [
+            ("8", true),
+            ("5", false),
+            ("0", true),
+            ("x", true),
+            ("-1", true),
+        ] {
+            assert!(
+                first_token(&with(value), &name, keyed, token).is_err(),
+                "{value} keyed={keyed}"
+            );
+        }
+    }
+
     const KEY: [u8; 32] = [7; 32];
 
     fn config(required: bool) -> ExtractConfig {
@@ -483,6 +556,7 @@ mod tests {
             token_header: HeaderName::from_static("fencing-token"),
             account_header: HeaderName::from_static("fencing-account"),
             idempotency_header: HeaderName::from_static("idempotency-key"),
+            first_token_header: HeaderName::from_static("idempotency-first-token"),
             proof_header: HeaderName::from_static("fencing-proof"),
             idempotency_required: false,
             max_account_len: 64,

@@ -69,6 +69,9 @@ pub struct IdempotencyKey {
     pub fingerprint: String,
     /// This request's own random id, stored with the record it creates.
     pub owner: String,
+    /// The token this key was first sent under, when the client says (a retry's
+    /// `Idempotency-First-Token`).
+    pub first_token: Option<FencingToken>,
 }
 
 /// The peer address of the client connection, for `X-Forwarded-For`.

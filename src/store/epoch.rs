@@ -8,21 +8,26 @@
 //! already handed out (INV-04) and an old grant's token is accepted after a newer one paid
 //! (INV-05): the rail pays twice.
 //!
-//! **How it is noticed.** The one thing that cannot go back with the data is the server: a
-//! rewind or a failover always means a restart or another server. `railguard_store_epoch`
-//! holds the identity of the server the database was last acknowledged on — system
-//! identifier, timeline, postmaster start time — and every session railguard opens compares
-//! it with the server it is connected to before the session is used
-//! ([`crate::db::SessionGate`]). The row went back with the data, so it still names the old
-//! server: any railguard sees the mismatch, including one started after the event. Sessions
-//! live and die with their server, so a session checked once stays checked.
+//! **How it is noticed.** What cannot go back with the data is where it lives: a rewind or a
+//! failover always means a restart or another server, and a restored dump means new storage
+//! for the tables. `railguard_store_epoch` holds the identity the database was last
+//! acknowledged on — system identifier, timeline, postmaster start time, the storage of
+//! railguard's tables and sequence — and every session railguard opens compares it with where
+//! it is connected before the session is used ([`crate::db::SessionGate`]). The row went back
+//! with the data, so it still names the old identity: any railguard sees the mismatch,
+//! including one started after the event. Sessions live and die with their server, so a
+//! session checked once stays checked.
 //!
 //! **What is done.** Under the row's lock, the first railguard to see a new server moves the
 //! token source past anything that could have been issued before and raises the **floor** to
 //! it, in one transaction with the new identity and an audit row:
-//! - PostgreSQL lock backend: the floor is the next multiple of [`FLOOR_GAP`] at least a gap
-//!   above everything known (the sequence, the marks, the floor, what this process saw), and
-//!   `fencing_token_seq` is set to it; grants below it are ended.
+//! - PostgreSQL lock backend: the floor is at least a [`FLOOR_GAP`] above everything known —
+//!   the sequence, the marks, the floor, what this process saw — and at least the server's
+//!   clock in microseconds, and `fencing_token_seq` is set to it; grants below it are ended. The data may have gone back past an earlier floor (a second rewind, a
+//!   standby that missed the last change) with no railguard left that saw it: then nothing
+//!   known is above the tokens that floor handed out, and only the clock is — tokens are drawn
+//!   far slower than one a microsecond. This one case leans on the clock not going back. A
+//!   railguard that saw such a token and meets a floor another set below it fences again.
 //! - etcd lock backend: etcd did not go back with PostgreSQL, so the floor is one above its
 //!   revision now: every grant made before is below it.
 //!
@@ -48,25 +53,46 @@ use std::time::Duration;
 use prometheus::{IntCounter, IntGauge, Registry};
 use tokio_postgres::Client;
 
-/// The least a floor moves the PostgreSQL token source: far more tokens than a standby could
-/// miss. Floors are multiples of it, so a token's epoch reads off its leading digits.
+/// The least a floor moves the PostgreSQL token source past what the data knows: far more
+/// tokens than a standby could miss.
 pub const FLOOR_GAP: i64 = 1_000_000_000;
 
+/// The storage of the tables and sequence a store going back takes with it: a logical restore
+/// recreates them on the same server (a `VACUUM FULL` of one also changes it: a change fenced
+/// for nothing, which is safe).
+macro_rules! relations {
+    () => {
+        "concat_ws('/', pg_relation_filenode('railguard_store_epoch'),
+                   pg_relation_filenode('rail_high_water'),
+                   pg_relation_filenode('fencing_token_seq'),
+                   pg_relation_filenode('idempotency_record'),
+                   pg_relation_filenode('lock_entry'))"
+    };
+}
+
 /// The server's identity beside the one acknowledged in the row, and the row's floor.
-const IDENTITY_SQL: &str = "\
+const IDENTITY_SQL: &str = concat!(
+    "\
 SELECT e.system_identifier IS NOT DISTINCT FROM s.system_identifier
        AND e.timeline IS NOT DISTINCT FROM l.timeline
-       AND e.postmaster_start IS NOT DISTINCT FROM pg_postmaster_start_time(),
+       AND e.postmaster_start IS NOT DISTINCT FROM pg_postmaster_start_time()
+       AND e.relations IS NOT DISTINCT FROM ",
+    relations!(),
+    ",
        e.system_identifier IS NULL,
        e.floor, e.epoch,
-       format('system %s, timeline %s, started %s',
-              s.system_identifier, l.timeline, pg_postmaster_start_time()),
-       format('system %s, timeline %s, started %s',
-              e.system_identifier, e.timeline, e.postmaster_start)
+       format('system %s, timeline %s, started %s, storage %s',
+              s.system_identifier, l.timeline, pg_postmaster_start_time(), ",
+    relations!(),
+    "),
+       format('system %s, timeline %s, started %s, storage %s',
+              e.system_identifier, e.timeline, e.postmaster_start, e.relations),
+       (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
 FROM railguard_store_epoch e,
      pg_control_system() s,
      (SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint
-        AS timeline) l";
+        AS timeline) l"
+);
 
 /// Everything a token could have reached before the change, as far as this database says.
 const KNOWN_SQL: &str = "\
@@ -74,16 +100,21 @@ SELECT GREATEST((SELECT COALESCE(max(highest_token), 0) FROM rail_high_water),
                 (SELECT COALESCE(max(token), 0) FROM lock_issued),
                 (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM fencing_token_seq))";
 
-const ACKNOWLEDGE_SQL: &str = "\
+const ACKNOWLEDGE_SQL: &str = concat!(
+    "\
 UPDATE railguard_store_epoch SET
     system_identifier = s.system_identifier,
     timeline = ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint,
     postmaster_start = pg_postmaster_start_time(),
+    relations = ",
+    relations!(),
+    ",
     floor = GREATEST(floor, $1),
     epoch = epoch + $2,
     changed_at = now()
 FROM pg_control_system() s
-RETURNING floor, epoch";
+RETURNING floor, epoch"
+);
 
 const AUDIT_SQL: &str = "\
 INSERT INTO railguard_audit (action, reason, outcome, finished_at)
@@ -118,6 +149,8 @@ pub struct StoreEpoch {
     floor: AtomicI64,
     /// The epoch last seen; -1 before the first check.
     epoch: AtomicI64,
+    /// The highest token this process saw granted or accepted ([`StoreEpoch::observe`]).
+    seen: AtomicI64,
     timeout: Duration,
     metrics: EpochMetrics,
 }
@@ -179,6 +212,7 @@ impl StoreEpoch {
             jump,
             floor: AtomicI64::new(0),
             epoch: AtomicI64::new(-1),
+            seen: AtomicI64::new(0),
             timeout,
             metrics: EpochMetrics {
                 changes,
@@ -234,15 +268,38 @@ impl StoreEpoch {
     async fn check_unbounded(&self, client: &mut Client) -> Result<(), EpochError> {
         let row = client.query_one(IDENTITY_SQL, &[]).await?;
         let (same, floor, epoch): (bool, i64, i64) = (row.get(0), row.get(2), row.get(3));
-        if same || !self.detect {
+        if !self.detect {
+            self.learn(floor, epoch);
+            return Ok(());
+        }
+        if same && !self.floor_below_what_was_seen(floor, epoch) {
             self.learn(floor, epoch);
             return Ok(());
         }
         self.fence_change(client).await
     }
 
-    /// The server is not the acknowledged one: under the row's lock (another railguard may be
-    /// doing the same), move the token source, raise the floor, acknowledge the server, audit.
+    /// Another railguard fenced a change this process had not seen yet, and the floor it set
+    /// is not above a token this process saw before: the data went back past an earlier floor
+    /// (a second rewind, a failover to a standby that missed the last one), and that railguard
+    /// did not know. Only PostgreSQL's sequence goes back with the data.
+    fn floor_below_what_was_seen(&self, floor: i64, epoch: i64) -> bool {
+        let before = self.epoch.load(Ordering::Acquire);
+        matches!(self.jump, TokenJump::Sequence)
+            && before >= 0
+            && epoch > before
+            && self.seen.load(Ordering::Acquire) >= floor
+    }
+
+    /// A token this process saw granted or accepted: the floor of a later change must be above
+    /// it.
+    pub fn observe(&self, token: i64) {
+        self.seen.fetch_max(token, Ordering::AcqRel);
+    }
+
+    /// The server is not the acknowledged one (or the floor set for it is not above what this
+    /// process saw): under the row's lock (another railguard may be doing the same), move the
+    /// token source, raise the floor, acknowledge the server, audit.
     async fn fence_change(&self, client: &mut Client) -> Result<(), EpochError> {
         let tx = client.transaction().await?;
         let row = tx
@@ -251,14 +308,18 @@ impl StoreEpoch {
         let (same, never, old_floor, old_epoch): (bool, bool, i64, i64) =
             (row.get(0), row.get(1), row.get(2), row.get(3));
         let (now, before): (String, String) = (row.get(4), row.get(5));
-        if same {
+        let clock_us: i64 = row.get(6);
+        if same && !self.floor_below_what_was_seen(old_floor, old_epoch) {
             // Another railguard fenced it while this one waited for the row.
             tx.commit().await?;
             self.learn(old_floor, old_epoch);
             return Ok(());
         }
         let known: i64 = tx.query_one(KNOWN_SQL, &[]).await?.get(0);
-        let known = known.max(old_floor).max(self.floor());
+        let known = known
+            .max(old_floor)
+            .max(self.floor())
+            .max(self.seen.load(Ordering::Acquire));
         if never && known == 0 {
             // A new database: nothing was ever granted or accepted, nothing to fence.
             let acked = tx.query_one(ACKNOWLEDGE_SQL, &[&0i64, &0i64]).await?;
@@ -271,7 +332,12 @@ impl StoreEpoch {
             TokenJump::Sequence => {
                 tx.batch_execute("LOCK TABLE lock_entry IN EXCLUSIVE MODE")
                     .await?;
-                let floor = floor_above(known)?;
+                // The data may have gone back past an earlier floor with no railguard left
+                // that saw it (a second rewind, everything restarted): what the data knows is
+                // then below tokens already handed out. The server's clock in microseconds is a
+                // lower bound no such token reaches — tokens are drawn far slower than one a
+                // microsecond — unless the clock went back too.
+                let floor = floor_above(known)?.max(clock_us);
                 tx.query_one("SELECT setval('fencing_token_seq', $1, false)", &[&floor])
                     .await?;
                 let ended = tx
@@ -293,6 +359,9 @@ impl StoreEpoch {
         let why = if never {
             "first check of this database against its server: whatever happened before is \
              fenced once"
+        } else if same {
+            "the floor set for this server is not above a token this railguard saw before it: \
+             the data went back past an earlier floor"
         } else {
             "the database is served by another server, or the same one restarted, since it was \
              acknowledged: commits may have been lost (a failover, a rewound data directory)"

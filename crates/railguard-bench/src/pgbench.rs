@@ -166,7 +166,9 @@ mod tests {
             "{script}"
         );
         assert!(
-            script.contains("VALUES ('acct-' || :aid, 1000000)"),
+            script.contains(
+                "SELECT 'acct-' || :aid, 1000000 WHERE 1000000 >= (SELECT floor FROM railguard_store_epoch)"
+            ),
             "{script}"
         );
         assert!(

@@ -28,7 +28,10 @@ CREATE TABLE payment (
     amount   bigint  NOT NULL,
     state    text    NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'submitting', 'done')),
     attempts integer NOT NULL DEFAULT 0,
-    claimed_at timestamptz
+    claimed_at timestamptz,
+    -- The grant's token of the payment's first claim: its retries send it as
+    -- Idempotency-First-Token.
+    first_token bigint
 );
 CREATE INDEX payment_todo ON payment (account, state, id) WHERE state <> 'done';
 CREATE TABLE account_write (
@@ -189,7 +192,8 @@ async fn fence_account(
     }
 }
 
-/// Claims `payment` for the grant: fenced by the account row, in one transaction.
+/// Claims `payment` for the grant: fenced by the account row, in one transaction. Returns the
+/// token of the payment's first claim (this one's, the first time).
 pub async fn claim(
     client: &mut Client,
     account: &str,
@@ -197,21 +201,22 @@ pub async fn claim(
     presented: Presented<'_>,
     own: i64,
     attempt: &str,
-) -> Result<(), WriteError> {
+) -> Result<i64, WriteError> {
     let tx = client.transaction().await?;
     fence_account(&tx, account, presented, own, attempt, "", None).await?;
-    let n = tx
-        .execute(
+    let Some(row) = tx
+        .query_opt(
             "UPDATE payment SET state = 'submitting', attempts = attempts + 1, \
-             claimed_at = clock_timestamp() WHERE id = $1 AND state <> 'done'",
-            &[&payment],
+             claimed_at = clock_timestamp(), first_token = COALESCE(first_token, $2) \
+             WHERE id = $1 AND state <> 'done' RETURNING first_token",
+            &[&payment, &own],
         )
-        .await?;
-    if n == 0 {
+        .await?
+    else {
         return Err(WriteError::AlreadyDone);
-    }
+    };
     tx.commit().await?;
-    Ok(())
+    Ok(row.get(0))
 }
 
 /// Records `payment` as done and moves the balance, fenced, in one transaction.

@@ -302,7 +302,8 @@ impl Worker {
         self.write_presented(claim.clone(), presented);
         let claimed =
             paydb::claim(&mut self.paydb, account, &payment, presented, own, &attempt).await;
-        if !self.paydb_outcome(&claim, claimed).await {
+        let first_token = claimed.as_ref().ok().copied();
+        if !self.paydb_outcome(&claim, claimed.map(|_| ())).await {
             return;
         }
 
@@ -341,7 +342,14 @@ impl Worker {
         self.write_presented(submit.clone(), presented);
         if !self
             .submit(
-                &submit, handle, presented, account, &payment, amount, &attempt,
+                &submit,
+                handle,
+                presented,
+                account,
+                &payment,
+                amount,
+                &attempt,
+                first_token,
             )
             .await
         {
@@ -405,6 +413,7 @@ impl Worker {
         payment: &str,
         amount: i64,
         attempt: &str,
+        first_token: Option<i64>,
     ) -> bool {
         let rail = self.rng.below(self.rails.len() as u64) as usize;
         let path = submit_path(payment, attempt);
@@ -422,11 +431,24 @@ impl Worker {
                 )
                 .await
             }
-            _ => {
-                self.rails[rail]
-                    .post(handle, account, &path, body, key)
-                    .await
-            }
+            // A retry of a payment first claimed under an earlier grant says so: if that
+            // grant predates a store that went back, the proxy answers in_doubt rather than
+            // pay again what the rail may already have.
+            _ => match (
+                key,
+                first_token.and_then(railguard_sdk::token::FencingToken::new),
+            ) {
+                (Some(key), Some(first)) if first != handle.token() => {
+                    self.rails[rail]
+                        .retry(handle, account, &path, body, key, first)
+                        .await
+                }
+                _ => {
+                    self.rails[rail]
+                        .post(handle, account, &path, body, key)
+                        .await
+                }
+            },
         };
         let outcome = match &answer {
             Ok(r) if r.status.is_success() => invoke.outcome(Phase::Ok).detail(r.status.as_str()),

@@ -24,6 +24,8 @@ pub struct FencingHeaders {
     pub idempotency_key: String,
     /// The grant's proof that the token was granted for the account's lock key.
     pub proof: String,
+    /// A retry's token of its key's first attempt ([`RailClient::retry`]).
+    pub first_token: String,
 }
 
 impl Default for FencingHeaders {
@@ -33,6 +35,7 @@ impl Default for FencingHeaders {
             account: "Fencing-Account".into(),
             proof: "Fencing-Proof".into(),
             idempotency_key: "Idempotency-Key".into(),
+            first_token: "Idempotency-First-Token".into(),
         }
     }
 }
@@ -86,6 +89,45 @@ impl RailClient {
         body: Bytes,
         idempotency_key: Option<&str>,
     ) -> Result<RailResponse, SdkError> {
+        self.send(grant, account, path, body, idempotency_key, None)
+            .await
+    }
+
+    /// Sends a payment again under `grant` — whoever holds the account now — with the same
+    /// `idempotency_key` as its first attempt, and that attempt's token (`first_token`, the
+    /// grant it was first sent under). If the first attempt predates the last time railguard's
+    /// store went back (a failover, a restore) and its record did not survive, the answer is
+    /// `409 in_doubt` rather than a second payment: ask the rail, then send it as new if it
+    /// was not paid.
+    pub async fn retry(
+        &self,
+        grant: &LockHandle,
+        account: &str,
+        path: &str,
+        body: Bytes,
+        idempotency_key: &str,
+        first_token: crate::token::FencingToken,
+    ) -> Result<RailResponse, SdkError> {
+        self.send(
+            grant,
+            account,
+            path,
+            body,
+            Some(idempotency_key),
+            Some(first_token),
+        )
+        .await
+    }
+
+    async fn send(
+        &self,
+        grant: &LockHandle,
+        account: &str,
+        path: &str,
+        body: Bytes,
+        idempotency_key: Option<&str>,
+        first_token: Option<crate::token::FencingToken>,
+    ) -> Result<RailResponse, SdkError> {
         let token = grant.token().get();
         let mut request = Request::builder()
             .method(Method::POST)
@@ -96,6 +138,9 @@ impl RailClient {
             .header(http::header::CONTENT_TYPE, "application/json");
         if let Some(key) = idempotency_key {
             request = request.header(self.headers.idempotency_key.as_str(), key);
+        }
+        if let Some(first) = first_token {
+            request = request.header(self.headers.first_token.as_str(), first.get().to_string());
         }
         if let Some(authorization) = &self.authorization {
             request = request.header(http::header::AUTHORIZATION, authorization.clone());

@@ -56,7 +56,7 @@ use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
 use self::refusal_log::RefusalLog;
 use super::forward::{LateForwards, UpstreamTimeout};
-use super::idempotency::{NewRecord, Records, own_answer};
+use super::idempotency::{NewRecord, Records, lost_first_attempt, own_answer};
 use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::metrics::{FencePath, Metrics};
 use crate::store::epoch::StoreEpoch;
@@ -359,6 +359,15 @@ where
             .await;
     }
 
+    // A retry whose key was first sent before the store last went back, and whose record did
+    // not survive it, may already be paid: in doubt, never forwarded on a guess.
+    if let Some(records) = &point.records
+        && let Some(refusal) = lost_first_attempt(&**records, &request).await
+    {
+        span.record("verdict", "first_attempt_lost");
+        return Err(refusal);
+    }
+
     // Counted before the compare-and-set: once it commits, a keyed request owns a record whose
     // forward is to come, and a stop must not say this process sends nothing more.
     let counted = point.outstanding.as_ref().map(LateForwards::start);
@@ -388,6 +397,9 @@ where
         Verdict::Accepted { record } => {
             span.record("verdict", "accepted");
             point.cache.raise(&account, token.get());
+            if let Some(epoch) = &point.epoch {
+                epoch.observe(token.get());
+            }
             let owns_record = record.is_some();
             request.record = record;
             let forward = admitted_forward(point, inner, request, ticket, account, token);
@@ -582,6 +594,7 @@ mod tests {
             request: http::Request::new(Bytes::from_static(b"{}")),
             deadline: Instant::now() + Duration::from_secs(5),
             idempotency: key.map(|k| IdempotencyKey {
+                first_token: None,
                 key: k.into(),
                 fingerprint: "f".into(),
                 owner: "owner-1".into(),

@@ -59,6 +59,14 @@ pub enum IdempotencyConflict {
     InDoubt,
     #[error("this idempotency key was used for a different request (method, path or body)")]
     Mismatch,
+    #[error(
+        "this idempotency key was first sent under a grant from before the fencing store last \
+         went back (a failover, a restore), and its record did not survive it: whether the rail \
+         acted on the first attempt is unknown, so it will not be forwarded again. Ask the rail \
+         about this idempotency key; if it did not act, send the request again without \
+         Idempotency-First-Token"
+    )]
+    FirstAttemptLost,
 }
 
 /// The idempotency record could not be read.
@@ -170,6 +178,27 @@ pub async fn own_answer(
     Some(answer_repeat(record, &key.fingerprint))
 }
 
+/// A retry whose key was first sent before the store last went back, and whose record is not
+/// there now, may be a payment the rail already has: `Some(in doubt)` then. `None`: go on (no
+/// first token, one from after the floor, a record that survived — the repeat's own answer
+/// comes from it). A store that cannot answer refuses the request: nothing is forwarded on a
+/// guess.
+pub async fn lost_first_attempt(
+    records: &dyn Records,
+    request: &FencedRequest,
+) -> Option<BoxError> {
+    let key = request.idempotency.as_ref()?;
+    let first = key.first_token?;
+    match records
+        .first_attempt_lost(&request.account, &key.key, first.get())
+        .await
+    {
+        Ok(false) => None,
+        Ok(true) => Some(IdempotencyConflict::FirstAttemptLost.into()),
+        Err(e) => Some(IdempotencyUnavailable(e).into()),
+    }
+}
+
 /// A repeat of a key whose record already exists.
 async fn repeat(
     records: &dyn Records,
@@ -230,6 +259,7 @@ mod tests {
             request: http::Request::new(Bytes::from_static(b"{}")),
             deadline: Instant::now() + Duration::from_secs(5),
             idempotency: Some(IdempotencyKey {
+                first_token: None,
                 key: "pay-1".into(),
                 fingerprint: fingerprint.into(),
                 owner: "owner-1".into(),

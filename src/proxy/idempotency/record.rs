@@ -131,6 +131,16 @@ pub trait Records: Send + Sync + 'static {
         key: &'a str,
     ) -> BoxFuture<'a, Result<Option<Record>, DbError>>;
 
+    /// Whether `key` on `account`, first sent under `first_token`, may have had its record
+    /// lost with the store: the token is below the fencing floor (it predates the last time
+    /// the store went back) and the key has no record now.
+    fn first_attempt_lost<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key: &'a str,
+        first_token: i64,
+    ) -> BoxFuture<'a, Result<bool, DbError>>;
+
     /// Stores the rail's answer for the record's owner: at once if the database takes it,
     /// otherwise in the background (a repeat meanwhile is told `in_flight`).
     fn complete(&self, record: RecordId, response: StoredResponse) -> BoxFuture<'static, ()>;
@@ -216,6 +226,8 @@ pub(crate) mod tests {
     #[derive(Default)]
     pub(crate) struct MemoryRecords {
         pub(crate) found: Mutex<Option<Record>>,
+        /// The fencing floor the store would report.
+        pub(crate) floor: i64,
         pub(crate) ended: Mutex<Vec<Ended>>,
     }
 
@@ -233,6 +245,16 @@ pub(crate) mod tests {
         ) -> BoxFuture<'a, Result<Option<Record>, DbError>> {
             let found = self.found.lock().unwrap().clone();
             Box::pin(async move { Ok(found) })
+        }
+
+        fn first_attempt_lost<'a>(
+            &'a self,
+            _account: &'a AccountId,
+            _key: &'a str,
+            _first_token: i64,
+        ) -> BoxFuture<'a, Result<bool, DbError>> {
+            let found = self.found.lock().unwrap().is_some();
+            Box::pin(async move { Ok(!found && self.floor > _first_token) })
         }
 
         fn complete(&self, record: RecordId, response: StoredResponse) -> BoxFuture<'static, ()> {

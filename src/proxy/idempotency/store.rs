@@ -607,6 +607,12 @@ impl IdempotencyStore {
     }
 }
 
+/// A key first sent under a token below the floor (before the store last went back) whose
+/// record is not there now: it may have been made, and lost with the store.
+const FIRST_ATTEMPT_LOST_SQL: &str = "\
+SELECT (SELECT floor FROM railguard_store_epoch) > $3
+   AND NOT EXISTS (SELECT 1 FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2)";
+
 impl Records for IdempotencyStore {
     fn find<'a>(
         &'a self,
@@ -614,6 +620,24 @@ impl Records for IdempotencyStore {
         key: &'a str,
     ) -> BoxFuture<'a, Result<Option<Record>, DbError>> {
         Box::pin(IdempotencyStore::find(self, account, key))
+    }
+
+    fn first_attempt_lost<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key: &'a str,
+        first_token: i64,
+    ) -> BoxFuture<'a, Result<bool, DbError>> {
+        Box::pin(self.bounded(async move {
+            let client = self.client().await?;
+            let row = client
+                .query_one(
+                    FIRST_ATTEMPT_LOST_SQL,
+                    &[&account.as_str(), &key, &first_token],
+                )
+                .await?;
+            Ok(row.get(0))
+        }))
     }
 
     fn complete(&self, record: RecordId, response: StoredResponse) -> BoxFuture<'static, ()> {
