@@ -6,6 +6,8 @@
 
 use railguard_testkit as support;
 
+use support::payment::pay;
+
 use std::time::Duration;
 
 use http::StatusCode;
@@ -13,19 +15,6 @@ use railguard::sdk::{LockClient, LockHandle, RailClient, SdkError};
 use support::{PatroniCluster, Rail, Railguard, init_tracing};
 
 const FAILOVER: Duration = Duration::from_secs(60);
-
-async fn pay(proxy: &RailClient, grant: &LockHandle, id: &str) -> Result<StatusCode, SdkError> {
-    proxy
-        .post(
-            grant,
-            "acct",
-            "/payments",
-            format!("{{\"id\":\"{id}\"}}").into(),
-            Some(id),
-        )
-        .await
-        .map(|r| r.status)
-}
 
 /// A grant once the lock service answers again (it may be reconnecting).
 async fn acquire(lock: &LockClient, holder: &str) -> LockHandle {
@@ -78,7 +67,7 @@ async fn a_failover_fences_the_grants_from_before_it_and_payments_go_on_after_it
 
     let before = acquire(&lock, "w1").await;
     assert_eq!(
-        pay(&proxy, &before, "p1").await.unwrap(),
+        pay(&proxy, &before, "acct", "p1").await.unwrap(),
         StatusCode::CREATED
     );
     let timeline = cluster.timeline().await;
@@ -89,7 +78,7 @@ async fn a_failover_fences_the_grants_from_before_it_and_payments_go_on_after_it
 
     // The grant from before is fenced out once, whatever the mark says…
     support::eventually(FAILOVER, || async {
-        match pay(&proxy, &before, "p2").await {
+        match pay(&proxy, &before, "acct", "p2").await {
             Err(SdkError::FencedOut { .. }) => Some(()),
             _ => None,
         }
@@ -110,7 +99,7 @@ async fn a_failover_fences_the_grants_from_before_it_and_payments_go_on_after_it
         "new grants start at the floor"
     );
     assert_eq!(
-        pay(&proxy, &after, "p3").await.unwrap(),
+        pay(&proxy, &after, "acct", "p3").await.unwrap(),
         StatusCode::CREATED
     );
     assert_eq!(
@@ -147,7 +136,10 @@ async fn an_asynchronous_failover_that_lost_commits_is_fenced() {
         .acquire("acct", "w1", ttl, Duration::ZERO)
         .await
         .unwrap();
-    assert_eq!(pay(&proxy, &w1, "p1").await.unwrap(), StatusCode::CREATED);
+    assert_eq!(
+        pay(&proxy, &w1, "acct", "p1").await.unwrap(),
+        StatusCode::CREATED
+    );
     cluster.wait_caught_up(FAILOVER).await;
     cluster.pause_replication().await;
     let w2 = lock
@@ -155,7 +147,10 @@ async fn an_asynchronous_failover_that_lost_commits_is_fenced() {
         .await
         .unwrap();
     assert!(w2.token().get() > w1.token().get());
-    assert_eq!(pay(&proxy, &w2, "p2").await.unwrap(), StatusCode::CREATED);
+    assert_eq!(
+        pay(&proxy, &w2, "acct", "p2").await.unwrap(),
+        StatusCode::CREATED
+    );
 
     let old = cluster.kill_primary().await;
     cluster.wait_for_new_primary(old, FAILOVER).await;
@@ -173,7 +168,7 @@ async fn an_asynchronous_failover_that_lost_commits_is_fenced() {
     rg.restart().await;
 
     for (grant, id) in [(&w1, "p3"), (&w2, "p4")] {
-        let refused = pay(&proxy, grant, id).await;
+        let refused = pay(&proxy, grant, "acct", id).await;
         assert!(
             matches!(refused, Err(SdkError::FencedOut { .. })),
             "{refused:?}"
@@ -184,7 +179,10 @@ async fn an_asynchronous_failover_that_lost_commits_is_fenced() {
         w3.token().get() > w2.token().get(),
         "no token is handed out twice"
     );
-    assert_eq!(pay(&proxy, &w3, "p5").await.unwrap(), StatusCode::CREATED);
+    assert_eq!(
+        pay(&proxy, &w3, "acct", "p5").await.unwrap(),
+        StatusCode::CREATED
+    );
     assert_eq!(
         rail_tokens(&rail),
         [w1.token().get(), w2.token().get(), w3.token().get()]

@@ -8,63 +8,13 @@
 
 use railguard_testkit as support;
 
-use std::path::Path;
+use support::payment::pay;
+
 use std::time::Duration;
 
 use http::StatusCode;
-use railguard::sdk::{LockHandle, RailClient, SdkError};
+use railguard::sdk::{RailClient, SdkError};
 use support::{Pg, Rail, Railguard, init_tracing};
-use tempfile::TempDir;
-
-/// A `pg_basebackup` of the running server, as a standby that stopped receiving would hold it.
-async fn copy_of(pg: &Pg) -> TempDir {
-    let dir = tempfile::Builder::new()
-        .prefix("railguard-pg-copy-")
-        .tempdir()
-        .unwrap();
-    let out = tokio::process::Command::new(pg.server.bin_dir().join("pg_basebackup"))
-        .arg("-d")
-        .arg(pg.url())
-        .arg("-D")
-        .arg(dir.path().join("data"))
-        .args(["-X", "stream", "-c", "fast"])
-        .output()
-        .await
-        .unwrap();
-    assert!(out.status.success(), "pg_basebackup: {out:?}");
-    dir
-}
-
-/// SIGKILL, the data directory put back to `copy`, started again on the same port.
-async fn rewind_to(pg: &mut Pg, copy: &Path) {
-    pg.kill().await;
-    let data = pg.server.data_dir().display().to_string();
-    let copy = copy.join("data").display().to_string();
-    let script = format!(
-        "owner=$(stat -c %u:%g '{data}') && find '{data}' -mindepth 1 -maxdepth 1 -exec rm -rf {{}} + \
-         && cp -a '{copy}/.' '{data}/' && chown -R \"$owner\" '{data}' && chmod 700 '{data}'"
-    );
-    let out = tokio::process::Command::new("sh")
-        .args(["-c", &script])
-        .output()
-        .await
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    pg.server.start().await.unwrap();
-}
-
-async fn pay(proxy: &RailClient, grant: &LockHandle, id: &str) -> Result<StatusCode, SdkError> {
-    proxy
-        .post(
-            grant,
-            "acct",
-            "/payments",
-            format!("{{\"id\":\"{id}\"}}").into(),
-            Some(id),
-        )
-        .await
-        .map(|r| r.status)
-}
 
 struct Run {
     /// The superseded grant's payment after the rewind: refused?
@@ -93,21 +43,27 @@ async fn rewind_under(env: &[(&str, &str)]) -> Run {
         .acquire("acct", "w1", ttl, Duration::ZERO)
         .await
         .unwrap();
-    assert_eq!(pay(&proxy, &w1, "p1").await.unwrap(), StatusCode::CREATED);
-    let copy = copy_of(&pg).await;
+    assert_eq!(
+        pay(&proxy, &w1, "acct", "p1").await.unwrap(),
+        StatusCode::CREATED
+    );
+    let copy = pg.copy_data().await.unwrap();
     let w2 = lock
         .acquire("acct", "w2", Duration::from_secs(60), ttl * 20)
         .await
         .unwrap();
     assert!(w2.token().get() > w1.token().get());
-    assert_eq!(pay(&proxy, &w2, "p2").await.unwrap(), StatusCode::CREATED);
+    assert_eq!(
+        pay(&proxy, &w2, "acct", "p2").await.unwrap(),
+        StatusCode::CREATED
+    );
 
-    rewind_to(&mut pg, copy.path()).await;
+    pg.rewind_to(&copy).await.unwrap();
     // A railguard that did not run through the rewind remembers no mark of its own.
     rg.restart().await;
 
-    let old = pay(&proxy, &w1, "p3").await;
-    let newer = pay(&proxy, &w2, "p4").await;
+    let old = pay(&proxy, &w1, "acct", "p3").await;
+    let newer = pay(&proxy, &w2, "acct", "p4").await;
     // Without the detection the token-source guard may find the source behind a mark and
     // refuse every grant: then there is no third grant.
     let w3 = lock
@@ -218,9 +174,12 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
         .acquire("acct", "w1", Duration::from_millis(300), Duration::ZERO)
         .await
         .unwrap();
-    let copy = copy_of(&pg).await;
-    assert_eq!(pay(&proxy, &w1, "p").await.unwrap(), StatusCode::CREATED);
-    rewind_to(&mut pg, copy.path()).await;
+    let copy = pg.copy_data().await.unwrap();
+    assert_eq!(
+        pay(&proxy, &w1, "acct", "p").await.unwrap(),
+        StatusCode::CREATED
+    );
+    pg.rewind_to(&copy).await.unwrap();
     rg.restart().await;
 
     let w2 = lock
@@ -273,8 +232,11 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
         .acquire("acct", "w0", Duration::from_millis(300), Duration::ZERO)
         .await
         .unwrap();
-    assert_eq!(pay(&proxy, &w0, "p0").await.unwrap(), StatusCode::CREATED);
-    let backup = copy_of(&pg).await;
+    assert_eq!(
+        pay(&proxy, &w0, "acct", "p0").await.unwrap(),
+        StatusCode::CREATED
+    );
+    let backup = pg.copy_data().await.unwrap();
 
     pg.kill().await;
     pg.server.start().await.unwrap();
@@ -287,10 +249,13 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
         )
         .await
         .unwrap();
-    assert_eq!(pay(&proxy, &w1, "p1").await.unwrap(), StatusCode::CREATED);
+    assert_eq!(
+        pay(&proxy, &w1, "acct", "p1").await.unwrap(),
+        StatusCode::CREATED
+    );
 
     rg.kill().await;
-    rewind_to(&mut pg, backup.path()).await;
+    pg.rewind_to(&backup).await.unwrap();
     rg.start_again().await;
     let w2 = lock
         .acquire(
@@ -307,8 +272,11 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
         w2.token().get(),
         w1.token().get()
     );
-    assert_eq!(pay(&proxy, &w2, "p2").await.unwrap(), StatusCode::CREATED);
-    let again = pay(&proxy, &w1, "p1").await;
+    assert_eq!(
+        pay(&proxy, &w2, "acct", "p2").await.unwrap(),
+        StatusCode::CREATED
+    );
+    let again = pay(&proxy, &w1, "acct", "p1").await;
     assert!(
         matches!(again, Err(SdkError::FencedOut { .. })),
         "{again:?}"
@@ -337,7 +305,10 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
         .acquire("acct", "w1", ttl, Duration::ZERO)
         .await
         .unwrap();
-    assert_eq!(pay(&proxy, &w1, "p1").await.unwrap(), StatusCode::CREATED);
+    assert_eq!(
+        pay(&proxy, &w1, "acct", "p1").await.unwrap(),
+        StatusCode::CREATED
+    );
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("railguard.dump");
     let out = tokio::process::Command::new(pg.server.bin_dir().join("pg_dump"))
@@ -351,7 +322,10 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
         .acquire("acct", "w2", Duration::from_secs(60), ttl * 20)
         .await
         .unwrap();
-    assert_eq!(pay(&proxy, &w2, "p2").await.unwrap(), StatusCode::CREATED);
+    assert_eq!(
+        pay(&proxy, &w2, "acct", "p2").await.unwrap(),
+        StatusCode::CREATED
+    );
 
     rg.stop().await;
     let out = tokio::process::Command::new(pg.server.bin_dir().join("pg_restore"))
@@ -370,7 +344,7 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
     rg.start_again().await;
 
     for (grant, id) in [(&w1, "p3"), (&w2, "p2")] {
-        let refused = pay(&proxy, grant, id).await;
+        let refused = pay(&proxy, grant, "acct", id).await;
         assert!(
             matches!(refused, Err(SdkError::FencedOut { .. })),
             "{refused:?}"

@@ -27,6 +27,7 @@ pub mod etcd;
 mod full_rail;
 mod http;
 mod patroni;
+pub mod payment;
 mod pg;
 mod pki;
 mod process;
