@@ -383,3 +383,74 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
         .count();
     assert_eq!(p2, 1, "p2 paid once");
 }
+
+/// The etcd lock backend, PostgreSQL rewound under it: etcd's revision did not go back, but the
+/// marks and records did. W1 pays, is superseded by W2, who pays; PostgreSQL goes back to a
+/// copy from between the two. With the detection, every grant from before is fenced (the
+/// floor is one above etcd's revision); without it, W1's superseded grant pays again.
+async fn etcd_backend_rewind(detect: bool) -> (bool, Vec<i64>, i64, i64) {
+    init_tracing();
+    let etcd = support::EtcdCluster::single().await;
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let endpoints = etcd.endpoints_csv();
+    let detect = detect.to_string();
+    let env = [
+        ("RAILGUARD__LOCK__BACKEND", "etcd"),
+        ("RAILGUARD__ETCD__ENDPOINTS", endpoints.as_str()),
+        ("RAILGUARD__GUARD__DETECT_STORE_CHANGES", detect.as_str()),
+    ];
+    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    let lock = rg.lock_client();
+    let proxy = RailClient::new(rg.proxy_url(""));
+    let ttl = Duration::from_secs(1);
+    let w1 = lock
+        .acquire("acct", "w1", ttl, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(
+        pay(&proxy, &w1, "acct", "p1").await.unwrap(),
+        StatusCode::CREATED
+    );
+    let copy = pg.copy_data().await.unwrap();
+    let w2 = lock
+        .acquire("acct", "w2", Duration::from_secs(60), ttl * 20)
+        .await
+        .unwrap();
+    assert_eq!(
+        pay(&proxy, &w2, "acct", "p2").await.unwrap(),
+        StatusCode::CREATED
+    );
+    pg.rewind_to(&copy).await.unwrap();
+    rg.restart().await;
+    let again = pay(&proxy, &w1, "acct", "p3").await;
+    let tokens = rail
+        .ledger()
+        .iter()
+        .map(|e| e.token.as_deref().unwrap().parse().unwrap())
+        .collect();
+    (
+        matches!(again, Err(SdkError::FencedOut { .. })),
+        tokens,
+        w1.token().get(),
+        w2.token().get(),
+    )
+}
+
+#[tokio::test]
+async fn on_the_etcd_backend_a_rewound_database_fences_the_grants_from_before_it() {
+    let (refused, tokens, t1, t2) = etcd_backend_rewind(true).await;
+    assert!(refused, "W1's superseded grant must not pay again");
+    assert_eq!(tokens, [t1, t2]);
+}
+
+#[tokio::test]
+async fn on_the_etcd_backend_without_the_detection_a_superseded_grant_pays_again() {
+    let (refused, tokens, t1, t2) = etcd_backend_rewind(false).await;
+    assert!(!refused, "the negative control must show the bug");
+    assert_eq!(
+        tokens,
+        [t1, t2, t1],
+        "W1's token reached the rail after W2's"
+    );
+}
