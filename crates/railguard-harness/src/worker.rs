@@ -56,6 +56,9 @@ pub struct WorkerArgs {
     /// Keys locked besides the accounts, with no payment (see `lock_only_key`).
     #[arg(long, default_value_t = 0)]
     pub lock_only_keys: usize,
+    /// Fence only at the proxy: claims and completions in paydb leave the account row alone.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub proxy_only: bool,
     #[arg(long)]
     pub ttl_ms: u64,
     #[arg(long)]
@@ -300,8 +303,15 @@ impl Worker {
             .payment(&payment)
             .attempt(&attempt);
         self.write_presented(claim.clone(), presented);
-        let claimed =
-            paydb::claim(&mut self.paydb, account, &payment, presented, own, &attempt).await;
+        let claimed = paydb::claim(
+            &mut self.paydb,
+            account,
+            &payment,
+            (!self.args.proxy_only).then_some(presented),
+            own,
+            &attempt,
+        )
+        .await;
         let first_token = claimed.as_ref().ok().copied();
         if !self.paydb_outcome(&claim, claimed.map(|_| ())).await {
             return;
@@ -362,8 +372,15 @@ impl Worker {
             .payment(&payment)
             .attempt(&attempt);
         self.write_presented(complete.clone(), presented);
-        let completed =
-            paydb::complete(&mut self.paydb, account, &payment, presented, own, &attempt).await;
+        let completed = paydb::complete(
+            &mut self.paydb,
+            account,
+            &payment,
+            (!self.args.proxy_only).then_some(presented),
+            own,
+            &attempt,
+        )
+        .await;
         self.paydb_outcome(&complete, completed).await;
         drop(keep_alive);
     }
