@@ -440,11 +440,21 @@ pub async fn inject(
             format!("railguard {i} restarted ({stopped}) with request_timeout_ms = {ms}")
         }
         FaultKind::PgRewindData => {
-            let hold = Duration::from_millis(rng.between(2000, 3000));
+            // A stalled survivor across the rewind: right after the copy one worker pauses
+            // before its next submit, past its lease, so that another takes its account over
+            // and pays before the data goes back; it wakes after, with its old grant, to meet
+            // marks from before the newer payment.
+            let hold = Duration::from_millis(rng.between(2000, 3000))
+                .max(timing.ttl + Duration::from_millis(1500));
+            let survivor = (!targets.worker_pids.is_empty())
+                .then(|| targets.worker_pids[pick(rng, targets.worker_pids.len())]);
             let before = targets.lockdb.token_position().await;
             let rewound = match targets.lockdb.single() {
                 Some(pg) => match pg.copy_data().await {
                     Ok(copy) => {
+                        if let Some((_, pid)) = survivor {
+                            signal(pid, "USR1").await;
+                        }
                         tokio::time::sleep(hold.saturating_sub(copy.taken.elapsed())).await;
                         let held = copy.taken.elapsed();
                         pg.rewind_to(&copy).await.map(|()| (held, copy.lsn.clone()))
@@ -457,9 +467,13 @@ pub async fn inject(
                 Ok((held, lsn)) => {
                     let after = targets.lockdb.token_position().await;
                     let recovery = recover(targets.proxies, targets.operator).await;
+                    let survivor = survivor.map_or(String::new(), |(id, _)| {
+                        format!("; worker {id} paused before its next submit across it")
+                    });
                     format!(
                         "PostgreSQL put back to a copy taken {} ms earlier (lsn {lsn}; \
-                         fencing_token_seq {before} at the copy, {after} after); {recovery}",
+                         fencing_token_seq {before} at the copy, {after} after){survivor}; \
+                         {recovery}",
                         held.as_millis()
                     )
                 }
