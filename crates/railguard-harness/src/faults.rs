@@ -445,15 +445,16 @@ pub async fn inject(
             // and pays before the data goes back; it wakes after, with its old grant, to meet
             // marks from before the newer payment.
             let hold = Duration::from_millis(rng.between(2000, 3000))
-                .max(timing.ttl + Duration::from_millis(1500));
+                .max(timing.ttl * 2 + Duration::from_millis(1500));
             let survivor = (!targets.worker_pids.is_empty())
                 .then(|| targets.worker_pids[pick(rng, targets.worker_pids.len())]);
             let before = targets.lockdb.token_position().await;
             let rewound = match targets.lockdb.single() {
                 Some(pg) => match pg.copy_data().await {
                     Ok(copy) => {
+                        // The long pause: past the hold, so that it wakes after the rewind.
                         if let Some((_, pid)) = survivor {
-                            signal(pid, "USR1").await;
+                            signal(pid, "USR2").await;
                         }
                         tokio::time::sleep(hold.saturating_sub(copy.taken.elapsed())).await;
                         let held = copy.taken.elapsed();
