@@ -16,7 +16,7 @@
 //!   `pg_monitor` sees no `sync_state`, and then an empty `synchronous_standby_names` is what
 //!   says so). A failover to an asynchronous standby loses what it had not received.
 //!   Logical replication and base backups are not standbys.
-//! - `no_sync_commit`: this session's `synchronous_commit` is `local` or `remote_write`: its
+//! - `no_sync_commit`: the connection's own `synchronous_commit` is `local` or `remote_write`: its
 //!   commits do not wait for a synchronous standby to flush them (`off` is refused for these
 //!   sessions by the settings check, `crate::db`).
 //! - `fsync_off`, `full_page_writes_off`: the server's own durability.
@@ -31,7 +31,7 @@ use tokio_postgres::Client;
 
 /// What the check reads: physical standbys streaming (not base backups, not logical
 /// replication, which connects to a database), those that are synchronous, those whose state
-/// this role may not see, and the settings of this session and server.
+/// this role may not see, and the settings of the connection and the server.
 pub const REPLICATION_SQL: &str = "\
 SELECT (SELECT count(*) FROM pg_catalog.pg_stat_replication r
           JOIN pg_catalog.pg_stat_activity a ON a.pid = r.pid
