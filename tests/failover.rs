@@ -31,13 +31,6 @@ async fn acquire(lock: &LockClient, holder: &str) -> LockHandle {
     .await
 }
 
-fn rail_tokens(rail: &Rail) -> Vec<i64> {
-    rail.ledger()
-        .iter()
-        .map(|e| e.token.as_deref().unwrap().parse().unwrap())
-        .collect()
-}
-
 async fn audited_changes(cluster: &PatroniCluster) -> i64 {
     cluster
         .client()
@@ -102,10 +95,7 @@ async fn a_failover_fences_the_grants_from_before_it_and_payments_go_on_after_it
         pay(&proxy, &after, "acct", "p3").await.unwrap(),
         StatusCode::CREATED
     );
-    assert_eq!(
-        rail_tokens(&rail),
-        [before.token().get(), after.token().get()]
-    );
+    assert_eq!(rail.tokens(), [before.token().get(), after.token().get()]);
     assert_eq!(audited_changes(&cluster).await, 1);
     assert!(rg.log().contains("CHANGED SERVER"));
     let metrics = rg.metrics().await;
@@ -184,7 +174,7 @@ async fn an_asynchronous_failover_that_lost_commits_is_fenced() {
         StatusCode::CREATED
     );
     assert_eq!(
-        rail_tokens(&rail),
+        rail.tokens(),
         [w1.token().get(), w2.token().get(), w3.token().get()]
     );
     assert_eq!(audited_changes(&cluster).await, 1);

@@ -75,11 +75,7 @@ async fn rewind_under(env: &[(&str, &str)]) -> Run {
         )
         .await
         .ok();
-    let rail_tokens = rail
-        .ledger()
-        .iter()
-        .map(|e| e.token.as_deref().unwrap().parse().unwrap())
-        .collect();
+    let rail_tokens = rail.tokens();
     Run {
         old_refused: matches!(old, Err(SdkError::FencedOut { .. })),
         newer_refused: matches!(newer, Err(SdkError::FencedOut { .. })),
@@ -281,11 +277,7 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
         matches!(again, Err(SdkError::FencedOut { .. })),
         "{again:?}"
     );
-    let p1 = rail
-        .ledger()
-        .iter()
-        .filter(|e| e.idempotency_key.as_deref() == Some("p1"))
-        .count();
+    let p1 = rail.times_paid("p1");
     assert_eq!(p1, 1, "p1 paid once");
 }
 
@@ -376,11 +368,7 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
         StatusCode::CONFLICT,
         "p2's record went back: in doubt"
     );
-    let p2 = rail
-        .ledger()
-        .iter()
-        .filter(|e| e.idempotency_key.as_deref() == Some("p2"))
-        .count();
+    let p2 = rail.times_paid("p2");
     assert_eq!(p2, 1, "p2 paid once");
 }
 
@@ -424,11 +412,7 @@ async fn etcd_backend_rewind(detect: bool) -> (bool, Vec<i64>, i64, i64) {
     pg.rewind_to(&copy).await.unwrap();
     rg.restart().await;
     let again = pay(&proxy, &w1, "acct", "p3").await;
-    let tokens = rail
-        .ledger()
-        .iter()
-        .map(|e| e.token.as_deref().unwrap().parse().unwrap())
-        .collect();
+    let tokens = rail.tokens();
     (
         matches!(again, Err(SdkError::FencedOut { .. })),
         tokens,

@@ -114,6 +114,22 @@ impl Rail {
         self.sim().ledger()
     }
 
+    /// The fencing token of every arrival, in arrival order.
+    pub fn tokens(&self) -> Vec<i64> {
+        self.ledger()
+            .iter()
+            .map(|e| e.token.as_deref().and_then(|t| t.parse().ok()).unwrap_or(0))
+            .collect()
+    }
+
+    /// How many arrivals carried idempotency key `key`.
+    pub fn times_paid(&self, key: &str) -> usize {
+        self.ledger()
+            .iter()
+            .filter(|e| e.idempotency_key.as_deref() == Some(key))
+            .count()
+    }
+
     /// Swaps in an empty ledger (a fresh simulator, configured as this one) and returns how
     /// many payments the old one had received. A payment still in flight at the swap lands
     /// in the old ledger, uncounted.
