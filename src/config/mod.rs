@@ -86,6 +86,14 @@ pub struct ProxyConfig {
     /// this process while the rail holds an answer back).
     #[serde(rename = "late_answer_wait_ms", with = "millis")]
     pub late_answer_wait: Duration,
+    /// The longest a request railguard wrote to the rail can spend on its way there — in
+    /// socket buffers, relays, load balancers — before the rail receives it or never will.
+    /// Railguard cannot measure it; the operator states it for the network in between. A
+    /// forward whose answer never came (a reset connection, a killed process) counts as
+    /// possibly on its way for this long: other railguard processes hold newer tokens for its
+    /// account until then, and `idempotency-forget` refuses its record until then.
+    #[serde(rename = "rail_transit_ms", with = "millis")]
+    pub rail_transit: Duration,
     /// Largest request body accepted; larger bodies get 413 and are never forwarded.
     pub max_body_bytes: u64,
     /// Header that carries the fencing token (C2 §2.2).
@@ -126,6 +134,7 @@ impl Default for ProxyConfig {
             upstream_connect_timeout: Duration::from_secs(2),
             // No limit: safety never depends on a clock (INV-07).
             late_answer_wait: Duration::ZERO,
+            rail_transit: Duration::from_secs(30),
             max_body_bytes: 1024 * 1024,
             token_header: HeaderName::from_static("fencing-token"),
             account_header: HeaderName::from_static("fencing-account"),
@@ -145,6 +154,12 @@ impl ProxyConfig {
             "proxy.upstream_connect_timeout_ms",
             self.upstream_connect_timeout,
         )?;
+        if !(Duration::from_millis(1)..=Duration::from_secs(86_400)).contains(&self.rail_transit) {
+            return Err((
+                "proxy.rail_transit_ms",
+                "must be between 1 ms and one day".into(),
+            ));
+        }
         if self.upstream.is_https() && self.upstream_ca_file.is_empty() {
             return Err((
                 "proxy.upstream_ca_file",
@@ -465,6 +480,11 @@ pub struct FencingConfig {
     /// whose path does not name its `Fencing-Account` is refused (403). `""`: not checked.
     #[serde(with = "values::account_path")]
     pub account_in_path: Option<AccountPathTemplate>,
+    /// Whether a forward another railguard process may still have on its way to the rail holds
+    /// back this process's newer tokens for the account (`proxy::fence::handover`). `false`
+    /// exists only to show, in the fault harness, what goes wrong without it: it is logged
+    /// loudly and `railguard_cross_process_order` is 0.
+    pub order_across_processes: bool,
 }
 
 impl Default for FencingConfig {
@@ -477,6 +497,7 @@ impl Default for FencingConfig {
             require_proof: true,
             lock_key_template: LockKeyTemplate::default(),
             account_in_path: None,
+            order_across_processes: true,
         }
     }
 }
