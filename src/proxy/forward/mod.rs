@@ -339,8 +339,13 @@ impl Service<FencedRequest> for Forward {
                         return Err(UpstreamTimeout::no_answer(sent).into());
                     }
                     Ok(Err(e)) => {
-                        drop(in_flight.settle());
+                        let turn = in_flight.settle();
                         let sent = sent(matches!(e, SendError::Connect(_)));
+                        // Written, and the connection failed before an answer: what was written
+                        // may still reach the rail (a middlebox may hold it).
+                        if let (Some(turn), Sent::Maybe) = (turn, sent) {
+                            turn.unanswered();
+                        }
                         return Err(UpstreamUnavailable(e.into(), sent).into());
                     }
                     Ok(Ok(response)) => {
@@ -442,7 +447,10 @@ impl InFlight {
                         "a forward left by its caller ended; the account's turn passes on"
                     );
                 }
-                drop(turn);
+                match turn {
+                    Some(turn) if !answered => turn.unanswered(),
+                    turn => drop(turn),
+                }
                 drop(counted);
             }
             .in_current_span(),
