@@ -84,9 +84,21 @@ fn turn_released_on_upstream_timeout_breaks_inv05() {
     assert_caught(Variant::TurnReleasedOnUpstreamTimeout);
 }
 
+/// Two proxy processes, no routing, no handover: a forward of P1 still in the network when P2
+/// accepts and forwards a newer grant's request reaches the rail after it.
 #[test]
-fn two_proxies_without_routing_break_inv05() {
-    assert_caught(Variant::TwoProxiesNoRouting);
+fn no_cross_process_order_breaks_inv05() {
+    assert_caught(Variant::NoCrossProcessOrder);
+}
+
+#[test]
+fn entry_settled_on_send_breaks_inv05() {
+    assert_caught(Variant::EntrySettledOnSend);
+}
+
+#[test]
+fn entry_replacing_other_processes_entries_breaks_inv05() {
+    assert_caught(Variant::EntryReplacesOthers);
 }
 
 #[test]
