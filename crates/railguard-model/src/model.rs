@@ -38,6 +38,9 @@ pub struct Bounds {
     /// Proxy processes on the one database; a worker sends each submit (and each retry) to any
     /// of them: nothing routes an account to one process.
     pub proxies: u8,
+    /// Proxy process restarts in the whole run: the process dies, losing its memory, and comes
+    /// back as a new instance; what it sent may still be in the network.
+    pub restarts: u8,
     /// Whether the network may drop messages (it always delays and reorders them).
     pub lossy: bool,
     /// Whether PostgreSQL may go back to an earlier copy (a failover to a standby that missed
@@ -58,6 +61,7 @@ impl Bounds {
         payments_per_account: 2,
         retries: 1,
         proxies: 1,
+        restarts: 0,
         lossy: false,
         postgres_goes_back: false,
         etcd_goes_back: false,
@@ -73,6 +77,7 @@ impl Bounds {
         payments_per_account: 2,
         retries: 1,
         proxies: 1,
+        restarts: 0,
         lossy: true,
         postgres_goes_back: false,
         etcd_goes_back: false,
@@ -87,6 +92,7 @@ impl Bounds {
         payments_per_account: 2,
         retries: 0,
         proxies: 1,
+        restarts: 0,
         lossy: false,
         postgres_goes_back: false,
         etcd_goes_back: false,
@@ -101,6 +107,7 @@ impl Bounds {
         payments_per_account: 1,
         retries: 1,
         proxies: 1,
+        restarts: 0,
         lossy: false,
         postgres_goes_back: false,
         etcd_goes_back: false,
@@ -109,6 +116,13 @@ impl Bounds {
     /// The variants' bounds with two proxy processes: the handover's check (CI).
     pub const TWO_PROXIES: Bounds = Bounds {
         proxies: 2,
+        ..Bounds::VARIANTS
+    };
+
+    /// The variants' bounds with one proxy process that may restart once: the instance after
+    /// the restart is ordered behind the one before by the handover (CI).
+    pub const RESTART: Bounds = Bounds {
+        restarts: 1,
         ..Bounds::VARIANTS
     };
 
@@ -122,6 +136,7 @@ impl Bounds {
         payments_per_account: 2,
         retries: 1,
         proxies: 1,
+        restarts: 0,
         lossy: false,
         postgres_goes_back: false,
         etcd_goes_back: false,
@@ -145,6 +160,7 @@ impl Bounds {
         payments_per_account: 2,
         retries: 0,
         proxies: 1,
+        restarts: 0,
         lossy: false,
         postgres_goes_back: true,
         etcd_goes_back: true,
@@ -171,7 +187,7 @@ impl fmt::Display for Bounds {
         write!(
             f,
             "{} workers, {} account(s), {} acquire(s) per worker, {} grants in all, \
-             {} payment(s) per account, {} retr{} in all, {} prox{}, {} network",
+             {} payment(s) per account, {} retr{} in all, {} prox{}{}, {} network",
             self.workers,
             self.accounts,
             self.acquires_per_worker,
@@ -181,6 +197,11 @@ impl fmt::Display for Bounds {
             if self.retries == 1 { "y" } else { "ies" },
             self.proxies,
             if self.proxies == 1 { "y" } else { "ies" },
+            match self.restarts {
+                0 => String::new(),
+                1 => " (one restart)".to_string(),
+                n => format!(" ({n} restarts)"),
+            },
             if self.lossy {
                 "lossy, reordering"
             } else {
@@ -223,6 +244,8 @@ pub struct ProtocolState {
     pub seen: Observations,
     /// Retries the workers may still make.
     pub retries_left: u8,
+    /// Proxy restarts that may still happen.
+    pub restarts_left: u8,
     /// The store epoch, in PostgreSQL beside the marks.
     pub epoch: Epoch,
     /// The server, the stores' earlier copy, and what going back did.
@@ -264,6 +287,8 @@ pub enum Action {
     Start(Task),
     /// A proxy stops waiting for the rail's answer (504).
     GiveUp(Task),
+    /// A proxy process dies and starts again as a new instance.
+    Restart(u8),
     /// The stores as they are now become the copy they may go back to: a standby's last
     /// replayed commit, a backup, an etcd snapshot.
     CopyStores,
@@ -420,6 +445,12 @@ impl fmt::Display for Action {
             }
             Action::Start(t) => write!(f, "start {t}: turn, last look, forward"),
             Action::GiveUp(t) => write!(f, "give up waiting for the rail: {t}"),
+            Action::Restart(p) => write!(
+                f,
+                "P{} DIES and starts again as a new instance (its memory lost, its forwards still \
+                 in the network)",
+                p + 1
+            ),
             Action::CopyStores => write!(f, "the stores are copied (standby, backup, snapshot)"),
             Action::PostgresGoesBack => write!(
                 f,
@@ -445,12 +476,17 @@ impl FencingModel {
     /// The protocol with one variant, on the backend the variant concerns.
     pub fn with_variant(variant: Variant, bounds: Bounds) -> Self {
         let bounds = match variant {
+            // Two instances: two processes, or one that restarts.
             Variant::NoCrossProcessOrder
             | Variant::EntrySettledOnSend
-            | Variant::EntryReplacesOthers => Bounds {
-                proxies: bounds.proxies.max(2),
-                ..bounds
-            },
+            | Variant::EntryReplacesOthers
+                if bounds.restarts == 0 =>
+            {
+                Bounds {
+                    proxies: bounds.proxies.max(2),
+                    ..bounds
+                }
+            }
             Variant::NoStoreEpochCheck | Variant::NoStoreEpochCheckOnEtcd => Bounds {
                 postgres_goes_back: true,
                 etcd_goes_back: true,
@@ -509,10 +545,12 @@ impl FencingModel {
         }
     }
 
-    /// Whether the handover orders forwards across processes: with more than one process,
-    /// unless switched off. (With one, the row only ever holds the process's own entry.)
+    /// Whether the handover orders forwards across processes: with more than one process
+    /// instance (two processes, or one that restarts), unless switched off. (With one that
+    /// never restarts, the row only ever holds the process's own entry.)
     pub fn handover(&self) -> bool {
-        self.bounds.proxies > 1 && !self.is(Variant::NoCrossProcessOrder)
+        (self.bounds.proxies > 1 || self.bounds.restarts > 0)
+            && !self.is(Variant::NoCrossProcessOrder)
     }
 
     /// Whether a store going back is noticed (`guard.detect_store_changes`).
@@ -943,6 +981,7 @@ impl Model for FencingModel {
             rail: Rail::default(),
             seen: Observations::default(),
             retries_left: b.retries,
+            restarts_left: b.restarts,
             epoch: Epoch::new(b.accounts),
             past: Past::default(),
         }]
@@ -976,6 +1015,11 @@ impl Model for FencingModel {
             actions.push(Action::Deliver(msg.clone()));
             if self.bounds.lossy {
                 actions.push(Action::Drop(msg.clone()));
+            }
+        }
+        if s.restarts_left > 0 {
+            for p in 0..self.bounds.proxies {
+                actions.push(Action::Restart(p));
             }
         }
         if self.store_may_go_back() && s.past.went_back.is_none() {
@@ -1137,6 +1181,10 @@ impl Model for FencingModel {
             }
             Action::PostgresGoesBack => self.go_back(&mut s, WentBack::Postgres),
             Action::EtcdRestored => self.go_back(&mut s, WentBack::Etcd),
+            Action::Restart(p) => {
+                s.restarts_left -= 1;
+                s.fence.restart(p);
+            }
             Action::GiveUp(task) => {
                 s.fence.give_up(self.rules(), &task);
                 s.network.send(Msg::Reply {

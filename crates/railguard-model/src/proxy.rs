@@ -77,6 +77,27 @@ pub struct ProxyProcess {
     pub cache: Vec<Token>,
     /// The last seq handed out (the handover's sequence).
     pub last_seq: Seq,
+    /// The first seq of each instance the process has been, oldest first. The model numbers
+    /// one sequence across the process's restarts; each instance is its own process to the
+    /// handover (the real instance id is new at every start).
+    pub instances: Vec<Seq>,
+}
+
+impl ProxyProcess {
+    /// The first seq of the instance that handed out `seq`.
+    fn instance_of(&self, seq: Seq) -> Seq {
+        self.instances
+            .iter()
+            .copied()
+            .filter(|first| *first <= seq)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether `entry` (of this process) is the running instance's.
+    fn owns(&self, entry: Entry) -> bool {
+        entry.seq >= *self.instances.last().expect("a process has an instance")
+    }
 }
 
 /// Where an accepted request is.
@@ -175,6 +196,7 @@ impl Fence {
                     slots: vec![Slot::default(); accounts as usize],
                     cache: vec![0; accounts as usize],
                     last_seq: 0,
+                    instances: vec![1],
                 })
                 .collect(),
             tasks: Vec::new(),
@@ -290,10 +312,12 @@ impl Fence {
         let process = &mut self.processes[proxy as usize];
         process.last_seq += 1;
         let seq = process.last_seq;
+        let process = &self.processes[proxy as usize];
+        let own = |e: &Entry| e.proxy == proxy && process.owns(*e);
         let row = &mut self.entries[account as usize];
-        let others: Vec<Entry> = row.iter().filter(|e| e.proxy != proxy).copied().collect();
+        let others: Vec<Entry> = row.iter().filter(|e| !own(e)).copied().collect();
         if rules.keep_other_entries {
-            row.retain(|e| e.proxy != proxy);
+            row.retain(|e| !own(e));
         } else {
             row.clear();
         }
@@ -302,13 +326,15 @@ impl Fence {
         (seq, others)
     }
 
-    /// Whether `entry` of `account`'s row is settled: no forward of its process for the account
-    /// with a seq up to the entry's can still reach the rail — none waits to be sent (a request
-    /// past its compare-and-set, not forwarded yet) and, unless entries settle on send, none is
-    /// in the network.
+    /// Whether `entry` of `account`'s row is settled: no forward of its process instance for
+    /// the account with a seq up to the entry's can still reach the rail — none waits to be
+    /// sent (a request past its compare-and-set, not forwarded yet) and, unless entries settle
+    /// on send, none is in the network.
     pub fn settled(&self, rules: FenceRules, network: &Network, account: u8, entry: Entry) -> bool {
-        let mine =
-            |proxy: u8, a: u8, seq: Seq| proxy == entry.proxy && a == account && seq <= entry.seq;
+        let first = self.processes[entry.proxy as usize].instance_of(entry.seq);
+        let mine = |proxy: u8, a: u8, seq: Seq| {
+            proxy == entry.proxy && a == account && (first..=entry.seq).contains(&seq)
+        };
         let unsent = self
             .tasks
             .iter()
@@ -412,6 +438,18 @@ impl Fence {
             *record = Record::Completed;
         }
         Some(task)
+    }
+
+    /// The process dies and starts again as a new instance: its requests, forwarding order and
+    /// cache are lost. What it had not sent is never sent (its records stay in flight: in
+    /// doubt); what it sent may still reach the rail, and its answer finds nobody.
+    pub fn restart(&mut self, proxy: u8) {
+        self.tasks.retain(|t| t.proxy != proxy);
+        let accounts = self.marks.len();
+        let process = &mut self.processes[proxy as usize];
+        process.slots = vec![Slot::default(); accounts];
+        process.cache = vec![0; accounts];
+        process.instances.push(process.last_seq + 1);
     }
 
     /// The upstream timeout: the proxy stops waiting for the rail and drops its ticket; the

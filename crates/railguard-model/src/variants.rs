@@ -6,7 +6,8 @@
 //! the variant, so that the failure is the variant's.
 //!
 //! Some variants bring the situation they concern with them: the handover ones a second proxy
-//! process, the store epoch ones a store that may go back ([`crate::epoch`]). The variants that replace
+//! process (unless the bounds let the one restart), the store epoch ones a store that may go
+//! back ([`crate::epoch`]). The variants that replace
 //! etcd's token source are checked without `lock_issued`, which would only withdraw their
 //! grants that do not increase — a wrong source hidden behind lost grants, not made right.
 
@@ -39,9 +40,10 @@ pub enum Variant {
     /// The proxy gives up waiting for the rail (504) and passes the turn on while the forward
     /// may still be in the network — what `ordering.rs` does after an upstream timeout.
     TurnReleasedOnUpstreamTimeout,
-    /// Two proxy processes share one database, a worker sends each submit to either, and the
-    /// handover is off (`fencing.order_across_processes = false`): the compare-and-set records
-    /// no entry and nothing waits for another process's forward.
+    /// The handover off (`fencing.order_across_processes = false`): the compare-and-set records
+    /// no entry and nothing waits for another process's forward. Checked with two proxy
+    /// processes sharing one database, a worker sending each submit to either (or with one
+    /// process that restarts: the instance after it is another process).
     NoCrossProcessOrder,
     /// The handover settles an entry when its forward is *sent*, not when the forward can no
     /// longer reach the rail.
@@ -118,9 +120,7 @@ impl Variant {
             Variant::TurnReleasedOnUpstreamTimeout => {
                 "forwarding turn passed on after an upstream timeout (504)"
             }
-            Variant::NoCrossProcessOrder => {
-                "two proxies on one database, no routing by account, no handover"
-            }
+            Variant::NoCrossProcessOrder => "no handover between proxy processes",
             Variant::EntrySettledOnSend => "handover entry settled when its forward is sent",
             Variant::EntryReplacesOthers => {
                 "handover entry replaces the other processes' entries in the row"

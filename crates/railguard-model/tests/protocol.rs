@@ -307,6 +307,19 @@ fn a_lost_idempotency_record_is_paid_again_on_both_backends() {
     }
 }
 
+/// One proxy process that may die and start again as a new instance while its forwards are in
+/// the network: the handover holds the new instance's forwards back until the old instance's
+/// can no longer reach the rail.
+#[test]
+fn postgres_a_restarting_proxy_is_safe() {
+    assert_safe(Backend::Postgres, Bounds::RESTART);
+}
+
+#[test]
+fn etcd_a_restarting_proxy_is_safe() {
+    assert_safe(Backend::Etcd, Bounds::RESTART);
+}
+
 /// The checker reaches the handover unaided: a request of a newer grant in one process waits
 /// for the other process's forward of an older grant, and may go on once that forward reached
 /// the rail. The shortest way there is printed.
