@@ -20,8 +20,9 @@
 //!    record (an UPDATE: a record the store lost by going back stays lost). A refusal after the
 //!    compare-and-set forgets the record: nothing was sent.
 //!
-//! With more than one process, the **handover** (`handover.rs`) orders an account's forwards
-//! across processes:
+//! With more than one process, the **handover** (`store/handover.rs`) orders an account's
+//! forwards across processes (and across the instances of one process that restarts: each
+//! instance is another process to the handover):
 //! - each process numbers its forwards (its sequence, from 1); the compare-and-set records the
 //!   request's entry (process, seq) in the account's row, replacing the process's previous
 //!   entry there and keeping the other processes', and returns those others;
@@ -36,9 +37,9 @@
 //!   its own entry pending) until every entry its compare-and-set returned is settled, removes
 //!   those entries from the row, and only then takes its last look and forwards.
 //!
-//! With one process the row only ever holds the process's own entry, which nobody waits for:
-//! the model keeps no entries then (every seq is 0), and its states are those of the proxy
-//! without the handover.
+//! With one process that never restarts the row only ever holds the process's own entry, which
+//! nobody waits for: the model keeps no entries then (every seq is 0), and its states are those
+//! of the proxy without the handover.
 
 use crate::lock::{GrantId, Token};
 use crate::network::{Msg, Network, Reply};
@@ -141,7 +142,7 @@ pub struct FenceRules {
     /// Submits carry `Idempotency-Key`.
     pub idempotency: bool,
     /// The handover across processes (`fencing.order_across_processes`); only kept with more
-    /// than one process.
+    /// than one process instance.
     pub handover: bool,
     /// The compare-and-set keeps the other processes' entries in the row (else: its entry
     /// replaces the row's).
