@@ -594,7 +594,10 @@ fn counts(inputs: &Inputs, senders: &HashMap<String, Sender>) -> Counts {
         fenced_out: of(Op::Submit, Phase::Fail)
             .filter(|e| e.detail.as_deref() == Some("fenced_out"))
             .count(),
-        in_doubt: of(Op::Submit, Phase::Info).count(),
+        // Outcomes carry their submit's attempt; a worker's notice that it pauses does not.
+        in_doubt: of(Op::Submit, Phase::Info)
+            .filter(|e| e.attempt.is_some())
+            .count(),
         retried_payments: submits_per_payment.values().filter(|n| **n > 1).count(),
         claims_fenced: of(Op::Claim, Phase::Fail)
             .filter(|e| e.detail.as_deref() == Some("fenced_out"))

@@ -47,8 +47,8 @@ pub enum BackendChoice {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum PgChoice {
-    /// One PostgreSQL cluster, behind a relay (the `pg-kill`, `pg-path-*` and `pg-rewind-data`
-    /// faults act on it).
+    /// One PostgreSQL cluster, behind a relay (the `pg-kill`, `pg-path-*`, `pg-rewind-data` and
+    /// `pg-rewind-takeover` faults act on it).
     Single,
     /// A Patroni cluster (`--pg-members`, `--pg-sync`; the `pg-failover` fault acts on it).
     Patroni,
@@ -64,7 +64,8 @@ pub enum NegativeControl {
     /// The proxy runs with `fencing.enforce = false`.
     KillSwitch,
     /// railguard runs with `guard.detect_store_changes = false`: it does not notice a store
-    /// it fences against going back (`pg-rewind-data`, `etcd-restore`).
+    /// it fences against going back (`pg-rewind-data`, `etcd-restore`, `pg-failover`, and the
+    /// takeover kinds).
     NoStoreChangeDetection,
 }
 
@@ -148,6 +149,7 @@ impl RunOptions {
         Setup {
             etcd_members: self.etcd_members(),
             patroni: self.pg == PgChoice::Patroni,
+            pg_synchronous: self.pg_sync,
         }
     }
 
@@ -409,6 +411,8 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
             pg_relay: pg_relay.as_ref(),
             rail_relay: &rail_relay,
             operator: &operator,
+            rail: &rail,
+            history_dir: &out,
         };
         let record = faults::inject(kind, &mut targets, &mut rng, timing).await;
         if let Some(p) = &progress {
