@@ -138,7 +138,7 @@ pub async fn inject(
     }
     said.push(match newer {
         Some(t2) => format!(
-            "grant {t2} took {} over and was paid {} ms later",
+            "grant {t2} took {} over and the rail paid it {} ms later",
             held.account,
             waiting.elapsed().as_millis()
         ),
