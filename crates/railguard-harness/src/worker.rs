@@ -346,6 +346,14 @@ impl Worker {
                     .detail(HOLDING),
             );
             stop_self().await;
+            // Connections pooled before the hold may lead to a railguard that has since gone
+            // (a restart): the submit goes out on new ones, as the fault means it to.
+            self.rails = self
+                .args
+                .proxy_urls
+                .iter()
+                .map(|u| RailClient::new(u.as_str()))
+                .collect();
         } else if pause_ms > 0 {
             keep_alive = None;
             // Past the lease whatever the backend made of the ttl asked for.
