@@ -256,7 +256,8 @@ pub struct Targets<'a> {
     pub proxy_relays: &'a [Relay],
     /// railguard → lockdb, when lockdb is one PostgreSQL.
     pub pg_relay: Option<&'a Relay>,
-    pub rail_relay: &'a Relay,
+    /// railguard → rail, one per railguard.
+    pub rail_relays: &'a [Relay],
     pub operator: &'a Operator,
     /// The rail simulator, whose ledger a fault may watch.
     pub rail: &'a Rail,
@@ -284,6 +285,8 @@ pub struct Timing {
     pub long_stall: Duration,
     pub ttl: Duration,
     pub request_timeout: Duration,
+    /// The most each railguard → rail relay adds to a chunk, each way, for the whole run.
+    pub rail_jitter: Duration,
 }
 
 pub(crate) async fn signal(pid: u32, name: &str) {
@@ -337,16 +340,20 @@ pub async fn inject(
         }
         FaultKind::LeaseExpiresMidSubmit => {
             let slow = (timing.ttl + timing.ttl / 2).min(timing.request_timeout * 3 / 5);
-            targets.rail_relay.set_delay(slow);
+            for relay in targets.rail_relays {
+                relay.set_delay(slow);
+            }
             // Let submits reach the slow rail, then stall a worker while it waits on one.
             tokio::time::sleep(timing.ttl / 4).await;
             let (id, pid) = targets.worker_pids[pick(rng, targets.worker_pids.len())];
             signal(pid, "STOP").await;
             tokio::time::sleep(timing.stall).await;
             signal(pid, "CONT").await;
-            targets.rail_relay.set_delay(Duration::ZERO);
+            for relay in targets.rail_relays {
+                relay.set_delay(Duration::ZERO);
+            }
             // What the slow path holds arrives before the next fault.
-            tokio::time::sleep(slow).await;
+            tokio::time::sleep(slow + timing.rail_jitter * 2).await;
             format!(
                 "rail slowed to {} ms, worker {id} stopped {} ms",
                 slow.as_millis(),
@@ -450,14 +457,19 @@ pub async fn inject(
         }
         FaultKind::RailPastDeadline => {
             let d = timing.request_timeout + Duration::from_millis(500);
-            targets.rail_relay.set_delay(d);
+            for relay in targets.rail_relays {
+                relay.set_delay(d);
+            }
             tokio::time::sleep(Duration::from_millis(700)).await;
-            targets.rail_relay.set_delay(Duration::ZERO);
+            for relay in targets.rail_relays {
+                relay.set_delay(Duration::ZERO);
+            }
             // The delayed forwards reach the rail, and their late answers railguard, before
             // the next fault (which may restart the railguard waiting for them).
-            tokio::time::sleep(d * 2).await;
+            tokio::time::sleep((d + timing.rail_jitter * 2) * 2).await;
             format!(
-                "railguard → rail delayed {} ms (past the request deadline) for 700 ms",
+                "every railguard → rail path delayed {} ms (past the request deadline) for \
+                 700 ms",
                 d.as_millis()
             )
         }
