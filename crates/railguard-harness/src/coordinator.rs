@@ -111,6 +111,12 @@ pub struct RunOptions {
     /// What only the proxy's fence stops then reaches the checker at the rail.
     #[arg(long)]
     pub proxy_only: bool,
+    /// Workers do not keep their leases alive: every grant ends `--ttl-ms` after it was made,
+    /// whatever its holder is doing — a submit still on its way to the rail included. With a
+    /// slow path to the rail (`--rail-delay-ms` above the ttl) and several railguards, the next
+    /// holder's request, sent through another railguard, races the late one.
+    #[arg(long)]
+    pub no_keep_alive: bool,
     /// Payments created up front; enough that the workers stay busy for the whole run (they
     /// stop early when every payment is done, and faults after that would hit an idle system).
     #[arg(long, default_value_t = 20_000)]
@@ -270,7 +276,7 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     eprintln!(
         "harness: {:?} backend on {pg}, {} proxies, {} workers, {} accounts, {} payments, \
          ttl {} ms, {} s, seed {}, faults {}, control {:?}, idempotency keys {}, \
-         rail delay 0..={} ms",
+         rail delay 0..={} ms, leases kept alive {}",
         options.backend,
         options.proxies,
         options.workers,
@@ -282,7 +288,8 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         options.faults,
         options.negative_control,
         options.idempotency_keys,
-        options.rail_delay_ms
+        options.rail_delay_ms,
+        !options.no_keep_alive
     );
 
     // The stores and the rail.
@@ -567,6 +574,7 @@ fn spawn_worker(
         .args(["--accounts", &options.accounts.to_string()])
         .args(["--lock-only-keys", &options.lock_only_keys.to_string()])
         .args(["--proxy-only", &options.proxy_only.to_string()])
+        .args(["--no-keep-alive", &options.no_keep_alive.to_string()])
         .args(["--ttl-ms", &ttl.as_millis().to_string()])
         .args(["--duration-ms", &duration.as_millis().to_string()])
         .args(["--pause-ms", &timing_short(ttl).as_millis().to_string()])

@@ -61,6 +61,9 @@ pub struct WorkerArgs {
     /// Fence only at the proxy: claims and completions in paydb leave the account row alone.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub proxy_only: bool,
+    /// Leases are not kept alive: each grant ends its ttl after it was made.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub no_keep_alive: bool,
     #[arg(long)]
     pub ttl_ms: u64,
     #[arg(long)]
@@ -297,7 +300,8 @@ impl Worker {
     /// One payment under one grant.
     async fn hold(&mut self, lock: usize, account: &str, handle: &LockHandle) {
         let own = handle.token().get();
-        let mut keep_alive = Some(self.locks[lock].keep_alive(handle));
+        let mut keep_alive =
+            (!self.args.no_keep_alive).then(|| self.locks[lock].keep_alive(handle));
         // Half the holders retry an unresolved payment before fresh ones, half after: both
         // orders happen in a real fleet, and each meets a stale holder differently.
         let retry_first = self.rng.below(2) == 0;

@@ -125,8 +125,17 @@ impl Railguard {
     async fn run(&mut self) {
         if self.process {
             if self.proxy.port() == 0 {
-                let port = || SocketAddr::from(([127, 0, 0, 1], free_loopback_port()));
-                (self.proxy, self.admin, self.lock) = (port(), port(), port());
+                // Three different ports: each is free when picked, and two picks may still
+                // land on the same one.
+                let mut ports: Vec<u16> = Vec::with_capacity(3);
+                while ports.len() < 3 {
+                    let port = free_loopback_port();
+                    if !ports.contains(&port) {
+                        ports.push(port);
+                    }
+                }
+                let at = |port| SocketAddr::from(([127, 0, 0, 1], port));
+                (self.proxy, self.admin, self.lock) = (at(ports[0]), at(ports[1]), at(ports[2]));
             }
             self.write_config();
             self.spawn().await;
