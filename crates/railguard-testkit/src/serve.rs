@@ -263,7 +263,9 @@ impl Railguard {
         self.dir.path().join("railguard.toml")
     }
 
-    fn log_path(&self) -> PathBuf {
+    /// Where the child process's log is written (see [`Railguard::log`]): readable while the
+    /// railguard itself is busy elsewhere (stopping in a task of its own, say).
+    pub fn log_path(&self) -> PathBuf {
         self.dir.path().join("railguard.log")
     }
 
