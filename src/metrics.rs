@@ -94,6 +94,10 @@ pub struct Metrics {
     pub fence_check_seconds: HistogramVec,
     pub upstream_seconds: Histogram,
     pub fencing_enforced: IntGauge,
+    /// 0 while `fencing.order_across_processes = false` (`store::handover`).
+    pub cross_process_order: IntGauge,
+    /// Forwards that waited for another railguard process's forward for their account.
+    pub handover_waits: IntCounter,
     /// 0 while `fencing.require_proof = false` lets tokens through without a grant proof.
     pub fencing_proof_required: IntGauge,
     /// Tokens accepted without a grant proof (`fencing.require_proof = false` only).
@@ -199,6 +203,19 @@ impl Metrics {
             "1 when the proxy refuses stale tokens, 0 when the kill switch is off.",
         )
         .expect("valid metric");
+        let cross_process_order = IntGauge::new(
+            "railguard_cross_process_order",
+            "1 when a forward another railguard process may still have on its way to the rail \
+             holds back this process's newer tokens for the account; 0 while \
+             fencing.order_across_processes is false.",
+        )
+        .expect("valid metric");
+        let handover_waits = IntCounter::new(
+            "railguard_forward_handovers_total",
+            "Forwards that waited, before they started, for another railguard process's forward \
+             for the same account to be answered or settled.",
+        )
+        .expect("valid metric");
         let fencing_proof_required = IntGauge::new(
             "railguard_fencing_proof_required",
             "1 when the proxy refuses tokens without a grant proof, 0 while \
@@ -244,6 +261,8 @@ impl Metrics {
             Box::new(fence_check_seconds.clone()),
             Box::new(upstream_seconds.clone()),
             Box::new(fencing_enforced.clone()),
+            Box::new(cross_process_order.clone()),
+            Box::new(handover_waits.clone()),
             Box::new(fence_batch_size.clone()),
             Box::new(completion_batch_size.clone()),
             Box::new(runtime_worker_threads.clone()),
@@ -274,6 +293,8 @@ impl Metrics {
             fence_check_seconds,
             upstream_seconds,
             fencing_enforced,
+            cross_process_order,
+            handover_waits,
             fencing_proof_required,
             unproven_tokens,
             outcomes_pending,

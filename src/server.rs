@@ -31,13 +31,14 @@ use crate::lock::{LockDatabase, Locks};
 use crate::metrics::Metrics;
 use crate::proof::ProofKey;
 use crate::proxy::extract::{ExtractConfig, ExtractLayer, GrantCheck};
-use crate::proxy::fence::{Batching, FenceLayer, FencePoint, HighWaterStore};
+use crate::proxy::fence::{Batching, FenceLayer, FencePoint, HighWaterStore, ThisProcess};
 use crate::proxy::forward::Forward;
 use crate::proxy::idempotency::{
     IdempotencyConfig, IdempotencyLayer, IdempotencyStore, InstanceId, OutcomeMetrics, Records,
     hold_instance_lock, record_clean_stop, sweep_forever,
 };
 use crate::proxy::{self, ClientAddr};
+use crate::store::handover::Handover;
 use crate::store::replication::{ReplicationCheck, ReplicationError};
 
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +70,10 @@ pub enum ServeError {
     EmbeddedDied(String),
     #[error("{0}")]
     Replication(String),
+    #[error(
+        "cannot write which forwards this railguard has on their way (table railguard_forwarder): {0}"
+    )]
+    Handover(crate::db::DbError),
 }
 
 /// The three listeners railguard serves on.
@@ -300,13 +305,41 @@ pub async fn run(
         database.url.clone(),
         config.database.timeout,
     ));
+    // Several processes on one database keep each account's tokens in order at the rail
+    // (store::handover).
+    metrics
+        .cross_process_order
+        .set(i64::from(config.fencing.order_across_processes));
+    let handover = if config.fencing.order_across_processes {
+        Some(
+            Handover::start(
+                database.pool.clone(),
+                instance.get(),
+                config.proxy.rail_transit,
+                config.database.timeout,
+            )
+            .await
+            .map_err(ServeError::Handover)?,
+        )
+    } else {
+        tracing::error!(
+            "!!! CROSS-PROCESS ORDER IS OFF (fencing.order_across_processes = false) !!! With \
+             several railguard processes on one database, a request of an older grant can reach \
+             the rail after a newer grant's. This switch exists only to demonstrate that. \
+             railguard_cross_process_order is 0."
+        );
+        None
+    };
     let marks = HighWaterStore::new(
         database.pool.clone(),
         looks,
         config.database.timeout,
         batching,
         metrics.fence_batch_size.clone(),
-        instance,
+        ThisProcess {
+            instance,
+            handover: handover.clone(),
+        },
         records.clone(),
     );
     let sweeper = tokio::spawn(sweep_forever(
@@ -339,6 +372,7 @@ pub async fn run(
             )
             .counting_into(late_forwards.clone())
             .with_floor(epoch.clone())
+            .ordered_across_processes(handover.clone())
             .answering_own_repeats(records.clone()),
         )),
         IdempotencyLayer::new(
@@ -483,6 +517,11 @@ pub async fn run(
              declare in doubt or remove): their records stay in flight and become in doubt; a \
              repeat of such a request is refused, never forwarded twice"
         );
+    }
+    // The other processes take this one's answered forwards as settled at once, not when its
+    // row goes quiet (store::handover).
+    if let Some(handover) = &handover {
+        handover.publish_last().await;
     }
     // Every forward this process started has ended and it starts no more: it says so, and from
     // when nothing it sent can still reach the rail (proxy.rail_transit_ms after the latest

@@ -271,7 +271,14 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_secs(2)).await;
-    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    // The killed process's forward counts as on its way until its row is quiet
+    // (`store::handover`): half a second of transit keeps that short.
+    let mut rg = Railguard::start_process(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "500")],
+    )
+    .await;
     let http = rg.http();
     let in_flight = {
         let http = http.clone();
@@ -805,7 +812,14 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
     init_tracing();
     let mut pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_secs(6)).await;
-    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    // The killed owner's forward counts as on its way until its row is quiet
+    // (`store::handover`): half a second of transit keeps that short.
+    let mut rg = Railguard::start_process(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "500")],
+    )
+    .await;
     let http = rg.http();
     let owner = rg
         .instance()

@@ -740,7 +740,7 @@ async fn the_last_look_never_reads_from_a_server_that_takes_no_writes() {
 /// when the look's sessions cannot be opened, even with the pool's fine.
 #[tokio::test]
 async fn readiness_needs_the_last_look_sessions_too() {
-    use railguard::proxy::fence::{Batching, HighWaterStore};
+    use railguard::proxy::fence::{Batching, HighWaterStore, ThisProcess};
     use railguard::proxy::idempotency::{InstanceId, Records};
     use std::sync::Arc;
     use std::time::Duration;
@@ -758,7 +758,10 @@ async fn readiness_needs_the_last_look_sessions_too() {
             timeout,
             Batching::default(),
             prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("cas", "cas")).unwrap(),
-            InstanceId::generate(),
+            ThisProcess {
+                instance: InstanceId::generate(),
+                handover: None,
+            },
             records,
         )
     };

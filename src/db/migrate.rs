@@ -55,6 +55,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "store_epoch",
         sql: include_str!("../../migrations/0007_store_epoch.sql"),
     },
+    Migration {
+        version: 8,
+        name: "forward_handover",
+        sql: include_str!("../../migrations/0008_forward_handover.sql"),
+    },
 ];
 
 /// The schema version this binary expects.

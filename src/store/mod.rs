@@ -3,8 +3,11 @@
 //!
 //! - [`epoch`]: which server the database was last acknowledged on, and the fencing floor
 //!   that a store going back (a failover, a rewound data directory, a restored etcd) raises.
+//! - [`handover`]: which forwards each railguard process may still have on their way to the
+//!   rail, so that several processes keep an account's tokens in order at the rail.
 //! - [`replication`]: replication and durability settings under which PostgreSQL can lose a
 //!   commit it acknowledged.
 
 pub mod epoch;
+pub mod handover;
 pub mod replication;

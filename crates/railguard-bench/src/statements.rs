@@ -21,6 +21,28 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use railguard::db::{build_completion_pool, build_look_pool, build_pool};
 use railguard::proxy::fence::{ADVANCE_BATCH_SQL, BATCH_SQL, LAST_LOOK_SQL};
+
+/// [`ADVANCE_BATCH_SQL`] as one process runs it: its forwarder entry (process and sequence
+/// number, `store::handover`) written in as constants, so that it takes the accounts and tokens
+/// alone and the other designs' parameters follow them unchanged.
+fn fence_sql() -> Result<String, String> {
+    replace_once(
+        ADVANCE_BATCH_SQL,
+        "ARRAY[$3::bigint], ARRAY[$4::bigint]",
+        "ARRAY[1::bigint], ARRAY[1::bigint]",
+        "fence, one process",
+    )
+}
+
+/// [`BATCH_SQL`] as one process runs it: its sequence number written in, as in [`fence_sql`].
+fn batch_sql() -> Result<String, String> {
+    replace_once(
+        BATCH_SQL,
+        "ARRAY[$9::bigint], ARRAY[$10::bigint]",
+        "ARRAY[$9::bigint], ARRAY[1::bigint]",
+        "keyed, one process",
+    )
+}
 use railguard::proxy::idempotency::COMPLETE_SQL;
 use railguard_testkit::Pg;
 use std::fmt::Write as _;
@@ -222,9 +244,8 @@ const HASHED_COMPLETE_SQL: &str = "\
 /// A keyed batch's statement: the fence's compare-and-set (`ADVANCE_BATCH_SQL`, parameters 1
 /// and 2), the records of its accepted requests, and (folded designs) the completions of the
 /// previous statement's records, in one durable commit.
-fn keyed_statement(recorded: &str, completed: Option<&str>) -> String {
-    let mut text =
-        format!("WITH fenced AS (\n{ADVANCE_BATCH_SQL}\n), recorded AS (\n{recorded}\n)");
+fn keyed_statement(fence: &str, recorded: &str, completed: Option<&str>) -> String {
+    let mut text = format!("WITH fenced AS (\n{fence}\n), recorded AS (\n{recorded}\n)");
     if let Some(completed) = completed {
         let _ = write!(text, ", completed AS (\n{completed}\n)");
     }
@@ -251,6 +272,9 @@ const FOLDED_SESSION_SETTINGS: &str = "SET plan_cache_mode = force_generic_plan;
 
 /// The statement texts of a run, derived once (a derivation that does not match is an error).
 struct Texts {
+    /// [`fence_sql`] and [`batch_sql`].
+    fence: String,
+    with_records: String,
     fence_without_updated_at: String,
     fence_without_returning: String,
     /// [`Variant::KeyedFolded`]: `BATCH_SQL` with `COMPLETE_SQL` as a third part, its
@@ -273,23 +297,29 @@ fn replace_once(text: &str, from: &str, to: &str, what: &str) -> Result<String, 
 
 impl Texts {
     fn derive() -> Result<Self, String> {
+        let fence = fence_sql()?;
+        let with_records = batch_sql()?;
+        let returning = fence
+            .find("\nRETURNING ")
+            .ok_or("deriving the variant \"without RETURNING\": no RETURNING")?;
         Ok(Self {
             fence_without_updated_at: replace_once(
-                ADVANCE_BATCH_SQL,
+                &fence,
                 ", updated_at = now()",
                 "",
                 "without updated_at",
             )?,
-            fence_without_returning: replace_once(
-                ADVANCE_BATCH_SQL,
-                "\nRETURNING account_id",
-                "",
-                "without RETURNING",
-            )?,
-            keyed_folded: Self::keyed_folded()?,
-            lean_folded: keyed_statement(LEAN_RECORDED, Some(LEAN_COMPLETED)),
-            hashed_folded: keyed_statement(HASHED_RECORDED, Some(&Self::hashed_completed()?)),
-            hashed_create: keyed_statement(HASHED_RECORDED, None),
+            fence_without_returning: fence[..returning].to_string(),
+            keyed_folded: Self::keyed_folded(&with_records)?,
+            lean_folded: keyed_statement(&fence, LEAN_RECORDED, Some(LEAN_COMPLETED)),
+            hashed_folded: keyed_statement(
+                &fence,
+                HASHED_RECORDED,
+                Some(&Self::hashed_completed()?),
+            ),
+            hashed_create: keyed_statement(&fence, HASHED_RECORDED, None),
+            fence,
+            with_records,
         })
     }
 
@@ -307,7 +337,7 @@ impl Texts {
         Ok(text)
     }
 
-    fn keyed_folded() -> Result<String, String> {
+    fn keyed_folded(with_records: &str) -> Result<String, String> {
         let what = "keyed, folded";
         let mut complete = COMPLETE_SQL.to_string();
         // Downwards, so that `$1::` is never read as the start of `$10::`.
@@ -320,15 +350,16 @@ impl Texts {
             )?;
         }
         let text = replace_once(
-            BATCH_SQL,
-            "\n)\nSELECT account_id, NULL::text FROM fenced",
+            with_records,
+            "\n)\nSELECT account_id, NULL::text, others, other_seqs FROM fenced",
             &format!(
-                "\n), completed AS (\n{complete}\n)\nSELECT account_id, NULL::text FROM fenced"
+                "\n), completed AS (\n{complete}\n)\nSELECT account_id, NULL::text, others, \
+                 other_seqs FROM fenced"
             ),
             what,
         )?;
         Ok(format!(
-            "{text}\nUNION ALL\nSELECT account_id, idempotency_key FROM completed"
+            "{text}\nUNION ALL\nSELECT account_id, idempotency_key, NULL, NULL FROM completed"
         ))
     }
 
@@ -339,7 +370,7 @@ impl Texts {
             .map(|(account, token)| format!("('{account}', {token}::bigint)"))
             .collect();
         replace_once(
-            ADVANCE_BATCH_SQL,
+            &self.fence,
             "unnest($1::text[], $2::bigint[])",
             &format!("(VALUES {})", values.join(", ")),
             "literal VALUES",
@@ -657,10 +688,10 @@ async fn measure(
         let main = &main;
         async move { main.prepare_cached(&text).await.map_err(|e| e.to_string()) }
     };
-    let fence = prepared(ADVANCE_BATCH_SQL).await?;
+    let fence = prepared(&texts.fence).await?;
     let fence_without_updated_at = prepared(&texts.fence_without_updated_at).await?;
     let fence_without_returning = prepared(&texts.fence_without_returning).await?;
-    let with_records = prepared(BATCH_SQL).await?;
+    let with_records = prepared(&texts.with_records).await?;
     let last_look = look
         .prepare_cached(LAST_LOOK_SQL)
         .await
@@ -1109,11 +1140,13 @@ mod tests {
             folded.contains("completed AS (\nUPDATE idempotency_record r"),
             "{folded}"
         );
-        assert!(folded.ends_with("SELECT account_id, idempotency_key FROM completed"));
+        assert!(folded.ends_with("SELECT account_id, idempotency_key, NULL, NULL FROM completed"));
         for n in 1..=16 {
+            // The process's id: the records' owner and the forwarders' entry.
+            let uses = if n == 9 { 2 } else { 1 };
             assert_eq!(
                 folded.matches(&format!("${n}::")).count(),
-                1,
+                uses,
                 "${n} in {folded}"
             );
         }
@@ -1126,7 +1159,7 @@ mod tests {
         assert!(!t.hashed_create.contains("completed"));
         assert!(
             t.hashed_create
-                .starts_with(&format!("WITH fenced AS (\n{ADVANCE_BATCH_SQL}"))
+                .starts_with(&format!("WITH fenced AS (\n{}", t.fence))
         );
     }
 

@@ -37,23 +37,39 @@ use super::store::{Batching, StoreError, Verdict};
 use crate::db::{DbError, Notices};
 use crate::proxy::held::{BatchQueue, HeldRow, Rows};
 use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, RecordId, Records};
+use crate::store::handover::{Entry, Foreign};
 use crate::token::{AccountId, FencingToken};
 
 /// The compare-and-set of a batch, written once for both statements below: advances every
 /// account whose token is at least its mark and the fencing floor (`store::epoch`: tokens
-/// granted before the store last went back), in account order, and answers the accounts it
-/// advanced.
+/// granted before the store last went back), in account order, records the calling process's
+/// entry among the account's forwarders (`store::handover`: `$inst` the process, `$seq` this
+/// statement's sequence number; other processes' entries are kept), and answers the accounts it
+/// advanced with the other processes' entries, if any.
 macro_rules! advance_batch {
-    () => {
-        "\
-INSERT INTO rail_high_water AS h (account_id, highest_token)
-SELECT account_id, token FROM unnest($1::text[], $2::bigint[]) AS t(account_id, token)
+    ($inst:literal, $seq:literal) => {
+        concat!(
+            "\
+INSERT INTO rail_high_water AS h (account_id, highest_token, forwarders, forward_seqs)
+SELECT account_id, token, ARRAY[", $inst, "::bigint], ARRAY[", $seq, "::bigint]
+FROM unnest($1::text[], $2::bigint[]) AS t(account_id, token)
 WHERE t.token >= (SELECT floor FROM railguard_store_epoch)
 ORDER BY account_id
 ON CONFLICT (account_id) DO UPDATE
-    SET highest_token = EXCLUDED.highest_token, updated_at = now()
+    SET highest_token = EXCLUDED.highest_token, updated_at = now(),
+        forwarders = CASE WHEN h.forwarders <@ EXCLUDED.forwarders THEN EXCLUDED.forwarders
+            ELSE EXCLUDED.forwarders || ARRAY(
+                SELECT u.f FROM unnest(h.forwarders) WITH ORDINALITY AS u(f, o)
+                WHERE u.f <> EXCLUDED.forwarders[1] ORDER BY u.o) END,
+        forward_seqs = CASE WHEN h.forwarders <@ EXCLUDED.forwarders THEN EXCLUDED.forward_seqs
+            ELSE EXCLUDED.forward_seqs || ARRAY(
+                SELECT u.s FROM unnest(h.forwarders, h.forward_seqs) WITH ORDINALITY AS u(f, s, o)
+                WHERE u.f <> EXCLUDED.forwarders[1] ORDER BY u.o) END
     WHERE h.highest_token <= EXCLUDED.highest_token
-RETURNING account_id"
+RETURNING account_id,
+    CASE WHEN cardinality(h.forwarders) > 1 THEN h.forwarders END AS others,
+    CASE WHEN cardinality(h.forwarders) > 1 THEN h.forward_seqs END AS other_seqs"
+        )
     };
 }
 
@@ -61,14 +77,14 @@ RETURNING account_id"
 /// alone (`railguard-bench --suite statements`, BENCHMARKS.md, tenth session), the statement
 /// below with empty record arrays cost PostgreSQL's backend 11–44% more per statement (79 µs
 /// more at 64 rows, 62 at one), for a part that does nothing when there is no record.
-pub const ADVANCE_BATCH_SQL: &str = advance_batch!();
+pub const ADVANCE_BATCH_SQL: &str = advance_batch!("$3", "$4");
 
 /// A batch with idempotency records: the compare-and-set, and the records of the accepted
 /// requests created in the same durable commit. Its answer names the accounts it advanced
 /// (`account_id`, NULL) and the records it made (`account_id`, key).
 pub const BATCH_SQL: &str = concat!(
     "WITH fenced AS (\n",
-    advance_batch!(),
+    advance_batch!("$9", "$10"),
     "\n), recorded AS (
     INSERT INTO idempotency_record AS r
         (account_id, idempotency_key, fingerprint, token, state, owner, owner_instance, in_doubt_at)
@@ -84,9 +100,9 @@ pub const BATCH_SQL: &str = concat!(
         WHERE r.owner = EXCLUDED.owner
     RETURNING account_id, idempotency_key
 )
-SELECT account_id, NULL::text FROM fenced
+SELECT account_id, NULL::text, others, other_seqs FROM fenced
 UNION ALL
-SELECT account_id, idempotency_key FROM recorded"
+SELECT account_id, idempotency_key, NULL, NULL FROM recorded"
 );
 
 /// One request waiting for its verdict.
@@ -103,10 +119,11 @@ pub(super) async fn run(
     batching: Batching,
     timeout: Duration,
     sizes: Histogram,
-    instance: InstanceId,
+    process: super::store::ThisProcess,
     records: Arc<dyn Records>,
     queue: mpsc::Receiver<Pending>,
 ) {
+    let super::store::ThisProcess { instance, handover } = process;
     let (slots, held, max_batch, notices) = (
         batching.slots("fence", timeout),
         batching.held.clone(),
@@ -137,10 +154,19 @@ pub(super) async fn run(
         };
         sizes.observe(batch.len() as f64);
         let (pool, records, notices) = (pool.clone(), records.clone(), notices.clone());
+        // Registered before the statement is sent: once it commits, other processes may find
+        // this process's entry in the accounts' rows (`store::handover`).
+        let (seq, entries) = match &handover {
+            Some(handover) => {
+                let (seq, entries) = handover.register(batch.iter().map(|p| &p.account));
+                (seq, entries.into_iter().map(Some).collect())
+            }
+            None => (0, batch.iter().map(|_| None).collect()),
+        };
         // A statement that stalls stops holding up the next batch, and is still listened to;
         // the rows it touches are held until it answers.
         slots.run(slot, async move {
-            execute(&pool, &notices, instance, &records, batch).await;
+            execute(&pool, &notices, instance, &records, seq, batch, entries).await;
             drop(rows);
         });
     }
@@ -203,7 +229,9 @@ async fn execute(
     notices: &Notices,
     instance: InstanceId,
     records_store: &Arc<dyn Records>,
+    seq: i64,
     batch: Vec<Pending>,
+    entries: Vec<Option<Entry>>,
 ) {
     let mut accounts: Vec<&str> = Vec::new();
     let mut tokens: Vec<i64> = Vec::new();
@@ -239,7 +267,9 @@ async fn execute(
             let watch = notices.watch(&client);
             let rows = if records.accounts.is_empty() {
                 let statement = client.prepare_cached(ADVANCE_BATCH_SQL).await?;
-                client.query(&statement, &[&accounts, &tokens]).await?
+                client
+                    .query(&statement, &[&accounts, &tokens, &instance.get(), &seq])
+                    .await?
             } else {
                 let statement = client.prepare_cached(BATCH_SQL).await?;
                 client
@@ -255,6 +285,7 @@ async fn execute(
                             &records.owners,
                             &records.in_doubt_after_ms,
                             &instance.get(),
+                            &seq,
                         ],
                     )
                     .await?
@@ -272,19 +303,29 @@ async fn execute(
             Ok(answer) => break answer,
         }
     };
-    let mut fenced: HashSet<String> = HashSet::new();
+    // Accounts advanced, each with the other processes' entries its row holds.
+    let mut fenced: HashMap<String, Foreign> = HashMap::new();
     let mut recorded: HashSet<(String, String)> = HashSet::new();
+    let keyed = !records.accounts.is_empty();
     for row in rows {
         let account: String = row.get(0);
-        // `ADVANCE_BATCH_SQL` answers the advanced accounts alone.
-        let key = if row.len() > 1 {
+        // `ADVANCE_BATCH_SQL` answers the advanced accounts alone; `BATCH_SQL` the records it
+        // made too, with their key.
+        let key = if keyed {
             row.get::<_, Option<String>>(1)
         } else {
             None
         };
         match key {
             None => {
-                fenced.insert(account);
+                let at = usize::from(keyed);
+                let others: Option<Vec<i64>> = row.get(1 + at);
+                let seqs: Option<Vec<i64>> = row.get(2 + at);
+                let foreign = match (others, seqs) {
+                    (Some(others), Some(seqs)) => Foreign::from_row(instance.get(), &others, &seqs),
+                    _ => Foreign::default(),
+                };
+                fenced.insert(account, foreign);
             }
             Some(key) => {
                 recorded.insert((account, key));
@@ -294,25 +335,29 @@ async fn execute(
     if unreplicated {
         return not_replicated(batch, &recorded, records_store);
     }
-    for pending in batch {
-        let verdict = if fenced.contains(pending.account.as_str()) {
-            let record = pending.record.filter(|r| {
-                recorded.contains(&(pending.account.as_str().to_string(), r.key.clone()))
-            });
-            Verdict::Accepted {
-                record: record.map(|r| {
-                    let id = RecordId {
-                        account: pending.account.clone(),
-                        key: r.key,
-                        owner: r.owner,
-                    };
-                    RecordGuard::new(records_store.clone(), id, r.maybe_sent)
-                }),
+    for (pending, entry) in batch.into_iter().zip(entries) {
+        let verdict = match fenced.get(pending.account.as_str()) {
+            Some(foreign) => {
+                let record = pending.record.filter(|r| {
+                    recorded.contains(&(pending.account.as_str().to_string(), r.key.clone()))
+                });
+                Verdict::Accepted {
+                    record: record.map(|r| {
+                        let id = RecordId {
+                            account: pending.account.clone(),
+                            key: r.key,
+                            owner: r.owner,
+                        };
+                        RecordGuard::new(records_store.clone(), id, r.maybe_sent)
+                    }),
+                    entry,
+                    foreign: foreign.clone(),
+                }
             }
-        } else {
-            Verdict::Stale
+            None => Verdict::Stale,
         };
-        // A caller that is gone drops the verdict, and with it the guard of its record.
+        // A caller that is gone drops the verdict, and with it the guard of its record and its
+        // forward's entry (nothing was sent).
         let _ = pending.reply.send(Ok(verdict));
     }
 }

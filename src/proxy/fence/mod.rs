@@ -14,6 +14,10 @@
 //!    both tokens), instead of reaching the rail after the newer one. What remains is the
 //!    moment between that read and the first byte on the wire; `ordering` explains why
 //!    closing it completely would need a row lock held across the send.
+//!    Before that read, a request whose compare-and-set found another railguard process's
+//!    forward for the account waits until that forward can no longer reach the rail
+//!    (`store::handover`), so that the rail receives the account's tokens in order whichever
+//!    process each went through.
 //!
 //! **Why a mark advanced by a request whose forward then failed is safe.** The mark only says
 //! "a grant with this token exists": tokens come from grants, and a grant is issued only after
@@ -50,7 +54,7 @@ use tracing::Instrument;
 
 pub use self::batch::{ADVANCE_BATCH_SQL, BATCH_SQL};
 pub use self::recheck::LAST_LOOK_SQL;
-pub use self::store::{ADVANCE_SQL, Batching, HighWaterStore, StoreError, Verdict};
+pub use self::store::{ADVANCE_SQL, Batching, HighWaterStore, StoreError, ThisProcess, Verdict};
 
 use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
@@ -60,6 +64,7 @@ use super::idempotency::{NewRecord, Records, lost_first_attempt, own_answer};
 use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::metrics::{FencePath, Metrics};
 use crate::store::epoch::StoreEpoch;
+use crate::store::handover::{Entry, Foreign, Handover, WaitError};
 use crate::token::{AccountId, FencingToken};
 
 /// Where the per-account high-water marks live (FR-17).
@@ -121,6 +126,10 @@ pub struct FencePoint<H = HighWaterStore> {
     /// Where a refused keyed request looks for the record of its own earlier attempt
     /// (`idempotency::own_answer`); `None`: refusals stand.
     records: Option<Arc<dyn Records>>,
+    /// This process's forwards as the other processes see them, and theirs as this one waits
+    /// for them (`store::handover`); `None`: no waiting (one process, the tests of this
+    /// module, or the negative control `fencing.order_across_processes = false`).
+    handover: Option<Arc<Handover>>,
 }
 
 /// Accounts whose cache refusals' log lines are limited at once (see `refusal_log`).
@@ -139,7 +148,15 @@ impl<H: HighWater> FencePoint<H> {
             outstanding: None,
             epoch: None,
             records: None,
+            handover: None,
         }
+    }
+
+    /// Waits, before a forward starts, for other processes' forwards for its account that may
+    /// still reach the rail (`store::handover`).
+    pub fn ordered_across_processes(mut self, handover: Option<Arc<Handover>>) -> Self {
+        self.handover = handover;
+        self
     }
 
     /// A refused keyed request made under the same token as a record of its key gets that
@@ -394,7 +411,11 @@ where
                 })
                 .await
         }
-        Verdict::Accepted { record } => {
+        Verdict::Accepted {
+            record,
+            entry,
+            foreign,
+        } => {
             span.record("verdict", "accepted");
             point.cache.raise(&account, token.get());
             if let Some(epoch) = &point.epoch {
@@ -402,7 +423,18 @@ where
             }
             let owns_record = record.is_some();
             request.record = record;
-            let forward = admitted_forward(point, inner, request, ticket, account, token);
+            let forward = admitted_forward(
+                point,
+                inner,
+                request,
+                Admitted {
+                    ticket,
+                    entry,
+                    foreign,
+                },
+                account,
+                token,
+            );
             let proceed = async move {
                 let _counted = counted;
                 forward.await
@@ -422,14 +454,22 @@ where
     }
 }
 
-/// Waits for the request's turn, takes the last look at the mark, and forwards. Every early
-/// return drops the request before it was sent, so its record guard (if any) removes its
-/// record.
+/// What an accepted compare-and-set leaves a request with: its place in this process's order,
+/// its forward's entry as other processes see it, and their entries it must wait for.
+struct Admitted {
+    ticket: Ticket,
+    entry: Option<Entry>,
+    foreign: Foreign,
+}
+
+/// Waits for the request's turn (in this process, then behind other processes' forwards),
+/// takes the last look at the mark, and forwards. Every early return drops the request before
+/// it was sent, so its record guard (if any) removes its record, and its entry is settled.
 async fn admitted_forward<S, H>(
     point: Arc<FencePoint<H>>,
     mut inner: S,
     request: FencedRequest,
-    mut ticket: Ticket,
+    admitted: Admitted,
     account: AccountId,
     token: FencingToken,
 ) -> Result<ProxyResponse, BoxError>
@@ -437,6 +477,11 @@ where
     S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
     H: HighWater,
 {
+    let Admitted {
+        mut ticket,
+        entry,
+        foreign,
+    } = admitted;
     match tokio::time::timeout_at(request.deadline, ticket.admit(token)).await {
         Ok(Ok(())) => {}
         Ok(Err(_superseded)) => {
@@ -444,6 +489,22 @@ where
             return Err(point.fenced_out(account, token, "a higher token was admitted meanwhile"));
         }
         Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
+    }
+    // Another process's forward for this account may still be on its way: ours waits until it
+    // can no longer reach the rail, so that it cannot arrive after ours. A keyed request whose
+    // record existed before is answered from that record and never forwarded: it does not wait.
+    let forwards = request.idempotency.is_none() || request.record.is_some();
+    if let Some(handover) = &point.handover
+        && forwards
+        && !foreign.is_empty()
+    {
+        point.metrics.handover_waits.inc();
+        tracing::debug!(lock.token = token.get(), account = %account, others = ?foreign.0,
+            "waiting for another railguard's forward for this account");
+        handover
+            .wait_settled(&account, &foreign, request.deadline)
+            .await
+            .map_err(|e| waited(e, &account, token))?;
     }
     // The last look: has another railguard accepted a higher token for this account since our
     // compare-and-set? Then ours must not reach the rail after it. Taken on every request, not
@@ -462,18 +523,60 @@ where
         Ok(Err(e)) => return Err(FenceUnavailable(e).into()),
         Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
     }
+    // Other processes take this one as quiet once its row is old: it starts nothing past that.
+    if let Some(handover) = &point.handover
+        && forwards
+    {
+        handover
+            .ready_to_send(request.deadline)
+            .await
+            .map_err(|e| waited(e, &account, token))?;
+    }
     // The ticket travels with the request: the forward holds it until the rail has answered
     // (or it gave up waiting for a late answer); only then may a higher token for this
     // account start its forward.
     let mut request = request;
-    request.turn = Some(Turn { _ticket: ticket });
+    request.turn = Some(Turn {
+        _ticket: ticket,
+        entry,
+    });
     inner.call(request).await
 }
 
+/// A wait for the handover that did not end in a turn: nothing was sent.
+fn waited(error: WaitError, account: &AccountId, token: FencingToken) -> BoxError {
+    match error {
+        WaitError::Deadline => {
+            tracing::warn!(lock.token = token.get(), account = %account,
+                "the request's deadline passed while another railguard's forward for its account \
+                 could still reach the rail; not sent");
+            UpstreamTimeout::waiting_for_turn().into()
+        }
+        WaitError::Silent(for_how_long) => {
+            tracing::warn!(lock.token = token.get(), account = %account, ?for_how_long,
+                "this railguard could not write which forwards it has on their way; not sent");
+            UpstreamTimeout::waiting_for_turn().into()
+        }
+        WaitError::Db(e) => FenceUnavailable(StoreError::Db(e)).into(),
+    }
+}
+
 /// An account's turn at the rail (see `ordering`): while it is alive, no forward for a higher
-/// token of the account starts. Dropping it passes the turn on.
+/// token of the account starts, in this process or — through its entry — in another.
+/// Dropping it passes the turn on.
 pub struct Turn {
     _ticket: Ticket,
+    entry: Option<Entry>,
+}
+
+impl Turn {
+    /// The forward was written and its answer never came: this process's turn passes on now,
+    /// and other processes take the forward as on its way for `proxy.rail_transit_ms` more.
+    pub fn unanswered(mut self) {
+        if let Some(entry) = self.entry.take() {
+            entry.unanswered();
+        }
+    }
 }
 
 async fn observe_only<S, H>(
@@ -489,7 +592,7 @@ where
     let (token, account) = (request.token, request.account.clone());
     let verdict = point.check(&request, Instant::now(), &span).await;
     match verdict {
-        Ok(Verdict::Accepted { record }) => {
+        Ok(Verdict::Accepted { record, .. }) => {
             span.record("verdict", "accepted");
             request.record = record;
         }
@@ -574,6 +677,8 @@ mod tests {
                     };
                     RecordGuard::new(records, id, r.maybe_sent)
                 }),
+                entry: None,
+                foreign: Foreign::default(),
             })
         }
 

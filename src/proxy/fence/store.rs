@@ -30,6 +30,7 @@ use crate::db::DbError;
 use crate::db::slots::{StatementSlots, Unanswered};
 use crate::proxy::held::HeldRows;
 use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, Records};
+use crate::store::handover::{Entry, Foreign, Handover};
 use crate::token::{AccountId, FencingToken};
 
 /// The single-row compare-and-set, as one statement per request would run it. The proxy runs
@@ -46,8 +47,15 @@ ON CONFLICT (account_id) DO UPDATE
 pub enum Verdict {
     /// The token was at least the mark; the mark is now the token. `record`: the request's
     /// idempotency record was created, and is owned by this guard (`None` when the request had
-    /// no key, or a record for it already existed).
-    Accepted { record: Option<RecordGuard> },
+    /// no key, or a record for it already existed). `entry`: the forward as this process's
+    /// other processes see it, pending until dropped (`store::handover`); `foreign`: the other
+    /// processes' entries the account's row held, whose forwards must be settled before this
+    /// one starts.
+    Accepted {
+        record: Option<RecordGuard>,
+        entry: Option<Entry>,
+        foreign: Foreign,
+    },
     /// The mark is above the token; nothing changed and no record was made.
     Stale,
 }
@@ -144,6 +152,15 @@ impl Batching {
     }
 }
 
+/// This process, as what the compare-and-sets write besides marks: the owner of the records
+/// they make, and (with several processes on one database) its forwarders' entries
+/// (`store::handover`; `None`: entries are written but never waited for).
+#[derive(Clone)]
+pub struct ThisProcess {
+    pub instance: InstanceId,
+    pub handover: Option<Arc<Handover>>,
+}
+
 /// Advances per-account high-water marks.
 #[derive(Clone)]
 pub struct HighWaterStore {
@@ -159,7 +176,7 @@ pub struct HighWaterStore {
 
 impl HighWaterStore {
     /// Starts the batchers; they stop when the last clone of the store is dropped. Records
-    /// created here are owned by `instance` (this process). The last looks run on `looks`
+    /// created here are owned by `process`. The last looks run on `looks`
     /// ([`crate::db::build_look_pool`]), which needs
     /// [`crate::db::slots::most_in_flight`]`(batching.concurrency)` sessions.
     pub fn new(
@@ -168,7 +185,7 @@ impl HighWaterStore {
         timeout: Duration,
         batching: Batching,
         batch_sizes: Histogram,
-        instance: InstanceId,
+        process: ThisProcess,
         records: Arc<dyn Records>,
     ) -> Self {
         let (requests, queue) = mpsc::channel(QUEUE_LIMIT);
@@ -183,7 +200,7 @@ impl HighWaterStore {
             batching.clone(),
             timeout,
             batch_sizes,
-            instance,
+            process,
             records,
             queue,
         ));

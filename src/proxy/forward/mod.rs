@@ -367,10 +367,15 @@ impl Service<FencedRequest> for Forward {
                     Ok(Err(e)) => {
                         let sent = sent(matches!(e, SendError::Connect(_)));
                         if sent == Sent::Maybe {
-                            // Written, perhaps, and never answered: it may still be on its way.
+                            // Written, perhaps, and the connection failed before an answer:
+                            // what was written may still reach the rail (a middlebox may hold
+                            // it). Noted before the forward stops counting as outstanding.
                             this.late.ended_unanswered();
                         }
-                        drop(in_flight.settle());
+                        let turn = in_flight.settle();
+                        if let (Some(turn), Sent::Maybe) = (turn, sent) {
+                            turn.unanswered();
+                        }
                         return Err(UpstreamUnavailable(e.into(), sent).into());
                     }
                     Ok(Ok(response)) => {
@@ -518,7 +523,10 @@ impl InFlight {
                         "a forward left by its caller ended; the account's turn passes on"
                     );
                 }
-                drop(turn);
+                match turn {
+                    Some(turn) if !answered => turn.unanswered(),
+                    turn => drop(turn),
+                }
                 drop(counted);
             }
             .in_current_span(),

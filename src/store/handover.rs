@@ -1,0 +1,472 @@
+//! Several railguard processes on one database: the rail receives an account's tokens in order
+//! whichever process each request went through.
+//!
+//! The compare-and-set decides whether a token may pass, and each process's forwarding order
+//! keeps its own forwards for an account in order; neither sees a forward *another* process
+//! has on its way to the rail. Without more, process A forwards token 41, the request is held
+//! in the network, the grant expires, process B accepts token 42 and forwards it, and the rail
+//! receives 42 and then 41 — each process correct on its own.
+//!
+//! **What each process keeps.** Every compare-and-set this process sends is registered first,
+//! in memory, as *pending* under a sequence number (one per statement) with its account
+//! ([`Handover::register`]); the entry ([`Entry`]) stays pending until its forward can no
+//! longer reach the rail — the rail answered, it was never sent, or it was written and its
+//! answer never came and `proxy.rail_transit_ms` has passed since ([`Entry::unanswered`]).
+//! The process rewrites its row of `railguard_forwarder` every few milliseconds while that
+//! changes: the next sequence number (`horizon`) and the pending entries, snapshotted at once.
+//! An entry `(process, seq)` of an account is *settled* when a row of that process has `seq`
+//! below its horizon and no pending entry of the account at or below `seq`; settled stays
+//! settled.
+//!
+//! **What the compare-and-set records.** The account's mark row names, beside the mark, each
+//! process that forwarded for it and the sequence number of its latest compare-and-set there
+//! (`rail_high_water.forwarders`, `forward_seqs`): the statement replaces the caller's entry,
+//! keeps the others', and answers them ([`Foreign`]).
+//!
+//! **The wait.** A request whose compare-and-set answered another process's entry waits, after
+//! its turn in this process and before its last look and its forward, until each such entry is
+//! settled ([`Handover::wait_settled`]); its own entry stays pending meanwhile, so that waits
+//! chain (C behind B behind A). Why that is enough: the row lock orders the two
+//! compare-and-sets. If A's came first, B's finds A's entry and B waits until A's forward can
+//! no longer arrive. If B's came first, the mark is B's token when A's compare-and-set or A's
+//! last look (taken after A's compare-and-set committed) reads it, and A's lower token is
+//! refused before anything is sent.
+//!
+//! **A process that stops writing its row** (killed, paused, cut off from the database) starts
+//! no forward once its last write began more than [`ALIVE`] ago ([`Handover::ready_to_send`]),
+//! and what it sent arrives within the transit time it states; its row says so in `quiet_ms`,
+//! and once that long has passed since the row's `published_at` (the database's clock) its
+//! entries count as settled. A killed process's entries neither block an account for ever nor
+//! are they dropped while its request may still arrive.
+//!
+//! **Cost.** With one process, or accounts each forwarded through one process, the
+//! compare-and-set finds only the caller's own entry and answers nothing: no wait and no extra
+//! statement; what remains is two small arrays in the mark row and a row rewrite every
+//! [`PUBLISH_EVERY`] while forwards change. Entries found settled are removed from the mark
+//! row afterwards ([`Handover::wait_settled`]), so an account that changes process pays one
+//! read, once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+
+use crate::db::DbError;
+use crate::token::AccountId;
+
+/// Shortest time between two writes of this process's row.
+pub const PUBLISH_EVERY: Duration = Duration::from_millis(10);
+/// Longest time between two writes when nothing changed: how a running process shows it runs.
+const HEARTBEAT: Duration = Duration::from_millis(500);
+/// A process starts no forward once its last write of its row began longer ago than this.
+pub const ALIVE: Duration = Duration::from_secs(3);
+/// Rows of processes quiet for longer than this are removed at start.
+const FORGET_ROWS_AFTER: &str = "1 day";
+
+const PUBLISH_SQL: &str = "\
+INSERT INTO railguard_forwarder AS f
+    (instance, horizon, pending_seqs, pending_accounts, quiet_ms, published_at)
+VALUES ($1, $2, $3, $4, $5, now())
+ON CONFLICT (instance) DO UPDATE
+    SET horizon = EXCLUDED.horizon, pending_seqs = EXCLUDED.pending_seqs,
+        pending_accounts = EXCLUDED.pending_accounts, quiet_ms = EXCLUDED.quiet_ms,
+        published_at = EXCLUDED.published_at
+    WHERE f.horizon <= EXCLUDED.horizon";
+
+const READ_SQL: &str = "\
+SELECT instance, horizon, pending_seqs, pending_accounts,
+       now() > published_at + quiet_ms * interval '1 millisecond'
+FROM railguard_forwarder WHERE instance = ANY($1)";
+
+/// Removes entries found settled from an account's row; an entry that has changed since (its
+/// process forwarded for the account again) stays.
+const PRUNE_SQL: &str = "\
+UPDATE rail_high_water AS h SET (forwarders, forward_seqs) = (
+    SELECT coalesce(array_agg(u.f ORDER BY u.o), '{}'), coalesce(array_agg(u.s ORDER BY u.o), '{}')
+    FROM unnest(h.forwarders, h.forward_seqs) WITH ORDINALITY AS u(f, s, o)
+    WHERE NOT EXISTS (SELECT 1 FROM unnest($2::bigint[], $3::bigint[]) AS d(f, s)
+                      WHERE d.f = u.f AND d.s = u.s))
+WHERE account_id = $1 AND forwarders && $2::bigint[]";
+
+/// Other processes' entries a compare-and-set found in the account's row: `(instance, seq)`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Foreign(pub Vec<(i64, i64)>);
+
+impl Foreign {
+    /// The entries of `instances`/`seqs` (a mark row's arrays) that are not `own`'s.
+    pub fn from_row(own: i64, instances: &[i64], seqs: &[i64]) -> Self {
+        Self(
+            instances
+                .iter()
+                .zip(seqs)
+                .filter(|(i, _)| **i != own)
+                .map(|(i, s)| (*i, *s))
+                .collect(),
+        )
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// Why a forward may not start yet.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitError {
+    #[error(
+        "the request's deadline passed while another railguard's forward for its account could still reach the rail"
+    )]
+    Deadline,
+    #[error(
+        "this railguard could not tell the database, for {0:?}, which forwards it has on their way"
+    )]
+    Silent(Duration),
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
+
+/// This process's forwards, as the other processes see them; see the module docs.
+pub struct Handover {
+    instance: i64,
+    transit: Duration,
+    pool: Pool,
+    timeout: Duration,
+    state: Mutex<State>,
+    changed: Notify,
+    /// When the last write of this process's row that the database confirmed began.
+    published: watch::Sender<Option<Instant>>,
+}
+
+#[derive(Default)]
+struct State {
+    next_seq: i64,
+    next_id: u64,
+    pending: HashMap<u64, (i64, AccountId)>,
+}
+
+/// One registered compare-and-set's forward: pending until dropped.
+pub struct Entry {
+    handover: Arc<Handover>,
+    id: u64,
+}
+
+impl Handover {
+    /// Writes this process's first row (durably: a process that forwards has a row) and starts
+    /// rewriting it; `instance` is this process's id, `transit` is `proxy.rail_transit_ms`.
+    pub async fn start(
+        pool: Pool,
+        instance: i64,
+        transit: Duration,
+        timeout: Duration,
+    ) -> Result<Arc<Self>, DbError> {
+        let handover = Arc::new(Self {
+            instance,
+            transit,
+            pool,
+            timeout,
+            state: Mutex::new(State {
+                next_seq: 1,
+                ..State::default()
+            }),
+            changed: Notify::new(),
+            published: watch::Sender::new(None),
+        });
+        handover.publish().await?;
+        let client = handover.pool.get().await?;
+        let forget = format!(
+            "DELETE FROM railguard_forwarder
+             WHERE published_at + quiet_ms * interval '1 millisecond' < now() - interval '{FORGET_ROWS_AFTER}'"
+        );
+        client.execute(forget.as_str(), &[]).await?;
+        drop(client);
+        tokio::spawn(handover.clone().keep_publishing());
+        Ok(handover)
+    }
+
+    pub fn instance(&self) -> i64 {
+        self.instance
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Every update is a few inserts and removals; a panic cannot leave one half-made in a
+        // way that hides a pending entry.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers one compare-and-set statement for `accounts` (one entry each, in order), to
+    /// run before it is sent: returns its sequence number and the entries.
+    pub fn register<'a>(
+        self: &Arc<Self>,
+        accounts: impl IntoIterator<Item = &'a AccountId>,
+    ) -> (i64, Vec<Entry>) {
+        let mut state = self.state();
+        let seq = state.next_seq;
+        state.next_seq += 1;
+        let mut entries = Vec::new();
+        for account in accounts {
+            let id = state.next_id;
+            state.next_id += 1;
+            state.pending.insert(id, (seq, account.clone()));
+            entries.push(Entry {
+                handover: self.clone(),
+                id,
+            });
+        }
+        drop(state);
+        self.changed.notify_one();
+        (seq, entries)
+    }
+
+    /// How long this process says nothing of it can arrive after its last write.
+    fn quiet(&self) -> Duration {
+        ALIVE + self.transit
+    }
+
+    async fn publish(&self) -> Result<(), DbError> {
+        let began = Instant::now();
+        let (horizon, seqs, accounts) = {
+            let state = self.state();
+            let mut seqs = Vec::with_capacity(state.pending.len());
+            let mut accounts = Vec::with_capacity(state.pending.len());
+            for (seq, account) in state.pending.values() {
+                seqs.push(*seq);
+                accounts.push(account.as_str().to_string());
+            }
+            (state.next_seq, seqs, accounts)
+        };
+        let quiet_ms = i64::try_from(self.quiet().as_millis()).unwrap_or(i64::MAX);
+        let write = async {
+            let client = self.pool.get().await?;
+            let statement = client.prepare_cached(PUBLISH_SQL).await?;
+            client
+                .execute(
+                    &statement,
+                    &[&self.instance, &horizon, &seqs, &accounts, &quiet_ms],
+                )
+                .await?;
+            Ok::<_, DbError>(())
+        };
+        tokio::time::timeout(self.timeout, write)
+            .await
+            .map_err(|_| DbError::Timeout(self.timeout))??;
+        self.published.send_replace(Some(began));
+        Ok(())
+    }
+
+    async fn keep_publishing(self: Arc<Self>) {
+        let mut failing = false;
+        loop {
+            let _ = tokio::time::timeout(HEARTBEAT, self.changed.notified()).await;
+            match self.publish().await {
+                Ok(()) if failing => {
+                    failing = false;
+                    tracing::info!(
+                        "this railguard writes which forwards it has on their way again"
+                    );
+                }
+                Ok(()) => {}
+                Err(e) if !failing => {
+                    failing = true;
+                    tracing::warn!(error = %e,
+                        "cannot write which forwards this railguard has on their way; past {ALIVE:?} \
+                         without it no forward starts (504, not sent)");
+                }
+                Err(_) => {}
+            }
+            tokio::time::sleep(PUBLISH_EVERY).await;
+        }
+    }
+
+    /// Writes this process's row once more as it stops, so that the forwards answered by now
+    /// are settled for the other processes at once.
+    pub async fn publish_last(&self) {
+        if let Err(e) = self.publish().await {
+            tracing::warn!(error = %e,
+                "could not write which forwards this railguard still has on their way as it \
+                 stops; other railguards hold its accounts' newer tokens until its row is quiet \
+                 (proxy.rail_transit_ms after its last write)");
+        }
+    }
+
+    /// Waits, until `deadline`, for a write of this process's row that began less than
+    /// [`ALIVE`] ago: other processes take this one as quiet once its row is old enough, so it
+    /// must not start a forward past that.
+    pub async fn ready_to_send(&self, deadline: Instant) -> Result<(), WaitError> {
+        let mut published = self.published.subscribe();
+        loop {
+            let last = *published.borrow_and_update();
+            if last.is_some_and(|began| began.elapsed() < ALIVE) {
+                return Ok(());
+            }
+            match tokio::time::timeout_at(deadline, published.changed()).await {
+                Ok(Ok(())) => continue,
+                _ => {
+                    return Err(WaitError::Silent(
+                        last.map_or(Duration::MAX, |began| began.elapsed()),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Waits until every entry of `foreign` is settled for `account`, or `deadline`; then
+    /// removes them from the account's row (in the background: a removal lost costs a read).
+    pub async fn wait_settled(
+        &self,
+        account: &AccountId,
+        foreign: &Foreign,
+        deadline: Instant,
+    ) -> Result<(), WaitError> {
+        let instances: Vec<i64> = foreign.0.iter().map(|(i, _)| *i).collect();
+        let mut pause = Duration::from_millis(2);
+        loop {
+            let read = async {
+                let client = self.pool.get().await?;
+                let statement = client.prepare_cached(READ_SQL).await?;
+                Ok::<_, DbError>(client.query(&statement, &[&instances]).await?)
+            };
+            let rows = match tokio::time::timeout_at(deadline, read).await {
+                Ok(rows) => rows?,
+                Err(_) => return Err(WaitError::Deadline),
+            };
+            let rows: HashMap<i64, Published> = rows
+                .into_iter()
+                .map(|row| {
+                    (
+                        row.get::<_, i64>(0),
+                        Published {
+                            horizon: row.get(1),
+                            seqs: row.get(2),
+                            accounts: row.get(3),
+                            quiet: row.get(4),
+                        },
+                    )
+                })
+                .collect();
+            let settled = foreign.0.iter().all(|(instance, seq)| {
+                rows.get(instance)
+                    .is_none_or(|row| row.settled(account.as_str(), *seq))
+            });
+            if settled {
+                self.prune(account, foreign);
+                return Ok(());
+            }
+            if Instant::now() + pause >= deadline {
+                return Err(WaitError::Deadline);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
+    }
+
+    fn prune(&self, account: &AccountId, foreign: &Foreign) {
+        let (pool, timeout, account) = (self.pool.clone(), self.timeout, account.to_string());
+        let (instances, seqs): (Vec<i64>, Vec<i64>) = foreign.0.iter().copied().unzip();
+        tokio::spawn(async move {
+            let prune = async {
+                let client = pool.get().await?;
+                client
+                    .execute(PRUNE_SQL, &[&account, &instances, &seqs])
+                    .await?;
+                Ok::<_, DbError>(())
+            };
+            if let Ok(Err(e)) = tokio::time::timeout(timeout, prune).await {
+                tracing::debug!(error = %e, "could not remove settled forward entries");
+            }
+        });
+    }
+}
+
+/// One process's row as read.
+struct Published {
+    horizon: i64,
+    seqs: Vec<i64>,
+    accounts: Vec<String>,
+    quiet: bool,
+}
+
+impl Published {
+    fn settled(&self, account: &str, seq: i64) -> bool {
+        self.quiet
+            || (seq < self.horizon
+                && !self
+                    .seqs
+                    .iter()
+                    .zip(&self.accounts)
+                    .any(|(s, a)| *s <= seq && a == account))
+    }
+}
+
+impl Entry {
+    /// The forward was written and its answer never came (the connection failed, or it was
+    /// let go waiting): it counts as on its way for `proxy.rail_transit_ms` more.
+    pub fn unanswered(self) {
+        let transit = self.handover.transit;
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    tokio::time::sleep(transit).await;
+                    drop(self);
+                });
+            }
+            // A runtime shutting down: the process is ending, and its row's quiet time covers
+            // what it sent.
+            Err(_) => std::mem::forget(self),
+        }
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        self.handover.state().pending.remove(&self.id);
+        self.handover.changed.notify_one();
+    }
+}
+
+impl std::fmt::Debug for Entry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Entry").field("id", &self.id).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn foreign_entries_leave_out_the_callers_own() {
+        assert_eq!(
+            Foreign::from_row(7, &[7, 3, 9], &[40, 12, 5]),
+            Foreign(vec![(3, 12), (9, 5)])
+        );
+        assert!(Foreign::from_row(7, &[7], &[40]).is_empty());
+    }
+
+    #[test]
+    fn an_entry_is_settled_below_the_horizon_unless_a_lower_one_of_its_account_is_pending() {
+        let row = Published {
+            horizon: 10,
+            seqs: vec![4, 8],
+            accounts: vec!["a".into(), "b".into()],
+            quiet: false,
+        };
+        assert!(!row.settled("a", 4), "4 of a is pending");
+        assert!(!row.settled("a", 6), "4 <= 6 of a is pending");
+        assert!(row.settled("a", 3), "nothing of a at or below 3 is pending");
+        assert!(row.settled("b", 7));
+        assert!(!row.settled("b", 9));
+        assert!(
+            !row.settled("c", 10),
+            "10 was not handed out when the row was written"
+        );
+        assert!(row.settled("c", 9));
+        let quiet = Published { quiet: true, ..row };
+        assert!(
+            quiet.settled("a", 4),
+            "a quiet process can send nothing more"
+        );
+    }
+}

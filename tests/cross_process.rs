@@ -1,0 +1,148 @@
+//! Several railguard processes on one database, each request of an account sent to either:
+//! the rail receives the account's tokens in order whichever process each went through
+//! (`store::handover`). A forward one process has on its way to the rail — held in the network,
+//! or sent by a process killed since — holds back a newer token's forward in another until it
+//! can no longer arrive. With the order switched off (`fencing.order_across_processes = false`,
+//! the negative control) the same runs deliver the newer token first.
+
+use railguard_testkit as support;
+
+use std::time::Duration;
+
+use http::StatusCode;
+use support::{Pg, Rail, Railguard, Relay, Reply, eventually, init_tracing};
+
+/// Pays `token` on `account` through `rg` in a task of its own.
+fn pay_in_background(rg: &Railguard, token: i64, account: &str) -> tokio::task::JoinHandle<Reply> {
+    let (http, url, proof) = (
+        rg.http(),
+        rg.proxy_url("/payments"),
+        rg.proof(account, token),
+    );
+    let (token, account) = (token.to_string(), account.to_string());
+    tokio::spawn(async move {
+        http.pay(
+            &url,
+            &[
+                ("Fencing-Token", &token),
+                ("Fencing-Account", &account),
+                ("Fencing-Proof", &proof),
+            ],
+            "{}",
+        )
+        .await
+    })
+}
+
+/// Token 5 through railguard A, whose path to the rail holds each chunk 1.5 s; token 7 through
+/// railguard B, direct, 300 ms later. Returns the order the rail received them in.
+async fn two_processes(order: &str) -> Vec<i64> {
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let env = [
+        ("RAILGUARD__FENCING__ORDER_ACROSS_PROCESSES", order),
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000"),
+    ];
+    let a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    slow_path.set_delay(Duration::from_millis(1500));
+    let older = pay_in_background(&a, 5, "acct-x");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let newer = b.http().pay_with(&b, 7, "acct-x").await;
+    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    let older = older.await.unwrap();
+    assert_eq!(older.status, StatusCode::CREATED, "{}", older.body);
+    rail.tokens()
+}
+
+#[tokio::test]
+async fn a_newer_token_through_another_railguard_waits_for_a_forward_still_on_its_way() {
+    init_tracing();
+    assert_eq!(
+        two_processes("true").await,
+        [5, 7],
+        "the rail received the newer grant's request before the older one still on its way"
+    );
+}
+
+#[tokio::test]
+async fn without_the_cross_process_order_the_newer_token_overtakes() {
+    init_tracing();
+    assert_eq!(
+        two_processes("false").await,
+        [7, 5],
+        "the negative control: without the order the newer request arrives first"
+    );
+}
+
+/// Railguard A is SIGKILLed while its forward of token 5 is held in the network; the relay
+/// still delivers it. B's newer token waits until A's row says nothing of A can still arrive
+/// (A's last write, plus the time A forwards without writing, plus `proxy.rail_transit_ms`),
+/// then goes: behind the killed process's request, not before it — and not for ever.
+#[tokio::test]
+async fn a_killed_railguards_forward_holds_newer_tokens_until_it_can_no_longer_arrive() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let env = [
+        ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "1500"),
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000"),
+    ];
+    let mut a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    slow_path.set_delay(Duration::from_millis(2500));
+    let older = pay_in_background(&a, 5, "acct-k");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.kill().await;
+    let _ = older.await;
+    let started = tokio::time::Instant::now();
+    let newer = b.http().pay_with(&b, 7, "acct-k").await;
+    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "7 went after {:?}, before the killed process's forward could have arrived",
+        started.elapsed()
+    );
+    assert_eq!(rail.tokens(), [5, 7]);
+}
+
+/// An account forwarded through one process keeps one entry in its row (the fast path: the
+/// compare-and-set answers nothing to wait for); after a handover the settled entry of the
+/// other process is removed, so the account pays for a handover once.
+#[tokio::test]
+async fn a_settled_entry_of_another_process_is_removed_after_the_handover() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let a = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let (a_id, b_id) = (a.instance().unwrap(), b.instance().unwrap());
+    let forwarders = |account: &'static str| {
+        let pg = &pg;
+        async move {
+            pg.client()
+                .await
+                .query_one(
+                    "SELECT forwarders FROM rail_high_water WHERE account_id = $1",
+                    &[&account],
+                )
+                .await
+                .unwrap()
+                .get::<_, Vec<i64>>(0)
+        }
+    };
+    for token in [3, 4] {
+        let paid = a.http().pay_with(&a, token, "acct-p").await;
+        assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
+    }
+    assert_eq!(forwarders("acct-p").await, [a_id]);
+    let paid = b.http().pay_with(&b, 5, "acct-p").await;
+    assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
+    eventually(Duration::from_secs(5), || async {
+        (forwarders("acct-p").await == [b_id]).then_some(())
+    })
+    .await;
+    assert_eq!(rail.tokens(), [3, 4, 5]);
+}
