@@ -13,14 +13,14 @@ ALTER TABLE rail_high_water
 -- What each process says of its forwards, rewritten every few milliseconds while it runs: every
 -- sequence number below `horizon` is settled — its forward answered, never sent, or long enough
 -- past its last byte that nothing of it can still arrive — except the pending ones listed, each
--- with its account. A process that stopped writing here is taken as settled once `quiet_ms`
+-- with its account's 64-bit FNV-1a hash (a collision only makes another account wait). A process that stopped writing here is taken as settled once `quiet_ms`
 -- have passed since `published_at`: it starts no forward more than `alive_ms` after its last
 -- write, and what it sent arrives within the rail transit time it states.
 CREATE TABLE railguard_forwarder (
     instance         bigint      PRIMARY KEY,
     horizon          bigint      NOT NULL,
     pending_seqs     bigint[]    NOT NULL,
-    pending_accounts text[]      NOT NULL,
+    pending_accounts bigint[]    NOT NULL,
     quiet_ms         bigint      NOT NULL CHECK (quiet_ms >= 0),
     published_at     timestamptz NOT NULL DEFAULT now()
 );

@@ -314,6 +314,7 @@ pub async fn run(
         Some(
             Handover::start(
                 database.pool.clone(),
+                database.url.clone(),
                 instance.get(),
                 config.proxy.rail_transit,
                 config.database.timeout,

@@ -13,7 +13,9 @@
 //! longer reach the rail — the rail answered, it was never sent, or it was written and its
 //! answer never came and `proxy.rail_transit_ms` has passed since ([`Entry::unanswered`]).
 //! The process rewrites its row of `railguard_forwarder` every few milliseconds while that
-//! changes: the next sequence number (`horizon`) and the pending entries, snapshotted at once.
+//! changes, on a connection of its own (a stalled one is replaced at the database timeout): the
+//! next sequence number (`horizon`) and the pending entries with their accounts' hashes,
+//! snapshotted at once.
 //! An entry `(process, seq)` of an account is *settled* when a row of that process has `seq`
 //! below its horizon and no pending entry of the account at or below `seq`; settled stays
 //! settled.
@@ -132,7 +134,11 @@ pub enum WaitError {
 pub struct Handover {
     instance: i64,
     transit: Duration,
+    /// Reads of other processes' rows and pruning.
     pool: Pool,
+    /// Where this process's row is written from, on a connection of its own.
+    url: String,
+    connection: tokio::sync::Mutex<Option<(tokio_postgres::Client, tokio_postgres::Statement)>>,
     timeout: Duration,
     state: Mutex<State>,
     changed: Notify,
@@ -144,7 +150,26 @@ pub struct Handover {
 struct State {
     next_seq: i64,
     next_id: u64,
-    pending: HashMap<u64, (i64, AccountId)>,
+    pending: HashMap<u64, (i64, i64)>,
+}
+
+/// The 64-bit FNV-1a hash of an account id: what a process's row names a pending entry's
+/// account by. Two accounts with one hash only make one wait for the other's forward.
+fn account_hash(account: &str) -> i64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in account.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    i64::from_ne_bytes(hash.to_ne_bytes())
+}
+
+async fn connect(url: &str, timeout: Duration) -> Result<tokio_postgres::Client, DbError> {
+    let crate::tls::postgres::PgConnect { config, tls, .. } =
+        crate::db::pg_config(url, timeout).map_err(|e| DbError::Pool(e.to_string()))?;
+    let (client, connection) = config.connect(tls).await?;
+    tokio::spawn(connection);
+    Ok(client)
 }
 
 /// One registered compare-and-set's forward: pending until dropped.
@@ -158,6 +183,7 @@ impl Handover {
     /// rewriting it; `instance` is this process's id, `transit` is `proxy.rail_transit_ms`.
     pub async fn start(
         pool: Pool,
+        url: String,
         instance: i64,
         transit: Duration,
         timeout: Duration,
@@ -166,6 +192,8 @@ impl Handover {
             instance,
             transit,
             pool,
+            url,
+            connection: tokio::sync::Mutex::new(None),
             timeout,
             state: Mutex::new(State {
                 next_seq: 1,
@@ -174,7 +202,7 @@ impl Handover {
             changed: Notify::new(),
             published: watch::Sender::new(None),
         });
-        handover.publish().await?;
+        handover.publish_with(true).await?;
         let client = handover.pool.get().await?;
         let forget = format!(
             "DELETE FROM railguard_forwarder
@@ -209,7 +237,9 @@ impl Handover {
         for account in accounts {
             let id = state.next_id;
             state.next_id += 1;
-            state.pending.insert(id, (seq, account.clone()));
+            state
+                .pending
+                .insert(id, (seq, account_hash(account.as_str())));
             entries.push(Entry {
                 handover: self.clone(),
                 id,
@@ -225,7 +255,11 @@ impl Handover {
         ALIVE + self.transit
     }
 
-    async fn publish(&self) -> Result<(), DbError> {
+    /// Writes this process's row; `durable`: waits for the commit's WAL flush. The rewrites
+    /// do not: one lost with a crash leaves an older row, whose horizon is lower and whose
+    /// settled entries were settled then — it says less, never something false — and a
+    /// database that lost commits fences every grant from before (`store::epoch`).
+    async fn publish_with(&self, durable: bool) -> Result<(), DbError> {
         let began = Instant::now();
         let (horizon, seqs, accounts) = {
             let state = self.state();
@@ -233,25 +267,42 @@ impl Handover {
             let mut accounts = Vec::with_capacity(state.pending.len());
             for (seq, account) in state.pending.values() {
                 seqs.push(*seq);
-                accounts.push(account.as_str().to_string());
+                accounts.push(*account);
             }
             (state.next_seq, seqs, accounts)
         };
         let quiet_ms = i64::try_from(self.quiet().as_millis()).unwrap_or(i64::MAX);
+        let mut connection = self.connection.lock().await;
         let write = async {
-            let client = self.pool.get().await?;
-            let statement = client.prepare_cached(PUBLISH_SQL).await?;
-            client
+            if connection.is_none() {
+                let client = connect(&self.url, self.timeout).await?;
+                let statement = client.prepare(PUBLISH_SQL).await?;
+                *connection = Some((client, statement));
+            }
+            let (client, statement) = connection.as_mut().expect("connected just now");
+            let transaction = client.transaction().await?;
+            if !durable {
+                transaction
+                    .batch_execute("SET LOCAL synchronous_commit = off")
+                    .await?;
+            }
+            transaction
                 .execute(
-                    &statement,
+                    &*statement,
                     &[&self.instance, &horizon, &seqs, &accounts, &quiet_ms],
                 )
                 .await?;
+            transaction.commit().await?;
             Ok::<_, DbError>(())
         };
-        tokio::time::timeout(self.timeout, write)
+        let written = tokio::time::timeout(self.timeout, write)
             .await
-            .map_err(|_| DbError::Timeout(self.timeout))??;
+            .unwrap_or(Err(DbError::Timeout(self.timeout)));
+        if written.is_err() {
+            // A connection that failed or stalled is not used again.
+            *connection = None;
+        }
+        written?;
         self.published.send_replace(Some(began));
         Ok(())
     }
@@ -260,7 +311,7 @@ impl Handover {
         let mut failing = false;
         loop {
             let _ = tokio::time::timeout(HEARTBEAT, self.changed.notified()).await;
-            match self.publish().await {
+            match self.publish_with(false).await {
                 Ok(()) if failing => {
                     failing = false;
                     tracing::info!(
@@ -283,7 +334,7 @@ impl Handover {
     /// Writes this process's row once more as it stops, so that the forwards answered by now
     /// are settled for the other processes at once.
     pub async fn publish_last(&self) {
-        if let Err(e) = self.publish().await {
+        if let Err(e) = self.publish_with(true).await {
             tracing::warn!(error = %e,
                 "could not write which forwards this railguard still has on their way as it \
                  stops; other railguards hold its accounts' newer tokens until its row is quiet \
@@ -384,19 +435,20 @@ impl Handover {
 struct Published {
     horizon: i64,
     seqs: Vec<i64>,
-    accounts: Vec<String>,
+    accounts: Vec<i64>,
     quiet: bool,
 }
 
 impl Published {
     fn settled(&self, account: &str, seq: i64) -> bool {
+        let account = account_hash(account);
         self.quiet
             || (seq < self.horizon
                 && !self
                     .seqs
                     .iter()
                     .zip(&self.accounts)
-                    .any(|(s, a)| *s <= seq && a == account))
+                    .any(|(s, a)| *s <= seq && *a == account))
     }
 }
 
@@ -450,7 +502,7 @@ mod tests {
         let row = Published {
             horizon: 10,
             seqs: vec![4, 8],
-            accounts: vec!["a".into(), "b".into()],
+            accounts: vec![account_hash("a"), account_hash("b")],
             quiet: false,
         };
         assert!(!row.settled("a", 4), "4 of a is pending");

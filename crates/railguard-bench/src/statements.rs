@@ -80,6 +80,9 @@ pub(crate) enum Variant {
     FenceWithoutUpdatedAt,
     /// The same without `RETURNING` (railguard cannot do without it: it is the verdict).
     FenceWithoutReturning,
+    /// The same without the calling process's forwarder entry (`store::handover`): what the
+    /// cross-process order costs the statement of one process.
+    FenceWithoutForwarders,
     /// The keyed batch's statement with no records, which every batch ran until the tenth
     /// session of issue 13.
     RecordsStatementWithoutRecords,
@@ -110,10 +113,11 @@ pub(crate) enum Variant {
 }
 
 impl Variant {
-    pub(crate) const ALL: [Variant; 11] = [
+    pub(crate) const ALL: [Variant; 12] = [
         Variant::Fence,
         Variant::FenceWithoutUpdatedAt,
         Variant::FenceWithoutReturning,
+        Variant::FenceWithoutForwarders,
         Variant::RecordsStatementWithoutRecords,
         Variant::FenceLiteral,
         Variant::Look,
@@ -136,6 +140,7 @@ impl Variant {
             Variant::Fence => "fence statement, no keys (`ADVANCE_BATCH_SQL`)",
             Variant::FenceWithoutUpdatedAt => "… without `updated_at = now()`",
             Variant::FenceWithoutReturning => "… without `RETURNING`",
+            Variant::FenceWithoutForwarders => "… without the forwarder entry (`store::handover`)",
             Variant::RecordsStatementWithoutRecords => {
                 "the keyed statement (`BATCH_SQL`) with no records, as before"
             }
@@ -277,6 +282,7 @@ struct Texts {
     with_records: String,
     fence_without_updated_at: String,
     fence_without_returning: String,
+    fence_without_forwarders: String,
     /// [`Variant::KeyedFolded`]: `BATCH_SQL` with `COMPLETE_SQL` as a third part, its
     /// parameters renumbered after the keyed statement's nine.
     keyed_folded: String,
@@ -310,6 +316,7 @@ impl Texts {
                 "without updated_at",
             )?,
             fence_without_returning: fence[..returning].to_string(),
+            fence_without_forwarders: Self::without_forwarders(&fence, returning)?,
             keyed_folded: Self::keyed_folded(&with_records)?,
             lean_folded: keyed_statement(&fence, LEAN_RECORDED, Some(LEAN_COMPLETED)),
             hashed_folded: keyed_statement(
@@ -321,6 +328,31 @@ impl Texts {
             fence,
             with_records,
         })
+    }
+
+    /// `fence` without the forwarder entry: its columns, their update, and their answer.
+    fn without_forwarders(fence: &str, returning: usize) -> Result<String, String> {
+        let what = "without the forwarder entry";
+        let text = replace_once(
+            &fence[..returning],
+            "(account_id, highest_token, forwarders, forward_seqs)\nSELECT account_id, token, \
+             ARRAY[1::bigint], ARRAY[1::bigint]",
+            "(account_id, highest_token)\nSELECT account_id, token",
+            what,
+        )?;
+        let (Some(from), Some(to)) = (
+            text.find(",\n        forwarders = CASE"),
+            text.find("\n    WHERE h.highest_token"),
+        ) else {
+            return Err(format!(
+                "deriving the variant \"{what}\": no forwarders' update"
+            ));
+        };
+        Ok(format!(
+            "{}{}\nRETURNING account_id",
+            &text[..from],
+            &text[to..]
+        ))
     }
 
     /// [`HASHED_COMPLETE_SQL`] with its parameters after the creation's seven.
@@ -691,6 +723,7 @@ async fn measure(
     let fence = prepared(&texts.fence).await?;
     let fence_without_updated_at = prepared(&texts.fence_without_updated_at).await?;
     let fence_without_returning = prepared(&texts.fence_without_returning).await?;
+    let fence_without_forwarders = prepared(&texts.fence_without_forwarders).await?;
     let with_records = prepared(&texts.with_records).await?;
     let last_look = look
         .prepare_cached(LAST_LOOK_SQL)
@@ -759,6 +792,10 @@ async fn measure(
                 .execute(&fence_without_returning, &[&accounts, &tokens])
                 .await
                 .map(|n| n as usize),
+            Variant::FenceWithoutForwarders => main
+                .query(&fence_without_forwarders, &[&accounts, &tokens])
+                .await
+                .map(|r| r.len()),
             Variant::RecordsStatementWithoutRecords => main
                 .query(
                     &with_records,
@@ -1130,6 +1167,13 @@ mod tests {
         assert!(!t.fence_without_updated_at.contains("updated_at"));
         assert!(!t.fence_without_returning.contains("RETURNING"));
         assert!(t.fence_without_returning.contains("updated_at"));
+        assert!(!t.fence_without_forwarders.contains("forward"));
+        assert!(
+            t.fence_without_forwarders
+                .ends_with("WHERE h.highest_token <= EXCLUDED.highest_token\nRETURNING account_id"),
+            "{}",
+            t.fence_without_forwarders
+        );
         let literal = t
             .literal(&[("stmt-1".into(), 5), ("stmt-2".into(), 6)])
             .unwrap();

@@ -124,8 +124,23 @@ pub struct Counts {
     pub grants: usize,
     pub leases_lost: usize,
     pub rail_entries: usize,
+    /// Rail arrivals of a grant older than one already seen at the rail on the same account
+    /// (each an INV-05 violation at the rail).
+    #[serde(default)]
+    pub stale_arrivals: usize,
     pub unattributed_rail_entries: usize,
     pub torn_history_lines: usize,
+}
+
+impl Counts {
+    /// Stale arrivals per 1,000 rail ledger entries.
+    pub fn stale_per_thousand(&self) -> f64 {
+        if self.rail_entries == 0 {
+            0.0
+        } else {
+            self.stale_arrivals as f64 * 1000.0 / self.rail_entries as f64
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -169,6 +184,10 @@ impl Report {
             row("lock_fenced_out_total (proxies)", format!("{m}"));
         }
         row("rail ledger entries", c.rail_entries.to_string());
+        row(
+            "  stale arrivals (per 1,000 entries)",
+            format!("{} ({:.1})", c.stale_arrivals, c.stale_per_thousand()),
+        );
         if c.unattributed_rail_entries > 0 {
             row(
                 "  not sent by a worker",
@@ -218,13 +237,13 @@ pub fn check(inputs: &Inputs) -> Report {
     let senders = senders(&inputs.history);
     inv02(&inputs.ledger, &mut violations);
     inv04(&inputs.history, &mut violations);
-    inv05_rail(&inputs.ledger, &senders, &mut violations);
+    let stale_arrivals = inv05_rail(&inputs.ledger, &senders, &mut violations);
     inv05_answers(&inputs.history, &mut violations);
     inv05_paydb(&inputs.account_writes, &mut violations);
     inv06(&inputs.history, &mut violations);
 
     let mut report = Report {
-        counts: counts(inputs, &senders),
+        counts: counts(inputs, &senders, stale_arrivals),
         fenced_out_metric: inputs.fenced_out_metric,
         ..Report::default()
     };
@@ -368,12 +387,14 @@ fn inv04(history: &[Event], violations: &mut Vec<Violation>) {
 }
 
 /// Per account, in the rail's arrival order: the grant of each request must not be older
-/// than the newest grant already seen at the rail for that account.
+/// than the newest grant already seen at the rail for that account. Returns how many arrivals
+/// were stale.
 fn inv05_rail(
     ledger: &[LedgerEntry],
     senders: &HashMap<String, Sender>,
     violations: &mut Vec<Violation>,
-) {
+) -> usize {
+    let before = violations.len();
     let mut ordered: Vec<&LedgerEntry> = ledger.iter().collect();
     ordered.sort_by_key(|e| e.seq);
     let mut newest: HashMap<&str, (i64, &LedgerEntry)> = HashMap::new();
@@ -415,6 +436,7 @@ fn inv05_rail(
             }
         }
     }
+    violations.len() - before
 }
 
 /// The fence's own answers: once a grant's submit on an account was answered by the rail, the
@@ -575,7 +597,7 @@ fn inv06(history: &[Event], violations: &mut Vec<Violation>) {
     }
 }
 
-fn counts(inputs: &Inputs, senders: &HashMap<String, Sender>) -> Counts {
+fn counts(inputs: &Inputs, senders: &HashMap<String, Sender>, stale_arrivals: usize) -> Counts {
     let h = &inputs.history;
     let of = |op: Op, phase: Phase| h.iter().filter(move |e| e.op == op && e.phase == phase);
     let mut submits_per_payment: HashMap<&str, usize> = HashMap::new();
@@ -594,7 +616,10 @@ fn counts(inputs: &Inputs, senders: &HashMap<String, Sender>) -> Counts {
         fenced_out: of(Op::Submit, Phase::Fail)
             .filter(|e| e.detail.as_deref() == Some("fenced_out"))
             .count(),
-        in_doubt: of(Op::Submit, Phase::Info).count(),
+        // Outcomes carry their submit's attempt; a worker's notice that it pauses does not.
+        in_doubt: of(Op::Submit, Phase::Info)
+            .filter(|e| e.attempt.is_some())
+            .count(),
         retried_payments: submits_per_payment.values().filter(|n| **n > 1).count(),
         claims_fenced: of(Op::Claim, Phase::Fail)
             .filter(|e| e.detail.as_deref() == Some("fenced_out"))
@@ -602,6 +627,7 @@ fn counts(inputs: &Inputs, senders: &HashMap<String, Sender>) -> Counts {
         grants: of(Op::Acquire, Phase::Ok).count(),
         leases_lost: of(Op::LeaseLost, Phase::Info).count(),
         rail_entries: inputs.ledger.len(),
+        stale_arrivals,
         unattributed_rail_entries: inputs
             .ledger
             .iter()
@@ -682,6 +708,7 @@ mod tests {
     fn a_correct_run_has_no_violation() {
         let report = check(&t042_history());
         assert!(report.ok(), "{:#?}", report.violations);
+        assert_eq!(report.counts.stale_arrivals, 0);
     }
 
     #[test]
@@ -702,6 +729,10 @@ mod tests {
         assert_eq!(report.violations.len(), 1, "{:#?}", report.violations);
         assert_eq!(report.violations[0].invariant, Invariant::Inv05);
         assert!(report.violations[0].message.contains("grant 5"));
+        // One stale arrival in two rail entries.
+        assert_eq!(report.counts.stale_arrivals, 1);
+        assert_eq!(report.counts.stale_per_thousand(), 500.0);
+        assert!(report.table().contains("1 (500.0)"), "{}", report.table());
     }
 
     #[test]

@@ -10,6 +10,10 @@
 //!  workers ─────────▶ paydb (its own PostgreSQL)
 //! ```
 //!
+//! With `--proxies N`, each `railguard serve` has relays of its own: from the workers, and to
+//! the rail (so that `--rail-delay-ms` delays each process's forwards independently, as
+//! separate network paths do); the relay to PostgreSQL is shared.
+//!
 //! With `--pg patroni`, railguard's PostgreSQL is a Patroni cluster instead, reached without a
 //! relay through a URL naming every member (`target_session_attrs=read-write`), so that it
 //! follows the primary across failovers as a production client does.
@@ -47,8 +51,8 @@ pub enum BackendChoice {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum PgChoice {
-    /// One PostgreSQL cluster, behind a relay (the `pg-kill`, `pg-path-*` and `pg-rewind-data`
-    /// faults act on it).
+    /// One PostgreSQL cluster, behind a relay (the `pg-kill`, `pg-path-*`, `pg-rewind-data` and
+    /// `pg-rewind-takeover` faults act on it).
     Single,
     /// A Patroni cluster (`--pg-members`, `--pg-sync`; the `pg-failover` fault acts on it).
     Patroni,
@@ -64,8 +68,13 @@ pub enum NegativeControl {
     /// The proxy runs with `fencing.enforce = false`.
     KillSwitch,
     /// railguard runs with `guard.detect_store_changes = false`: it does not notice a store
-    /// it fences against going back (`pg-rewind-data`, `etcd-restore`).
+    /// it fences against going back (`pg-rewind-data`, `etcd-restore`, `pg-failover`, and the
+    /// takeover kinds).
     NoStoreChangeDetection,
+    /// railguard runs with `fencing.order_across_processes = false`: with several railguard
+    /// processes (`--proxies`), an account's requests are ordered at the rail only within
+    /// each process.
+    NoCrossProcessOrder,
 }
 
 #[derive(Debug, Clone, Serialize, clap::Args)]
@@ -130,6 +139,12 @@ pub struct RunOptions {
     /// The rail simulator's own latency per payment.
     #[arg(long, default_value_t = 5)]
     pub rail_latency_ms: u64,
+    /// Every railguard → rail relay delays each chunk, both ways, by a random 0..=MAX ms drawn
+    /// per chunk, for the whole run: a slow, uneven network between railguard and the rail,
+    /// never past the request deadline (twice MAX plus the rail's latency must stay below
+    /// `--request-timeout-ms`). Each railguard has its own relay.
+    #[arg(long, default_value_t = 0, value_name = "MAX")]
+    pub rail_delay_ms: u64,
     /// Where the history, the stores' records, the logs and the report go (must not exist,
     /// or be empty).
     #[arg(long)]
@@ -148,6 +163,7 @@ impl RunOptions {
         Setup {
             etcd_members: self.etcd_members(),
             patroni: self.pg == PgChoice::Patroni,
+            pg_synchronous: self.pg_sync,
         }
     }
 
@@ -200,6 +216,18 @@ impl RunOptions {
         if self.request_timeout_ms < 200 {
             return Err("--request-timeout-ms must be at least 200".into());
         }
+        if self.rail_delay_ms > 0
+            && self.rail_delay_ms * 2 + self.rail_latency_ms >= self.request_timeout_ms
+        {
+            return Err(format!(
+                "--rail-delay-ms {}: a forward could take {} ms both ways with the rail's \
+                 latency, past --request-timeout-ms {}; a slow path here stays below the \
+                 deadline (the rail-past-deadline fault goes past it)",
+                self.rail_delay_ms,
+                self.rail_delay_ms * 2 + self.rail_latency_ms,
+                self.request_timeout_ms
+            ));
+        }
         if self.out.exists()
             && std::fs::read_dir(&self.out).map_or(true, |mut d| d.next().is_some())
         {
@@ -241,7 +269,8 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     };
     eprintln!(
         "harness: {:?} backend on {pg}, {} proxies, {} workers, {} accounts, {} payments, \
-         ttl {} ms, {} s, seed {}, faults {}, control {:?}, idempotency keys {}",
+         ttl {} ms, {} s, seed {}, faults {}, control {:?}, idempotency keys {}, \
+         rail delay 0..={} ms",
         options.backend,
         options.proxies,
         options.workers,
@@ -252,7 +281,8 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         options.seed,
         options.faults,
         options.negative_control,
-        options.idempotency_keys
+        options.idempotency_keys,
+        options.rail_delay_ms
     );
 
     // The stores and the rail.
@@ -295,7 +325,13 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         None => None,
     };
     let rail = Arc::new(Rail::with_latency(Duration::from_millis(options.rail_latency_ms)).await);
-    let rail_relay = Relay::start(rail.addr).await;
+    // One path to the rail per railguard.
+    let mut rail_relays = Vec::new();
+    for _ in 0..options.proxies {
+        let relay = Relay::start(rail.addr).await;
+        relay.set_jitter(Duration::from_millis(options.rail_delay_ms));
+        rail_relays.push(relay);
+    }
     let pg_relay = match lockdb.single() {
         Some(pg) => Some(
             Relay::start(std::net::SocketAddr::from((
@@ -334,6 +370,12 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
                 "false".into(),
             ));
         }
+        Some(NegativeControl::NoCrossProcessOrder) => {
+            env.push((
+                "RAILGUARD__FENCING__ORDER_ACROSS_PROCESSES".into(),
+                "false".into(),
+            ));
+        }
         None => {}
     }
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
@@ -342,8 +384,8 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         None => lockdb.url(),
     };
     let mut proxies = Vec::new();
-    for _ in 0..options.proxies {
-        proxies.push(Railguard::start_process(&database_url, &rail_relay.url(), &env_refs).await);
+    for relay in &rail_relays {
+        proxies.push(Railguard::start_process(&database_url, &relay.url(), &env_refs).await);
     }
     let operator = Operator {
         config: proxies[0].config_path(),
@@ -387,6 +429,7 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         long_stall: timing_long(ttl),
         ttl,
         request_timeout: timeout,
+        rail_jitter: Duration::from_millis(options.rail_delay_ms),
     };
     let started = Instant::now();
     let faults_until = started + duration.saturating_sub(timing.stall + Duration::from_secs(1));
@@ -407,8 +450,10 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
             lock_relays: &lock_relays,
             proxy_relays: &proxy_relays,
             pg_relay: pg_relay.as_ref(),
-            rail_relay: &rail_relay,
+            rail_relays: &rail_relays,
             operator: &operator,
+            rail: &rail,
+            history_dir: &out,
         };
         let record = faults::inject(kind, &mut targets, &mut rng, timing).await;
         if let Some(p) = &progress {

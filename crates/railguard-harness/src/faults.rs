@@ -21,17 +21,18 @@
 //! paydb's fences, and, if its guard has not reopened a few seconds later, a restart.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use railguard_testkit::{EtcdCluster, Http, Railguard, Relay};
+use railguard_testkit::{EtcdCluster, Http, Rail, Railguard, Relay};
 use tokio::time::Instant;
 
 use crate::check::FaultRecord;
 use crate::history::now_us;
 use crate::lockdb::LockDb;
 use crate::rng::Rng;
+use crate::takeover::{self, GoBack};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum FaultKind {
@@ -74,6 +75,14 @@ pub enum FaultKind {
     /// old primary rejoins), switched over, and — with asynchronous replication — SIGKILLed
     /// after a second of commits its standbys never received.
     PgFailover,
+    /// lockdb put back to a copy across a takeover, the interleaving forced: a worker held
+    /// before its submit, its account taken over and paid, every other worker stopped, the
+    /// copy restored, every railguard restarted, the held worker continued (see
+    /// [`crate::takeover`]).
+    PgRewindTakeover,
+    /// The same with an asynchronous Patroni failover instead of the copy: the primary's
+    /// replication paused where the copy would be taken, SIGKILLed where it would be restored.
+    PgFailoverTakeover,
 }
 
 /// What a run is made of, as far as which faults mean anything.
@@ -83,10 +92,12 @@ pub struct Setup {
     pub etcd_members: Option<usize>,
     /// lockdb is a Patroni cluster rather than one PostgreSQL.
     pub patroni: bool,
+    /// The Patroni cluster replicates synchronously (a failover loses no commit).
+    pub pg_synchronous: bool,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 18] = [
+    pub const ALL: [FaultKind; 20] = [
         FaultKind::WorkerStop,
         FaultKind::WorkerPause,
         FaultKind::LeaseExpiresMidSubmit,
@@ -105,6 +116,8 @@ impl FaultKind {
         FaultKind::PgRewindData,
         FaultKind::EtcdRestore,
         FaultKind::PgFailover,
+        FaultKind::PgRewindTakeover,
+        FaultKind::PgFailoverTakeover,
     ];
 
     pub fn name(self) -> &'static str {
@@ -127,6 +140,8 @@ impl FaultKind {
             FaultKind::PgRewindData => "pg-rewind-data",
             FaultKind::EtcdRestore => "etcd-restore",
             FaultKind::PgFailover => "pg-failover",
+            FaultKind::PgRewindTakeover => "pg-rewind-takeover",
+            FaultKind::PgFailoverTakeover => "pg-failover-takeover",
         }
     }
 
@@ -143,10 +158,22 @@ impl FaultKind {
             FaultKind::PgPathCut
             | FaultKind::PgPathDelay
             | FaultKind::PgKill
-            | FaultKind::PgRewindData => !setup.patroni,
+            | FaultKind::PgRewindData
+            | FaultKind::PgRewindTakeover => !setup.patroni,
             FaultKind::PgFailover => setup.patroni,
+            // Commits lost at the failover are what it needs.
+            FaultKind::PgFailoverTakeover => setup.patroni && !setup.pg_synchronous,
             _ => true,
         }
+    }
+
+    /// Whether `all` includes the kind. The takeover kinds stop every worker but one for the
+    /// whole of a rewind or failover; they run when named.
+    fn in_all(self) -> bool {
+        !matches!(
+            self,
+            FaultKind::PgRewindTakeover | FaultKind::PgFailoverTakeover
+        )
     }
 
     /// Why the kind does not apply to a setup, for the refusal of `--faults`.
@@ -155,6 +182,7 @@ impl FaultKind {
             FaultKind::EtcdLeaderKill => "the etcd backend with --etcd-members 3",
             FaultKind::EtcdMemberRestart | FaultKind::EtcdRestore => "the etcd backend",
             FaultKind::PgFailover => "--pg patroni",
+            FaultKind::PgFailoverTakeover => "--pg patroni --pg-sync off",
             _ => "--pg single (one PostgreSQL, not Patroni)",
         }
     }
@@ -163,7 +191,10 @@ impl FaultKind {
     pub fn parse_list(text: &str, setup: Setup) -> Result<Vec<FaultKind>, String> {
         match text {
             "none" | "" => Ok(Vec::new()),
-            "all" => Ok(Self::ALL.into_iter().filter(|k| k.applies(setup)).collect()),
+            "all" => Ok(Self::ALL
+                .into_iter()
+                .filter(|k| k.applies(setup) && k.in_all())
+                .collect()),
             list => list
                 .split(',')
                 .map(|name| {
@@ -225,8 +256,13 @@ pub struct Targets<'a> {
     pub proxy_relays: &'a [Relay],
     /// railguard → lockdb, when lockdb is one PostgreSQL.
     pub pg_relay: Option<&'a Relay>,
-    pub rail_relay: &'a Relay,
+    /// railguard → rail, one per railguard.
+    pub rail_relays: &'a [Relay],
     pub operator: &'a Operator,
+    /// The rail simulator, whose ledger a fault may watch.
+    pub rail: &'a Rail,
+    /// Where the workers write their histories, which a fault may watch.
+    pub history_dir: &'a Path,
 }
 
 /// What an operator runs when railguard refuses to grant after a store went back.
@@ -249,9 +285,11 @@ pub struct Timing {
     pub long_stall: Duration,
     pub ttl: Duration,
     pub request_timeout: Duration,
+    /// The most each railguard → rail relay adds to a chunk, each way, for the whole run.
+    pub rail_jitter: Duration,
 }
 
-async fn signal(pid: u32, name: &str) {
+pub(crate) async fn signal(pid: u32, name: &str) {
     let _ = tokio::process::Command::new("kill")
         .arg(format!("-{name}"))
         .arg(pid.to_string())
@@ -302,16 +340,20 @@ pub async fn inject(
         }
         FaultKind::LeaseExpiresMidSubmit => {
             let slow = (timing.ttl + timing.ttl / 2).min(timing.request_timeout * 3 / 5);
-            targets.rail_relay.set_delay(slow);
+            for relay in targets.rail_relays {
+                relay.set_delay(slow);
+            }
             // Let submits reach the slow rail, then stall a worker while it waits on one.
             tokio::time::sleep(timing.ttl / 4).await;
             let (id, pid) = targets.worker_pids[pick(rng, targets.worker_pids.len())];
             signal(pid, "STOP").await;
             tokio::time::sleep(timing.stall).await;
             signal(pid, "CONT").await;
-            targets.rail_relay.set_delay(Duration::ZERO);
+            for relay in targets.rail_relays {
+                relay.set_delay(Duration::ZERO);
+            }
             // What the slow path holds arrives before the next fault.
-            tokio::time::sleep(slow).await;
+            tokio::time::sleep(slow + timing.rail_jitter * 2).await;
             format!(
                 "rail slowed to {} ms, worker {id} stopped {} ms",
                 slow.as_millis(),
@@ -415,14 +457,19 @@ pub async fn inject(
         }
         FaultKind::RailPastDeadline => {
             let d = timing.request_timeout + Duration::from_millis(500);
-            targets.rail_relay.set_delay(d);
+            for relay in targets.rail_relays {
+                relay.set_delay(d);
+            }
             tokio::time::sleep(Duration::from_millis(700)).await;
-            targets.rail_relay.set_delay(Duration::ZERO);
+            for relay in targets.rail_relays {
+                relay.set_delay(Duration::ZERO);
+            }
             // The delayed forwards reach the rail, and their late answers railguard, before
             // the next fault (which may restart the railguard waiting for them).
-            tokio::time::sleep(d * 2).await;
+            tokio::time::sleep((d + timing.rail_jitter * 2) * 2).await;
             format!(
-                "railguard → rail delayed {} ms (past the request deadline) for 700 ms",
+                "every railguard → rail path delayed {} ms (past the request deadline) for \
+                 700 ms",
                 d.as_millis()
             )
         }
@@ -513,6 +560,10 @@ pub async fn inject(
             }
         }
         FaultKind::PgFailover => failover(targets).await,
+        FaultKind::PgRewindTakeover => takeover::inject(targets, rng, timing, GoBack::Rewind).await,
+        FaultKind::PgFailoverTakeover => {
+            takeover::inject(targets, rng, timing, GoBack::AsyncFailover).await
+        }
     };
     record(kind, target, start_us)
 }
@@ -645,7 +696,7 @@ const SETTLE: Duration = Duration::from_secs(1);
 /// and says `/readyz`, and still does a second later. One that refuses because its token source is behind (it says
 /// to run `railguard fast-forward`) gets what an operator does: `railguard fast-forward`,
 /// then, if its guard has not reopened a few seconds later, a restart. Says what it took.
-async fn recover(proxies: &mut [Railguard], operator: &Operator) -> String {
+pub(crate) async fn recover(proxies: &mut [Railguard], operator: &Operator) -> String {
     let began = Instant::now();
     let mut fast_forward: Option<String> = None;
     let mut restarted = Vec::new();
@@ -794,11 +845,15 @@ mod tests {
         let pg = Setup::default();
         let etcd = |n| Setup {
             etcd_members: Some(n),
-            patroni: false,
+            ..Setup::default()
         };
         let patroni = Setup {
-            etcd_members: None,
             patroni: true,
+            ..Setup::default()
+        };
+        let patroni_sync = Setup {
+            pg_synchronous: true,
+            ..patroni
         };
         assert_eq!(FaultKind::parse_list("none", pg).unwrap(), vec![]);
         let all_pg = FaultKind::parse_list("all", pg).unwrap();
@@ -821,6 +876,29 @@ mod tests {
             FaultKind::parse_list("pg-failover", pg)
                 .unwrap_err()
                 .contains("--pg patroni")
+        );
+        // The takeover kinds run when named, never in `all`.
+        for all in [&all_pg, &all_patroni] {
+            assert!(!all.contains(&FaultKind::PgRewindTakeover));
+            assert!(!all.contains(&FaultKind::PgFailoverTakeover));
+        }
+        assert_eq!(
+            FaultKind::parse_list("pg-rewind-takeover", etcd(1)).unwrap(),
+            vec![FaultKind::PgRewindTakeover]
+        );
+        assert!(
+            FaultKind::parse_list("pg-rewind-takeover", patroni)
+                .unwrap_err()
+                .contains("--pg single")
+        );
+        assert_eq!(
+            FaultKind::parse_list("pg-failover-takeover", patroni).unwrap(),
+            vec![FaultKind::PgFailoverTakeover]
+        );
+        assert!(
+            FaultKind::parse_list("pg-failover-takeover", patroni_sync)
+                .unwrap_err()
+                .contains("--pg-sync off")
         );
         assert_eq!(
             FaultKind::parse_list("worker-sigstop,pg-kill", pg).unwrap(),
@@ -874,7 +952,7 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         let a = draw(1);
-        let mut first: Vec<_> = a[..18].to_vec();
+        let mut first: Vec<_> = a[..20].to_vec();
         first.sort();
         assert_eq!(first, FaultKind::ALL.to_vec());
         assert_eq!(a, draw(1));

@@ -8,7 +8,8 @@
 //! - [`history`]: the recorded history; [`check`]: the checker;
 //! - [`faults`]: the fault kinds and their schedule; [`paydb`]: the workload's database;
 //! - [`lockdb`]: railguard's own PostgreSQL, one cluster or a Patroni cluster;
-//! - [`reread`]: the §A2.3 bug, on purpose, for the negative control.
+//! - [`reread`]: the §A2.3 bug, on purpose, for the negative control;
+//! - [`takeover`]: a superseded grant across a store that goes back, the interleaving forced.
 
 pub mod check;
 pub mod coordinator;
@@ -19,4 +20,5 @@ pub mod paydb;
 pub mod progress;
 pub mod reread;
 pub mod rng;
+pub mod takeover;
 pub mod worker;

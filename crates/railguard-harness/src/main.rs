@@ -36,15 +36,22 @@ proxy-sigstop, rail-past-deadline, rolling-config;
   with --pg single (the default): pg-path-cut, pg-path-delay, pg-kill, pg-rewind-data;
   with --pg patroni: pg-failover;
   with --backend etcd: etcd-member-restart, etcd-restore, and with --etcd-members 3 \
-etcd-leader-kill. `all` is every fault that applies.
+etcd-leader-kill. `all` is every fault that applies, except the takeover kinds below, which \
+run when named: pg-rewind-takeover (--pg single) and pg-failover-takeover (--pg patroni \
+--pg-sync off).
 
 Stores that go back: pg-rewind-data puts railguard's PostgreSQL back to a copy of its data \
 taken 2-3 s earlier under load (what promoting an asynchronous standby that missed the last \
 commits does); etcd-restore restores etcd from a snapshot taken 2-3 s earlier; pg-failover \
 replaces the Patroni primary, hard (SIGKILL, the old primary rejoins) and planned \
 (switchover) in turns, and with --pg-sync off every other hard one (the first included) \
-after a second of commits its standbys never received. railguard must notice a store that went back; \
-`--negative-control no-store-change-detection` turns that off, to show what it prevents.
+after a second of commits its standbys never received. pg-rewind-takeover and \
+pg-failover-takeover force a superseded grant across it: one worker is held before its \
+submit, another takes its account over and is paid, the others are stopped, the data goes \
+back (copy restored, or the primary lost after commits its standbys never received), every \
+railguard restarts, and the held worker submits with its old grant. railguard must notice a \
+store that went back; `--negative-control no-store-change-detection` turns that off, to show \
+what it prevents.
 
 Exit status: 0 no violation, 1 an invariant was violated, 2 the run could not be made.";
 

@@ -15,7 +15,9 @@
 //! SIGUSR1 asks for the T-042 pause: after the next claim and just before its submit, the
 //! worker stops — keep-alive included, as a process stalled in a GC pause would — for
 //! `pause_ms`, then carries on with its old grant. SIGUSR2 asks for `long_pause_ms`, past the
-//! time after which others retry the payment.
+//! time after which others retry the payment. SIGHUP asks for a hold: at the same moment the
+//! worker records it and stops itself (SIGSTOP), and carries on when the harness continues it
+//! (SIGCONT), so that a fault decides exactly when the old grant's submit is sent.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -159,11 +161,18 @@ async fn connect_paydb(url: &str) -> Result<tokio_postgres::Client, String> {
         .map_err(|e| format!("cannot connect to paydb: {e}"))
 }
 
+/// The pause value that asks for a hold until continued, rather than a pause of so many ms.
+const HOLD: u64 = u64::MAX;
+
+/// What a held worker writes (as an `info` of its submit) just before it stops itself.
+pub const HOLDING: &str = "holding before the submit until continued";
+
 fn listen_for_pause(pause: Arc<AtomicU64>, short: u64, long: u64) -> Result<(), String> {
     use tokio::signal::unix::{SignalKind, signal};
     for (kind, ms) in [
         (SignalKind::user_defined1(), short),
         (SignalKind::user_defined2(), long),
+        (SignalKind::hangup(), HOLD),
     ] {
         let mut signals = signal(kind).map_err(|e| format!("pause signal: {e}"))?;
         let pause = pause.clone();
@@ -174,6 +183,15 @@ fn listen_for_pause(pause: Arc<AtomicU64>, short: u64, long: u64) -> Result<(), 
         });
     }
     Ok(())
+}
+
+/// SIGSTOP to this process: it runs on when the harness sends SIGCONT.
+async fn stop_self() {
+    let _ = tokio::process::Command::new("kill")
+        .arg("-STOP")
+        .arg(std::process::id().to_string())
+        .status()
+        .await;
 }
 
 impl Worker {
@@ -319,7 +337,24 @@ impl Worker {
 
         // The T-042 moment: claimed in paydb, about to submit.
         let pause_ms = self.pause.swap(0, Ordering::AcqRel);
-        if pause_ms > 0 {
+        if pause_ms == HOLD {
+            keep_alive = None;
+            self.history.write(
+                &Event::new(self.args.id, Op::Submit, Phase::Info, account)
+                    .token(own)
+                    .payment(&payment)
+                    .detail(HOLDING),
+            );
+            stop_self().await;
+            // Connections pooled before the hold may lead to a railguard that has since gone
+            // (a restart): the submit goes out on new ones, as the fault means it to.
+            self.rails = self
+                .args
+                .proxy_urls
+                .iter()
+                .map(|u| RailClient::new(u.as_str()))
+                .collect();
+        } else if pause_ms > 0 {
             keep_alive = None;
             // Past the lease whatever the backend made of the ttl asked for.
             let pause =

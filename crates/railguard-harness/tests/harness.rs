@@ -3,7 +3,8 @@
 //! idempotency keys on (INV-05 seen directly) and off (the duplicate at the rail, INV-02).
 //! A harness that cannot see the bug proves nothing. The same for the stores going back:
 //! lockdb rewound and etcd restored must violate nothing, and must be caught with railguard's
-//! detection of it turned off.
+//! detection of it turned off; so must a superseded grant held across lockdb going back on
+//! the etcd lock backend, where only the marks go back.
 
 use std::path::Path;
 use std::process::Command;
@@ -317,6 +318,101 @@ fn lockdb_failing_over_after_lost_commits_without_detection_is_caught() {
 fn etcd_restored_without_detection_is_caught() {
     let (run, _) = store_goes_back("etcd", "etcd-restore", Some("no-store-change-detection"));
     assert_caught(&run, &["INV-04", "INV-05", "INV-02"]);
+}
+
+/// A superseded grant across a store that goes back, the interleaving forced
+/// (`pg-rewind-takeover`, `pg-failover-takeover`): a worker held before its submit, its account
+/// taken over and paid, the data put back, every railguard restarted, the held worker
+/// continued. On the etcd lock backend the tokens do not go back, only the marks and records
+/// in PostgreSQL do; workers fence only at the proxy (`--proxy-only`), so that nothing but
+/// railguard stands between the old grant and the rail. Returns the run and each injection's
+/// record.
+fn superseded_grant(fault: &str, control: Option<&str>) -> (Run, Vec<String>) {
+    let dir = out_dir();
+    let out = dir.path().join("run");
+    let mut args = vec![];
+    let seconds = if fault == "pg-failover-takeover" {
+        args.extend(["--pg", "patroni", "--pg-sync", "off"]);
+        "20"
+    } else {
+        "16"
+    };
+    args.extend([
+        "--backend",
+        "etcd",
+        "--proxy-only",
+        "--workers",
+        "4",
+        "--accounts",
+        "4",
+        "--duration-s",
+        seconds,
+        "--faults",
+        fault,
+        "--seed",
+        "5",
+    ]);
+    if let Some(control) = control {
+        args.extend(["--negative-control", control]);
+    }
+    let run = harness(&out, &args);
+    let records = std::fs::read_to_string(out.join("faults.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert_eq!(v["kind"], fault);
+            v["target"].as_str().unwrap().to_string()
+        })
+        .collect::<Vec<_>>();
+    assert!(!records.is_empty(), "{fault} was injected:\n{}", run.stdout);
+    (run, records)
+}
+
+/// With the detection, the held worker's old grant is fenced out every time.
+fn superseded_grant_is_fenced(fault: &str) {
+    let (run, records) = superseded_grant(fault, None);
+    assert_eq!(run.code, 0, "no violation expected:\n{}", run.stdout);
+    assert!(
+        records
+            .iter()
+            .any(|r| r.contains("was refused (fenced_out)")),
+        "the interleaving was made and the old grant refused: {records:#?}"
+    );
+    assert!(
+        records.iter().all(|r| !r.contains("was paid (")),
+        "{records:#?}"
+    );
+}
+
+/// Without it, the old grant pays after the newer one: the checker sees it.
+fn superseded_grant_without_detection_is_caught(fault: &str) {
+    let (run, records) = superseded_grant(fault, Some("no-store-change-detection"));
+    assert!(
+        records.iter().any(|r| r.contains("was paid (")),
+        "the old grant paid: {records:#?}"
+    );
+    assert_caught(&run, &["INV-05", "INV-02"]);
+}
+
+#[test]
+fn a_superseded_grant_across_a_rewind_is_fenced_etcd() {
+    superseded_grant_is_fenced("pg-rewind-takeover");
+}
+
+#[test]
+fn a_superseded_grant_across_a_rewind_without_detection_is_caught_etcd() {
+    superseded_grant_without_detection_is_caught("pg-rewind-takeover");
+}
+
+#[test]
+fn a_superseded_grant_across_an_async_failover_is_fenced_etcd() {
+    superseded_grant_is_fenced("pg-failover-takeover");
+}
+
+#[test]
+fn a_superseded_grant_across_an_async_failover_without_detection_is_caught_etcd() {
+    superseded_grant_without_detection_is_caught("pg-failover-takeover");
 }
 
 /// Found by review: every cleanup (workers' `kill_on_drop`, PostgreSQL, etcd, `railguard

@@ -14,6 +14,7 @@ use stateright::{Checker, HasDiscoveries, Model, Path};
 use crate::lock::GrantStatus;
 use crate::model::{Action, FencingModel, ProtocolState};
 use crate::network::Msg;
+use crate::proxy::{Entry, Stage};
 use crate::worker::Phase;
 
 /// What one run of the checker found.
@@ -218,12 +219,43 @@ fn effects(action: &Action, before: &ProtocolState, after: &ProtocolState) -> Ve
     if before.fence.marks != after.fence.marks {
         notes.push(format!("marks {:?}", after.fence.marks));
     }
+    if let Action::Start(task) = action
+        && let Some(waiting) =
+            after.fence.tasks.iter().find(|t| {
+                t.stage == Stage::HandingOver && (t.proxy, t.seq) == (task.proxy, task.seq)
+            })
+        && task.stage != Stage::HandingOver
+    {
+        notes.push(format!(
+            "waits for {} to settle",
+            entry_list(&waiting.awaits)
+        ));
+    }
+    if before.fence.entries != after.fence.entries {
+        let rows: Vec<String> = after
+            .fence
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(a, row)| format!("{} [{}]", (b'A' + a as u8) as char, entry_list(row)))
+            .collect();
+        notes.push(format!("handover entries {}", rows.join(", ")));
+    }
     for msg in sent(before, after) {
         if !matches!(msg, Msg::RailAnswer { .. }) {
             notes.push(format!("sends {msg}"));
         }
     }
     notes
+}
+
+/// Handover entries as `P1.1 P2.3`.
+fn entry_list(entries: &[Entry]) -> String {
+    entries
+        .iter()
+        .map(|e| format!("P{}.{}", e.proxy + 1, e.seq))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Messages in flight after a step that were not before it.

@@ -2,17 +2,17 @@
 //! `migrations/0007_store_epoch.sql`).
 //!
 //! **What goes back.** PostgreSQL fails over to an asynchronous standby that missed the last
-//! commits, or its data directory is put back to an earlier copy: the marks, the idempotency
-//! records, `railguard_store_epoch`, `lock_issued` and — PostgreSQL backend — the lock rows and
-//! `fencing_token_seq` return *together* to an earlier state, consistent in itself. etcd
-//! restored from an older snapshot: its revision and the lock keys return, PostgreSQL does not.
-//! The model keeps one earlier copy of both stores, taken at any moment (a standby's last
-//! replayed commit, a backup, a snapshot), and lets one store go back to it, once per run.
-//! Nothing held in memory goes back: the proxy processes' caches and forwarding order, the
-//! requests past their compare-and-set, the workers' grants; nor does paydb (another
-//! database) or the rail. A grant the lock store no longer names ends there and then
-//! ([`crate::lock::LockService::go_back`]); an acquire statement on the old server dies with
-//! its session.
+//! commits, or its data directory is put back to an earlier copy: the marks (with the handover
+//! entries in their rows), the idempotency records, `railguard_store_epoch`, `lock_issued` and —
+//! PostgreSQL backend — the lock rows and `fencing_token_seq` return *together* to an earlier
+//! state, consistent in itself. etcd restored from an older snapshot: its revision and the lock
+//! keys return, PostgreSQL does not. The model keeps one earlier copy of both stores, taken at
+//! any moment (a standby's last replayed commit, a backup, a snapshot), and lets one store go
+//! back to it, once per run. Nothing held in memory goes back: the proxy processes' caches,
+//! forwarding order and pending forwards, the requests past their compare-and-set, the
+//! workers' grants; nor does paydb (another database) or the rail. A grant the lock store no
+//! longer names ends there and then ([`crate::lock::LockService::go_back`]); an acquire
+//! statement on the old server dies with its session.
 //!
 //! **How it is noticed.** A rewind or a failover always means a restart or another server, so
 //! the server's incarnation changes, while `railguard_store_epoch` went back with the data and
@@ -55,7 +55,7 @@
 //! stop some grants after etcd went back: `lock_issued` is checked alone here.
 
 use crate::lock::{GrantId, Store, Token};
-use crate::proxy::Record;
+use crate::proxy::{Entry, Record};
 
 /// What railguard keeps in PostgreSQL about the store itself: the `railguard_store_epoch` row
 /// and `lock_issued`. It goes back with the rest of the database.
@@ -86,6 +86,8 @@ pub struct StoreCopy {
     pub lock: Store,
     pub marks: Vec<Token>,
     pub records: Vec<Vec<Record>>,
+    /// The handover entries in the accounts' rows.
+    pub entries: Vec<Vec<Entry>>,
     pub epoch: Epoch,
 }
 

@@ -1,8 +1,9 @@
 //! The fencing protocol of ADR-002, model-checked with [stateright].
 //!
 //! railguard's safety rests on one argument: a grant's token is drawn once, strictly increases
-//! per key, and every fencing point (the paydb fenced UPDATE, the proxy's compare-and-set and
-//! its per-account forwarding order) refuses anything below what it has seen. Tests of the
+//! per key, and every fencing point (the paydb fenced UPDATE, the proxy's compare-and-set, its
+//! per-account forwarding order and, across processes, the handover) refuses or holds back
+//! anything below what it has seen. Tests of the
 //! real code exercise a few interleavings; this crate checks *every* interleaving of a small
 //! system — workers that acquire, pause for arbitrarily long, write, submit, retry and release;
 //! a lock service with PostgreSQL or etcd semantics; the proxy; a rail that records arrivals;
@@ -18,7 +19,8 @@
 //!   and the store epoch that fences it: the server check, the floor, `lock_issued`;
 //! - [`worker`]: the payment worker's steps, from acquire to release;
 //! - [`paydb`]: the worker's own database and its fenced UPDATE;
-//! - [`proxy`]: the fence — mark cache, compare-and-set, idempotency records, forwarding order;
+//! - [`proxy`]: the fence — mark cache, compare-and-set, idempotency records, forwarding order,
+//!   and the handover that orders an account's forwards across proxy processes;
 //! - [`network`]: the messages in flight between workers, proxies and the rail, and the rail;
 //! - [`model`]: the [`stateright::Model`] that ties them together;
 //! - [`properties`]: INV-02, INV-04, INV-05, INV-06, "equal token ⇒ same grant", and the

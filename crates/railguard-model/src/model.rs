@@ -18,7 +18,7 @@ use crate::lock::{GrantId, Key, LockService, Token};
 use crate::network::{Arrival, Msg, Network, Rail, Reply};
 use crate::paydb::{FencedWrite, PayDb, PaymentState};
 use crate::properties::{self, Observations};
-use crate::proxy::{Checked, Fence, FenceRules, Record, Stage, Started, Task};
+use crate::proxy::{Checked, Fence, FenceRules, Record, Seq, Stage, Started, Task};
 use crate::variants::Variant;
 use crate::worker::{Phase, Worker};
 
@@ -35,8 +35,12 @@ pub struct Bounds {
     pub payments_per_account: u8,
     /// Submits repeated after giving up waiting for an answer, by all workers together.
     pub retries: u8,
-    /// Proxy processes; a submit goes to the account's proxy (`account % proxies`).
+    /// Proxy processes on the one database; a worker sends each submit (and each retry) to any
+    /// of them: nothing routes an account to one process.
     pub proxies: u8,
+    /// Proxy process restarts in the whole run: the process dies, losing its memory, and comes
+    /// back as a new instance; what it sent may still be in the network.
+    pub restarts: u8,
     /// Whether the network may drop messages (it always delays and reorders them).
     pub lossy: bool,
     /// Whether PostgreSQL may go back to an earlier copy (a failover to a standby that missed
@@ -57,6 +61,7 @@ impl Bounds {
         payments_per_account: 2,
         retries: 1,
         proxies: 1,
+        restarts: 0,
         lossy: false,
         postgres_goes_back: false,
         etcd_goes_back: false,
@@ -72,6 +77,7 @@ impl Bounds {
         payments_per_account: 2,
         retries: 1,
         proxies: 1,
+        restarts: 0,
         lossy: true,
         postgres_goes_back: false,
         etcd_goes_back: false,
@@ -86,6 +92,7 @@ impl Bounds {
         payments_per_account: 2,
         retries: 0,
         proxies: 1,
+        restarts: 0,
         lossy: false,
         postgres_goes_back: false,
         etcd_goes_back: false,
@@ -100,9 +107,23 @@ impl Bounds {
         payments_per_account: 1,
         retries: 1,
         proxies: 1,
+        restarts: 0,
         lossy: false,
         postgres_goes_back: false,
         etcd_goes_back: false,
+    };
+
+    /// The variants' bounds with two proxy processes: the handover's check (CI).
+    pub const TWO_PROXIES: Bounds = Bounds {
+        proxies: 2,
+        ..Bounds::VARIANTS
+    };
+
+    /// The variants' bounds with one proxy process that may restart once: the instance after
+    /// the restart is ordered behind the one before by the handover (CI).
+    pub const RESTART: Bounds = Bounds {
+        restarts: 1,
+        ..Bounds::VARIANTS
     };
 
     /// Bigger than CI can afford, explored by the ignored test (and the binary) in a release
@@ -115,6 +136,7 @@ impl Bounds {
         payments_per_account: 2,
         retries: 1,
         proxies: 1,
+        restarts: 0,
         lossy: false,
         postgres_goes_back: false,
         etcd_goes_back: false,
@@ -138,6 +160,7 @@ impl Bounds {
         payments_per_account: 2,
         retries: 0,
         proxies: 1,
+        restarts: 0,
         lossy: false,
         postgres_goes_back: true,
         etcd_goes_back: true,
@@ -164,7 +187,7 @@ impl fmt::Display for Bounds {
         write!(
             f,
             "{} workers, {} account(s), {} acquire(s) per worker, {} grants in all, \
-             {} payment(s) per account, {} retr{} in all, {} prox{}, {} network",
+             {} payment(s) per account, {} retr{} in all, {} prox{}{}, {} network",
             self.workers,
             self.accounts,
             self.acquires_per_worker,
@@ -174,6 +197,11 @@ impl fmt::Display for Bounds {
             if self.retries == 1 { "y" } else { "ies" },
             self.proxies,
             if self.proxies == 1 { "y" } else { "ies" },
+            match self.restarts {
+                0 => String::new(),
+                1 => " (one restart)".to_string(),
+                n => format!(" ({n} restarts)"),
+            },
             if self.lossy {
                 "lossy, reordering"
             } else {
@@ -216,6 +244,8 @@ pub struct ProtocolState {
     pub seen: Observations,
     /// Retries the workers may still make.
     pub retries_left: u8,
+    /// Proxy restarts that may still happen.
+    pub restarts_left: u8,
     /// The store epoch, in PostgreSQL beside the marks.
     pub epoch: Epoch,
     /// The server, the stores' earlier copy, and what going back did.
@@ -257,6 +287,8 @@ pub enum Action {
     Start(Task),
     /// A proxy stops waiting for the rail's answer (504).
     GiveUp(Task),
+    /// A proxy process dies and starts again as a new instance.
+    Restart(u8),
     /// The stores as they are now become the copy they may go back to: a standby's last
     /// replayed commit, a backup, an etcd snapshot.
     CopyStores,
@@ -272,6 +304,15 @@ fn worker_name(w: u8) -> String {
 
 fn account_name(a: u8) -> char {
     (b'A' + a) as char
+}
+
+/// `, entry P1.2` for forward 2 of P1's sequence; nothing where no handover entry is kept.
+fn entry_name(proxy: u8, seq: Seq) -> String {
+    if seq == 0 {
+        String::new()
+    } else {
+        format!(", entry P{}.{seq}", proxy + 1)
+    }
 }
 
 impl fmt::Display for Msg {
@@ -300,14 +341,16 @@ impl fmt::Display for Msg {
                 token,
                 grant,
                 payment,
+                seq,
             } => write!(
                 f,
-                "forward P{}→rail: account {} payment {} token {} (grant g{})",
+                "forward P{}→rail: account {} payment {} token {} (grant g{}){}",
                 proxy + 1,
                 account_name(account),
                 payment + 1,
                 token,
-                grant + 1
+                grant + 1,
+                entry_name(proxy, seq)
             ),
             Msg::RailAnswer {
                 proxy,
@@ -348,13 +391,14 @@ impl fmt::Display for Task {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "P{}'s request of {} (account {} payment {} token {}, grant g{})",
+            "P{}'s request of {} (account {} payment {} token {}, grant g{}{})",
             self.proxy + 1,
             worker_name(self.worker),
             account_name(self.account),
             self.payment + 1,
             self.token,
-            self.grant + 1
+            self.grant + 1,
+            entry_name(self.proxy, self.seq)
         )
     }
 }
@@ -392,8 +436,21 @@ impl fmt::Display for Action {
             Action::Release(w) => write!(f, "{} releases", worker_name(*w)),
             Action::Deliver(m) => write!(f, "deliver {m}"),
             Action::Drop(m) => write!(f, "lose {m}"),
+            Action::Start(t) if t.stage == Stage::HandingOver => write!(
+                f,
+                "start {t}: the entries it waits for are settled; last look, forward"
+            ),
+            Action::Start(t) if t.seq > 0 => {
+                write!(f, "start {t}: turn, handover, last look, forward")
+            }
             Action::Start(t) => write!(f, "start {t}: turn, last look, forward"),
             Action::GiveUp(t) => write!(f, "give up waiting for the rail: {t}"),
+            Action::Restart(p) => write!(
+                f,
+                "P{} DIES and starts again as a new instance (its memory lost, its forwards still \
+                 in the network)",
+                p + 1
+            ),
             Action::CopyStores => write!(f, "the stores are copied (standby, backup, snapshot)"),
             Action::PostgresGoesBack => write!(
                 f,
@@ -419,10 +476,17 @@ impl FencingModel {
     /// The protocol with one variant, on the backend the variant concerns.
     pub fn with_variant(variant: Variant, bounds: Bounds) -> Self {
         let bounds = match variant {
-            Variant::TwoProxiesNoRouting => Bounds {
-                proxies: bounds.proxies.max(2),
-                ..bounds
-            },
+            // Two instances: two processes, or one that restarts.
+            Variant::NoCrossProcessOrder
+            | Variant::EntrySettledOnSend
+            | Variant::EntryReplacesOthers
+                if bounds.restarts == 0 =>
+            {
+                Bounds {
+                    proxies: bounds.proxies.max(2),
+                    ..bounds
+                }
+            }
             Variant::NoStoreEpochCheck | Variant::NoStoreEpochCheckOnEtcd => Bounds {
                 postgres_goes_back: true,
                 etcd_goes_back: true,
@@ -475,7 +539,18 @@ impl FencingModel {
             ordering: !self.is(Variant::NoForwardOrder),
             turn_until_answer: !self.is(Variant::TurnReleasedOnSend),
             idempotency: !self.is(Variant::NoIdempotencyKeys),
+            handover: self.handover(),
+            keep_other_entries: !self.is(Variant::EntryReplacesOthers),
+            settle_after_transit: !self.is(Variant::EntrySettledOnSend),
         }
+    }
+
+    /// Whether the handover orders forwards across processes: with more than one process
+    /// instance (two processes, or one that restarts), unless switched off. (With one that
+    /// never restarts, the row only ever holds the process's own entry.)
+    pub fn handover(&self) -> bool {
+        (self.bounds.proxies > 1 || self.bounds.restarts > 0)
+            && !self.is(Variant::NoCrossProcessOrder)
     }
 
     /// Whether a store going back is noticed (`guard.detect_store_changes`).
@@ -573,6 +648,7 @@ impl FencingModel {
                 }
                 s.fence.marks = copy.marks;
                 s.fence.records = copy.records;
+                s.fence.entries = copy.entries;
                 s.epoch = copy.epoch;
                 if self.backend == Backend::Postgres {
                     s.lock.go_back(&copy.lock);
@@ -593,16 +669,6 @@ impl FencingModel {
     /// per-row-version variant).
     fn draws(&self) -> bool {
         self.backend == Backend::Postgres && !self.is(Variant::PerRowVersionToken)
-    }
-
-    /// The proxies `account`'s submits may go to.
-    fn proxies_for(&self, account: u8) -> std::ops::Range<u8> {
-        if self.is(Variant::TwoProxiesNoRouting) {
-            0..self.bounds.proxies
-        } else {
-            let p = account % self.bounds.proxies;
-            p..p + 1
-        }
     }
 
     /// The token a worker presents when it writes: its grant's, or under the §A2.3 trap the
@@ -695,12 +761,12 @@ impl FencingModel {
                 }
             }
             Phase::Claimed { .. } => {
-                for proxy in self.proxies_for(worker.account) {
+                for proxy in 0..self.bounds.proxies {
                     actions.push(Action::Submit { worker: w, proxy });
                 }
             }
             Phase::Awaiting { .. } if s.retries_left > 0 => {
-                for proxy in self.proxies_for(worker.account) {
+                for proxy in 0..self.bounds.proxies {
                     actions.push(Action::Retry { worker: w, proxy });
                 }
             }
@@ -786,6 +852,7 @@ impl FencingModel {
                 token,
                 grant,
                 payment,
+                seq,
             } => {
                 s.rail.arrivals.push(Arrival {
                     account,
@@ -799,6 +866,7 @@ impl FencingModel {
                     token,
                     grant,
                     payment,
+                    seq,
                 });
             }
             Msg::RailAnswer {
@@ -807,6 +875,7 @@ impl FencingModel {
                 token,
                 grant,
                 payment,
+                seq,
             } => {
                 self.session(s);
                 let task = Task {
@@ -817,6 +886,8 @@ impl FencingModel {
                     payment,
                     worker: s.lock.grants[grant as usize].worker,
                     stage: Stage::Forwarded,
+                    seq,
+                    awaits: Vec::new(),
                 };
                 if let Some(task) = s.fence.answered(rules, &task) {
                     s.network.send(Msg::Reply {
@@ -910,6 +981,7 @@ impl Model for FencingModel {
             rail: Rail::default(),
             seen: Observations::default(),
             retries_left: b.retries,
+            restarts_left: b.restarts,
             epoch: Epoch::new(b.accounts),
             past: Past::default(),
         }]
@@ -932,7 +1004,7 @@ impl Model for FencingModel {
         }
         let rules = self.rules();
         for task in &s.fence.tasks {
-            if s.fence.can_start(rules, task) {
+            if s.fence.can_start(rules, &s.network, task) {
                 actions.push(Action::Start(task.clone()));
             }
             if task.stage == Stage::Forwarded && self.is(Variant::TurnReleasedOnUpstreamTimeout) {
@@ -943,6 +1015,11 @@ impl Model for FencingModel {
             actions.push(Action::Deliver(msg.clone()));
             if self.bounds.lossy {
                 actions.push(Action::Drop(msg.clone()));
+            }
+        }
+        if s.restarts_left > 0 {
+            for p in 0..self.bounds.proxies {
+                actions.push(Action::Restart(p));
             }
         }
         if self.store_may_go_back() && s.past.went_back.is_none() {
@@ -1051,7 +1128,16 @@ impl Model for FencingModel {
                 if !s.network.take(&msg) {
                     return None;
                 }
+                let forward = matches!(msg, Msg::Forward { .. });
                 self.deliver(&mut s, msg);
+                if forward && self.handover() {
+                    let rules = self.rules();
+                    s.seen.handed_over |= s.fence.tasks.iter().any(|t| {
+                        t.stage == Stage::HandingOver
+                            && !last.fence.handed_over(rules, &last.network, t)
+                            && s.fence.handed_over(rules, &s.network, t)
+                    });
+                }
             }
             Action::Drop(msg) => {
                 if !s.network.take(&msg) {
@@ -1061,7 +1147,7 @@ impl Model for FencingModel {
             Action::Start(task) => {
                 // The last look reads the mark on a checked session.
                 self.session(&mut s);
-                match s.fence.start(self.rules(), &task) {
+                match s.fence.start(self.rules(), &s.network, &task) {
                     Started::FencedOut => {
                         Self::fenced_at_proxy(&mut s, task.account, task.grant);
                         s.network.send(Msg::Reply {
@@ -1071,14 +1157,17 @@ impl Model for FencingModel {
                             reply: Reply::FencedOut,
                         });
                     }
-                    Started::Waiting => {}
-                    Started::Forwarded => s.network.send(Msg::Forward {
-                        proxy: task.proxy,
-                        account: task.account,
-                        token: task.token,
-                        grant: task.grant,
-                        payment: task.payment,
-                    }),
+                    Started::Waiting | Started::HandingOver => {}
+                    Started::Forwarded => {
+                        s.network.send(Msg::Forward {
+                            proxy: task.proxy,
+                            account: task.account,
+                            token: task.token,
+                            grant: task.grant,
+                            payment: task.payment,
+                            seq: task.seq,
+                        });
+                    }
                 }
             }
             Action::CopyStores => {
@@ -1086,11 +1175,16 @@ impl Model for FencingModel {
                     lock: s.lock.store.clone(),
                     marks: s.fence.marks.clone(),
                     records: s.fence.records.clone(),
+                    entries: s.fence.entries.clone(),
                     epoch: s.epoch.clone(),
                 });
             }
             Action::PostgresGoesBack => self.go_back(&mut s, WentBack::Postgres),
             Action::EtcdRestored => self.go_back(&mut s, WentBack::Etcd),
+            Action::Restart(p) => {
+                s.restarts_left -= 1;
+                s.fence.restart(p);
+            }
             Action::GiveUp(task) => {
                 s.fence.give_up(self.rules(), &task);
                 s.network.send(Msg::Reply {

@@ -11,6 +11,7 @@
 //! that sent it) and answers the proxy.
 
 use crate::lock::{GrantId, Token};
+use crate::proxy::Seq;
 
 /// What the proxy answered a submit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -38,13 +39,14 @@ pub enum Msg {
         grant: GrantId,
         payment: u8,
     },
-    /// Proxy → rail: an accepted request on its way.
+    /// Proxy → rail: an accepted request on its way; `seq` its handover entry's.
     Forward {
         proxy: u8,
         account: u8,
         token: Token,
         grant: GrantId,
         payment: u8,
+        seq: Seq,
     },
     /// Rail → proxy: the rail's answer to a forward.
     RailAnswer {
@@ -53,6 +55,7 @@ pub enum Msg {
         token: Token,
         grant: GrantId,
         payment: u8,
+        seq: Seq,
     },
     /// Proxy → worker.
     Reply {

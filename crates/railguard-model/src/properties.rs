@@ -7,7 +7,8 @@
 //! actually happened.
 //!
 //! The `sometimes` properties show that the model is not vacuous: the checker must reach a
-//! takeover, a stale writer fenced at each fencing point, a completed payment, and T-042 itself.
+//! takeover, a stale writer fenced at each fencing point, a completed payment, and T-042 itself;
+//! with more than one proxy process, a request that waits for another process's forward.
 //!
 //! When a store may go back ([`crate::epoch`]) the same `always` properties are checked across
 //! the event, with one exception to INV-02 that no fencing can close: a payment whose
@@ -40,6 +41,8 @@ pub const FENCED_AT_PAYDB: &str = "sometimes: a stale writer is fenced at paydb"
 pub const PAYMENT_COMPLETES: &str = "sometimes: a payment completes";
 pub const T_042: &str =
     "sometimes: T-042, a stalled survivor fenced out after the new holder reached the rail";
+pub const HANDED_OVER: &str =
+    "sometimes: a request waiting for another process's forward may go on once it reached the rail";
 pub const FENCED_BY_FLOOR: &str =
     "sometimes: a grant from before the store went back is refused below the floor";
 pub const PAID_AFTER_GOING_BACK: &str =
@@ -66,6 +69,9 @@ pub struct Observations {
     pub fenced_by_floor: bool,
     /// An etcd grant was withdrawn: its token was not above its key's `lock_issued`.
     pub withdrawn: bool,
+    /// A forward reaching the rail settled the last entry a request of another process waited
+    /// for.
+    pub handed_over: bool,
 }
 
 /// Every property the model checks (those about a store going back only when one may).
@@ -106,6 +112,11 @@ pub fn all(model: &FencingModel) -> Vec<Property<FencingModel>> {
         }),
         Property::sometimes(T_042, |_, s: &ProtocolState| s.seen.t042),
     ];
+    if model.handover() {
+        properties.push(Property::sometimes(HANDED_OVER, |_, s: &ProtocolState| {
+            s.seen.handed_over
+        }));
+    }
     if model.store_may_go_back() {
         properties.push(Property::sometimes(
             FENCED_BY_FLOOR,

@@ -19,9 +19,30 @@
 //! 3. **answered**: the rail's answer drops the ticket (passing the turn on) and completes the
 //!    record (an UPDATE: a record the store lost by going back stays lost). A refusal after the
 //!    compare-and-set forgets the record: nothing was sent.
+//!
+//! With more than one process, the **handover** (`store/handover.rs`) orders an account's
+//! forwards across processes (and across the instances of one process that restarts: each
+//! instance is another process to the handover):
+//! - each process numbers its forwards (its sequence, from 1); the compare-and-set records the
+//!   request's entry (process, seq) in the account's row, replacing the process's previous
+//!   entry there and keeping the other processes', and returns those others;
+//! - an entry (X, s) of an account is *settled* once no forward of X for the account with a seq
+//!   up to s can still reach the rail: none is waiting to be sent, none is in the network. The
+//!   real processes publish their horizon and pending forwards to tell; here the waiter
+//!   observes X's state directly, which is what a publication shows, only sooner (settled is
+//!   permanent, so looking later changes nothing). A forward whose answer was lost, or whose
+//!   process died, stays unsettled until the network delivered or dropped it: what
+//!   `proxy.rail_transit_ms` stands for;
+//! - in its start step, after its turn in its own process, a request waits (holding the turn,
+//!   its own entry pending) until every entry its compare-and-set returned is settled, removes
+//!   those entries from the row, and only then takes its last look and forwards.
+//!
+//! With one process that never restarts the row only ever holds the process's own entry, which
+//! nobody waits for: the model keeps no entries then (every seq is 0), and its states are those
+//! of the proxy without the handover.
 
 use crate::lock::{GrantId, Token};
-use crate::network::Reply;
+use crate::network::{Msg, Network, Reply};
 
 /// An idempotency record of one (account, payment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -29,6 +50,16 @@ pub enum Record {
     Absent,
     InFlight,
     Completed,
+}
+
+/// A forward's number in its process's sequence (1, 2, …); 0 where no handover is kept.
+pub type Seq = u8;
+
+/// A handover entry in an account's row: forward `seq` of process `proxy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Entry {
+    pub proxy: u8,
+    pub seq: Seq,
 }
 
 /// One account's slot in one process's forwarding order.
@@ -45,6 +76,29 @@ pub struct Slot {
 pub struct ProxyProcess {
     pub slots: Vec<Slot>,
     pub cache: Vec<Token>,
+    /// The last seq handed out (the handover's sequence).
+    pub last_seq: Seq,
+    /// The first seq of each instance the process has been, oldest first. The model numbers
+    /// one sequence across the process's restarts; each instance is its own process to the
+    /// handover (the real instance id is new at every start).
+    pub instances: Vec<Seq>,
+}
+
+impl ProxyProcess {
+    /// The first seq of the instance that handed out `seq`.
+    fn instance_of(&self, seq: Seq) -> Seq {
+        self.instances
+            .iter()
+            .copied()
+            .filter(|first| *first <= seq)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether `entry` (of this process) is the running instance's.
+    fn owns(&self, entry: Entry) -> bool {
+        entry.seq >= *self.instances.last().expect("a process has an instance")
+    }
 }
 
 /// Where an accepted request is.
@@ -54,6 +108,9 @@ pub enum Stage {
     Accepted,
     /// It asked for its turn; a forward of a lower token is still in flight.
     Waiting,
+    /// It has its turn; an entry of another process its compare-and-set returned is not
+    /// settled yet.
+    HandingOver,
     /// Its forward was sent; it holds its turn until the rail answers.
     Forwarded,
 }
@@ -68,6 +125,11 @@ pub struct Task {
     pub payment: u8,
     pub worker: u8,
     pub stage: Stage,
+    /// Its handover entry's seq (0: none).
+    pub seq: Seq,
+    /// The other processes' entries its compare-and-set returned, to wait for (emptied once it
+    /// forwards).
+    pub awaits: Vec<Entry>,
 }
 
 /// Which of the proxy's rules are in force (the variants switch them off).
@@ -79,6 +141,14 @@ pub struct FenceRules {
     pub turn_until_answer: bool,
     /// Submits carry `Idempotency-Key`.
     pub idempotency: bool,
+    /// The handover across processes (`fencing.order_across_processes`); only kept with more
+    /// than one process instance.
+    pub handover: bool,
+    /// The compare-and-set keeps the other processes' entries in the row (else: its entry
+    /// replaces the row's).
+    pub keep_other_entries: bool,
+    /// An entry settles once its forward can no longer reach the rail (else: once it is sent).
+    pub settle_after_transit: bool,
 }
 
 /// What the check step decided.
@@ -99,6 +169,8 @@ pub enum Started {
     /// A higher token was admitted meanwhile, or the last look found a higher mark: 409.
     FencedOut,
     Waiting,
+    /// It has its turn and waits for another process's entry to settle.
+    HandingOver,
     Forwarded,
 }
 
@@ -107,6 +179,8 @@ pub enum Started {
 pub struct Fence {
     pub marks: Vec<Token>,
     pub records: Vec<Vec<Record>>,
+    /// Per account, the handover entries in its row (sorted).
+    pub entries: Vec<Vec<Entry>>,
     pub processes: Vec<ProxyProcess>,
     /// Requests past their compare-and-set, sorted.
     pub tasks: Vec<Task>,
@@ -117,10 +191,13 @@ impl Fence {
         Self {
             marks: vec![0; accounts as usize],
             records: vec![vec![Record::Absent; payments as usize]; accounts as usize],
+            entries: vec![Vec::new(); accounts as usize],
             processes: (0..proxies)
                 .map(|_| ProxyProcess {
                     slots: vec![Slot::default(); accounts as usize],
                     cache: vec![0; accounts as usize],
+                    last_seq: 0,
+                    instances: vec![1],
                 })
                 .collect(),
             tasks: Vec::new(),
@@ -158,8 +235,8 @@ impl Fence {
         Some(self.tasks.remove(at))
     }
 
-    /// Step 1: the floor, the cache, the ticket, the compare-and-set and the idempotency
-    /// record.
+    /// Step 1: the floor, the cache, the ticket, the compare-and-set with its handover entry,
+    /// and the idempotency record.
     #[allow(clippy::too_many_arguments)]
     pub fn check(
         &mut self,
@@ -190,6 +267,11 @@ impl Fence {
         }
         self.marks[account as usize] = token;
         self.raise_cache(proxy, account, token);
+        let (seq, awaits) = if rules.handover {
+            self.record_entry(rules, proxy, account)
+        } else {
+            (0, Vec::new())
+        };
         if rules.idempotency {
             let record = &mut self.records[account as usize][payment as usize];
             let answer = match *record {
@@ -213,16 +295,72 @@ impl Fence {
             payment,
             worker,
             stage: Stage::Accepted,
+            seq,
+            awaits,
         });
         Checked::Accepted
     }
 
+    /// The handover's part of the compare-and-set: the next seq of `proxy`'s sequence becomes
+    /// its entry in `account`'s row, replacing its previous entry there (and, unless
+    /// `keep_other_entries` is off, only that one). Returns the seq and the other processes'
+    /// entries the row held.
+    ///
+    /// The real process registers the seq as pending *before* the statement; here the two are
+    /// one step, as nobody waits for an entry before it is in a row. A refused compare-and-set
+    /// takes no seq: its registration ends unsent, which only renumbers the rest.
+    fn record_entry(&mut self, rules: FenceRules, proxy: u8, account: u8) -> (Seq, Vec<Entry>) {
+        let process = &mut self.processes[proxy as usize];
+        process.last_seq += 1;
+        let seq = process.last_seq;
+        let process = &self.processes[proxy as usize];
+        let own = |e: &Entry| e.proxy == proxy && process.owns(*e);
+        let row = &mut self.entries[account as usize];
+        let others: Vec<Entry> = row.iter().filter(|e| !own(e)).copied().collect();
+        if rules.keep_other_entries {
+            row.retain(|e| !own(e));
+        } else {
+            row.clear();
+        }
+        row.push(Entry { proxy, seq });
+        row.sort();
+        (seq, others)
+    }
+
+    /// Whether `entry` of `account`'s row is settled: no forward of its process instance for
+    /// the account with a seq up to the entry's can still reach the rail — none waits to be
+    /// sent (a request past its compare-and-set, not forwarded yet) and, unless entries settle
+    /// on send, none is in the network.
+    pub fn settled(&self, rules: FenceRules, network: &Network, account: u8, entry: Entry) -> bool {
+        let first = self.processes[entry.proxy as usize].instance_of(entry.seq);
+        let mine = |proxy: u8, a: u8, seq: Seq| {
+            proxy == entry.proxy && a == account && (first..=entry.seq).contains(&seq)
+        };
+        let unsent = self
+            .tasks
+            .iter()
+            .any(|t| mine(t.proxy, t.account, t.seq) && t.stage != Stage::Forwarded);
+        let on_its_way = rules.settle_after_transit
+            && network.in_flight.iter().any(|m| {
+                matches!(*m, Msg::Forward { proxy, account: a, seq, .. } if mine(proxy, a, seq))
+            });
+        !unsent && !on_its_way
+    }
+
+    /// Whether every entry `task` awaits is settled.
+    pub fn handed_over(&self, rules: FenceRules, network: &Network, task: &Task) -> bool {
+        task.awaits
+            .iter()
+            .all(|e| self.settled(rules, network, task.account, *e))
+    }
+
     /// Whether `task` can take its start step now (a waiting one only when it would be
-    /// admitted or refused).
-    pub fn can_start(&self, rules: FenceRules, task: &Task) -> bool {
+    /// admitted or refused; a handing-over one only when every entry it awaits is settled).
+    pub fn can_start(&self, rules: FenceRules, network: &Network, task: &Task) -> bool {
         match task.stage {
             Stage::Accepted => true,
             Stage::Forwarded => false,
+            Stage::HandingOver => self.handed_over(rules, network, task),
             Stage::Waiting => {
                 let slot = &self.processes[task.proxy as usize].slots[task.account as usize];
                 !rules.ordering
@@ -233,11 +371,13 @@ impl Fence {
         }
     }
 
-    /// Step 2: `Ticket::admit`, the last look at the mark, and the forward.
-    pub fn start(&mut self, rules: FenceRules, task: &Task) -> Started {
+    /// Step 2: `Ticket::admit`, the wait for the entries of other processes, the last look at
+    /// the mark, and the forward.
+    pub fn start(&mut self, rules: FenceRules, network: &Network, task: &Task) -> Started {
         let mut task = self.take_task(task).expect("a task to start exists");
         let (proxy, account, token) = (task.proxy, task.account, task.token);
-        if rules.ordering {
+        let admitted = task.stage == Stage::HandingOver;
+        if rules.ordering && !admitted {
             let slot = self.slot(proxy, account);
             slot.highest = slot.highest.max(token);
             if token < slot.highest {
@@ -252,6 +392,17 @@ impl Fence {
                 self.add_task(task);
                 return Started::Waiting;
             }
+        }
+        if rules.handover {
+            if !self.handed_over(rules, network, &task) {
+                task.stage = Stage::HandingOver;
+                self.add_task(task);
+                return Started::HandingOver;
+            }
+            // Pruning: the entries waited for are settled for good.
+            let row = &mut self.entries[account as usize];
+            row.retain(|e| !task.awaits.contains(e));
+            task.awaits.clear();
         }
         let mark = self.marks[account as usize];
         if mark > token {
@@ -288,6 +439,18 @@ impl Fence {
             *record = Record::Completed;
         }
         Some(task)
+    }
+
+    /// The process dies and starts again as a new instance: its requests, forwarding order and
+    /// cache are lost. What it had not sent is never sent (its records stay in flight: in
+    /// doubt); what it sent may still reach the rail, and its answer finds nobody.
+    pub fn restart(&mut self, proxy: u8) {
+        self.tasks.retain(|t| t.proxy != proxy);
+        let accounts = self.marks.len();
+        let process = &mut self.processes[proxy as usize];
+        process.slots = vec![Slot::default(); accounts];
+        process.cache = vec![0; accounts];
+        process.instances.push(process.last_seq + 1);
     }
 
     /// The upstream timeout: the proxy stops waiting for the rail and drops its ticket; the

@@ -5,8 +5,9 @@
 //! the tests assert a counterexample exists for each, and that the same bounds pass without
 //! the variant, so that the failure is the variant's.
 //!
-//! Two variants bring the situation they concern with them: the two-proxy one a second proxy,
-//! the store epoch ones a store that may go back ([`crate::epoch`]). The variants that replace
+//! Some variants bring the situation they concern with them: the handover ones a second proxy
+//! process (unless the bounds let the one restart), the store epoch ones a store that may go
+//! back ([`crate::epoch`]). The variants that replace
 //! etcd's token source are checked without `lock_issued`, which would only withdraw their
 //! grants that do not increase — a wrong source hidden behind lost grants, not made right.
 
@@ -39,8 +40,17 @@ pub enum Variant {
     /// The proxy gives up waiting for the rail (504) and passes the turn on while the forward
     /// may still be in the network — what `ordering.rs` does after an upstream timeout.
     TurnReleasedOnUpstreamTimeout,
-    /// Two proxy processes share one database, and a worker sends each submit to either.
-    TwoProxiesNoRouting,
+    /// The handover off (`fencing.order_across_processes = false`): the compare-and-set records
+    /// no entry and nothing waits for another process's forward. Checked with two proxy
+    /// processes sharing one database, a worker sending each submit to either (or with one
+    /// process that restarts: the instance after it is another process).
+    NoCrossProcessOrder,
+    /// The handover settles an entry when its forward is *sent*, not when the forward can no
+    /// longer reach the rail.
+    EntrySettledOnSend,
+    /// The compare-and-set's entry replaces every entry in the account's row, not only its own
+    /// process's previous one.
+    EntryReplacesOthers,
     /// No `Idempotency-Key`: a retry of a payment whose answer was lost reaches the rail again.
     NoIdempotencyKeys,
     /// PostgreSQL backend, the store going back unnoticed (`guard.detect_store_changes =
@@ -55,7 +65,7 @@ pub enum Variant {
 
 impl Variant {
     /// Every variant, in the order of the docs' table.
-    pub const ALL: [Variant; 13] = [
+    pub const ALL: [Variant; 15] = [
         Variant::RereadTokenAtWrite,
         Variant::CreateRevisionToken,
         Variant::PerRowVersionToken,
@@ -65,7 +75,9 @@ impl Variant {
         Variant::NoForwardOrder,
         Variant::TurnReleasedOnSend,
         Variant::TurnReleasedOnUpstreamTimeout,
-        Variant::TwoProxiesNoRouting,
+        Variant::NoCrossProcessOrder,
+        Variant::EntrySettledOnSend,
+        Variant::EntryReplacesOthers,
         Variant::NoIdempotencyKeys,
         Variant::NoStoreEpochCheck,
         Variant::NoStoreEpochCheckOnEtcd,
@@ -84,7 +96,9 @@ impl Variant {
             | Variant::NoForwardOrder
             | Variant::TurnReleasedOnSend
             | Variant::TurnReleasedOnUpstreamTimeout
-            | Variant::TwoProxiesNoRouting
+            | Variant::NoCrossProcessOrder
+            | Variant::EntrySettledOnSend
+            | Variant::EntryReplacesOthers
             | Variant::NoIdempotencyKeys
             | Variant::NoStoreEpochCheck => Backend::Postgres,
         }
@@ -106,7 +120,11 @@ impl Variant {
             Variant::TurnReleasedOnUpstreamTimeout => {
                 "forwarding turn passed on after an upstream timeout (504)"
             }
-            Variant::TwoProxiesNoRouting => "two proxies on one database, no routing by account",
+            Variant::NoCrossProcessOrder => "no handover between proxy processes",
+            Variant::EntrySettledOnSend => "handover entry settled when its forward is sent",
+            Variant::EntryReplacesOthers => {
+                "handover entry replaces the other processes' entries in the row"
+            }
             Variant::NoIdempotencyKeys => "no idempotency keys on submits",
             Variant::NoStoreEpochCheck => "PostgreSQL going back unnoticed (no store epoch check)",
             Variant::NoStoreEpochCheckOnEtcd => {
@@ -128,7 +146,9 @@ impl Variant {
             Variant::NoForwardOrder => p::INV_05_RAIL,
             Variant::TurnReleasedOnSend => p::INV_05_RAIL,
             Variant::TurnReleasedOnUpstreamTimeout => p::INV_05_RAIL,
-            Variant::TwoProxiesNoRouting => p::INV_05_RAIL,
+            Variant::NoCrossProcessOrder => p::INV_05_RAIL,
+            Variant::EntrySettledOnSend => p::INV_05_RAIL,
+            Variant::EntryReplacesOthers => p::INV_05_RAIL,
             Variant::NoIdempotencyKeys => p::INV_02,
             Variant::NoStoreEpochCheck => p::INV_04,
             Variant::NoStoreEpochCheckOnEtcd => p::INV_04,

@@ -9,8 +9,13 @@ use railguard_model::{Bounds, FencingModel, Variant, run};
 /// also breaks, must have a counterexample (printed, shortest first: breadth-first, one
 /// thread). Then the protocol as designed at the same bounds must hold those properties.
 fn assert_caught(variant: Variant) {
+    assert_caught_at(variant, Bounds::VARIANTS);
+}
+
+/// [`assert_caught`] at other bounds.
+fn assert_caught_at(variant: Variant, bounds: Bounds) {
     let broken = variant.breaks();
-    let model = FencingModel::with_variant(variant, Bounds::VARIANTS);
+    let model = FencingModel::with_variant(variant, bounds);
     let bounds = model.bounds;
     let outcome = run(model, 1, None);
     println!("{}", outcome.summary());
@@ -84,9 +89,28 @@ fn turn_released_on_upstream_timeout_breaks_inv05() {
     assert_caught(Variant::TurnReleasedOnUpstreamTimeout);
 }
 
+/// Two proxy processes, no routing, no handover: a forward of P1 still in the network when P2
+/// accepts and forwards a newer grant's request reaches the rail after it.
 #[test]
-fn two_proxies_without_routing_break_inv05() {
-    assert_caught(Variant::TwoProxiesNoRouting);
+fn no_cross_process_order_breaks_inv05() {
+    assert_caught(Variant::NoCrossProcessOrder);
+}
+
+/// One proxy process, no handover: it dies with a forward in the network, and the instance
+/// that starts after it forwards a newer grant's request, which reaches the rail first.
+#[test]
+fn no_cross_process_order_breaks_inv05_across_a_restart() {
+    assert_caught_at(Variant::NoCrossProcessOrder, Bounds::RESTART);
+}
+
+#[test]
+fn entry_settled_on_send_breaks_inv05() {
+    assert_caught(Variant::EntrySettledOnSend);
+}
+
+#[test]
+fn entry_replacing_other_processes_entries_breaks_inv05() {
+    assert_caught(Variant::EntryReplacesOthers);
 }
 
 #[test]

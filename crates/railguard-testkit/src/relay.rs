@@ -3,9 +3,12 @@
 //!
 //! Every chunk read from one side is written to the other `delay` after it was read, in order,
 //! so a delay models latency, not loss. The delay is read when a chunk arrives and can be
-//! changed at any time; it applies to both directions. Dropping the relay stops accepting;
-//! connections already open keep running until either side closes; a close reaches the
-//! other side half a second after the last data.
+//! changed at any time; it applies to both directions. [`Relay::set_jitter`] adds to each
+//! chunk a random delay of its own, up to a maximum: a path whose latency varies from packet
+//! to packet. A connection's bytes still arrive in the order they were sent (a chunk never
+//! overtakes the one before it), while connections overtake each other. Dropping the relay
+//! stops accepting; connections already open keep running until either side closes; a close
+//! reaches the other side half a second after the last data.
 //!
 //! [`Relay::cut_for`] is a partition of that path: every open connection is closed at once,
 //! and connections made for a while are accepted and closed straight away.
@@ -36,13 +39,46 @@ use tokio::time::Instant;
 
 pub struct Relay {
     pub addr: SocketAddr,
-    delay: Arc<Mutex<Duration>>,
+    delay: Arc<Mutex<Delay>>,
     cut: Arc<Cut>,
     stall: Arc<Stall>,
     rewrite: Arc<Mutex<Option<Rewrite>>>,
     /// Counts [`Relay::reset_sources`]; each open connection watches it.
     resets: tokio::sync::watch::Sender<u64>,
     accept: tokio::task::JoinHandle<()>,
+}
+
+/// How late a chunk is written: `fixed`, plus a random part up to `jitter` drawn per chunk.
+#[derive(Debug, Clone, Copy)]
+struct Delay {
+    fixed: Duration,
+    jitter: Duration,
+    /// The state of the generator the random parts are drawn from (splitmix64).
+    state: u64,
+}
+
+impl Delay {
+    fn new(seed: u64) -> Self {
+        Self {
+            fixed: Duration::ZERO,
+            jitter: Duration::ZERO,
+            state: seed,
+        }
+    }
+
+    /// The next chunk's delay.
+    fn draw(&mut self) -> Duration {
+        if self.jitter.is_zero() {
+            return self.fixed;
+        }
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let span = self.jitter.as_micros() as u64 + 1;
+        self.fixed + Duration::from_micros(z % span)
+    }
 }
 
 /// Changes a chunk sent towards the target.
@@ -92,7 +128,11 @@ impl Relay {
     pub async fn start(target: SocketAddr) -> Relay {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
         let addr = listener.local_addr().unwrap();
-        let delay = Arc::new(Mutex::new(Duration::ZERO));
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ u64::from(addr.port());
+        let delay = Arc::new(Mutex::new(Delay::new(seed)));
         let cut = Arc::new(Cut::default());
         let stall = Arc::new(Stall {
             trap: Mutex::new(None),
@@ -167,7 +207,15 @@ impl Relay {
 
     /// Delays every chunk read from now on by `delay`, both ways.
     pub fn set_delay(&self, delay: Duration) {
-        *self.delay.lock().unwrap() = delay;
+        self.delay.lock().unwrap().fixed = delay;
+    }
+
+    /// Delays every chunk read from now on by a random `0..=max` more (drawn per chunk), both
+    /// ways, on top of [`Relay::set_delay`]'s. A chunk is never written before the one read
+    /// before it on its connection, so each connection's bytes keep their order; requests on
+    /// different connections overtake each other. `Duration::ZERO` turns it off.
+    pub fn set_jitter(&self, max: Duration) {
+        self.delay.lock().unwrap().jitter = max;
     }
 
     /// A partition for `duration`: closes every connection open now and refuses new ones
@@ -247,7 +295,7 @@ async fn reset_comes(reset: &mut tokio::sync::watch::Receiver<u64>) {
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    delay: Arc<Mutex<Duration>>,
+    delay: Arc<Mutex<Delay>>,
     stall: Option<Arc<Stall>>,
     rewrite: Option<Arc<Mutex<Option<Rewrite>>>>,
     reset: Option<(tokio::sync::watch::Receiver<u64>, SourceEnd)>,
@@ -304,7 +352,9 @@ async fn pump(
             match read {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
-                    let due = Instant::now() + *delay.lock().unwrap();
+                    // The writer takes chunks in order, so a chunk due earlier than the one
+                    // before it waits for it: order within the connection holds.
+                    let due = Instant::now() + delay.lock().unwrap().draw();
                     let stalls = stall.as_ref().is_some_and(|s| s.springs(&buf[..n]));
                     let chunk = match rewrite.as_ref().map(|r| r.lock().unwrap()) {
                         Some(mut guard) => match guard.as_mut() {
@@ -323,4 +373,69 @@ async fn pump(
         drop(from);
     };
     tokio::join!(reader, writer);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An echo server on a free loopback port.
+    async fn echo() -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    while let Ok(n) = socket.read(&mut buf).await {
+                        if n == 0 || socket.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn jitter_delays_each_chunk_within_its_bound_and_keeps_a_connections_order() {
+        let relay = Relay::start(echo().await).await;
+        let max = Duration::from_millis(40);
+        relay.set_jitter(max);
+        let mut conn = TcpStream::connect(relay.addr).await.unwrap();
+        let began = Instant::now();
+        let mut sent = Vec::new();
+        for i in 0..30u8 {
+            conn.write_all(&[i]).await.unwrap();
+            sent.push(i);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let mut got = vec![0u8; sent.len()];
+        tokio::time::timeout(Duration::from_secs(5), conn.read_exact(&mut got))
+            .await
+            .expect("every byte came back")
+            .unwrap();
+        assert_eq!(got, sent, "one connection's bytes keep their order");
+        // Each way at most `max` per chunk, behind the chunks before it.
+        assert!(
+            began.elapsed() < Duration::from_millis(30 * 2) + max * 2 + Duration::from_secs(1),
+            "{:?}",
+            began.elapsed()
+        );
+        // The draws vary and stay within the bound.
+        let mut delay = Delay::new(7);
+        delay.jitter = max;
+        let draws: Vec<Duration> = (0..200).map(|_| delay.draw()).collect();
+        assert!(draws.iter().all(|d| *d <= max));
+        assert!(draws.iter().any(|d| *d < max / 4));
+        assert!(draws.iter().any(|d| *d > max * 3 / 4));
+        // Off again: no delay at all.
+        relay.set_jitter(Duration::ZERO);
+        let quick = Instant::now();
+        conn.write_all(b"x").await.unwrap();
+        let mut one = [0u8; 1];
+        conn.read_exact(&mut one).await.unwrap();
+        assert!(quick.elapsed() < Duration::from_millis(200));
+    }
 }

@@ -28,10 +28,10 @@
 //! while requests for the account are in flight: memory is bounded by concurrency, not by the
 //! number of accounts.
 //!
-//! Across several proxy instances the compare-and-set still refuses every token below the
-//! mark; what is not ordered is the arrival at the rail of two *accepted* requests from two
-//! instances whose windows overlap. Holding the row lock until the forward starts would close
-//! that too, at the price of a database transaction spanning a network call to the rail.
+//! Across several proxy processes the compare-and-set still refuses every token below the
+//! mark, and the arrival at the rail of two *accepted* requests from two processes is ordered
+//! through the mark row instead of memory (`store::handover`): a forward another process may
+//! still have on its way holds this one back until it can no longer arrive.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};

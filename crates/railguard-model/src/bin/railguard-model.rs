@@ -4,7 +4,8 @@
 //! ```text
 //! cargo run --release -p railguard-model -- [--backend postgres|etcd|both] [--workers N]
 //!     [--accounts N] [--acquires N] [--grants N] [--payments N] [--retries N]
-//!     [--proxies N] [--lossy | --no-loss] [--postgres-goes-back] [--etcd-goes-back]
+//!     [--proxies N] [--restarts N] [--lossy | --no-loss] [--postgres-goes-back]
+//!     [--etcd-goes-back]
 //!     [--variant NAME|all] [--threads N] [--no-symmetry]
 //! ```
 //!
@@ -76,6 +77,7 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
             "--payments" => b.payments_per_account = number(args.next(), &flag)?,
             "--retries" => b.retries = number(args.next(), &flag)?,
             "--proxies" => b.proxies = number(args.next(), &flag)?,
+            "--restarts" => b.restarts = number(args.next(), &flag)?,
             "--lossy" => b.lossy = true,
             "--postgres-goes-back" => b.postgres_goes_back = true,
             "--etcd-goes-back" => b.etcd_goes_back = true,
