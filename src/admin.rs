@@ -26,7 +26,7 @@ use crate::http::{ResponseBody, full};
 use crate::lock::guard::{SourceGuard, Verdict};
 use crate::metrics::Metrics;
 use crate::proxy::fence::HighWaterStore;
-use crate::proxy::idempotency::{Forgot, IdempotencyStore, InstanceId, OwnerStopped};
+use crate::proxy::idempotency::{Because, Forgot, IdempotencyStore, InstanceId, OwnerStopped};
 use crate::store::replication::ReplicationCheck;
 use crate::token::AccountId;
 
@@ -71,11 +71,47 @@ struct MarkRequest {
     account: String,
 }
 
+/// The in-doubt procedure: what an operator checks, and in which order, before forgetting an
+/// idempotency record in doubt. The same text is in the README, in docs/operations.md ("In
+/// doubt"), in `railguard idempotency-forget --help`, and in forget's refusals (a test holds the
+/// documents to it). railguard checks the owner's stop (its clean stop, or `--owner-stopped`)
+/// and the time (`IdempotencyStore::forget_in_doubt`); the rest is the operator's.
+pub const IN_DOUBT_PROCEDURE: &str = "\
+The in-doubt procedure, in this order (railguard idempotency-forget):
+1. Stop the railguard process that owns the record: forget names its instance N, and that
+   process logged \"holding this process's instance lock as instance N\" when it started.
+   SIGTERM it and wait until it has exited; paused is not stopped. If it crashed, was killed,
+   or stopped with forwards still out, make sure it is not running and add --owner-stopped N
+   to every forget below.
+2. Run idempotency-forget with --dry-run. It changes nothing and names the time after which
+   nothing the owner sent can still reach the rail: the record's in-doubt deadline plus
+   proxy.rail_transit_ms, and not before the quiet_after of the owner's clean stop. With
+   --owner-stopped, also count proxy.rail_transit_ms from the moment the process stopped:
+   only you saw that moment.
+3. Once that time has passed, and not before, ask the rail about the payment by its
+   idempotency key (the key reaches the rail with the request).
+4. If the rail has the payment: do not forget and do not send the retry. The payment was
+   made; take its outcome from the rail. The record stays in doubt, and repeats of the key
+   keep getting 409 in_doubt.
+5. If the rail does not have it: run idempotency-forget without --dry-run. It refuses while
+   the time has not passed; otherwise it deletes the record (audited in railguard_audit) and
+   the next retry of the key is forwarded.
+
+proxy.rail_transit_ms is your statement of the longest a request can spend between any
+railguard and the rail (socket buffers, relays, load balancers): railguard cannot measure it,
+and a path that holds a request longer defeats step 3. A rail that deduplicates by
+Idempotency-Key, which railguard forwards, absorbs such a request.
+";
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ForgetRequest {
     account: String,
     key: String,
+    /// Decide and change nothing: whether the record would be forgotten now, or why not and
+    /// until when (step 2 of [`IN_DOUBT_PROCEDURE`]).
+    #[serde(default)]
+    dry_run: bool,
     /// The operator's word that the railguard process of this instance has stopped, or
     /// `"unrecorded"`: every railguard running when a record naming no owner was made; heard
     /// only when PostgreSQL cannot tell (`IdempotencyStore::forget_in_doubt`).
@@ -334,7 +370,7 @@ impl Admin {
     async fn forget(&self, request: Request<Incoming>) -> Response<ResponseBody> {
         let asked: ForgetRequest = match Self::read_json(
             request,
-            "{\"account\", \"key\", \"owner_stopped\"?: INSTANCE or \"unrecorded\"}",
+            "{\"account\", \"key\", \"owner_stopped\"?: INSTANCE or \"unrecorded\", \"dry_run\"?: BOOL}",
         )
         .await
         {
@@ -351,7 +387,7 @@ impl Admin {
         };
         let forgot = self
             .idempotency
-            .forget_in_doubt(&account, &asked.key, owner_stopped)
+            .forget_in_doubt(&account, &asked.key, owner_stopped, asked.dry_run)
             .await;
         let (status, message) = match forgot {
             // Deleted together with its audit record, in one transaction.
@@ -361,20 +397,56 @@ impl Admin {
                     "an operator forgot an idempotency record in doubt");
                 (StatusCode::OK, "forgotten: the next retry of this key will be forwarded".to_string())
             }
+            Ok(Forgot::WouldForget(because)) => (
+                StatusCode::OK,
+                format!(
+                    "dry run, nothing was changed: the record would be forgotten now ({}), and nothing its owner sent can still reach the rail, as far as railguard can tell. \
+                     Ask the rail about the payment now (step 3){}; forget without --dry-run only if the rail does not have it.\n\n{IN_DOUBT_PROCEDURE}",
+                    match because {
+                        Because::OwnerStoppedCleanly(owner) => format!("its owner, instance {owner}, recorded a clean stop"),
+                        Because::OperatorSawOwnerStop(owner) => format!("on your word that its owner, instance {owner}, has stopped"),
+                        Because::NoOwner => "on your word that every railguard running when it was made has stopped".into(),
+                    },
+                    if matches!(because, Because::OwnerStoppedCleanly(_)) {
+                        ""
+                    } else {
+                        ", once proxy.rail_transit_ms has passed since the process you saw stop stopped"
+                    }
+                ),
+            ),
+            Ok(Forgot::MayStillArrive { because, after, in_secs, transit_ms }) => (
+                StatusCode::CONFLICT,
+                format!(
+                    "the request may still be on its way to the rail until {after} (by the database's clock, in about {in_secs} s): \
+                     its owner {} has stopped, but what it sent can take up to proxy.rail_transit_ms ({transit_ms} ms) to arrive{}. \
+                     Forget is refused until then, and the rail is to be asked only after that (step 3): before it, a request still on its way shows nothing yet. \
+                     The record is left as it is.\n\n{IN_DOUBT_PROCEDURE}",
+                    match because {
+                        Because::OwnerStoppedCleanly(owner) => format!("(instance {owner}, which recorded a clean stop)"),
+                        Because::OperatorSawOwnerStop(owner) => format!("(instance {owner}, on your word)"),
+                        Because::NoOwner => "(unrecorded, on your word)".into(),
+                    },
+                    if matches!(because, Because::OwnerStoppedCleanly(_)) {
+                        ", counted from the record's in-doubt deadline and from the last of its forwards that ended without an answer"
+                    } else {
+                        ", counted from the record's in-doubt deadline; count it from the moment the process stopped as well, which only you saw"
+                    }
+                ),
+            ),
             Ok(Forgot::Completed) => (
                 StatusCode::CONFLICT,
                 "the record is complete: the rail answered and repeats get its response; nothing to forget".into(),
             ),
             Ok(Forgot::StillInFlight) => (
                 StatusCode::CONFLICT,
-                "the record is in flight and not yet in doubt: its owner's deadline has not passed, and its forward may still be running".into(),
+                format!("the record is in flight and not yet in doubt: its owner's deadline has not passed, and its forward may still be running.\n\n{IN_DOUBT_PROCEDURE}"),
             ),
             Ok(Forgot::OwnerMayStillSend { owner, named }) => (
                 StatusCode::CONFLICT,
                 format!(
                     "the railguard process that owns the record (instance {owner}) is still running (it may be paused, or still writing the request to the rail): it may still send it.{} \
                      Stop that process (SIGTERM: a clean stop records that it sends nothing more; a paused process acts on it only once resumed with SIGCONT), then retry; \
-                     or, if it must not run again, SIGKILL it and run again with --owner-stopped {owner}",
+                     or, if it must not run again, SIGKILL it and run again with --owner-stopped {owner}.\n\n{IN_DOUBT_PROCEDURE}",
                     match named {
                         Some(OwnerStopped::Unrecorded) => " (\"unrecorded\" is for records that name no owner; this one names its owner.)",
                         Some(OwnerStopped::Instance(_)) => " (What was said about a stopped instance is not heard while the owner holds its lock.)",
@@ -388,7 +460,7 @@ impl Admin {
                     "the railguard process that owns the record (instance {owner}; the record was made at {created}) does not hold its instance lock, but nothing shows it has stopped: \
                      it may have crashed, or be paused (SIGSTOP, a frozen VM) with its database session lost, and a paused process may still send the request. The record is left as it is.{} \
                      Find the railguard whose log names instance {owner} at its start and make sure it has stopped (paused is not stopped); if you cannot tell which it was, stopping every railguard that was running at {created} stops it for certain. \
-                     Then run again with --owner-stopped {owner} (\"owner_stopped\": {owner} in the API)",
+                     Then run again with --owner-stopped {owner} (\"owner_stopped\": {owner} in the API).\n\n{IN_DOUBT_PROCEDURE}",
                     match named {
                         Some(OwnerStopped::Instance(named)) => format!(" The instance named as stopped, {named}, is not the record's owner."),
                         Some(OwnerStopped::Unrecorded) => " \"unrecorded\" is for records that name no owner; this one names its owner.".to_string(),
@@ -403,7 +475,7 @@ impl Admin {
                      a paused one (SIGSTOP, a frozen VM) may still send the request. The record is left as it is. \
                      Make sure every railguard that was running at {created} has stopped (paused is not stopped): the maker is one whose log does not say \
                      \"holding this process's instance lock\" at its start, so stopping every such older railguard stops it for certain. \
-                     Then run again with --owner-stopped unrecorded (\"owner_stopped\": \"unrecorded\" in the API), asked of a railguard of this version or later (an older one forgets such a record without that word)"
+                     Then run again with --owner-stopped unrecorded (\"owner_stopped\": \"unrecorded\" in the API), asked of a railguard of this version or later (an older one forgets such a record without that word).\n\n{IN_DOUBT_PROCEDURE}"
                 ),
             ),
             Ok(Forgot::NotFound) => (StatusCode::NOT_FOUND, "no record for this account and key".into()),
@@ -433,8 +505,12 @@ pub async fn forget_idempotency_key(
     account: &str,
     key: &str,
     owner_stopped: Option<OwnerStopped>,
+    dry_run: bool,
 ) -> Result<String, String> {
     let mut body = serde_json::json!({ "account": account, "key": key });
+    if dry_run {
+        body["dry_run"] = true.into();
+    }
     match owner_stopped {
         Some(OwnerStopped::Instance(instance)) => body["owner_stopped"] = instance.get().into(),
         Some(OwnerStopped::Unrecorded) => body["owner_stopped"] = "unrecorded".into(),
@@ -563,6 +639,21 @@ mod tests {
             let why = parse_owner_stopped(refused.clone()).unwrap_err();
             assert!(why.starts_with("owner_stopped: "), "{refused}: {why}");
             assert!(why.contains("nothing was done"), "{refused}: {why}");
+        }
+    }
+
+    /// The procedure reads the same wherever an operator meets it: the README, the runbook,
+    /// `idempotency-forget --help` (`main.rs` shows this constant) and forget's refusals.
+    #[test]
+    fn the_in_doubt_procedure_is_the_same_text_in_the_readme_and_the_runbook() {
+        for (name, text) in [
+            ("README.md", include_str!("../README.md")),
+            ("docs/operations.md", include_str!("../docs/operations.md")),
+        ] {
+            assert!(
+                text.contains(IN_DOUBT_PROCEDURE),
+                "{name} does not carry admin::IN_DOUBT_PROCEDURE word for word"
+            );
         }
     }
 }

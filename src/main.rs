@@ -124,11 +124,12 @@ enum Command {
         #[arg(long)]
         status: bool,
     },
-    /// Remove an idempotency record left "in doubt" by a proxy that stopped before the rail
-    /// answered, so that a retry of that key is forwarded again. Check the rail's own records
-    /// first: if the payment did happen, forgetting the key lets it happen twice. Asks the
-    /// running railguard (its admin listener), which refuses records that may still be in
-    /// flight.
+    /// Remove an idempotency record left "in doubt" (its forward ended without the rail's
+    /// answer), so that a retry of that key is forwarded again. Follow the procedure below: if
+    /// the payment did happen, forgetting the key lets it happen twice. Asks a running
+    /// railguard (its admin listener), which refuses while the record's owner may still send
+    /// it or what it sent may still reach the rail, and says until when.
+    #[command(after_help = railguard::admin::IN_DOUBT_PROCEDURE)]
     IdempotencyForget {
         /// The running railguard's config file (for admin.listen).
         #[arg(long, short, default_value = "config/railguard.toml")]
@@ -148,6 +149,10 @@ enum Command {
         /// when it was made has stopped.
         #[arg(long, value_name = "INSTANCE|unrecorded")]
         owner_stopped: Option<railguard::proxy::idempotency::OwnerStopped>,
+        /// Decide and change nothing: say whether the record would be forgotten now, or why
+        /// not and until when (step 2 of the procedure). Exit 0 if it would be, 1 if not.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Make a new bearer secret for the credentials file (`[auth] credentials_file`): prints
     /// the secret (give it to the worker or operator, once) and the `sha256:` line to list
@@ -252,6 +257,7 @@ fn main() -> ExitCode {
                 account,
                 key,
                 owner_stopped,
+                dry_run,
             } => {
                 let config = match load(&config) {
                     Ok(c) => c,
@@ -262,6 +268,7 @@ fn main() -> ExitCode {
                     &account,
                     &key,
                     owner_stopped,
+                    dry_run,
                 )
                 .await
                 {

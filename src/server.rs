@@ -296,7 +296,8 @@ pub async fn run(
             lost: metrics.outcomes_lost.clone(),
             batch_sizes: metrics.completion_batch_size.clone(),
         },
-    );
+    )
+    .with_rail_transit(config.proxy.rail_transit);
     let outcomes_retrying = idempotency_store.outcomes_retrying();
     let records: Arc<dyn Records> = Arc::new(idempotency_store.clone());
     // Index changes that must not block writes, in the background (db::maintenance).
@@ -523,15 +524,28 @@ pub async fn run(
     if let Some(handover) = &handover {
         handover.publish_last().await;
     }
-    // Every forward this process started has had its answer and it starts no more: it says so,
-    // so that forget takes the records it owned as ownerless (a crash, or a stop with forwards
-    // still out, says nothing; those records wait for an operator's `--owner-stopped`).
-    if late_forwards.count() == 0 && !late_forwards.any_given_up() && unanswered.count() == 0 {
-        match record_clean_stop(&database.pool, instance, config.database.timeout).await {
-            Ok(()) => tracing::info!(
+    // Every forward this process started has ended and it starts no more: it says so, and from
+    // when nothing it sent can still reach the rail (proxy.rail_transit_ms after the latest
+    // forward that ended without an answer), so that forget takes the records it owned as
+    // ownerless from then on (a crash, or a stop with forwards still out, says nothing; those
+    // records wait for an operator's `--owner-stopped`).
+    if late_forwards.count() == 0 && unanswered.count() == 0 {
+        let quiet_in = late_forwards.quiet_in(config.proxy.rail_transit);
+        match record_clean_stop(
+            &database.pool,
+            instance,
+            quiet_in,
+            config.proxy.rail_transit,
+            config.database.timeout,
+        )
+        .await
+        {
+            Ok(quiet_after) => tracing::info!(
                 instance = instance.get(),
+                quiet_after,
                 "recorded this process's clean stop: records in doubt it owned can be forgotten \
-                 without --owner-stopped"
+                 without --owner-stopped once nothing it sent can still reach the rail \
+                 (quiet_after)"
             ),
             Err(e) => tracing::warn!(
                 instance = instance.get(),
@@ -543,8 +557,7 @@ pub async fn run(
     } else {
         tracing::warn!(
             instance = instance.get(),
-            "stopping with forwards or statements still out (or a forward let go unanswered by \
-             proxy.late_answer_wait_ms), so no clean stop is recorded: a \
+            "stopping with forwards or statements still out, so no clean stop is recorded: a \
              record in doubt this process owned needs `railguard idempotency-forget \
              --owner-stopped {instance}`"
         );

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use support::relay::Relay;
-use support::{Http, Pg, Rail, Railguard, Reply, init_tracing};
+use support::{Http, Pg, Rail, Railguard, Reply, eventually, init_tracing};
 
 /// A grant from the lock API, as a worker in another language would read it.
 struct WireGrant {
@@ -180,61 +180,73 @@ async fn mixed_request_timeouts_across_two_processes_never_pay_twice() {
     assert_eq!(paid.len(), 1, "one payment at the rail: {paid:?}");
 }
 
-/// Hole 3(b): a forward whose bytes are still in the network after its request timed out. The
-/// operator finds nothing at the rail, forgets, retries — and then the original arrives.
-/// Nothing railguard can check sees bytes already past it; what absorbs them is the rail's
-/// own deduplication by the `Idempotency-Key` that railguard forwards. (With a rail that does
-/// not deduplicate this pays twice: the residual risk the README's procedure spells out.)
+/// Hole 3(b): a forward whose bytes are still in the network after its request timed out —
+/// held longer than `proxy.rail_transit_ms` says any path can hold one (the operator's
+/// statement about the network is wrong). A middlebox resets the owner's connection and keeps
+/// the request; the owner stops cleanly; the operator follows the in-doubt procedure — waits
+/// for the time forget names, finds nothing at the rail, forgets, retries — and then the
+/// original arrives. Nothing railguard can check sees bytes held past the stated transit time;
+/// what absorbs them is the rail's own deduplication by the `Idempotency-Key` that railguard
+/// forwards. (With a rail that does not deduplicate this pays twice: the residual risk the
+/// procedure spells out.)
 #[tokio::test]
 async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicates() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::deduplicating().await;
     let slow_path = Relay::start(rail.addr).await;
-    let mut rg = Railguard::start(&pg.url(), &slow_path.url(), &[]).await; // 3 s request timeout
+    slow_path.stall_first(|chunk| chunk.windows(5).any(|w| w == b"pay-n"));
+    // 3 s request timeout; a transit time of 1 s, shorter than the relay will hold the request.
+    let mut rg = Railguard::start_process(&pg.url(), &slow_path.url(), &[]).await;
     let http = Http::new();
     let grant = acquire(&http, &rg, "acct-net").await;
-    slow_path.set_delay(Duration::from_millis(4500));
+    let grant = (grant.token, grant.proof);
     let first = pay_raw(
         &http,
         &rg,
         "acct-net",
-        grant.token,
-        grant.proof.as_deref(),
+        grant.0,
+        grant.1.as_deref(),
         Some("pay-n"),
     )
     .await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
-    slow_path.set_delay(Duration::ZERO);
+    assert!(slow_path.has_stalled(), "the request is held on its way");
     // Its owner said at once that the forward ended without an answer: repeats are in doubt.
-    let mut repeat = None;
-    for _ in 0..20 {
+    eventually(Duration::from_secs(2), || async {
         let reply = pay_raw(
             &http,
             &rg,
             "acct-net",
-            grant.token,
-            grant.proof.as_deref(),
+            grant.0,
+            grant.1.as_deref(),
             Some("pay-n"),
         )
         .await;
-        if reply.status == StatusCode::CONFLICT && reply.json()["error"] == "in_doubt" {
-            repeat = Some(reply);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(repeat.is_some(), "the owner declared the record in doubt");
-    assert!(
-        rail.ledger().is_empty(),
-        "the operator finds nothing at the rail"
-    );
+        (reply.status == StatusCode::CONFLICT && reply.json()["error"] == "in_doubt").then_some(())
+    })
+    .await;
     // While the owning process runs it may still be writing the request out: refused.
     let early = rg.forget("acct-net", "pay-n").await;
     assert!(!early.status.success(), "refused while the owner runs");
     assert!(String::from_utf8_lossy(&early.stderr).contains("still running"));
-    // The procedure: restart (or stop) the owning railguard, then forget.
+    // The middlebox resets the owner's connection, keeping the request; the owner then stops
+    // cleanly, with nothing outstanding.
+    slow_path.reset_sources();
     rg.restart().await;
+    // The procedure: wait for the time forget names, ask the rail (nothing there), forget.
+    eventually(Duration::from_secs(15), || async {
+        rg.forget_with("acct-net", "pay-n", &["--dry-run"])
+            .await
+            .status
+            .success()
+            .then_some(())
+    })
+    .await;
+    assert!(
+        rail.ledger().is_empty(),
+        "the operator finds nothing at the rail"
+    );
     let forgot = rg.forget("acct-net", "pay-n").await;
     assert!(
         forgot.status.success(),
@@ -245,19 +257,18 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
         &http,
         &rg,
         "acct-net",
-        grant.token,
-        grant.proof.as_deref(),
+        grant.0,
+        grant.1.as_deref(),
         Some("pay-n"),
     )
     .await;
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
     // The original arrives after all, and the rail recognises its key.
-    for _ in 0..60 {
-        if rail.absorbed() > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    slow_path.release_stalled();
+    eventually(Duration::from_secs(6), || async {
+        (rail.absorbed() > 0).then_some(())
+    })
+    .await;
     assert_eq!(rail.absorbed(), 1, "the delayed original reached the rail");
     let ledger = rail.ledger();
     assert_eq!(ledger.len(), 1, "one payment at the rail: {ledger:?}");

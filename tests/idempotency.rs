@@ -5,7 +5,7 @@ use railguard_testkit as support;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Http, Pg, Rail, Railguard, Reply, init_tracing, signal};
+use support::{Http, Pg, Rail, Railguard, Reply, eventually, init_tracing, signal};
 
 async fn pay(
     http: &Http,
@@ -96,6 +96,32 @@ async fn clean_stops(pg: &Pg, instance: i64) -> i64 {
         .await
         .unwrap()
         .get(0)
+}
+
+/// `railguard idempotency-forget` through `rg` with `more`, once it is due: the in-doubt
+/// procedure's step 2 (`--dry-run` until the time it names, by which nothing the owner sent can
+/// still reach the rail, has passed), then the forget itself.
+async fn forget_when_due(
+    rg: &Railguard,
+    account: &str,
+    key: &str,
+    more: &[&str],
+) -> std::process::Output {
+    let dry: Vec<&str> = more.iter().copied().chain(["--dry-run"]).collect();
+    eventually(Duration::from_secs(15), || async {
+        let asked = rg.forget_with(account, key, &dry).await;
+        if asked.status.success() {
+            return Some(());
+        }
+        let why = String::from_utf8_lossy(&asked.stderr);
+        assert!(
+            why.contains("may still be on its way to the rail until"),
+            "refused for another reason: {why}"
+        );
+        None
+    })
+    .await;
+    rg.forget_with(account, key, more).await
 }
 
 async fn records(pg: &Pg) -> i64 {
@@ -314,9 +340,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     let why = String::from_utf8_lossy(&refused.stderr);
     let owner = killed_owner.to_string();
     assert!(why.contains(&format!("--owner-stopped {owner}")), "{why}");
-    let out = rg
-        .forget_with("a", "crash", &["--owner-stopped", &owner])
-        .await;
+    let out = forget_when_due(&rg, "a", "crash", &["--owner-stopped", &owner]).await;
     assert!(
         out.status.success(),
         "{}",
@@ -829,9 +853,7 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
     assert_eq!(rail.ledger().len(), 1, "never forwarded again on its own");
 
     let owner_text = owner.to_string();
-    let forgot = rg
-        .forget_with("a", "gone", &["--owner-stopped", &owner_text])
-        .await;
+    let forgot = forget_when_due(&rg, "a", "gone", &["--owner-stopped", &owner_text]).await;
     assert!(
         forgot.status.success(),
         "{}",
@@ -877,7 +899,8 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
 async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     init_tracing();
     let pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_secs(6)).await;
+    // Its answer never comes within the test: a late answer would complete the record.
+    let rail = Rail::with_latency(Duration::from_secs(60)).await;
     let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
     let http = rg.http();
     let first = pay(&http, &rg, 4, "a", "old", "{}").await;
@@ -922,9 +945,7 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     assert_eq!(retry.json()["error"], "in_doubt");
     assert_eq!(rail.ledger().len(), 1, "kept, and never forwarded again");
 
-    let forgot = rg
-        .forget_with("a", "old", &["--owner-stopped", "unrecorded"])
-        .await;
+    let forgot = forget_when_due(&rg, "a", "old", &["--owner-stopped", "unrecorded"]).await;
     assert!(
         forgot.status.success(),
         "{}",
@@ -956,14 +977,26 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     );
 }
 
-/// An owner that stops cleanly, with every forward answered, says so: its records in doubt are
-/// forgotten without the operator's word (the procedure's "stop that process, then forget").
+/// An owner that stops cleanly, with every forward ended, says so: its records in doubt are
+/// forgotten without the operator's word (the procedure's "stop that process, then forget") —
+/// once nothing it sent can still reach the rail. Here the forward is let go unanswered by
+/// `proxy.late_answer_wait_ms`, so the stop records the transit time after that
+/// (`quiet_after`), and forget waits for it and for the record's in-doubt deadline plus the
+/// transit time.
 #[tokio::test]
 async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_secs(6)).await;
-    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let mut rg = Railguard::start_process(
+        &pg.url(),
+        &rail.url(),
+        &[
+            ("RAILGUARD__PROXY__LATE_ANSWER_WAIT_MS", "500"),
+            ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "5000"),
+        ],
+    )
+    .await;
     let http = rg.http();
     let owner = rg.instance().unwrap();
     let first = pay(&http, &rg, 4, "a", "stopped", "{}").await;
@@ -972,7 +1005,15 @@ async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word
     rg.restart().await;
     let stops = clean_stops(&pg, owner).await;
     assert_eq!(stops, 1, "{}", rg.log());
-    let forgot = rg.forget("a", "stopped").await;
+    let early = rg.forget("a", "stopped").await;
+    assert!(!early.status.success(), "refused within the transit time");
+    let why = String::from_utf8_lossy(&early.stderr);
+    assert!(
+        why.contains("may still be on its way to the rail until")
+            && why.contains("which recorded a clean stop"),
+        "{why}"
+    );
+    let forgot = forget_when_due(&rg, "a", "stopped", &[]).await;
     assert!(
         forgot.status.success(),
         "{}",

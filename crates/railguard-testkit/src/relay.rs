@@ -19,6 +19,11 @@
 //! the sender's timeouts that need a closed or unacknowledged connection fire — as with a
 //! stopped backend, or a middlebox holding one flow.
 //!
+//! [`Relay::reset_sources`] is a middlebox that resets the connections of the side that opened
+//! them (the sender gets a connection reset) while still delivering to the target, delayed or
+//! stalled as before, what it had already read from them: the sender takes its request as
+//! lost, and the target receives it later all the same.
+//!
 //! [`Relay::rewrite_towards_target`] is a middlebox that changes what it passes on: every
 //! chunk sent towards the target goes through a function first (a PostgreSQL pooler that drops
 //! startup options, say: [`crate::without_startup_settings`]).
@@ -38,6 +43,8 @@ pub struct Relay {
     cut: Arc<Cut>,
     stall: Arc<Stall>,
     rewrite: Arc<Mutex<Option<Rewrite>>>,
+    /// Counts [`Relay::reset_sources`]; each open connection watches it.
+    resets: tokio::sync::watch::Sender<u64>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -132,8 +139,9 @@ impl Relay {
             released: tokio::sync::watch::channel(false).0,
         });
         let rewrite: Arc<Mutex<Option<Rewrite>>> = Arc::default();
+        let resets = tokio::sync::watch::channel(0u64).0;
         let (shared, shared_cut, shared_stall) = (delay.clone(), cut.clone(), stall.clone());
-        let shared_rewrite = rewrite.clone();
+        let (shared_rewrite, shared_resets) = (rewrite.clone(), resets.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if shared_cut.refusing() {
@@ -143,6 +151,8 @@ impl Relay {
                 let delay = shared.clone();
                 let stall = shared_stall.clone();
                 let rewrite = shared_rewrite.clone();
+                // Only resets from now on reach this connection.
+                let reset = shared_resets.subscribe();
                 let task = tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(target).await else {
                         return;
@@ -157,9 +167,17 @@ impl Relay {
                             server_write,
                             delay.clone(),
                             Some(stall),
-                            Some(rewrite)
+                            Some(rewrite),
+                            Some((reset.clone(), SourceEnd::Read)),
                         ),
-                        pump(server_read, client_write, delay, None, None)
+                        pump(
+                            server_read,
+                            client_write,
+                            delay,
+                            None,
+                            None,
+                            Some((reset, SourceEnd::Write)),
+                        )
                     );
                 });
                 let mut open = shared_cut.open.lock().unwrap();
@@ -173,8 +191,18 @@ impl Relay {
             cut,
             stall,
             rewrite,
+            resets,
             accept,
         }
+    }
+
+    /// Resets every connection open now on the side of its source: the source's socket gets a
+    /// reset (RST) and nothing more from the target, while what the relay already read from the
+    /// source still goes to the target — after its delay, or once released if it is stalled
+    /// ([`Relay::stall_first`]) — followed by the close. Connections made afterwards carry on
+    /// as usual.
+    pub fn reset_sources(&self) {
+        self.resets.send_modify(|n| *n += 1);
     }
 
     /// Delays every chunk read from now on by `delay`, both ways.
@@ -243,18 +271,42 @@ impl Drop for Relay {
     }
 }
 
+/// Which half of the source's socket a pump holds, for [`Relay::reset_sources`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SourceEnd {
+    /// The pump reads from the source: on a reset it stops reading and resets the socket, and
+    /// still writes what it read to the target.
+    Read,
+    /// The pump writes to the source: on a reset it stops at once, dropping its half.
+    Write,
+}
+
+/// Resolves at the next [`Relay::reset_sources`] (never, once the relay is gone).
+async fn reset_comes(reset: &mut tokio::sync::watch::Receiver<u64>) {
+    if reset.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Copies `from` to `to`, each chunk `delay` late; `stall` and `rewrite`: this is the
 /// direction towards the target, where [`Relay::stall_first`] may hold it and
-/// [`Relay::rewrite_towards_target`] change it.
+/// [`Relay::rewrite_towards_target`] change it; `reset`: which half of the source's socket this
+/// pump holds, for [`Relay::reset_sources`].
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     delay: Arc<Mutex<Delay>>,
     stall: Option<Arc<Stall>>,
     rewrite: Option<Arc<Mutex<Option<Rewrite>>>>,
+    reset: Option<(tokio::sync::watch::Receiver<u64>, SourceEnd)>,
 ) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>, bool)>();
     let mut released = stall.as_ref().map(|s| s.released.subscribe());
+    let (mut read_reset, mut write_reset) = match reset {
+        Some((reset, SourceEnd::Read)) => (Some(reset), None),
+        Some((reset, SourceEnd::Write)) => (None, Some(reset)),
+        None => (None, None),
+    };
     // In the connection's own task (not spawned), so that aborting it closes this side too.
     let writer = async move {
         while let Some((due, bytes, stalls)) = rx.recv().await {
@@ -272,10 +324,32 @@ async fn pump(
         tokio::time::sleep(Duration::from_millis(500)).await;
         let _ = to.shutdown().await;
     };
+    // Writing to the source: a reset drops this half at once.
+    let writer = async move {
+        match write_reset.as_mut() {
+            Some(reset) => tokio::select! {
+                () = writer => {}
+                () = reset_comes(reset) => {}
+            },
+            None => writer.await,
+        }
+    };
     let reader = async move {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            match from.read(&mut buf).await {
+            let read = match read_reset.as_mut() {
+                Some(reset) => tokio::select! {
+                    read = from.read(&mut buf) => read,
+                    () = reset_comes(reset) => {
+                        // Closed with SO_LINGER 0 when this half goes (the other half is
+                        // dropped by its own pump): the source gets a reset.
+                        let _ = AsRef::<TcpStream>::as_ref(&from).set_zero_linger();
+                        break;
+                    }
+                },
+                None => from.read(&mut buf).await,
+            };
+            match read {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
                     // The writer takes chunks in order, so a chunk due earlier than the one
@@ -296,6 +370,7 @@ async fn pump(
             }
         }
         drop(tx);
+        drop(from);
     };
     tokio::join!(reader, writer);
 }

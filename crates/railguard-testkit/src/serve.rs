@@ -105,12 +105,14 @@ impl Railguard {
         rg
     }
 
-    /// Writes the config for the current addresses.
+    /// Writes the config for the current addresses. The rail is on loopback (or behind a test's
+    /// relay, whose delays the test knows): a request's transit to it is taken as a second.
     fn write_config(&self) {
         let (proxy, admin, lock) = (self.proxy, self.admin, self.lock);
         let (upstream, database_url) = (&self.upstream, &self.database_url);
         let config = format!(
             "[proxy]\nlisten = \"{proxy}\"\nupstream = \"{upstream}\"\nrequest_timeout_ms = 3000\n\
+             rail_transit_ms = 1000\n\
              [admin]\nlisten = \"{admin}\"\n\
              [lock]\nlisten = \"{lock}\"\n\
              [database]\nurl = \"{database_url}\"\ntimeout_ms = 1000\npool_size = 8\n\
@@ -272,7 +274,9 @@ impl Railguard {
         self.dir.path().join("railguard.toml")
     }
 
-    fn log_path(&self) -> PathBuf {
+    /// Where the child process's log is written (see [`Railguard::log`]): readable while the
+    /// railguard itself is busy elsewhere (stopping in a task of its own, say).
+    pub fn log_path(&self) -> PathBuf {
         self.dir.path().join("railguard.log")
     }
 

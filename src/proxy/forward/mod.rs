@@ -18,8 +18,8 @@ mod connections;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -37,7 +37,7 @@ use tracing::Instrument;
 
 use self::connections::{RailBody, RailConnections, SendError};
 use super::fence::Turn;
-use super::idempotency::MaybeSent;
+use super::idempotency::{LateAnswer, MaybeSent};
 use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
 use crate::config::Upstream;
 use crate::metrics::Metrics;
@@ -146,9 +146,14 @@ impl hyper::body::Body for Tracked {
 /// left by their client that still wait for a late answer, each holding its account's turn. A
 /// graceful shutdown waits for them within its grace — a keyed forward runs in a task of its
 /// own that stopping the listeners does not end — as stopping earlier would let a newer grant's
-/// request, sent by the next process, overtake one of them. Only once none is left, and none was
-/// given up unanswered by `proxy.late_answer_wait_ms`, may the process say it sends nothing more
-/// (`idempotency::record_clean_stop`).
+/// request, sent by the next process, overtake one of them. Only once none is left may the
+/// process say it sends nothing more (`idempotency::record_clean_stop`).
+///
+/// A forward that may have been written and ended without the rail's answer — its connection
+/// reset or closed, or let go by `proxy.late_answer_wait_ms` — sent nothing more after it
+/// ended, but what it wrote may still be on its way for `proxy.rail_transit_ms`: the latest such
+/// end is kept ([`LateForwards::quiet_in`]), and a clean stop says when the rail can receive
+/// nothing more from this process.
 #[derive(Clone, Default)]
 pub struct LateForwards(Arc<Outstanding>);
 
@@ -156,9 +161,8 @@ pub struct LateForwards(Arc<Outstanding>);
 struct Outstanding {
     count: AtomicUsize,
     none_left: Notify,
-    /// A forward was let go by `proxy.late_answer_wait_ms` without an answer: what it wrote may
-    /// still be on its way, for all this process knows.
-    given_up: AtomicBool,
+    /// When the latest forward that may have been written ended without the rail's answer.
+    unanswered: Mutex<Option<Instant>>,
 }
 
 /// One outstanding forward, counted while it lives.
@@ -185,13 +189,31 @@ impl LateForwards {
         self.0.count.load(Ordering::Acquire)
     }
 
-    /// Whether a forward was let go by `proxy.late_answer_wait_ms` without the rail's answer.
-    pub fn any_given_up(&self) -> bool {
-        self.0.given_up.load(Ordering::Acquire)
+    /// A forward that may have been written ended now without the rail's answer: what it wrote
+    /// may still reach the rail for the network's transit time.
+    pub(crate) fn ended_unanswered(&self) {
+        let now = Instant::now();
+        let mut unanswered = self
+            .0
+            .unanswered
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *unanswered = Some(unanswered.map_or(now, |at| at.max(now)));
     }
 
-    fn give_up(&self) {
-        self.0.given_up.store(true, Ordering::Release);
+    /// How long from now something this process wrote to the rail may still arrive there:
+    /// `transit` (`proxy.rail_transit_ms`) after the latest forward that ended without the
+    /// rail's answer, zero if none did or that time has passed. Only meaningful once no
+    /// forward is outstanding ([`Self::count`] is zero): an outstanding one may still write.
+    pub fn quiet_in(&self, transit: Duration) -> Duration {
+        let unanswered = *self
+            .0
+            .unanswered
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        unanswered.map_or(Duration::ZERO, |at| {
+            (at + transit).saturating_duration_since(Instant::now())
+        })
     }
 
     /// Resolves once no outstanding forward is left.
@@ -297,6 +319,9 @@ impl Service<FencedRequest> for Forward {
                 // A record never reaches the forward (the idempotency layer keeps it); were
                 // one here, it would be dropped — and forgotten — before the rail answered.
                 debug_assert!(record.is_none(), "the forward never owns a record");
+                let mut request = request;
+                // Where the rail's answer goes should it come after the deadline.
+                let late_answer = request.extensions_mut().remove::<LateAnswer>();
                 let request = this.upstream_request(request, asked.clone())?;
                 // An empty body is never asked for although the request goes out whole, so
                 // such a request may have been sent from the moment it is handed to the client.
@@ -323,6 +348,7 @@ impl Service<FencedRequest> for Forward {
                     turn,
                     asked: asked.clone(),
                     counted: Some(this.late.start()),
+                    late_answer,
                     rail: this.clone(),
                 };
                 let answer = match &mut in_flight.exchange {
@@ -339,10 +365,14 @@ impl Service<FencedRequest> for Forward {
                         return Err(UpstreamTimeout::no_answer(sent).into());
                     }
                     Ok(Err(e)) => {
-                        let turn = in_flight.settle();
                         let sent = sent(matches!(e, SendError::Connect(_)));
-                        // Written, and the connection failed before an answer: what was written
-                        // may still reach the rail (a middlebox may hold it).
+                        if sent == Sent::Maybe {
+                            // Written, perhaps, and the connection failed before an answer:
+                            // what was written may still reach the rail (a middlebox may hold
+                            // it). Noted before the forward stops counting as outstanding.
+                            this.late.ended_unanswered();
+                        }
+                        let turn = in_flight.settle();
                         if let (Some(turn), Sent::Maybe) = (turn, sent) {
                             turn.unanswered();
                         }
@@ -356,16 +386,22 @@ impl Service<FencedRequest> for Forward {
                     }
                 };
                 tracing::Span::current().record("status", response.status().as_u16());
-                let (mut parts, body) = response.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                let body = body
-                    .map_err(|e| -> BoxError { UpstreamUnavailable(e.into(), Sent::Maybe).into() })
-                    .boxed_unsync();
-                Ok(ProxyResponse::from_parts(parts, body))
+                Ok(proxy_response(response))
             }
             .instrument(span),
         )
     }
+}
+
+/// The rail's answer as the proxy passes it on: hop-by-hop headers dropped, a body that breaks
+/// off reported as the rail's.
+fn proxy_response(response: Response<RailBody>) -> ProxyResponse {
+    let (mut parts, body) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    let body = body
+        .map_err(|e| -> BoxError { UpstreamUnavailable(e.into(), Sent::Maybe).into() })
+        .boxed_unsync();
+    ProxyResponse::from_parts(parts, body)
 }
 
 const PAST_DEADLINE: &str = "past its deadline";
@@ -379,7 +415,9 @@ type Exchange = Pin<Box<dyn Future<Output = Result<Response<RailBody>, SendError
 /// left of it goes on in a task of its own, still holding the turn, until the rail answers,
 /// the connection ends or `proxy.late_answer_wait_ms` runs out: a newer grant's request must
 /// not overtake one the rail may still receive (INV-05). One that cannot have been sent is
-/// just dropped, and the turn passes on.
+/// just dropped, and the turn passes on. A keyed request's late answer is stored as its
+/// record's ([`LateAnswer`]) before the forward stops counting as outstanding, so a graceful
+/// stop that waits for it stores it too.
 struct InFlight {
     /// `None` once the rail answered or the exchange failed.
     exchange: Option<Exchange>,
@@ -388,6 +426,8 @@ struct InFlight {
     asked: MaybeSent,
     /// Counted among the outstanding forwards until the exchange ends.
     counted: Option<LateForward>,
+    /// Where a keyed request's late answer goes.
+    late_answer: Option<LateAnswer>,
     rail: Arc<Rail>,
 }
 
@@ -418,19 +458,55 @@ impl InFlight {
         };
         let wait = self.rail.late_answer_wait;
         let late = self.rail.late.clone();
+        let late_answer = self.late_answer.take();
         runtime.spawn(
             async move {
                 // Zero is no limit: only the rail's answer, or the end of the connection
                 // (after which nothing more of the request can reach the rail), passes the
                 // turn on.
-                let answered = if wait.is_zero() {
-                    exchange.await.is_ok()
+                let mut turn = turn;
+                let waited = Instant::now();
+                let ended = if wait.is_zero() {
+                    Ok(exchange.await)
                 } else {
-                    let ended = tokio::time::timeout(wait, exchange).await;
-                    if ended.is_err() {
-                        late.give_up();
+                    tokio::time::timeout(wait, exchange).await
+                };
+                let answered = match ended {
+                    Ok(Ok(response)) => {
+                        // The rail has the request: nothing more of it is on its way, and the
+                        // next token's forward may start.
+                        drop(turn.take());
+                        if let Some(late_answer) = late_answer {
+                            let stored = late_answer.store(proxy_response(response));
+                            let stored = if wait.is_zero() {
+                                Ok(stored.await)
+                            } else {
+                                tokio::time::timeout_at(waited + wait, stored).await
+                            };
+                            match stored {
+                                Ok(Ok(status)) => tracing::info!(
+                                    status,
+                                    "the rail answered a forward after its caller had stopped \
+                                     waiting; its answer is stored as the idempotency record's"
+                                ),
+                                Ok(Err(e)) => tracing::warn!(error = %e,
+                                    "the rail's late answer broke off; the idempotency record \
+                                     stays in doubt"),
+                                Err(_) => tracing::warn!(
+                                    "the rail's late answer did not arrive whole within \
+                                     proxy.late_answer_wait_ms; the idempotency record stays \
+                                     in doubt"
+                                ),
+                            }
+                        }
+                        true
                     }
-                    ended.is_ok_and(|r| r.is_ok())
+                    // The connection failed, or was let go: what was written may still be on
+                    // its way.
+                    Ok(Err(_)) | Err(_) => {
+                        late.ended_unanswered();
+                        false
+                    }
                 };
                 // Past its deadline is worth a line; a client hanging up is the client's doing,
                 // and a crowd of them would write one line each.

@@ -6,8 +6,9 @@
 //! connection of its own: a held lock shows the owner running. Its absence shows nothing — a
 //! paused process whose session was lost (a backend crash, a terminated session, a failover)
 //! holds none and may send once it runs again — so "the owner has stopped" is said by the owner
-//! itself, as it stops with nothing left to send ([`record_clean_stop`]), or by an operator who
-//! saw it stop (`railguard idempotency-forget --owner-stopped`).
+//! itself, as it stops with nothing left to send ([`record_clean_stop`], which also says from
+//! when nothing it sent can still reach the rail), or by an operator who saw it stop
+//! (`railguard idempotency-forget --owner-stopped`).
 
 use std::time::Duration;
 
@@ -86,28 +87,42 @@ pub async fn hold_instance_lock(
 }
 
 /// Records, in `railguard_audit`, that `instance` has stopped with nothing left to send: every
-/// forward it started has had its answer, and it starts no more. Forget then takes the records
-/// it owned as ownerless. Called by a graceful stop only once that holds; a process that
+/// forward it started has ended — answered, or ended without an answer after which it wrote
+/// nothing more — and it starts no more. What it wrote may still be on its way to the rail for
+/// `quiet_in` (`proxy.rail_transit_ms` after the latest forward that ended unanswered,
+/// `forward::LateForwards::quiet_in`): the row says when the rail can receive nothing more from
+/// it (`quiet_after`, by the database's clock), and forget takes the records it owned as
+/// ownerless only after that. Called by a graceful stop only once that holds; a process that
 /// crashed, or stopped with forwards still out, says nothing, and its records wait for an
-/// operator's word.
+/// operator's word. Returns `quiet_after` (UTC).
 pub async fn record_clean_stop(
     pool: &deadpool_postgres::Pool,
     instance: InstanceId,
+    quiet_in: Duration,
+    rail_transit: Duration,
     timeout: Duration,
-) -> Result<(), String> {
+) -> Result<String, String> {
+    let millis = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
     let write = async {
         let client = pool.get().await.map_err(|e| e.to_string())?;
-        client
-            .execute(
+        let row = client
+            .query_one(
                 "INSERT INTO railguard_audit (action, reason, outcome, finished_at)
                  VALUES ('instance_stopped',
-                         'railguard stopped with every forward answered: it sends nothing more',
-                         jsonb_build_object('instance', $1::bigint), now())",
-                &[&instance.get()],
+                         'railguard stopped with every forward ended: it sends nothing more, and \
+                          nothing it sent can reach the rail after quiet_after',
+                         jsonb_build_object(
+                             'instance', $1::bigint,
+                             'quiet_after', now() + $2::bigint * interval '1 millisecond',
+                             'rail_transit_ms', $3::bigint),
+                         now())
+                 RETURNING to_char((outcome->>'quiet_after')::timestamptz AT TIME ZONE 'UTC',
+                                   'YYYY-MM-DD HH24:MI:SS.US\"Z\"')",
+                &[&instance.get(), &millis(quiet_in), &millis(rail_transit)],
             )
             .await
             .map_err(|e| e.to_string())?;
-        Ok(())
+        Ok(row.get(0))
     };
     tokio::time::timeout(timeout, write)
         .await

@@ -7,7 +7,9 @@
 //!   ([`record`] says how a record ends). It is the first, and is forwarded; the rail's
 //!   response is stored before it is returned (group-committed, without waiting for the WAL
 //!   flush: `outcomes`) — or, if the database cannot take it now, as soon as it can. A forward that fails drops the guard, which removes the record if the
-//!   rail cannot have seen the request and declares it in doubt otherwise;
+//!   rail cannot have seen the request and declares it in doubt otherwise; an answer that
+//!   still comes, while the forward holds the connection past the deadline, completes the
+//!   record all the same ([`LateAnswer`], which the request carries to the forward);
 //! - its record already existed: it is a repeat, and never reaches the rail. The same key with
 //!   a different request is 422; a repeat while the first is in flight is 409 `in_flight`; a
 //!   record in doubt is 409 `in_doubt` (see [`store`]); a completed one is replayed, marked
@@ -18,6 +20,7 @@
 
 mod instance;
 mod key;
+mod late;
 mod outcomes;
 pub mod record;
 mod replay;
@@ -32,6 +35,7 @@ use tower::{Layer, Service};
 
 pub use self::instance::{InstanceId, hold_instance_lock, record_clean_stop};
 pub use self::key::{fingerprint, new_owner, parse_key};
+pub use self::late::LateAnswer;
 pub use self::outcomes::COMPLETE_SQL;
 pub use self::record::{MaybeSent, NewRecord, RecordGuard, RecordId, Records};
 #[cfg(test)]
@@ -53,8 +57,10 @@ pub enum IdempotencyConflict {
     #[error(
         "a request with this idempotency key was forwarded, and its forward ended without the \
          rail's answer (a timeout, a broken connection, or a proxy that stopped): whether the \
-         rail acted is unknown, so it will not be forwarded again. Ask the rail about this \
-         idempotency key; an operator can then run `railguard idempotency-forget`"
+         rail acted is unknown, so it will not be forwarded again. An operator resolves it with \
+         the in-doubt procedure (`railguard idempotency-forget --help`): the rail is asked about \
+         this idempotency key only once the railguard that sent it has stopped and nothing it \
+         sent can still arrive"
     )]
     InDoubt,
     #[error("this idempotency key was used for a different request (method, path or body)")]
@@ -141,19 +147,36 @@ where
                 return repeat(&*records, &request, &fingerprint, &key).await;
             };
             let deadline = request.deadline;
+            // Should the rail answer after the deadline, the forward hands the answer here.
+            request.request.extensions_mut().insert(LateAnswer::new(
+                records.clone(),
+                record.id().clone(),
+                config.max_response_bytes,
+            ));
             // A failure drops `record`: forgotten if the rail cannot have seen the request, in
             // doubt if it may have.
             let response = inner.call(request).await?;
             // The rail has answered; its body must arrive within the deadline too, or the
-            // record is in doubt (the rail acted, but its answer is not known).
-            let (response, stored) = tokio::time::timeout_at(
-                deadline,
-                replay::capture(response, config.max_response_bytes),
-            )
-            .await
-            .map_err(|_| -> BoxError { UpstreamTimeout::no_answer(Sent::Maybe).into() })??;
-            record.complete(stored).await;
-            Ok(response)
+            // client is told the outcome is unknown (504). The body is still read, and stored
+            // as the record's answer once it has come (a repeat meanwhile: `in_flight`, then
+            // `in_doubt` past the owner's deadline).
+            let mut capture = Box::pin(replay::capture(response, config.max_response_bytes));
+            match tokio::time::timeout_at(deadline, &mut capture).await {
+                Ok(captured) => {
+                    let (response, stored) = captured?;
+                    record.complete(stored).await;
+                    Ok(response)
+                }
+                Err(_) => {
+                    tokio::spawn(async move {
+                        // A body that breaks off drops `record`: in doubt.
+                        if let Ok((_, stored)) = capture.await {
+                            record.complete(stored).await;
+                        }
+                    });
+                    Err(UpstreamTimeout::no_answer(Sent::Maybe).into())
+                }
+            }
         })
     }
 }
@@ -294,6 +317,37 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(response.status(), http::StatusCode::CREATED);
+        assert_eq!(records.ended(), [Ended::Completed(record_id(), 201)]);
+    }
+
+    /// The rail's head came in time and its body after the deadline: the client is told the
+    /// outcome is unknown (504), and the body is still read and stored as the record's answer.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_whose_body_comes_after_the_deadline_still_completes_its_record() {
+        use http_body_util::{BodyExt, StreamBody};
+
+        let records = Arc::new(MemoryRecords::default());
+        let rail = service_fn(|request: FencedRequest| async move {
+            request.maybe_sent.set();
+            let body = futures_util::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok::<_, BoxError>(hyper::body::Frame::data(Bytes::from_static(b"paid")))
+            });
+            let mut response = ProxyResponse::new(StreamBody::new(body).boxed_unsync());
+            *response.status_mut() = http::StatusCode::CREATED;
+            Ok::<_, BoxError>(response)
+        });
+        let mut request = first(&records);
+        request.deadline = Instant::now() + Duration::from_millis(100);
+        let error = layer(&records)
+            .layer(rail)
+            .oneshot(request)
+            .await
+            .unwrap_err();
+        assert!(error.downcast_ref::<UpstreamTimeout>().is_some(), "{error}");
+        assert!(records.ended().is_empty(), "the body is still coming");
+        // The paused clock moves on to the body's arrival once everything else waits.
+        tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(records.ended(), [Ended::Completed(record_id(), 201)]);
     }
 

@@ -136,6 +136,17 @@ SET state = 'done', status = $4, headers = $5::text::jsonb, body = $6, body_stor
     completed_at = now()
 WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3 AND state = 'in_flight'";
 
+/// A late answer's completion ([`super::late`]): as [`COMPLETE_ONE_SQL`], and also of a record
+/// its owner declared in doubt when its forward ended without the answer that came since. Only
+/// the owner's record (a record forgotten and made again by a retry has another owner), never
+/// one already done.
+pub(super) const COMPLETE_LATE_SQL: &str = "\
+UPDATE idempotency_record
+SET state = 'done', status = $4, headers = $5::text::jsonb, body = $6, body_stored = $7,
+    completed_at = now()
+WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3
+  AND state IN ('in_flight', 'in_doubt')";
+
 /// Completions that may wait for a statement; past it, a completion goes to the background
 /// retry at once.
 pub(super) const QUEUE_LIMIT: usize = 16_384;
@@ -404,8 +415,26 @@ pub(super) async fn complete_one(
     record: &RecordId,
     response: &StoredResponse,
 ) -> Result<u64, DbError> {
+    complete_by_key(pool, COMPLETE_ONE_SQL, record, response).await
+}
+
+/// Completes one record with a late answer ([`COMPLETE_LATE_SQL`]); how many rows it changed.
+pub(super) async fn complete_late_one(
+    pool: &Pool,
+    record: &RecordId,
+    response: &StoredResponse,
+) -> Result<u64, DbError> {
+    complete_by_key(pool, COMPLETE_LATE_SQL, record, response).await
+}
+
+async fn complete_by_key(
+    pool: &Pool,
+    sql: &str,
+    record: &RecordId,
+    response: &StoredResponse,
+) -> Result<u64, DbError> {
     let client = pool.get().await?;
-    let statement = client.prepare_cached(COMPLETE_ONE_SQL).await?;
+    let statement = client.prepare_cached(sql).await?;
     Ok(client
         .execute(
             &statement,

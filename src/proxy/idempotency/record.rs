@@ -18,6 +18,9 @@
 //! Which of the last two applies is decided by one flag, [`MaybeSent`], that the forward sets
 //! at the moment a request may have left for the rail — the moment the guard is "disarmed".
 //! There is no other path by which a record is removed for being unsent.
+//!
+//! A record in doubt still takes the rail's answer should it come late, while railguard holds
+//! the connection (`late`): a late answer completes it as an answer in time would have.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -149,6 +152,11 @@ pub trait Records: Send + Sync + 'static {
     /// background, retried until the database takes it).
     fn declare_in_doubt(&self, record: RecordId);
 
+    /// Stores the rail's answer that came after the owner's forward had ended without it (a
+    /// late answer, `late`): the record is completed whether it is still in flight or was
+    /// declared in doubt meanwhile. In the background, retried until the database takes it.
+    fn complete_late(&self, record: RecordId, response: StoredResponse);
+
     /// Deletes, in the background, a record whose request cannot have reached the rail.
     fn forget_unsent(&self, record: RecordId);
 }
@@ -218,6 +226,7 @@ pub(crate) mod tests {
     #[derive(Debug, Clone, PartialEq, Eq)]
     pub(crate) enum Ended {
         Completed(RecordId, u16),
+        CompletedLate(RecordId, u16),
         InDoubt(RecordId),
         Forgotten(RecordId),
     }
@@ -267,6 +276,13 @@ pub(crate) mod tests {
 
         fn declare_in_doubt(&self, record: RecordId) {
             self.ended.lock().unwrap().push(Ended::InDoubt(record));
+        }
+
+        fn complete_late(&self, record: RecordId, response: StoredResponse) {
+            self.ended
+                .lock()
+                .unwrap()
+                .push(Ended::CompletedLate(record, response.status));
         }
 
         fn forget_unsent(&self, record: RecordId) {

@@ -21,10 +21,15 @@
 //! owner, never a stopped one (see `instance`). A record that names no owner (made before
 //! migration 0004) has neither lock nor clean stop to speak for it: only the operator's word
 //! that every railguard running when it was made has stopped ([`OwnerStopped::Unrecorded`]).
-//! What no check here can see — bytes already on their way in the network, or a rail that
-//! received a request and has not recorded it yet — is why the proxy forwards
-//! `Idempotency-Key` to the rail: a rail that deduplicates by it absorbs the rest (README, "In
-//! doubt").
+//! And bytes already past the owner may still be on their way to the rail: forget waits until
+//! the record's in-doubt deadline plus `proxy.rail_transit_ms` has passed, and, for an owner
+//! whose forward ended without an answer shortly before its clean stop, until the `quiet_after`
+//! that stop recorded — by the database's clock, and telling the operator when. What no check
+//! here can see — a network slower than `proxy.rail_transit_ms` says, the time between an
+//! operator's "it has stopped" and the stop itself, or a rail that received a request and has
+//! not recorded it yet — is the operator's part of the procedure (`admin::IN_DOUBT_PROCEDURE`:
+//! ask the rail only once all of that has passed), and why the proxy forwards
+//! `Idempotency-Key` to the rail: a rail that deduplicates by it absorbs the rest.
 //!
 //! **Completions are group-committed** (`outcomes`): concurrent requests'
 //! answers are stored by one statement and one commit, and each request still waits for the
@@ -76,11 +81,27 @@ pub enum RecordState {
 const OWNER_LOCK_FREE_SQL: &str = "SELECT pg_try_advisory_xact_lock_shared($1)";
 
 /// Whether the owning process said, as it stopped, that it had nothing left to send
-/// ([`super::instance::record_clean_stop`]).
+/// ([`super::instance::record_clean_stop`]): from when nothing it sent can reach the rail
+/// (`quiet_after`; NULL when it recorded no clean stop), and its `proxy.rail_transit_ms`. A
+/// clean stop recorded by an older binary says no `quiet_after`: it is taken as the stop's
+/// time plus this process's `rail_transit_ms` (`$2`).
 const OWNER_STOPPED_CLEANLY_SQL: &str = "\
-SELECT EXISTS (
-    SELECT 1 FROM railguard_audit
-    WHERE action = 'instance_stopped' AND (outcome->>'instance')::bigint = $1)";
+SELECT max(COALESCE((outcome->>'quiet_after')::timestamptz,
+                    COALESCE(finished_at, at) + $2::bigint * interval '1 millisecond')),
+       max((outcome->>'rail_transit_ms')::bigint)
+FROM railguard_audit
+WHERE action = 'instance_stopped' AND (outcome->>'instance')::bigint = $1";
+
+/// When a record's request can no longer reach the rail, and whether that time has passed (by
+/// the database's clock): its in-doubt deadline (`$1`) plus the transit time (`$2`, ms) — no
+/// forward of it is written past its deadline by an owner that has stopped, except one whose end
+/// its clean stop covers — and not before the owner's `quiet_after` (`$3`, if it stopped
+/// cleanly). Also the wait left, in whole seconds.
+const QUIET_SQL: &str = "\
+SELECT now() > t, to_char(t AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US\"Z\"'),
+       GREATEST(ceil(extract(epoch FROM t - now())), 0)::bigint
+FROM (SELECT GREATEST($1::timestamptz + $2::bigint * interval '1 millisecond',
+                      $3::timestamptz) AS t) AS q";
 
 /// The audit record of a forget, written in its transaction: no delete without it.
 const AUDIT_FORGET_SQL: &str = "\
@@ -112,6 +133,9 @@ pub struct IdempotencyStore {
     /// Outcomes retried in the background until the database takes them, counted so that a
     /// graceful stop waits for them within its grace ([`Self::outcomes_retrying`]).
     retrying: Unanswered,
+    /// `proxy.rail_transit_ms`: how long a request may spend on its way to the rail; forget
+    /// waits for it past a record's in-doubt deadline ([`Self::forget_in_doubt`]).
+    rail_transit: Duration,
 }
 
 /// How outcomes are shown: those waiting for the database, those given up on, and how
@@ -127,11 +151,16 @@ pub struct OutcomeMetrics {
 const MAX_PENDING_OUTCOMES: i64 = 100_000;
 /// How long an outcome is retried.
 const OUTCOME_RETRY_FOR: Duration = Duration::from_secs(3600);
+/// `proxy.rail_transit_ms` of a store built without it (`config::ProxyConfig`'s default).
+const DEFAULT_RAIL_TRANSIT: Duration = Duration::from_secs(30);
 
 /// An outcome to store for a record this process owns.
 #[derive(Debug, Clone)]
 enum Outcome {
     Done(StoredResponse),
+    /// The rail's answer after the forward had ended without it: completes a record in doubt
+    /// too.
+    LateDone(StoredResponse),
     InDoubt,
     /// The request never reached the rail: the record goes.
     Unsent,
@@ -159,6 +188,7 @@ impl IdempotencyStore {
             completions: None,
             unanswered: batching.unanswered.clone(),
             retrying: retrying.clone(),
+            rail_transit: DEFAULT_RAIL_TRANSIT,
         };
         let fallback: outcomes::Fallback = Arc::new(move |record: RecordId, response| {
             retries.complete_eventually(record.account, record.key, record.owner, response);
@@ -180,7 +210,15 @@ impl IdempotencyStore {
             completions: Some(completions),
             unanswered: batching.unanswered,
             retrying,
+            rail_transit: DEFAULT_RAIL_TRANSIT,
         }
+    }
+
+    /// The network's `proxy.rail_transit_ms`, which forget waits for past a record's in-doubt
+    /// deadline (by default `proxy.rail_transit_ms`'s default).
+    pub fn with_rail_transit(mut self, rail_transit: Duration) -> Self {
+        self.rail_transit = rail_transit;
+        self
     }
 
     /// Outcomes still retried in the background (the database did not take them at once):
@@ -296,6 +334,35 @@ impl IdempotencyStore {
         .await
     }
 
+    /// Stores the rail's late answer ([`super::late`]): the record is `done` with it, whether
+    /// it was still in flight or its owner had declared it in doubt. One statement for this
+    /// record alone.
+    pub async fn complete_late(
+        &self,
+        account: &AccountId,
+        key: &str,
+        owner: &str,
+        response: &StoredResponse,
+    ) -> Result<(), DbError> {
+        let record = RecordId {
+            account: account.clone(),
+            key: key.to_string(),
+            owner: owner.to_string(),
+        };
+        self.bounded(async {
+            let stored = outcomes::complete_late_one(&self.pool, &record, response).await?;
+            if stored == 0 {
+                outcomes::report_gone(&self.pool, &[&record]).await;
+            } else {
+                tracing::info!(account = %record.account, key = record.key,
+                    status = response.status,
+                    "stored the rail's late answer: repeats of this key get it replayed");
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// Queues the completion of `record` for the next batch ([`outcomes`]). Once queued, it
     /// is stored whether or not anyone waits for it.
     fn queue_completion(
@@ -390,6 +457,9 @@ impl IdempotencyStore {
                     Outcome::Done(response) => {
                         store.complete(&account, &key, &owner, response).await
                     }
+                    Outcome::LateDone(response) => {
+                        store.complete_late(&account, &key, &owner, response).await
+                    }
                     Outcome::InDoubt => store.declare_in_doubt(&account, &key, &owner).await,
                     Outcome::Unsent => {
                         let record = RecordId {
@@ -477,29 +547,39 @@ impl IdempotencyStore {
     }
 
     /// The operator's way out of `in_doubt`: deletes the record only if nothing railguard
-    /// does can still send it, and writes the audit record in the same transaction. See the
-    /// module docs for what this cannot see.
+    /// does can still send it, and nothing it sent can still reach the rail; writes the audit
+    /// record in the same transaction. See the module docs for what this cannot see.
     ///
     /// Its forward must be over: the owner declared it in doubt, or the owner's own deadline
-    /// passed. And the owner must be known to have stopped: the owning process recorded a clean
+    /// passed. The owner must be known to have stopped: the owning process recorded a clean
     /// stop, or the operator says it has stopped (`owner_stopped`, naming the record's owner).
     /// A missing instance lock alone proves nothing — a paused process whose database session
     /// was lost (a backend crash, a terminated session, a failover) holds none, and may still
     /// send once it runs again. An owner that holds its lock is running, and is refused
-    /// whatever anyone says.
+    /// whatever anyone says. And the request must be past the time it could still arrive: its
+    /// in-doubt deadline plus `proxy.rail_transit_ms` (the larger of this process's and the
+    /// owner's, when its clean stop says it), and, for an owner that stopped cleanly, its
+    /// `quiet_after` ([`Forgot::MayStillArrive`] until then).
+    ///
+    /// `dry_run`: decides, and changes nothing — a record that would be forgotten is
+    /// [`Forgot::WouldForget`], and kept (the procedure's "is it time to ask the rail yet").
     pub async fn forget_in_doubt(
         &self,
         account: &AccountId,
         key: &str,
         owner_stopped: Option<OwnerStopped>,
+        dry_run: bool,
     ) -> Result<Forgot, DbError> {
+        let transit_ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        let own_transit = transit_ms(self.rail_transit);
         self.bounded(async {
             let mut client = self.client().await?;
             let tx = client.transaction().await?;
             let row = tx
                 .query_opt(
                     "SELECT state, now() > COALESCE(in_doubt_at, created_at), owner_instance,
-                            to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US\"Z\"')
+                            to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US\"Z\"'),
+                            COALESCE(in_doubt_at, created_at)
                      FROM idempotency_record WHERE account_id = $1 AND idempotency_key = $2
                      FOR UPDATE",
                     &[&account.as_str(), &key],
@@ -510,6 +590,9 @@ impl IdempotencyStore {
             };
             let (state, past_deadline, owner, created): (String, bool, Option<i64>, String) =
                 (row.get(0), row.get(1), row.get(2), row.get(3));
+            let in_doubt_at: std::time::SystemTime = row.get(4);
+            // The owner's clean stop, if it recorded one: (quiet_after, its rail_transit_ms).
+            let mut clean_stop: Option<(std::time::SystemTime, Option<i64>)> = None;
             // Even a forward its owner declared in doubt may still be on its way out of the
             // owner's own connection (a large body written slowly to a slow rail): only an
             // owner that has stopped sends nothing more.
@@ -534,22 +617,52 @@ impl IdempotencyStore {
                             owner,
                             named: owner_stopped,
                         }
-                    } else if tx
-                        .query_one(OWNER_STOPPED_CLEANLY_SQL, &[&owner.get()])
-                        .await?
-                        .get(0)
-                    {
-                        Forgot::Forgotten(Because::OwnerStoppedCleanly(owner))
-                    } else if owner_stopped == Some(OwnerStopped::Instance(owner)) {
-                        Forgot::Forgotten(Because::OperatorSawOwnerStop(owner))
                     } else {
-                        Forgot::OwnerNotSeenStopping {
-                            owner,
-                            created: created.clone(),
-                            named: owner_stopped,
+                        let stopped = tx
+                            .query_one(OWNER_STOPPED_CLEANLY_SQL, &[&owner.get(), &own_transit])
+                            .await?;
+                        let quiet_after: Option<std::time::SystemTime> = stopped.get(0);
+                        clean_stop = quiet_after.map(|at| (at, stopped.get(1)));
+                        if clean_stop.is_some() {
+                            Forgot::Forgotten(Because::OwnerStoppedCleanly(owner))
+                        } else if owner_stopped == Some(OwnerStopped::Instance(owner)) {
+                            Forgot::Forgotten(Because::OperatorSawOwnerStop(owner))
+                        } else {
+                            Forgot::OwnerNotSeenStopping {
+                                owner,
+                                created: created.clone(),
+                                named: owner_stopped,
+                            }
                         }
                     }
                 }
+            };
+            // Stopped, or taken as stopped: what it sent may still be on its way to the rail.
+            let verdict = match verdict {
+                Forgot::Forgotten(because) => {
+                    let transit = clean_stop
+                        .and_then(|(_, owners)| owners)
+                        .map_or(own_transit, |owners| owners.max(own_transit));
+                    let quiet_after = clean_stop.map(|(at, _)| at);
+                    let quiet = tx
+                        .query_one(QUIET_SQL, &[&in_doubt_at, &transit, &quiet_after])
+                        .await?;
+                    if quiet.get(0) {
+                        Forgot::Forgotten(because)
+                    } else {
+                        Forgot::MayStillArrive {
+                            because,
+                            after: quiet.get(1),
+                            in_secs: quiet.get(2),
+                            transit_ms: transit,
+                        }
+                    }
+                }
+                other => other,
+            };
+            let verdict = match verdict {
+                Forgot::Forgotten(because) if dry_run => Forgot::WouldForget(because),
+                other => other,
             };
             if let Forgot::Forgotten(because) = verdict {
                 tx.execute(
@@ -666,6 +779,15 @@ impl Records for IdempotencyStore {
         self.declare_in_doubt_eventually(record.account, record.key, record.owner);
     }
 
+    fn complete_late(&self, record: RecordId, response: StoredResponse) {
+        self.store_eventually(
+            record.account,
+            record.key,
+            record.owner,
+            Outcome::LateDone(response),
+        );
+    }
+
     fn forget_unsent(&self, record: RecordId) {
         self.delete_unsent(record);
     }
@@ -727,6 +849,8 @@ pub enum CompletionError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Forgot {
     Forgotten(Because),
+    /// Asked as a dry run: it would have been forgotten now; nothing was changed.
+    WouldForget(Because),
     /// The record is complete: the rail answered; nothing to forget.
     Completed,
     /// In flight and within its owner's own deadline: its forward may still be running.
@@ -751,6 +875,16 @@ pub enum Forgot {
     /// it has stopped, and the operator did not say so.
     OwnerUnrecorded {
         created: String,
+    },
+    /// The owner is known to have stopped (`because`), but the request may still be on its way
+    /// to the rail until `after` (UTC, the database's clock; `in_secs` from now): the record's
+    /// in-doubt deadline plus `transit_ms` (`proxy.rail_transit_ms`), and not before a clean
+    /// stop's `quiet_after`. The rail is to be asked only after that.
+    MayStillArrive {
+        because: Because,
+        after: String,
+        in_secs: i64,
+        transit_ms: i64,
     },
     NotFound,
 }

@@ -1,0 +1,404 @@
+//! A payment in doubt whose request reaches the rail late, over real processes: railguard
+//! process A forwards through a relay that holds the request (a slow path), the answer is lost,
+//! and the operator follows the in-doubt procedure (`admin::IN_DOUBT_PROCEDURE`) through
+//! railguard B. One test per way the request can still land:
+//!
+//! - during A's graceful stop, with A still holding the connection: the rail's answer is A's
+//!   late answer, stored as the record's — the retry gets it, the rail is paid once;
+//! - after A exited: forget refuses until the record's in-doubt deadline plus
+//!   `proxy.rail_transit_ms`, and the operator, asking the rail only after that, sees the
+//!   payment and does not forget;
+//! - after a middlebox reset A's connection while keeping the request: A's clean stop says
+//!   nothing it sent can arrive before `proxy.rail_transit_ms` after the reset (`quiet_after`),
+//!   forget refuses until then, and the operator sees the payment and does not forget.
+
+use railguard_testkit as support;
+
+use std::process::Output;
+use std::time::Duration;
+
+use http::StatusCode;
+use support::{Http, Pg, Rail, Railguard, Relay, Reply, eventually, init_tracing};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// The network's longest transit in these tests (`proxy.rail_transit_ms`).
+const TRANSIT: Duration = Duration::from_millis(4000);
+const TRANSIT_MS: &str = "4000";
+
+/// A's and B's settings: a short request deadline, and the test's transit time.
+fn settings(grace_ms: &'static str) -> [(&'static str, &'static str); 3] {
+    [
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "1000"),
+        ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", TRANSIT_MS),
+        ("RAILGUARD__SHUTDOWN__GRACE_MS", grace_ms),
+    ]
+}
+
+/// A payment with idempotency key `key`, under token 5 of `account`, in a task of its own.
+fn spawn_pay(http: &Http, rg: &Railguard, account: &str, key: &str) -> JoinHandle<Reply> {
+    let (http, url) = (http.clone(), rg.proxy_url("/payments"));
+    let (account, key) = (account.to_string(), key.to_string());
+    tokio::spawn(async move {
+        http.pay(
+            &url,
+            &[
+                ("Fencing-Token", "5"),
+                ("Fencing-Account", &account),
+                ("Idempotency-Key", &key),
+            ],
+            r#"{"amount":100}"#,
+        )
+        .await
+    })
+}
+
+/// A slow path to `rail` that holds the request carrying `key` until released.
+async fn slow_path_holding(rail: &Rail, key: &str) -> Relay {
+    let relay = Relay::start(rail.addr).await;
+    let key = key.as_bytes().to_vec();
+    relay.stall_first(move |chunk| chunk.windows(key.len()).any(|w| w == key.as_slice()));
+    relay
+}
+
+/// The record's state and stored status.
+async fn record(pg: &Pg, key: &str) -> Option<(String, Option<i16>)> {
+    pg.client()
+        .await
+        .query_opt(
+            "SELECT state, status FROM idempotency_record WHERE idempotency_key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .map(|row| (row.get(0), row.get(1)))
+}
+
+/// Waits until the owner has declared `key`'s record in doubt.
+async fn declared_in_doubt(pg: &Pg, key: &str) {
+    eventually(Duration::from_secs(5), || async {
+        (record(pg, key).await?.0 == "in_doubt").then_some(())
+    })
+    .await;
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// `railguard idempotency-forget` through `rg`, with `--owner-stopped` if given.
+async fn forget(rg: &Railguard, account: &str, key: &str, word: Option<i64>, dry: bool) -> Output {
+    let word = word.map(|w| w.to_string());
+    let mut more: Vec<&str> = Vec::new();
+    if let Some(word) = &word {
+        more.extend(["--owner-stopped", word]);
+    }
+    if dry {
+        more.push("--dry-run");
+    }
+    rg.forget_with(account, key, &more).await
+}
+
+/// What the operator did at the end of the procedure.
+#[derive(Debug, PartialEq, Eq)]
+enum Resolution {
+    /// The rail had the payment: no forget, no retry.
+    LeftInDoubt,
+    /// The rail did not have it: forgotten, and the retry may go.
+    Forgotten,
+}
+
+/// The in-doubt procedure from step 2 on, as an operator follows it (the owner has stopped,
+/// at `stopped_at`; `word`: its instance, when its stop is the operator's word): ask forget
+/// with `--dry-run` until it would forget (it names the time until which it refuses), count
+/// the transit time from the stop too when it rests on the operator's word, then — only then
+/// — ask the rail, and forget only if the rail does not have the payment.
+async fn follow_the_procedure(
+    rg: &Railguard,
+    rail: &Rail,
+    account: &str,
+    key: &str,
+    word: Option<i64>,
+    stopped_at: Instant,
+) -> Resolution {
+    eventually(Duration::from_secs(30), || async {
+        let asked = forget(rg, account, key, word, true).await;
+        if asked.status.success() {
+            return Some(());
+        }
+        let why = stderr(&asked);
+        assert!(
+            why.contains("may still be on its way to the rail until"),
+            "forget refused for another reason: {why}"
+        );
+        None
+    })
+    .await;
+    if word.is_some() {
+        eventually(Duration::from_secs(30), || async {
+            (Instant::now() >= stopped_at + TRANSIT).then_some(())
+        })
+        .await;
+    }
+    if rail.times_paid(key) > 0 {
+        return Resolution::LeftInDoubt;
+    }
+    let forgot = forget(rg, account, key, word, false).await;
+    assert!(forgot.status.success(), "{}", stderr(&forgot));
+    Resolution::Forgotten
+}
+
+/// The request lands while A drains on SIGTERM, and A receives the rail's answer then: the
+/// record is completed with it, the retry through B gets it replayed, the rail is paid once.
+#[tokio::test]
+async fn a_request_that_lands_during_the_owners_graceful_stop_completes_its_record() {
+    init_tracing();
+    let (account, key) = ("acct-drain", "lands-in-drain");
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = slow_path_holding(&rail, key).await;
+    let mut a = Railguard::start_process(&pg.url(), &slow_path.url(), &settings("10000")).await;
+    let b = Railguard::start(&pg.url(), &rail.url(), &settings("3000")).await;
+    let http = a.http();
+
+    let first = spawn_pay(&http, &a, account, key);
+    eventually(Duration::from_secs(5), || async {
+        slow_path.has_stalled().then_some(())
+    })
+    .await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    declared_in_doubt(&pg, key).await;
+
+    // Step 1: the operator stops A. It drains, waiting for the forward still on its way.
+    let log = a.log_path();
+    let stopping = tokio::spawn(async move {
+        let status = a.stop().await;
+        (a, status)
+    });
+    eventually(Duration::from_secs(5), || async {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("waiting for the rail's answers to forwards still on their way")
+            .then_some(())
+    })
+    .await;
+    // The request lands now, during the drain; the rail's 201 comes back to A.
+    slow_path.release_stalled();
+    let (a, status) = stopping.await.unwrap();
+    assert!(status.success(), "{status}\n{}", a.log());
+    assert_eq!(rail.times_paid(key), 1, "the request reached the rail");
+    assert_eq!(
+        record(&pg, key).await,
+        Some(("done".to_string(), Some(201))),
+        "the late answer is the record's: {}",
+        a.log()
+    );
+
+    // Step 2: there is nothing to forget.
+    let asked = forget(&b, account, key, None, true).await;
+    assert!(!asked.status.success());
+    assert!(
+        stderr(&asked).contains("the record is complete"),
+        "{}",
+        stderr(&asked)
+    );
+    // The worker's retry through B gets the rail's answer; the rail is not paid again.
+    let retry = spawn_pay(&http, &b, account, key).await.unwrap();
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    assert_eq!(retry.headers["idempotency-replayed"], "true");
+    assert_eq!(rail.times_paid(key), 1, "paid once");
+}
+
+/// The request lands after A exited (its stop gave up on the forward, so it recorded no clean
+/// stop): forget on the operator's word is refused until the record's in-doubt deadline plus
+/// `proxy.rail_transit_ms`, naming that time; the operator, asking the rail only after it,
+/// finds the payment and does not forget, and the retry is never forwarded.
+#[tokio::test]
+async fn a_request_that_lands_after_the_owner_exited_is_never_paid_twice() {
+    init_tracing();
+    let (account, key) = ("acct-exited", "lands-after-exit");
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = slow_path_holding(&rail, key).await;
+    let mut a = Railguard::start_process(&pg.url(), &slow_path.url(), &settings("500")).await;
+    let b = Railguard::start(&pg.url(), &rail.url(), &settings("3000")).await;
+    let owner = a.instance().unwrap();
+    let http = a.http();
+
+    let first = spawn_pay(&http, &a, account, key).await.unwrap();
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    assert!(slow_path.has_stalled(), "the request is on the slow path");
+    declared_in_doubt(&pg, key).await;
+
+    // Step 1: A stops; its grace runs out with the forward still out, so it records no clean
+    // stop, and forget asks for the operator's word.
+    let status = a.stop().await;
+    let stopped_at = Instant::now();
+    assert!(status.success(), "{status}");
+    let unknown = forget(&b, account, key, None, false).await;
+    assert!(!unknown.status.success());
+    assert!(
+        stderr(&unknown).contains(&format!("--owner-stopped {owner}")),
+        "{}",
+        stderr(&unknown)
+    );
+    // On the word, forget is refused while the request may still be on its way, and names
+    // until when: the in-doubt deadline plus the transit time.
+    let until: String = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT to_char((in_doubt_at + $2::bigint * interval '1 millisecond')
+                            AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US\"Z\"')
+             FROM idempotency_record WHERE idempotency_key = $1",
+            &[&key, &(TRANSIT.as_millis() as i64)],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    for dry in [false, true] {
+        let early = forget(&b, account, key, Some(owner), dry).await;
+        assert!(!early.status.success(), "dry run {dry}: refused");
+        let why = stderr(&early);
+        assert!(
+            why.contains(&format!(
+                "may still be on its way to the rail until {until}"
+            )),
+            "{why}"
+        );
+        assert!(why.contains(railguard::admin::IN_DOUBT_PROCEDURE), "{why}");
+    }
+    assert_eq!(
+        record(&pg, key).await.unwrap().0,
+        "in_doubt",
+        "nothing forgotten"
+    );
+
+    // The request lands now, after A exited and within the transit time.
+    assert_eq!(rail.times_paid(key), 0);
+    slow_path.release_stalled();
+    eventually(Duration::from_secs(5), || async {
+        (rail.times_paid(key) == 1).then_some(())
+    })
+    .await;
+
+    let resolution = follow_the_procedure(&b, &rail, account, key, Some(owner), stopped_at).await;
+    assert_eq!(
+        resolution,
+        Resolution::LeftInDoubt,
+        "the rail has the payment"
+    );
+    // A retry (a worker that did not wait for the operator) is refused, never forwarded.
+    let retry = spawn_pay(&http, &b, account, key).await.unwrap();
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    assert_eq!(retry.json()["error"], "in_doubt");
+    assert_eq!(rail.times_paid(key), 1, "paid once");
+}
+
+/// A middlebox resets A's connection to the rail after the request's in-doubt deadline, and
+/// still delivers the request later. A's graceful stop is clean (nothing outstanding), but its
+/// record says nothing A sent can arrive before `proxy.rail_transit_ms` after the reset; forget
+/// is refused until then, naming that time; the operator finds the payment and does not forget.
+#[tokio::test]
+async fn a_request_delivered_after_its_connection_was_reset_is_never_paid_twice() {
+    init_tracing();
+    let (account, key) = ("acct-reset", "delivered-after-reset");
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = slow_path_holding(&rail, key).await;
+    let mut a = Railguard::start_process(&pg.url(), &slow_path.url(), &settings("3000")).await;
+    let b = Railguard::start(&pg.url(), &rail.url(), &settings("3000")).await;
+    let owner = a.instance().unwrap();
+    let http = a.http();
+
+    let first = spawn_pay(&http, &a, account, key).await.unwrap();
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    assert!(slow_path.has_stalled(), "the request is on the slow path");
+    declared_in_doubt(&pg, key).await;
+    // Well past the record's in-doubt deadline, the middlebox resets A's connection; it keeps
+    // the request.
+    eventually(Duration::from_secs(15), || async {
+        pg.client()
+            .await
+            .query_one(
+                "SELECT now() > in_doubt_at + interval '2 seconds'
+                 FROM idempotency_record WHERE idempotency_key = $1",
+                &[&key],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+            .then_some(())
+    })
+    .await;
+    slow_path.reset_sources();
+    eventually(Duration::from_secs(5), || async {
+        a.log()
+            .contains("a forward left by its caller ended")
+            .then_some(())
+    })
+    .await;
+
+    // Step 1: A stops cleanly (nothing is outstanding any more), and records when nothing it
+    // sent can still arrive: the transit time after the reset, past the record's own time.
+    let status = a.stop().await;
+    let stopped_at = Instant::now();
+    assert!(status.success(), "{status}");
+    let stop = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT to_char((s.outcome->>'quiet_after')::timestamptz AT TIME ZONE 'UTC',
+                            'YYYY-MM-DD HH24:MI:SS.US\"Z\"'),
+                    (s.outcome->>'quiet_after')::timestamptz
+                        > s.finished_at + $2::bigint * interval '1 millisecond' - interval '1 s',
+                    (s.outcome->>'quiet_after')::timestamptz
+                        > r.in_doubt_at + $2::bigint * interval '1 millisecond'
+             FROM railguard_audit s, idempotency_record r
+             WHERE s.action = 'instance_stopped' AND (s.outcome->>'instance')::bigint = $1
+               AND r.idempotency_key = $3",
+            &[&owner, &(TRANSIT.as_millis() as i64), &key],
+        )
+        .await
+        .unwrap();
+    let (quiet_after, after_transit, after_record): (Option<String>, Option<bool>, Option<bool>) =
+        (stop.get(0), stop.get(1), stop.get(2));
+    assert!(
+        after_transit == Some(true) && after_record == Some(true),
+        "the clean stop's quiet_after ({quiet_after:?}) is the transit time after the reset, \
+         not the stop itself\n{}",
+        a.log()
+    );
+    let quiet_after = quiet_after.unwrap();
+    // Forget is refused until then, though the owner stopped cleanly.
+    let early = forget(&b, account, key, None, false).await;
+    assert!(!early.status.success(), "refused before quiet_after");
+    let why = stderr(&early);
+    assert!(
+        why.contains(&format!(
+            "may still be on its way to the rail until {quiet_after}"
+        )) && why.contains("which recorded a clean stop"),
+        "{why}"
+    );
+    assert_eq!(record(&pg, key).await.unwrap().0, "in_doubt");
+
+    // The middlebox delivers the request now, within the transit time.
+    assert_eq!(rail.times_paid(key), 0);
+    slow_path.release_stalled();
+    eventually(Duration::from_secs(5), || async {
+        (rail.times_paid(key) == 1).then_some(())
+    })
+    .await;
+
+    let resolution = follow_the_procedure(&b, &rail, account, key, None, stopped_at).await;
+    assert_eq!(
+        resolution,
+        Resolution::LeftInDoubt,
+        "the rail has the payment"
+    );
+    let retry = spawn_pay(&http, &b, account, key).await.unwrap();
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    assert_eq!(retry.json()["error"], "in_doubt");
+    assert_eq!(rail.times_paid(key), 1, "paid once");
+}
