@@ -65,6 +65,9 @@ pub const PUBLISH_EVERY: Duration = Duration::from_millis(10);
 const HEARTBEAT: Duration = Duration::from_millis(500);
 /// A process starts no forward once its last write of its row began longer ago than this.
 pub const ALIVE: Duration = Duration::from_secs(3);
+/// A forward still waiting for the rail's answer closes its connection once this process's
+/// last confirmed write of its row began this long ago (before [`ALIVE`]).
+pub const ABORT_AFTER: Duration = Duration::from_millis(2500);
 /// Rows of processes quiet for longer than this are removed at start.
 const FORGET_ROWS_AFTER: &str = "1 day";
 
@@ -342,6 +345,43 @@ impl Handover {
         }
     }
 
+    /// Resolves once this process's last confirmed write of its row began [`ABORT_AFTER`]
+    /// ago: a forward still waiting for the rail's answer then closes its connection, so that
+    /// what it wrote arrives, if at all, within `proxy.rail_transit_ms` of that — before the
+    /// other processes take this one as quiet. A process too paused to run this is beyond any
+    /// timer of its own (README, "What fencing cannot see").
+    pub async fn silenced(&self) {
+        let mut published = self.published.subscribe();
+        loop {
+            let Some(began) = *published.borrow_and_update() else {
+                return;
+            };
+            tokio::select! {
+                () = tokio::time::sleep_until(began + ABORT_AFTER) => return,
+                changed = published.changed() => {
+                    if changed.is_err() {
+                        return std::future::pending().await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether this process's last confirmed write of its row began less than [`ALIVE`] ago:
+    /// checked just before a forward starts, with nothing awaited in between.
+    pub fn is_fresh(&self) -> bool {
+        self.published
+            .borrow()
+            .is_some_and(|began| began.elapsed() < ALIVE)
+    }
+
+    /// How long ago this process's last confirmed write of its row began.
+    pub fn silent_for(&self) -> Duration {
+        self.published
+            .borrow()
+            .map_or(Duration::MAX, |began| began.elapsed())
+    }
+
     /// Waits, until `deadline`, for a write of this process's row that began less than
     /// [`ALIVE`] ago: other processes take this one as quiet once its row is old enough, so it
     /// must not start a forward past that.
@@ -453,6 +493,11 @@ impl Published {
 }
 
 impl Entry {
+    /// [`Handover::silenced`] of this entry's process.
+    pub async fn silenced(&self) {
+        self.handover.silenced().await
+    }
+
     /// The forward was written and its answer never came (the connection failed, or it was
     /// let go waiting): it counts as on its way for `proxy.rail_transit_ms` more.
     pub fn unanswered(self) {

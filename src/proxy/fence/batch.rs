@@ -44,8 +44,9 @@ use crate::token::{AccountId, FencingToken};
 /// account whose token is at least its mark and the fencing floor (`store::epoch`: tokens
 /// granted before the store last went back), in account order, records the calling process's
 /// entry among the account's forwarders (`store::handover`: `$inst` the process, `$seq` this
-/// statement's sequence number; other processes' entries are kept), and answers the accounts it
-/// advanced with the other processes' entries, if any.
+/// statement's sequence number, never below the one the row has for the process — a late copy
+/// of an earlier statement must not hide a later forward; other processes' entries are kept),
+/// and answers the accounts it advanced with the other processes' entries, if any.
 macro_rules! advance_batch {
     ($inst:literal, $seq:literal) => {
         concat!(
@@ -61,8 +62,11 @@ ON CONFLICT (account_id) DO UPDATE
             ELSE EXCLUDED.forwarders || ARRAY(
                 SELECT u.f FROM unnest(h.forwarders) WITH ORDINALITY AS u(f, o)
                 WHERE u.f <> EXCLUDED.forwarders[1] ORDER BY u.o) END,
-        forward_seqs = CASE WHEN h.forwarders <@ EXCLUDED.forwarders THEN EXCLUDED.forward_seqs
-            ELSE EXCLUDED.forward_seqs || ARRAY(
+        forward_seqs = CASE WHEN h.forwarders <@ EXCLUDED.forwarders
+            THEN ARRAY[GREATEST(EXCLUDED.forward_seqs[1], h.forward_seqs[1])]
+            ELSE ARRAY[GREATEST(EXCLUDED.forward_seqs[1], (
+                SELECT max(u.s) FROM unnest(h.forwarders, h.forward_seqs) AS u(f, s)
+                WHERE u.f = EXCLUDED.forwarders[1]))] || ARRAY(
                 SELECT u.s FROM unnest(h.forwarders, h.forward_seqs) WITH ORDINALITY AS u(f, s, o)
                 WHERE u.f <> EXCLUDED.forwarders[1] ORDER BY u.o) END
     WHERE h.highest_token <= EXCLUDED.highest_token

@@ -506,6 +506,14 @@ where
             .await
             .map_err(|e| waited(e, &account, token))?;
     }
+    if let Some(handover) = &point.handover
+        && forwards
+    {
+        handover
+            .ready_to_send(request.deadline)
+            .await
+            .map_err(|e| waited(e, &account, token))?;
+    }
     // The last look: has another railguard accepted a higher token for this account since our
     // compare-and-set? Then ours must not reach the rail after it. Taken on every request, not
     // only after a wait for an earlier forward: the compare-and-set's verdict can take any time
@@ -523,14 +531,18 @@ where
         Ok(Err(e)) => return Err(FenceUnavailable(e).into()),
         Err(_) => return Err(UpstreamTimeout::waiting_for_turn().into()),
     }
-    // Other processes take this one as quiet once its row is old: it starts nothing past that.
+    // Other processes take this one as quiet once its row is old: it starts nothing past that,
+    // and its last look must be taken while its row is fresh — a look taken before a wait for
+    // the row would be out of date by the time the row says this process runs.
     if let Some(handover) = &point.handover
         && forwards
+        && !handover.is_fresh()
     {
-        handover
-            .ready_to_send(request.deadline)
-            .await
-            .map_err(|e| waited(e, &account, token))?;
+        return Err(waited(
+            WaitError::Silent(handover.silent_for()),
+            &account,
+            token,
+        ));
     }
     // The ticket travels with the request: the forward holds it until the rail has answered
     // (or it gave up waiting for a late answer); only then may a higher token for this
@@ -570,6 +582,16 @@ pub struct Turn {
 }
 
 impl Turn {
+    /// Resolves once this process has been unable to write its forwards' row for so long that
+    /// a forward still waiting for the rail must close its connection (`store::handover`);
+    /// never, for a forward whose account other processes do not wait on.
+    pub async fn silenced(&self) {
+        match &self.entry {
+            Some(entry) => entry.silenced().await,
+            None => std::future::pending().await,
+        }
+    }
+
     /// The forward was written and its answer never came: this process's turn passes on now,
     /// and other processes take the forward as on its way for `proxy.rail_transit_ms` more.
     pub fn unanswered(mut self) {

@@ -49,6 +49,13 @@ pub(super) enum SendError {
     /// The connection failed while the request was written or its answer awaited.
     #[error(transparent)]
     Exchange(#[from] hyper::Error),
+    /// Closed unanswered by railguard itself: it could not tell the database for too long
+    /// which forwards it has on their way, and other railguard processes stop waiting for
+    /// them (`store::handover`).
+    #[error(
+        "closed before the rail answered: this railguard could not write which forwards it has          on their way for too long"
+    )]
+    Silenced,
 }
 
 /// One connection to the rail: the side that sends requests and the state machine that

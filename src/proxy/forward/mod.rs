@@ -351,9 +351,14 @@ impl Service<FencedRequest> for Forward {
                     late_answer,
                     rail: this.clone(),
                 };
-                let answer = match &mut in_flight.exchange {
-                    Some(exchange) => tokio::time::timeout_at(deadline, exchange).await,
-                    None => unreachable!("the exchange was just started"),
+                let answer = match (&mut in_flight.exchange, &in_flight.turn) {
+                    (Some(exchange), turn) => {
+                        tokio::select! {
+                            answer = tokio::time::timeout_at(deadline, exchange) => answer,
+                            () = silenced(turn.as_ref()) => Ok(Err(SendError::Silenced)),
+                        }
+                    }
+                    (None, _) => unreachable!("the exchange was just started"),
                 };
                 this.metrics
                     .upstream_seconds
@@ -390,6 +395,15 @@ impl Service<FencedRequest> for Forward {
             }
             .instrument(span),
         )
+    }
+}
+
+/// Resolves when `turn`'s process must close its connections to the rail: it could not write
+/// its forwards' row for too long (`store::handover`).
+async fn silenced(turn: Option<&Turn>) {
+    match turn {
+        Some(turn) => turn.silenced().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -466,10 +480,16 @@ impl InFlight {
                 // turn on.
                 let mut turn = turn;
                 let waited = Instant::now();
+                let held = async {
+                    tokio::select! {
+                        answer = exchange => answer,
+                        () = silenced(turn.as_ref()) => Err(SendError::Silenced),
+                    }
+                };
                 let ended = if wait.is_zero() {
-                    Ok(exchange.await)
+                    Ok(held.await)
                 } else {
-                    tokio::time::timeout(wait, exchange).await
+                    tokio::time::timeout(wait, held).await
                 };
                 let answered = match ended {
                     Ok(Ok(response)) => {
