@@ -130,6 +130,16 @@ pub struct Counts {
     pub stale_arrivals: usize,
     pub unattributed_rail_entries: usize,
     pub torn_history_lines: usize,
+    /// The operator's in-doubt procedure (`--operator-forgets`): records in doubt it took up,
+    /// forgot, left in doubt because the rail had the payment, and forgets railguard refused.
+    #[serde(default)]
+    pub in_doubt_records_taken_up: usize,
+    #[serde(default)]
+    pub forgotten: usize,
+    #[serde(default)]
+    pub paid_per_the_rail: usize,
+    #[serde(default)]
+    pub forgets_refused: usize,
 }
 
 impl Counts {
@@ -196,6 +206,18 @@ impl Report {
         }
         if c.torn_history_lines > 0 {
             row("torn history lines", c.torn_history_lines.to_string());
+        }
+        if c.in_doubt_records_taken_up > 0 {
+            row(
+                "records in doubt (operator)",
+                c.in_doubt_records_taken_up.to_string(),
+            );
+            row("  forgotten", c.forgotten.to_string());
+            row(
+                "  paid per the rail, left in doubt",
+                c.paid_per_the_rail.to_string(),
+            );
+            row("  forgets refused", c.forgets_refused.to_string());
         }
         out.push_str("  faults injected\n");
         if self.faults.is_empty() {
@@ -636,6 +658,18 @@ fn counts(inputs: &Inputs, senders: &HashMap<String, Sender>, stale_arrivals: us
             })
             .count(),
         torn_history_lines: inputs.torn_lines,
+        in_doubt_records_taken_up: of(Op::Forget, Phase::Invoke).count(),
+        forgotten: of(Op::Forget, Phase::Ok).count(),
+        paid_per_the_rail: of(Op::Forget, Phase::Fail)
+            .filter(|e| e.detail.as_deref() == Some(crate::operator::PAID_ON_THE_RAIL))
+            .count(),
+        forgets_refused: of(Op::Forget, Phase::Fail)
+            .filter(|e| {
+                e.detail
+                    .as_deref()
+                    .is_some_and(|d| d.starts_with("refused"))
+            })
+            .count(),
     }
 }
 
