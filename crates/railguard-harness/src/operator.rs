@@ -1,6 +1,8 @@
 //! The operator who resolves payments left in doubt (`--operator-forgets`): a task of the
 //! coordinator that follows `railguard::admin::IN_DOUBT_PROCEDURE` as written, for every
-//! idempotency record in state `in_doubt` in railguard's PostgreSQL.
+//! idempotency record in doubt in railguard's PostgreSQL: in state `in_doubt` (its owner
+//! declared it), or `in_flight` past its in-doubt deadline (its owner was killed first) —
+//! railguard answers `409 in_doubt` for both.
 //!
 //! 1. The owner: a record whose owner instance is a railguard process still running is left
 //!    alone (it has not stopped, and this operator stops nothing). Only an instance the harness
@@ -162,7 +164,9 @@ async fn in_doubt(client: &tokio_postgres::Client) -> Result<Vec<Record>, tokio_
     Ok(client
         .query(
             "SELECT account_id, idempotency_key, owner_instance FROM idempotency_record \
-             WHERE state = 'in_doubt' ORDER BY in_doubt_at",
+             WHERE state = 'in_doubt' \
+                OR (state = 'in_flight' AND now() > COALESCE(in_doubt_at, created_at)) \
+             ORDER BY in_doubt_at",
             &[],
         )
         .await?
@@ -313,13 +317,26 @@ async fn idempotency_forget(
                 .lines()
                 .map(str::trim)
                 .find(|l| !l.is_empty())
-                .unwrap_or_default()
-                .to_string();
+                .map(said)
+                .unwrap_or_default();
             (out.status.success(), first)
         }
         Ok(Err(e)) => (false, format!("cannot run it: {e}")),
         Err(_) => (false, "did not answer within 10 s".into()),
     }
+}
+
+/// A line railguard wrote: its message, when it is a JSON log line.
+fn said(line: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(line)
+        .ok()
+        .and_then(|v| {
+            v["fields"]["message"]
+                .as_str()
+                .or(v["message"].as_str())
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| line.to_string())
 }
 
 #[cfg(test)]
@@ -334,5 +351,14 @@ mod tests {
         assert_eq!(rail_transit(&path), Duration::from_millis(1000));
         std::fs::write(&path, "[proxy]\n").unwrap();
         assert_eq!(rail_transit(&path), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_json_log_line_says_its_message() {
+        assert_eq!(
+            said(r#"{"level":"ERROR","fields":{"message":"409 Conflict: wait"}}"#),
+            "409 Conflict: wait"
+        );
+        assert_eq!(said("forgotten"), "forgotten");
     }
 }
