@@ -919,6 +919,44 @@ mod tests {
         assert!(report.ok());
     }
 
+    /// The operator's steps are counted from its `forget` events: records taken up, forgotten,
+    /// left in doubt because the rail had the payment, and forgets refused.
+    #[test]
+    fn the_operators_forgets_are_counted() {
+        let forget = |t: i64, phase: Phase, payment: &str, detail: &str| {
+            let mut e = ev(t, 0, Op::Forget, phase, None)
+                .payment(payment)
+                .detail(detail);
+            e.account = "a1".into();
+            e
+        };
+        let history = vec![
+            forget(1, Phase::Invoke, "p1", "in doubt"),
+            forget(2, Phase::Info, "p1", "waiting: 409"),
+            forget(3, Phase::Ok, "p1", "forgotten: forgotten"),
+            forget(4, Phase::Invoke, "p2", "in doubt"),
+            forget(5, Phase::Fail, "p2", crate::operator::PAID_ON_THE_RAIL),
+            forget(6, Phase::Invoke, "p3", "in doubt"),
+            forget(7, Phase::Fail, "p3", "refused: 409"),
+        ];
+        let report = check(&Inputs {
+            history,
+            ..Inputs::default()
+        });
+        let c = &report.counts;
+        assert_eq!(
+            (
+                c.in_doubt_records_taken_up,
+                c.forgotten,
+                c.paid_per_the_rail,
+                c.forgets_refused
+            ),
+            (3, 1, 1, 1)
+        );
+        assert!(report.table().contains("paid per the rail, left in doubt"));
+        assert!(report.ok());
+    }
+
     #[test]
     fn the_table_names_every_invariant_and_the_first_violation() {
         let mut inputs = t042_history();
