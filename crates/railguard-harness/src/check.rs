@@ -130,6 +130,16 @@ pub struct Counts {
     pub stale_arrivals: usize,
     pub unattributed_rail_entries: usize,
     pub torn_history_lines: usize,
+    /// The operator's in-doubt procedure (`--operator-forgets`): records in doubt it took up,
+    /// forgot, left in doubt because the rail had the payment, and forgets railguard refused.
+    #[serde(default)]
+    pub in_doubt_records_taken_up: usize,
+    #[serde(default)]
+    pub forgotten: usize,
+    #[serde(default)]
+    pub paid_per_the_rail: usize,
+    #[serde(default)]
+    pub forgets_refused: usize,
 }
 
 impl Counts {
@@ -196,6 +206,18 @@ impl Report {
         }
         if c.torn_history_lines > 0 {
             row("torn history lines", c.torn_history_lines.to_string());
+        }
+        if c.in_doubt_records_taken_up > 0 {
+            row(
+                "records in doubt (operator)",
+                c.in_doubt_records_taken_up.to_string(),
+            );
+            row("  forgotten", c.forgotten.to_string());
+            row(
+                "  paid per the rail, left in doubt",
+                c.paid_per_the_rail.to_string(),
+            );
+            row("  forgets refused", c.forgets_refused.to_string());
         }
         out.push_str("  faults injected\n");
         if self.faults.is_empty() {
@@ -636,6 +658,18 @@ fn counts(inputs: &Inputs, senders: &HashMap<String, Sender>, stale_arrivals: us
             })
             .count(),
         torn_history_lines: inputs.torn_lines,
+        in_doubt_records_taken_up: of(Op::Forget, Phase::Invoke).count(),
+        forgotten: of(Op::Forget, Phase::Ok).count(),
+        paid_per_the_rail: of(Op::Forget, Phase::Fail)
+            .filter(|e| e.detail.as_deref() == Some(crate::operator::PAID_ON_THE_RAIL))
+            .count(),
+        forgets_refused: of(Op::Forget, Phase::Fail)
+            .filter(|e| {
+                e.detail
+                    .as_deref()
+                    .is_some_and(|d| d.starts_with("refused"))
+            })
+            .count(),
     }
 }
 
@@ -882,6 +916,44 @@ mod tests {
         assert_eq!(report.counts.never_completed, 10);
         assert_eq!(report.never_completed_sample.len(), 10);
         assert!(report.table().contains("never completed (liveness)"));
+        assert!(report.ok());
+    }
+
+    /// The operator's steps are counted from its `forget` events: records taken up, forgotten,
+    /// left in doubt because the rail had the payment, and forgets refused.
+    #[test]
+    fn the_operators_forgets_are_counted() {
+        let forget = |t: i64, phase: Phase, payment: &str, detail: &str| {
+            let mut e = ev(t, 0, Op::Forget, phase, None)
+                .payment(payment)
+                .detail(detail);
+            e.account = "a1".into();
+            e
+        };
+        let history = vec![
+            forget(1, Phase::Invoke, "p1", "in doubt"),
+            forget(2, Phase::Info, "p1", "waiting: 409"),
+            forget(3, Phase::Ok, "p1", "forgotten: forgotten"),
+            forget(4, Phase::Invoke, "p2", "in doubt"),
+            forget(5, Phase::Fail, "p2", crate::operator::PAID_ON_THE_RAIL),
+            forget(6, Phase::Invoke, "p3", "in doubt"),
+            forget(7, Phase::Fail, "p3", "refused: 409"),
+        ];
+        let report = check(&Inputs {
+            history,
+            ..Inputs::default()
+        });
+        let c = &report.counts;
+        assert_eq!(
+            (
+                c.in_doubt_records_taken_up,
+                c.forgotten,
+                c.paid_per_the_rail,
+                c.forgets_refused
+            ),
+            (3, 1, 1, 1)
+        );
+        assert!(report.table().contains("paid per the rail, left in doubt"));
         assert!(report.ok());
     }
 

@@ -25,6 +25,7 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use railguard_testkit::{EtcdCluster, Http, PatroniCluster, Pg, Rail, Railguard, Relay};
@@ -36,6 +37,7 @@ use crate::check::{self, FaultRecord, Inputs, Report};
 use crate::faults::{self, FaultKind, Operator, Schedule, Setup, Targets, Timing};
 use crate::history;
 use crate::lockdb::LockDb;
+use crate::operator::{self, Fleet};
 use crate::paydb;
 use crate::progress::Progress;
 use crate::rng::Rng;
@@ -75,6 +77,11 @@ pub enum NegativeControl {
     /// processes (`--proxies`), an account's requests are ordered at the rail only within
     /// each process.
     NoCrossProcessOrder,
+    /// With `--operator-forgets`: the operator runs forget without `--dry-run` as soon as it
+    /// finds a record in doubt whose owner is gone, and again on every pass until railguard
+    /// accepts it, never asking the rail whether it has the payment (steps 2 to 4 of the
+    /// in-doubt procedure skipped).
+    OperatorSkipsTheWait,
 }
 
 #[derive(Debug, Clone, Serialize, clap::Args)]
@@ -117,6 +124,12 @@ pub struct RunOptions {
     /// holder's request, sent through another railguard, races the late one.
     #[arg(long)]
     pub no_keep_alive: bool,
+    /// An operator resolves payments left in doubt, following the in-doubt procedure
+    /// (`railguard idempotency-forget`) for records whose owner the harness killed or
+    /// restarted: it waits until forget's dry run says the time has passed, then asks the
+    /// rail, and forgets only a payment the rail does not have (see `operator`).
+    #[arg(long)]
+    pub operator_forgets: bool,
     /// Payments created up front; enough that the workers stay busy for the whole run (they
     /// stop early when every payment is done, and faults after that would hit an idle system).
     #[arg(long, default_value_t = 20_000)]
@@ -234,6 +247,13 @@ impl RunOptions {
                 self.request_timeout_ms
             ));
         }
+        if self.negative_control == Some(NegativeControl::OperatorSkipsTheWait)
+            && !self.operator_forgets
+        {
+            return Err(
+                "--negative-control operator-skips-the-wait needs --operator-forgets".into(),
+            );
+        }
         if self.out.exists()
             && std::fs::read_dir(&self.out).map_or(true, |mut d| d.next().is_some())
         {
@@ -276,7 +296,7 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     eprintln!(
         "harness: {:?} backend on {pg}, {} proxies, {} workers, {} accounts, {} payments, \
          ttl {} ms, {} s, seed {}, faults {}, control {:?}, idempotency keys {}, \
-         rail delay 0..={} ms, leases kept alive {}",
+         rail delay 0..={} ms, leases kept alive {}, operator forgets {}",
         options.backend,
         options.proxies,
         options.workers,
@@ -289,7 +309,8 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         options.negative_control,
         options.idempotency_keys,
         options.rail_delay_ms,
-        !options.no_keep_alive
+        !options.no_keep_alive,
+        options.operator_forgets
     );
 
     // The stores and the rail.
@@ -383,7 +404,7 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
                 "false".into(),
             ));
         }
-        None => {}
+        Some(NegativeControl::OperatorSkipsTheWait) | None => {}
     }
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let database_url = match &pg_relay {
@@ -399,6 +420,23 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         env: env.clone(),
         paydb_url: paydb_pg.url(),
     };
+    let fleet = Arc::new(std::sync::Mutex::new(Fleet::default()));
+    observe(&fleet, &proxies);
+    let operator_stop = Arc::new(AtomicBool::new(false));
+    let operator_task = options.operator_forgets.then(|| {
+        tokio::spawn(operator::run(
+            operator::Setup {
+                database_url: lockdb.url(),
+                rail: rail.clone(),
+                fleet: fleet.clone(),
+                env: env.clone(),
+                history: out.join("history-operator.jsonl"),
+                skip_the_wait: options.negative_control
+                    == Some(NegativeControl::OperatorSkipsTheWait),
+            },
+            operator_stop.clone(),
+        ))
+    });
     let mut lock_relays = Vec::new();
     let mut proxy_relays = Vec::new();
     for rg in &proxies {
@@ -463,6 +501,7 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
             history_dir: &out,
         };
         let record = faults::inject(kind, &mut targets, &mut rng, timing).await;
+        observe(&fleet, &proxies);
         if let Some(p) = &progress {
             p.fault();
         }
@@ -492,6 +531,10 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     }
     if let Some(p) = progress {
         p.stop().await;
+    }
+    operator_stop.store(true, Ordering::Release);
+    if let Some(task) = operator_task {
+        let _ = task.await;
     }
     // Forwards still at the rail finish or time out.
     tokio::time::sleep(timeout.min(Duration::from_secs(2))).await;
@@ -529,6 +572,14 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     drop(paydb_pg);
     drop(etcd);
     Ok(report)
+}
+
+/// Tells the operator which railguard processes run now.
+fn observe(fleet: &std::sync::Mutex<Fleet>, proxies: &[Railguard]) {
+    fleet
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .observe(proxies);
 }
 
 /// When workers take an unresolved payment again.

@@ -39,6 +39,10 @@ pub enum Op {
     Release,
     /// The worker's keep-alive reported the lease lost.
     LeaseLost,
+    /// The operator's in-doubt procedure for one idempotency record (`operator`): `invoke`
+    /// taken up, `info` waiting, `ok` forgotten, `fail` not forgotten (the rail had the
+    /// payment, or forget refused).
+    Forget,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -8,6 +8,7 @@
 //! - [`history`]: the recorded history; [`check`]: the checker;
 //! - [`faults`]: the fault kinds and their schedule; [`paydb`]: the workload's database;
 //! - [`lockdb`]: railguard's own PostgreSQL, one cluster or a Patroni cluster;
+//! - [`operator`]: the operator who follows the in-doubt procedure (`--operator-forgets`);
 //! - [`reread`]: the §A2.3 bug, on purpose, for the negative control;
 //! - [`takeover`]: a superseded grant across a store that goes back, the interleaving forced.
 
@@ -16,6 +17,7 @@ pub mod coordinator;
 pub mod faults;
 pub mod history;
 pub mod lockdb;
+pub mod operator;
 pub mod paydb;
 pub mod progress;
 pub mod reread;

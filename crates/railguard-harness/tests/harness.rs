@@ -177,6 +177,56 @@ negative_controls! {
     kill_switch_without_keys_is_caught_etcd => "etcd", "kill-switch", false, ["INV-02", "INV-05"];
 }
 
+/// The operator of `--operator-forgets` follows the in-doubt procedure: under railguard
+/// processes killed while their forwards are at a slow rail, it leaves the payments the rail
+/// has in doubt and forgets the others, and nothing is paid twice. The same run with the
+/// operator skipping the dry run's wait and the rail (`operator-skips-the-wait`) forgets
+/// payments the rail has, and their retries are caught as INV-02. Both runs at once.
+#[test]
+fn the_operator_following_the_in_doubt_procedure_pays_nothing_twice_and_skipping_it_is_caught() {
+    let args = |control: bool| {
+        let mut args = vec![
+            "--proxies",
+            "2",
+            "--faults",
+            "proxy-kill",
+            "--operator-forgets",
+            "--rail-latency-ms",
+            "200",
+            "--workers",
+            "8",
+            "--accounts",
+            "8",
+            "--duration-s",
+            "25",
+        ];
+        if control {
+            args.extend(["--negative-control", "operator-skips-the-wait"]);
+        }
+        args
+    };
+    let (real_dir, control_dir) = (out_dir(), out_dir());
+    let (real, control) = std::thread::scope(|s| {
+        let real = s.spawn(|| harness(&real_dir.path().join("run"), &args(false)));
+        let control = s.spawn(|| harness(&control_dir.path().join("run"), &args(true)));
+        (real.join().unwrap(), control.join().unwrap())
+    });
+    let count = |run: &Run, name: &str| run.report["counts"][name].as_u64().unwrap_or(0);
+    assert_eq!(real.code, 0, "the procedure as written:\n{}", real.stdout);
+    assert!(
+        count(&real, "forgotten") + count(&real, "paid_per_the_rail") > 0,
+        "the operator resolved records:\n{}",
+        real.stdout
+    );
+    assert_caught(&control, &["INV-02"]);
+    assert_eq!(
+        count(&control, "paid_per_the_rail"),
+        0,
+        "the control never asks the rail:\n{}",
+        control.stdout
+    );
+}
+
 /// The same stalls without a bug: nothing to report (so what the controls find is the bug's).
 #[test]
 fn the_controls_runs_without_the_bug_violate_nothing() {
