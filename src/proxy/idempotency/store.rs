@@ -334,7 +334,7 @@ impl IdempotencyStore {
         .await
     }
 
-    /// Stores the rail's late answer ([`super::late`]): the record is `done` with it, whether
+    /// Stores the rail's late answer (`idempotency::late`): the record is `done` with it, whether
     /// it was still in flight or its owner had declared it in doubt. One statement for this
     /// record alone.
     pub async fn complete_late(
