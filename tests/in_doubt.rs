@@ -61,6 +61,43 @@ async fn slow_path_holding(rail: &Rail, key: &str) -> Relay {
     relay
 }
 
+/// Owner A (a `railguard serve` process whose path to the rail holds `key`'s request) and B
+/// (in this process, straight to the rail), on one PostgreSQL: A's payment of `key` got 504
+/// and its record is in doubt.
+struct Stuck {
+    pg: Pg,
+    rail: Rail,
+    slow_path: Relay,
+    a: Railguard,
+    b: Railguard,
+    owner: i64,
+    http: Http,
+}
+
+/// [`Stuck`], A stopping within `grace_ms`.
+async fn stuck_in_doubt(account: &str, key: &str, grace_ms: &'static str) -> Stuck {
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = slow_path_holding(&rail, key).await;
+    let a = Railguard::start_process(&pg.url(), &slow_path.url(), &settings(grace_ms)).await;
+    let b = Railguard::start(&pg.url(), &rail.url(), &settings("3000")).await;
+    let owner = a.instance().unwrap();
+    let http = a.http();
+    let first = spawn_pay(&http, &a, account, key).await.unwrap();
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    assert!(slow_path.has_stalled(), "the request is on the slow path");
+    declared_in_doubt(&pg, key).await;
+    Stuck {
+        pg,
+        rail,
+        slow_path,
+        a,
+        b,
+        owner,
+        http,
+    }
+}
+
 /// The record's state and stored status.
 async fn record(pg: &Pg, key: &str) -> Option<(String, Option<i16>)> {
     pg.client()
@@ -218,18 +255,15 @@ async fn a_request_that_lands_during_the_owners_graceful_stop_completes_its_reco
 async fn a_request_that_lands_after_the_owner_exited_is_never_paid_twice() {
     init_tracing();
     let (account, key) = ("acct-exited", "lands-after-exit");
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let slow_path = slow_path_holding(&rail, key).await;
-    let mut a = Railguard::start_process(&pg.url(), &slow_path.url(), &settings("500")).await;
-    let b = Railguard::start(&pg.url(), &rail.url(), &settings("3000")).await;
-    let owner = a.instance().unwrap();
-    let http = a.http();
-
-    let first = spawn_pay(&http, &a, account, key).await.unwrap();
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
-    assert!(slow_path.has_stalled(), "the request is on the slow path");
-    declared_in_doubt(&pg, key).await;
+    let Stuck {
+        pg,
+        rail,
+        slow_path,
+        mut a,
+        b,
+        owner,
+        http,
+    } = stuck_in_doubt(account, key, "500").await;
 
     // Step 1: A stops; its grace runs out with the forward still out, so it records no clean
     // stop, and forget asks for the operator's word.
@@ -304,18 +338,15 @@ async fn a_request_that_lands_after_the_owner_exited_is_never_paid_twice() {
 async fn a_request_delivered_after_its_connection_was_reset_is_never_paid_twice() {
     init_tracing();
     let (account, key) = ("acct-reset", "delivered-after-reset");
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let slow_path = slow_path_holding(&rail, key).await;
-    let mut a = Railguard::start_process(&pg.url(), &slow_path.url(), &settings("3000")).await;
-    let b = Railguard::start(&pg.url(), &rail.url(), &settings("3000")).await;
-    let owner = a.instance().unwrap();
-    let http = a.http();
-
-    let first = spawn_pay(&http, &a, account, key).await.unwrap();
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
-    assert!(slow_path.has_stalled(), "the request is on the slow path");
-    declared_in_doubt(&pg, key).await;
+    let Stuck {
+        pg,
+        rail,
+        slow_path,
+        mut a,
+        b,
+        owner,
+        http,
+    } = stuck_in_doubt(account, key, "3000").await;
     // Well past the record's in-doubt deadline, the middlebox resets A's connection; it keeps
     // the request.
     eventually(Duration::from_secs(15), || async {
