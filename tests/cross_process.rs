@@ -146,3 +146,69 @@ async fn a_settled_entry_of_another_process_is_removed_after_the_handover() {
     .await;
     assert_eq!(rail.tokens(), [3, 4, 5]);
 }
+
+/// Token 5 through railguard A, whose path to the rail holds each chunk 3 s (within
+/// `proxy.rail_transit_ms`); then the database goes back to a copy taken before 5's
+/// compare-and-set (a rewind: the entry that named A's forward is lost with it), and railguard
+/// B pays a grant above the floor the change raised. Returns the order the rail received them
+/// in, and that grant's token. A cannot write its row while the server restarts: if that takes
+/// longer than it may forward unheard, it closes its connection to the rail (502, "it may have
+/// received the request"), and the relay still delivers what it holds.
+async fn the_database_goes_back_with_a_forward_on_its_way(order: &str) -> (Vec<i64>, i64) {
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let env = [
+        ("RAILGUARD__FENCING__ORDER_ACROSS_PROCESSES", order),
+        ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "4000"),
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "30000"),
+    ];
+    let a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    let copy = pg.copy_data().await.expect("copy of the data directory");
+    slow_path.set_delay(Duration::from_millis(3000));
+    let older = pay_in_background(&a, 5, "acct-r");
+    eventually(Duration::from_secs(5), || async {
+        (pg.mark("acct-r").await == Some(5)).then_some(())
+    })
+    .await;
+    pg.rewind_to(&copy).await.expect("rewind");
+    // B's next session sees the new server and raises the floor: an old grant is refused.
+    eventually(Duration::from_secs(10), || async {
+        let reply = b.http().pay_with(&b, 6, "acct-r").await;
+        (reply.status == StatusCode::CONFLICT).then_some(())
+    })
+    .await;
+    let floor = eventually(Duration::from_secs(5), || pg.floor()).await;
+    let newer = b.http().pay_with(&b, floor + 1, "acct-r").await;
+    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    let older = older.await.unwrap();
+    assert!(
+        [StatusCode::CREATED, StatusCode::BAD_GATEWAY].contains(&older.status),
+        "{}",
+        older.body
+    );
+    (rail.tokens(), floor + 1)
+}
+
+#[tokio::test]
+async fn a_forward_on_its_way_when_the_database_goes_back_still_holds_newer_tokens() {
+    init_tracing();
+    let (tokens, newer) = the_database_goes_back_with_a_forward_on_its_way("true").await;
+    assert_eq!(
+        tokens,
+        [5, newer],
+        "the rail received a grant from after the rewind before a forward sent before it"
+    );
+}
+
+#[tokio::test]
+async fn without_the_cross_process_order_a_rewind_lets_the_newer_token_overtake() {
+    init_tracing();
+    let (tokens, newer) = the_database_goes_back_with_a_forward_on_its_way("false").await;
+    assert_eq!(
+        tokens,
+        [newer, 5],
+        "the negative control: without the order the newer request arrives first"
+    );
+}

@@ -60,6 +60,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "forward_handover",
         sql: include_str!("../../migrations/0008_forward_handover.sql"),
     },
+    Migration {
+        version: 9,
+        name: "hold_after_store_change",
+        sql: include_str!("../../migrations/0009_hold_after_store_change.sql"),
+    },
 ];
 
 /// The schema version this binary expects.

@@ -87,7 +87,8 @@ SELECT e.system_identifier IS NOT DISTINCT FROM s.system_identifier
     "),
        format('system %s, timeline %s, started %s, storage %s',
               e.system_identifier, e.timeline, e.postmaster_start, e.relations),
-       (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
+       (extract(epoch FROM clock_timestamp()) * 1000000)::bigint,
+       COALESCE((extract(epoch FROM e.went_back_at) * 1000000)::bigint, 0)
 FROM railguard_store_epoch e,
      pg_control_system() s,
      (SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint
@@ -111,9 +112,10 @@ UPDATE railguard_store_epoch SET
     ",
     floor = GREATEST(floor, $1),
     epoch = epoch + $2,
-    changed_at = now()
+    changed_at = now(),
+    went_back_at = CASE WHEN $2 > 0 THEN now() ELSE went_back_at END
 FROM pg_control_system() s
-RETURNING floor, epoch"
+RETURNING floor, epoch, COALESCE((extract(epoch FROM went_back_at) * 1000000)::bigint, 0)"
 );
 
 const AUDIT_SQL: &str = "\
@@ -151,6 +153,12 @@ pub struct StoreEpoch {
     epoch: AtomicI64,
     /// The highest token this process saw granted or accepted ([`StoreEpoch::observe`]).
     seen: AtomicI64,
+    /// When the PostgreSQL server last changed (`went_back_at`, the database's clock in
+    /// microseconds; 0: never), as this process last read it.
+    went_back: AtomicI64,
+    /// The latest such change after which nothing sent before it can still reach the rail, as
+    /// this process found ([`StoreEpoch::change_settled`]).
+    settled: AtomicI64,
     timeout: Duration,
     metrics: EpochMetrics,
 }
@@ -213,6 +221,8 @@ impl StoreEpoch {
             floor: AtomicI64::new(0),
             epoch: AtomicI64::new(-1),
             seen: AtomicI64::new(0),
+            went_back: AtomicI64::new(0),
+            settled: AtomicI64::new(0),
             timeout,
             metrics: EpochMetrics {
                 changes,
@@ -232,15 +242,16 @@ impl StoreEpoch {
     }
 
     /// This process fenced a change itself: counted at once, started or not.
-    fn fenced(&self, floor: i64, epoch: i64) {
+    fn fenced(&self, floor: i64, epoch: i64, went_back: i64) {
         if self.epoch.fetch_max(epoch, Ordering::AcqRel) < epoch {
             self.metrics.changes.inc();
         }
-        self.learn(floor, epoch);
+        self.learn(floor, epoch, went_back);
     }
 
-    fn learn(&self, floor: i64, epoch: i64) {
+    fn learn(&self, floor: i64, epoch: i64, went_back: i64) {
         self.floor.fetch_max(floor, Ordering::AcqRel);
+        self.went_back.fetch_max(went_back, Ordering::AcqRel);
         let before = self.epoch.fetch_max(epoch, Ordering::AcqRel);
         if before >= 0 && epoch > before {
             self.metrics
@@ -268,12 +279,13 @@ impl StoreEpoch {
     async fn check_unbounded(&self, client: &mut Client) -> Result<(), EpochError> {
         let row = client.query_one(IDENTITY_SQL, &[]).await?;
         let (same, floor, epoch): (bool, i64, i64) = (row.get(0), row.get(2), row.get(3));
+        let went_back: i64 = row.get(7);
         if !self.detect {
-            self.learn(floor, epoch);
+            self.learn(floor, epoch, went_back);
             return Ok(());
         }
         if same && !self.floor_below_what_was_seen(floor, epoch) {
-            self.learn(floor, epoch);
+            self.learn(floor, epoch, went_back);
             return Ok(());
         }
         self.fence_change(client).await
@@ -289,6 +301,20 @@ impl StoreEpoch {
             && before >= 0
             && epoch > before
             && self.seen.load(Ordering::Acquire) >= floor
+    }
+
+    /// The last change of PostgreSQL server this process knows of (the database's clock in
+    /// microseconds), unless it found that nothing sent before it can still reach the rail: a
+    /// forward of a newer grant waits for that first (`store::handover`).
+    pub fn unsettled_change(&self) -> Option<i64> {
+        let went_back = self.went_back.load(Ordering::Acquire);
+        (went_back > self.settled.load(Ordering::Acquire)).then_some(went_back)
+    }
+
+    /// Nothing sent before the change of server at `went_back` (or an earlier one) can still
+    /// reach the rail.
+    pub fn change_settled(&self, went_back: i64) {
+        self.settled.fetch_max(went_back, Ordering::AcqRel);
     }
 
     /// A token this process saw granted or accepted: the floor of a later change must be above
@@ -309,10 +335,11 @@ impl StoreEpoch {
             (row.get(0), row.get(1), row.get(2), row.get(3));
         let (now, before): (String, String) = (row.get(4), row.get(5));
         let clock_us: i64 = row.get(6);
+        let old_went_back: i64 = row.get(7);
         if same && !self.floor_below_what_was_seen(old_floor, old_epoch) {
             // Another railguard fenced it while this one waited for the row.
             tx.commit().await?;
-            self.learn(old_floor, old_epoch);
+            self.learn(old_floor, old_epoch, old_went_back);
             return Ok(());
         }
         let known: i64 = tx.query_one(KNOWN_SQL, &[]).await?.get(0);
@@ -325,7 +352,7 @@ impl StoreEpoch {
             let acked = tx.query_one(ACKNOWLEDGE_SQL, &[&0i64, &0i64]).await?;
             tx.commit().await?;
             tracing::info!(server = %now, "database acknowledged on this server");
-            self.learn(acked.get(0), acked.get(1));
+            self.learn(acked.get(0), acked.get(1), acked.get(2));
             return Ok(());
         }
         let (floor, ended) = match &self.jump {
@@ -355,7 +382,8 @@ impl StoreEpoch {
             }
         };
         let acked = tx.query_one(ACKNOWLEDGE_SQL, &[&floor, &1i64]).await?;
-        let (new_floor, new_epoch): (i64, i64) = (acked.get(0), acked.get(1));
+        let (new_floor, new_epoch, went_back): (i64, i64, i64) =
+            (acked.get(0), acked.get(1), acked.get(2));
         let why = if never {
             "first check of this database against its server: whatever happened before is \
              fenced once"
@@ -387,7 +415,7 @@ impl StoreEpoch {
              floor was raised: every grant from before is fenced out once and its holder takes a \
              new one (docs/operations.md, \"When a store goes back\")"
         );
-        self.fenced(new_floor, new_epoch);
+        self.fenced(new_floor, new_epoch, went_back);
         Ok(())
     }
 
@@ -404,11 +432,13 @@ impl StoreEpoch {
         let row = tx
             .query_one(
                 "UPDATE railguard_store_epoch SET floor = GREATEST(floor, $1), epoch = epoch + 1, \
-                 changed_at = now() RETURNING floor, epoch",
+                 changed_at = now() RETURNING floor, epoch, \
+                 COALESCE((extract(epoch FROM went_back_at) * 1000000)::bigint, 0)",
                 &[&floor],
             )
             .await?;
-        let (new_floor, new_epoch): (i64, i64) = (row.get(0), row.get(1));
+        let (new_floor, new_epoch, went_back): (i64, i64, i64) =
+            (row.get(0), row.get(1), row.get(2));
         let mut outcome = details;
         outcome["floor"] = new_floor.into();
         outcome["epoch"] = new_epoch.into();
@@ -424,7 +454,7 @@ impl StoreEpoch {
             "!!! THE TOKEN SOURCE WENT BACK !!! ({why}). The fencing floor was raised: every \
              grant from before is fenced out once (docs/operations.md, \"When a store goes back\")"
         );
-        self.fenced(new_floor, new_epoch);
+        self.fenced(new_floor, new_epoch, went_back);
         Ok(new_floor)
     }
 }

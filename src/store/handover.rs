@@ -41,6 +41,23 @@
 //! entries count as settled. A killed process's entries neither block an account for ever nor
 //! are they dropped while its request may still arrive.
 //!
+//! **When the store goes back** (a failover to a standby that missed the last commits, a
+//! rewind: `store::epoch`), the mark rows' entries go back with the data, and a forward on its
+//! way from one process is no longer named where another's compare-and-set looks. What each
+//! process has on its way does not go back: it is in the process, which writes it again on
+//! the new server, each pending entry with its token. The change raised a floor above every
+//! token accepted before it, so after it a forward of a newer grant waits
+//! ([`Handover::wait_store_change`]) until (1) the database's clock is [`ALIVE`] + the
+//! longest transit time past the change (`railguard_store_epoch.went_back_at`): a process the
+//! new server does not know of — its row lost with the data, or it killed or cut off — has by
+//! then started nothing for [`ALIVE`], and what it sent has arrived; every process still
+//! running has written its row on the new server; and (2) no such row names a pending entry of
+//! the account with a token below the floor. Nothing of a token below the floor is sent after
+//! the change: the compare-and-set refuses it, and so does the last look of a request accepted
+//! before (`proxy::fence`). So every forward sent before the change has reached the rail, or
+//! never will, before a newer grant's forward starts. Once a look finds no process with such an
+//! entry for any account, the process stops looking until the next change.
+//!
 //! **Cost.** With one process, or accounts each forwarded through one process, the
 //! compare-and-set finds only the caller's own entry and answers nothing: no wait and no extra
 //! statement; what remains is two small arrays in the mark row and a row rewrite every
@@ -61,6 +78,8 @@ use crate::token::AccountId;
 
 /// Shortest time between two writes of this process's row.
 pub const PUBLISH_EVERY: Duration = Duration::from_millis(10);
+/// Time between two tries to write this process's row while writes fail.
+const RETRY_EVERY: Duration = Duration::from_millis(50);
 /// Longest time between two writes when nothing changed: how a running process shows it runs.
 const HEARTBEAT: Duration = Duration::from_millis(500);
 /// A process starts no forward once its last write of its row began longer ago than this.
@@ -73,13 +92,37 @@ const FORGET_ROWS_AFTER: &str = "1 day";
 
 const PUBLISH_SQL: &str = "\
 INSERT INTO railguard_forwarder AS f
-    (instance, horizon, pending_seqs, pending_accounts, quiet_ms, published_at)
-VALUES ($1, $2, $3, $4, $5, now())
+    (instance, horizon, pending_seqs, pending_accounts, pending_tokens, quiet_ms, published_at)
+VALUES ($1, $2, $3, $4, $5, $6, now())
 ON CONFLICT (instance) DO UPDATE
     SET horizon = EXCLUDED.horizon, pending_seqs = EXCLUDED.pending_seqs,
-        pending_accounts = EXCLUDED.pending_accounts, quiet_ms = EXCLUDED.quiet_ms,
-        published_at = EXCLUDED.published_at
+        pending_accounts = EXCLUDED.pending_accounts, pending_tokens = EXCLUDED.pending_tokens,
+        quiet_ms = EXCLUDED.quiet_ms, published_at = EXCLUDED.published_at
     WHERE f.horizon <= EXCLUDED.horizon";
+
+/// After the server changed: how long until (1) of [`Handover::wait_store_change`] holds, and
+/// whether a process other than `$1` has a pending entry below the floor for the account
+/// (hash `$2`) and for any account. `$3`: this process's own quiet time, for processes the
+/// database does not know of. An entry without a token (a process that does not state it)
+/// counts as below the floor.
+const HOLD_SQL: &str = "\
+WITH e AS (SELECT floor, went_back_at FROM railguard_store_epoch),
+pending AS (
+    SELECT p.account
+    FROM railguard_forwarder f, e,
+         unnest(f.pending_accounts, f.pending_tokens) AS p(account, token)
+    WHERE f.instance <> $1
+      AND now() <= f.published_at + f.quiet_ms * interval '1 millisecond'
+      AND (p.token IS NULL OR p.token < e.floor))
+SELECT COALESCE((extract(epoch FROM e.went_back_at) * 1000000)::bigint, 0),
+       COALESCE(GREATEST(0, ceil(extract(epoch FROM
+           e.went_back_at
+           + GREATEST($3, (SELECT COALESCE(max(quiet_ms), 0) FROM railguard_forwarder))
+             * interval '1 millisecond'
+           - now()) * 1000)), 0)::bigint,
+       EXISTS (SELECT 1 FROM pending WHERE account = $2),
+       EXISTS (SELECT 1 FROM pending)
+FROM e";
 
 const READ_SQL: &str = "\
 SELECT instance, horizon, pending_seqs, pending_accounts,
@@ -129,6 +172,11 @@ pub enum WaitError {
         "this railguard could not tell the database, for {0:?}, which forwards it has on their way"
     )]
     Silent(Duration),
+    #[error(
+        "the database changed server moments ago: forwards of newer grants wait {0:?} more, \
+         until nothing sent before the change can still reach the rail"
+    )]
+    Held(Duration),
     #[error(transparent)]
     Db(#[from] DbError),
 }
@@ -147,13 +195,17 @@ pub struct Handover {
     changed: Notify,
     /// When the last write of this process's row that the database confirmed began.
     published: watch::Sender<Option<Instant>>,
+    /// Until when, as last read, no forward may start after a change of server
+    /// ([`Handover::wait_store_change`]): requests meanwhile do not ask the database again.
+    held_until: Mutex<Option<Instant>>,
 }
 
 #[derive(Default)]
 struct State {
     next_seq: i64,
     next_id: u64,
-    pending: HashMap<u64, (i64, i64)>,
+    /// Each entry's sequence number, account hash and token.
+    pending: HashMap<u64, (i64, i64, i64)>,
 }
 
 /// The 64-bit FNV-1a hash of an account id: what a process's row names a pending entry's
@@ -204,6 +256,7 @@ impl Handover {
             }),
             changed: Notify::new(),
             published: watch::Sender::new(None),
+            held_until: Mutex::new(None),
         });
         handover.publish_with(true).await?;
         let client = handover.pool.get().await?;
@@ -227,22 +280,22 @@ impl Handover {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers one compare-and-set statement for `accounts` (one entry each, in order), to
-    /// run before it is sent: returns its sequence number and the entries.
+    /// Registers one compare-and-set statement for `requests`' accounts and tokens (one entry
+    /// each, in order), to run before it is sent: returns its sequence number and the entries.
     pub fn register<'a>(
         self: &Arc<Self>,
-        accounts: impl IntoIterator<Item = &'a AccountId>,
+        requests: impl IntoIterator<Item = (&'a AccountId, i64)>,
     ) -> (i64, Vec<Entry>) {
         let mut state = self.state();
         let seq = state.next_seq;
         state.next_seq += 1;
         let mut entries = Vec::new();
-        for account in accounts {
+        for (account, token) in requests {
             let id = state.next_id;
             state.next_id += 1;
             state
                 .pending
-                .insert(id, (seq, account_hash(account.as_str())));
+                .insert(id, (seq, account_hash(account.as_str()), token));
             entries.push(Entry {
                 handover: self.clone(),
                 id,
@@ -264,15 +317,17 @@ impl Handover {
     /// database that lost commits fences every grant from before (`store::epoch`).
     async fn publish_with(&self, durable: bool) -> Result<(), DbError> {
         let began = Instant::now();
-        let (horizon, seqs, accounts) = {
+        let (horizon, seqs, accounts, tokens) = {
             let state = self.state();
             let mut seqs = Vec::with_capacity(state.pending.len());
             let mut accounts = Vec::with_capacity(state.pending.len());
-            for (seq, account) in state.pending.values() {
+            let mut tokens = Vec::with_capacity(state.pending.len());
+            for (seq, account, token) in state.pending.values() {
                 seqs.push(*seq);
                 accounts.push(*account);
+                tokens.push(*token);
             }
-            (state.next_seq, seqs, accounts)
+            (state.next_seq, seqs, accounts, tokens)
         };
         let quiet_ms = i64::try_from(self.quiet().as_millis()).unwrap_or(i64::MAX);
         let mut connection = self.connection.lock().await;
@@ -292,7 +347,14 @@ impl Handover {
             transaction
                 .execute(
                     &*statement,
-                    &[&self.instance, &horizon, &seqs, &accounts, &quiet_ms],
+                    &[
+                        &self.instance,
+                        &horizon,
+                        &seqs,
+                        &accounts,
+                        &tokens,
+                        &quiet_ms,
+                    ],
                 )
                 .await?;
             transaction.commit().await?;
@@ -313,7 +375,10 @@ impl Handover {
     async fn keep_publishing(self: Arc<Self>) {
         let mut failing = false;
         loop {
-            let _ = tokio::time::timeout(HEARTBEAT, self.changed.notified()).await;
+            // While writes fail, every moment counts against ALIVE: the next try goes at once.
+            if !failing {
+                let _ = tokio::time::timeout(HEARTBEAT, self.changed.notified()).await;
+            }
             match self.publish_with(false).await {
                 Ok(()) if failing => {
                     failing = false;
@@ -330,7 +395,7 @@ impl Handover {
                 }
                 Err(_) => {}
             }
-            tokio::time::sleep(PUBLISH_EVERY).await;
+            tokio::time::sleep(if failing { RETRY_EVERY } else { PUBLISH_EVERY }).await;
         }
     }
 
@@ -444,6 +509,72 @@ impl Handover {
             if settled {
                 self.prune(account, foreign);
                 return Ok(());
+            }
+            if Instant::now() + pause >= deadline {
+                return Err(WaitError::Deadline);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
+    }
+
+    /// After the database changed server (`store::epoch`): waits until no forward of a token
+    /// below the new floor can still reach the rail ahead of `account`'s next one (the module
+    /// docs, "When the store goes back"), or fails at once with [`WaitError::Held`] when that
+    /// is beyond `deadline`. Returns the change's time once no process has such a forward for
+    /// any account: nothing more to wait for after it.
+    pub async fn wait_store_change(
+        &self,
+        account: &AccountId,
+        deadline: Instant,
+    ) -> Result<Option<i64>, WaitError> {
+        let quiet_ms = i64::try_from(self.quiet().as_millis()).unwrap_or(i64::MAX);
+        let hash = account_hash(account.as_str());
+        let mut pause = Duration::from_millis(2);
+        loop {
+            let held_until = *self.held_until.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(until) = held_until.filter(|until| *until > Instant::now()) {
+                if until >= deadline {
+                    return Err(WaitError::Held(until - Instant::now()));
+                }
+                tokio::time::sleep_until(until).await;
+            }
+            let read = async {
+                let client = self.pool.get().await?;
+                let statement = client.prepare_cached(HOLD_SQL).await?;
+                Ok::<_, DbError>(
+                    client
+                        .query_one(&statement, &[&self.instance, &hash, &quiet_ms])
+                        .await?,
+                )
+            };
+            let row = match tokio::time::timeout_at(deadline, read).await {
+                Ok(row) => row?,
+                Err(_) => return Err(WaitError::Deadline),
+            };
+            let (went_back, wait_ms, here, anywhere): (i64, i64, bool, bool) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            if wait_ms > 0 {
+                let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(u64::MAX));
+                let until = Instant::now() + wait;
+                let mut held = self.held_until.lock().unwrap_or_else(|p| p.into_inner());
+                if held.is_none_or(|known| known + Duration::from_secs(1) < until) {
+                    tracing::warn!(
+                        ?wait,
+                        "the database changed server: no forward of a newer grant starts for \
+                         {wait:?}, while one sent before the change may still be on its way to \
+                         the rail (docs/operations.md, \"When a store goes back\")"
+                    );
+                }
+                *held = Some(until);
+                drop(held);
+                continue;
+            }
+            if !anywhere {
+                return Ok(Some(went_back));
+            }
+            if !here {
+                return Ok(None);
             }
             if Instant::now() + pause >= deadline {
                 return Err(WaitError::Deadline);

@@ -162,7 +162,8 @@ pub(super) async fn run(
         // this process's entry in the accounts' rows (`store::handover`).
         let (seq, entries) = match &handover {
             Some(handover) => {
-                let (seq, entries) = handover.register(batch.iter().map(|p| &p.account));
+                let (seq, entries) =
+                    handover.register(batch.iter().map(|p| (&p.account, p.token.get())));
                 (seq, entries.into_iter().map(Some).collect())
             }
             None => (0, batch.iter().map(|_| None).collect()),

@@ -506,6 +506,19 @@ where
             .await
             .map_err(|e| waited(e, &account, token))?;
     }
+    // The database changed server since this process last found every forward sent before
+    // the change arrived or gone: one may still be on its way, and the data that named it may
+    // be lost; ours waits until none can still arrive.
+    if let (Some(handover), Some(epoch)) = (&point.handover, &point.epoch)
+        && forwards
+        && epoch.unsettled_change().is_some()
+    {
+        match handover.wait_store_change(&account, request.deadline).await {
+            Ok(Some(went_back)) => epoch.change_settled(went_back),
+            Ok(None) => {}
+            Err(e) => return Err(waited(e, &account, token)),
+        }
+    }
     if let Some(handover) = &point.handover
         && forwards
     {
@@ -526,6 +539,12 @@ where
                 "a token superseded in the database after its compare-and-set (another \
                  railguard accepted a newer grant) was refused before its forward started");
             return Err(point.fenced_out(account, token, "superseded before its forward started"));
+        }
+        // The look ran on a session checked against the store's epoch: a change of server since
+        // the compare-and-set raised the floor this process knows, and a token from before it
+        // is not sent after it.
+        Ok(Ok(_)) if point.below_known_floor(token) => {
+            return Err(point.below_floor(account, token));
         }
         Ok(Ok(_)) => {}
         Ok(Err(e)) => return Err(FenceUnavailable(e).into()),
@@ -568,6 +587,12 @@ fn waited(error: WaitError, account: &AccountId, token: FencingToken) -> BoxErro
             tracing::warn!(lock.token = token.get(), account = %account, ?for_how_long,
                 "this railguard could not write which forwards it has on their way; not sent");
             UpstreamTimeout::waiting_for_turn().into()
+        }
+        WaitError::Held(for_how_long) => {
+            tracing::warn!(lock.token = token.get(), account = %account, ?for_how_long,
+                "the database changed server moments ago; a forward sent before may still be on \
+                 its way to the rail; not sent");
+            FenceUnavailable(StoreError::HeldAfterStoreChange(for_how_long)).into()
         }
         WaitError::Db(e) => FenceUnavailable(StoreError::Db(e)).into(),
     }

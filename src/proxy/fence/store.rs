@@ -77,6 +77,13 @@ pub enum StoreError {
          standby was cancelled: it may be lost at a failover, so it was not taken as accepted"
     )]
     NotReplicated,
+    /// The database changed server moments ago, and a forward sent before may still be on its
+    /// way to the rail (`store::handover`): nothing was forwarded.
+    #[error(
+        "the database changed server moments ago: forwards of newer grants wait {0:?} more, \
+         until nothing sent before the change can still reach the rail"
+    )]
+    HeldAfterStoreChange(Duration),
 }
 
 impl From<tokio_postgres::Error> for StoreError {

@@ -53,7 +53,7 @@ pub(super) enum SendError {
     /// which forwards it has on their way, and other railguard processes stop waiting for
     /// them (`store::handover`).
     #[error(
-        "closed before the rail answered: this railguard could not write which forwards it has          on their way for too long"
+        "closed before the rail answered: this railguard could not write which forwards it has on their way for too long"
     )]
     Silenced,
 }
