@@ -73,7 +73,9 @@ impl Outcome {
 
     /// The trace of `property`'s discovery, rendered, if there is one.
     pub fn trace(&self, property: &str) -> Option<String> {
-        self.discoveries.get(property).map(render)
+        self.discoveries
+            .get(property)
+            .map(|path| render(&self.model, path))
     }
 
     /// One line: what was checked and how big it was.
@@ -92,8 +94,8 @@ impl Outcome {
     }
 }
 
-/// A path as numbered steps, each with what it changed that matters.
-pub fn render(path: &Path<ProtocolState, Action>) -> String {
+/// A path of `model` as numbered steps, each with what it changed that matters.
+pub fn render(model: &FencingModel, path: &Path<ProtocolState, Action>) -> String {
     let steps = path.clone().into_vec();
     let mut out = String::new();
     for (i, window) in steps.windows(2).enumerate() {
@@ -103,7 +105,7 @@ pub fn render(path: &Path<ProtocolState, Action>) -> String {
             .as_ref()
             .expect("every step but the last has an action");
         let _ = write!(out, "{:>3}. {action}", i + 1);
-        let notes = effects(action, before, after);
+        let notes = effects(model, action, before, after);
         if !notes.is_empty() {
             let _ = write!(out, "  → {}", notes.join("; "));
         }
@@ -113,7 +115,12 @@ pub fn render(path: &Path<ProtocolState, Action>) -> String {
 }
 
 /// What a step did, found by comparing the states before and after it.
-fn effects(action: &Action, before: &ProtocolState, after: &ProtocolState) -> Vec<String> {
+fn effects(
+    model: &FencingModel,
+    action: &Action,
+    before: &ProtocolState,
+    after: &ProtocolState,
+) -> Vec<String> {
     let mut notes = Vec::new();
     for (g, grant) in after.lock.grants.iter().enumerate() {
         match before.lock.grants.get(g) {
@@ -226,10 +233,23 @@ fn effects(action: &Action, before: &ProtocolState, after: &ProtocolState) -> Ve
             })
         && task.stage != Stage::HandingOver
     {
-        notes.push(format!(
-            "waits for {} to settle",
-            entry_list(&waiting.awaits)
-        ));
+        if !waiting.awaits.is_empty() {
+            notes.push(format!(
+                "waits for {} to settle",
+                entry_list(&waiting.awaits)
+            ));
+        }
+        if let Some(change) = &after.epoch.changed
+            && after
+                .fence
+                .held(model.rules(), &after.network, Some(change), waiting)
+        {
+            notes.push(format!(
+                "held after the store change: a forward of a token below the floor {} may still \
+                 reach the rail",
+                change.floor
+            ));
+        }
     }
     if before.fence.entries != after.fence.entries {
         let rows: Vec<String> = after

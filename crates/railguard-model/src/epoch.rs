@@ -36,6 +36,26 @@
 //! it is withdrawn (its holder never receives it), the floor is raised above every record and
 //! etcd's revision is moved up to the floor before the next grant.
 //!
+//! **The hold after a store change.** The handover entries ([`crate::proxy`]) went back with the
+//! mark rows; the proxy processes' pending forwards, in memory, did not. So, with the handover,
+//! once the check has acknowledged a new server, a forward of a token at or above the floor it
+//! raised starts — after its turn and its own handover wait, before its last look — only when both
+//! hold:
+//! - *the quiet bound*: the database's clock is past `changed_at` + `ALIVE` +
+//!   `proxy.rail_transit_ms`, by when every process the new database does not know of (stopped,
+//!   cut off, its `railguard_forwarder` row gone back) has stopped forwarding and what it sent has
+//!   arrived. Here: no forward of a process instance that had stopped by the change is still in the
+//!   network;
+//! - *no pending forward from before*: no running process's row, which it rewrites from memory on
+//!   the new database, lists a pending forward of the same account with a token below the floor —
+//!   each has been answered, was never sent, or is past its transit time. Here: no such request of
+//!   another instance waits to be sent and no such forward is in the network.
+//!
+//! A process's own forwards from before the change are behind its forwarding order already: the
+//! hold concerns the other processes only. And the last look, on a checked session, also refuses a
+//! token below the floor, so a request accepted before the change and not yet sent is never sent.
+//! Switched off: [`crate::Variant::NoHoldAfterStoreChange`].
+//!
 //! **Switched off** (`guard.detect_store_changes = false`, the variants
 //! [`crate::Variant::NoStoreEpochCheck`] and [`crate::Variant::NoStoreEpochCheckOnEtcd`]):
 //! sessions are used whatever server they reach and nothing is recorded in `lock_issued`; the
@@ -55,7 +75,7 @@
 //! stop some grants after etcd went back: `lock_issued` is checked alone here.
 
 use crate::lock::{GrantId, Store, Token};
-use crate::proxy::{Entry, Record};
+use crate::proxy::{Entry, Record, Seq};
 
 /// What railguard keeps in PostgreSQL about the store itself: the `railguard_store_epoch` row
 /// and `lock_issued`. It goes back with the rest of the database.
@@ -63,10 +83,12 @@ use crate::proxy::{Entry, Record};
 pub struct Epoch {
     /// The server incarnation the database was last acknowledged on.
     pub acknowledged: u8,
-    /// Tokens below it are refused by the compare-and-set.
+    /// Tokens below it are refused by the compare-and-set and by the last look.
     pub floor: Token,
     /// etcd backend: the highest token granted per key (`lock_issued`).
     pub issued: Vec<Token>,
+    /// The server change last acknowledged, which the hold after a store change counts from.
+    pub changed: Option<Change>,
 }
 
 impl Epoch {
@@ -75,8 +97,21 @@ impl Epoch {
             acknowledged: 0,
             floor: 0,
             issued: vec![0; keys as usize],
+            changed: None,
         }
     }
+}
+
+/// A server change as the epoch row records it when the check acknowledges the new server: the
+/// floor it raised, and `changed_at`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Change {
+    /// The floor raised at the change: every token issued before it is below.
+    pub floor: Token,
+    /// `changed_at`, as the model tells time: per proxy process, the first seq of the instance
+    /// running at that moment. An older instance had stopped by then; the new database need
+    /// not know it (its row may have gone back), and the quiet bound is what covers it.
+    pub running: Vec<Seq>,
 }
 
 /// Both stores as they were at one earlier moment.

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use stateright::{Model, Property};
 
 use crate::Backend;
-use crate::epoch::{self, Epoch, Past, StoreCopy, WentBack};
+use crate::epoch::{self, Change, Epoch, Past, StoreCopy, WentBack};
 use crate::lock::{GrantId, Key, LockService, Token};
 use crate::network::{Arrival, Msg, Network, Rail, Reply};
 use crate::paydb::{FencedWrite, PayDb, PaymentState};
@@ -124,6 +124,20 @@ impl Bounds {
     pub const RESTART: Bounds = Bounds {
         restarts: 1,
         ..Bounds::VARIANTS
+    };
+
+    /// The two proxy processes' bounds with PostgreSQL going back: the hold after a store
+    /// change (CI).
+    pub const GOING_BACK_TWO_PROXIES: Bounds = Bounds {
+        postgres_goes_back: true,
+        ..Bounds::TWO_PROXIES
+    };
+
+    /// One proxy process that may restart, with PostgreSQL going back: the hold after a store
+    /// change across a restart (CI).
+    pub const GOING_BACK_RESTART: Bounds = Bounds {
+        postgres_goes_back: true,
+        ..Bounds::RESTART
     };
 
     /// Bigger than CI can afford, explored by the ignored test (and the binary) in a release
@@ -438,7 +452,7 @@ impl fmt::Display for Action {
             Action::Drop(m) => write!(f, "lose {m}"),
             Action::Start(t) if t.stage == Stage::HandingOver => write!(
                 f,
-                "start {t}: the entries it waits for are settled; last look, forward"
+                "start {t}: nothing it waits for can reach the rail any more; last look, forward"
             ),
             Action::Start(t) if t.seq > 0 => {
                 write!(f, "start {t}: turn, handover, last look, forward")
@@ -492,6 +506,16 @@ impl FencingModel {
                 etcd_goes_back: true,
                 ..bounds
             },
+            // PostgreSQL going back, and two instances (two processes, or one that restarts).
+            Variant::NoHoldAfterStoreChange => Bounds {
+                proxies: if bounds.restarts == 0 {
+                    bounds.proxies.max(2)
+                } else {
+                    bounds.proxies
+                },
+                postgres_goes_back: true,
+                ..bounds
+            },
             _ => bounds,
         };
         Self {
@@ -534,7 +558,8 @@ impl FencingModel {
         self.variant == Some(variant)
     }
 
-    fn rules(&self) -> FenceRules {
+    /// The proxy's rules in force (all of them but the one the variant switches off).
+    pub fn rules(&self) -> FenceRules {
         FenceRules {
             ordering: !self.is(Variant::NoForwardOrder),
             turn_until_answer: !self.is(Variant::TurnReleasedOnSend),
@@ -542,6 +567,7 @@ impl FencingModel {
             handover: self.handover(),
             keep_other_entries: !self.is(Variant::EntryReplacesOthers),
             settle_after_transit: !self.is(Variant::EntrySettledOnSend),
+            hold_after_store_change: !self.is(Variant::NoHoldAfterStoreChange),
         }
     }
 
@@ -551,6 +577,13 @@ impl FencingModel {
     pub fn handover(&self) -> bool {
         (self.bounds.proxies > 1 || self.bounds.restarts > 0)
             && !self.is(Variant::NoCrossProcessOrder)
+    }
+
+    /// Whether forwards of tokens at or above the floor are held after a store change until the
+    /// quiet bound has passed and the other processes' forwards from before are settled: with
+    /// the handover, unless switched off.
+    pub fn holds_after_store_change(&self) -> bool {
+        self.handover() && !self.is(Variant::NoHoldAfterStoreChange)
     }
 
     /// Whether a store going back is noticed (`guard.detect_store_changes`).
@@ -570,7 +603,8 @@ impl FencingModel {
 
     /// The check every PostgreSQL session passes before it is used (`StoreEpoch::check_session`):
     /// on a server other than the acknowledged one, the token source is moved past everything
-    /// issued before, the floor raised to it and the server acknowledged, in one transaction.
+    /// issued before, the floor raised to it and the server acknowledged with `changed_at`, in
+    /// one transaction.
     fn session(&self, s: &mut ProtocolState) {
         if !self.detects() || s.epoch.acknowledged == s.past.incarnation {
             return;
@@ -597,6 +631,15 @@ impl FencingModel {
         };
         s.epoch.floor = s.epoch.floor.max(floor);
         s.epoch.acknowledged = s.past.incarnation;
+        s.epoch.changed = Some(Change {
+            floor: s.epoch.floor,
+            running: s
+                .fence
+                .processes
+                .iter()
+                .map(|p| *p.instances.last().expect("a process has an instance"))
+                .collect(),
+        });
     }
 
     /// The etcd backend's `lock_issued` check of the grant just made for `key`: true if it may
@@ -1004,7 +1047,7 @@ impl Model for FencingModel {
         }
         let rules = self.rules();
         for task in &s.fence.tasks {
-            if s.fence.can_start(rules, &s.network, task) {
+            if s.fence.can_start(rules, &s.network, &s.epoch, task) {
                 actions.push(Action::Start(task.clone()));
             }
             if task.stage == Stage::Forwarded && self.is(Variant::TurnReleasedOnUpstreamTimeout) {
@@ -1137,6 +1180,12 @@ impl Model for FencingModel {
                             && !last.fence.handed_over(rules, &last.network, t)
                             && s.fence.handed_over(rules, &s.network, t)
                     });
+                    let changed = s.epoch.changed.as_ref();
+                    s.seen.held_after_change |= s.fence.tasks.iter().any(|t| {
+                        t.stage == Stage::HandingOver
+                            && last.fence.held(rules, &last.network, changed, t)
+                            && !s.fence.held(rules, &s.network, changed, t)
+                    });
                 }
             }
             Action::Drop(msg) => {
@@ -1147,8 +1196,9 @@ impl Model for FencingModel {
             Action::Start(task) => {
                 // The last look reads the mark on a checked session.
                 self.session(&mut s);
-                match s.fence.start(self.rules(), &s.network, &task) {
-                    Started::FencedOut => {
+                match s.fence.start(self.rules(), &s.network, &s.epoch, &task) {
+                    refused @ (Started::FencedOut | Started::BelowFloor) => {
+                        s.seen.fenced_by_floor |= refused == Started::BelowFloor;
                         Self::fenced_at_proxy(&mut s, task.account, task.grant);
                         s.network.send(Msg::Reply {
                             worker: task.worker,

@@ -17,7 +17,9 @@
 //! paid. INV-02 is judged without that case, and [`LOST_RECORD_PAID_AGAIN`] shows that it is
 //! real. Three more `sometimes` show the event is not vacuous either: a grant from before it
 //! refused below the floor, a grant made after it reaching the rail, and (etcd restored) a
-//! grant withdrawn because its token was not above its key's `lock_issued`.
+//! grant withdrawn because its token was not above its key's `lock_issued`; with more than one
+//! proxy process instance and PostgreSQL going back, a fourth: a request held after the change
+//! that may go on once another process's forward from before reached the rail.
 
 use stateright::Property;
 
@@ -43,6 +45,8 @@ pub const T_042: &str =
     "sometimes: T-042, a stalled survivor fenced out after the new holder reached the rail";
 pub const HANDED_OVER: &str =
     "sometimes: a request waiting for another process's forward may go on once it reached the rail";
+pub const HELD_AFTER_STORE_CHANGE: &str = "sometimes: a request held after the store changed \
+     may go on once another process's forward from before it reached the rail";
 pub const FENCED_BY_FLOOR: &str =
     "sometimes: a grant from before the store went back is refused below the floor";
 pub const PAID_AFTER_GOING_BACK: &str =
@@ -72,6 +76,9 @@ pub struct Observations {
     /// A forward reaching the rail settled the last entry a request of another process waited
     /// for.
     pub handed_over: bool,
+    /// A forward from before the store change reaching the rail let a request held after the
+    /// change go on.
+    pub held_after_change: bool,
 }
 
 /// Every property the model checks (those about a store going back only when one may).
@@ -130,6 +137,12 @@ pub fn all(model: &FencingModel) -> Vec<Property<FencingModel>> {
                     .iter()
                     .any(|a| s.past.after_going_back(a.grant))
             },
+        ));
+    }
+    if model.holds_after_store_change() && model.bounds.postgres_goes_back {
+        properties.push(Property::sometimes(
+            HELD_AFTER_STORE_CHANGE,
+            |_, s: &ProtocolState| s.seen.held_after_change,
         ));
     }
     if model.etcd_may_go_back() {

@@ -15,7 +15,8 @@
 //!    idempotency record in the same commit;
 //! 2. **start** (later, as its own step): `Ticket::admit` — raise the slot's highest; refused
 //!    if below it; admitted if no forward of another token is in flight, else it waits — then
-//!    the last look at the mark in the database, then the forward is sent, holding the ticket;
+//!    the last look at the mark in the database (refused below the mark, or below the floor
+//!    after a store change), then the forward is sent, holding the ticket;
 //! 3. **answered**: the rail's answer drops the ticket (passing the turn on) and completes the
 //!    record (an UPDATE: a record the store lost by going back stays lost). A refusal after the
 //!    compare-and-set forgets the record: nothing was sent.
@@ -35,12 +36,17 @@
 //!   `proxy.rail_transit_ms` stands for;
 //! - in its start step, after its turn in its own process, a request waits (holding the turn,
 //!   its own entry pending) until every entry its compare-and-set returned is settled, removes
-//!   those entries from the row, and only then takes its last look and forwards.
+//!   those entries from the row, and only then takes its last look and forwards;
+//! - after a store change, which takes the entries back with the mark rows, a request of a token
+//!   at or above the floor also waits there for the hold after a store change
+//!   ([`crate::epoch`]): the quiet bound, and the other processes' forwards of the account below
+//!   the floor.
 //!
 //! With one process that never restarts the row only ever holds the process's own entry, which
 //! nobody waits for: the model keeps no entries then (every seq is 0), and its states are those
 //! of the proxy without the handover.
 
+use crate::epoch::{Change, Epoch};
 use crate::lock::{GrantId, Token};
 use crate::network::{Msg, Network, Reply};
 
@@ -109,7 +115,7 @@ pub enum Stage {
     /// It asked for its turn; a forward of a lower token is still in flight.
     Waiting,
     /// It has its turn; an entry of another process its compare-and-set returned is not
-    /// settled yet.
+    /// settled yet, or the hold after a store change holds it back.
     HandingOver,
     /// Its forward was sent; it holds its turn until the rail answers.
     Forwarded,
@@ -149,6 +155,10 @@ pub struct FenceRules {
     pub keep_other_entries: bool,
     /// An entry settles once its forward can no longer reach the rail (else: once it is sent).
     pub settle_after_transit: bool,
+    /// After a store change, a forward of a token at or above its floor waits for the quiet
+    /// bound and for the other processes' forwards of lower tokens ([`crate::epoch`]); kept
+    /// with the handover.
+    pub hold_after_store_change: bool,
 }
 
 /// What the check step decided.
@@ -168,8 +178,12 @@ pub enum Checked {
 pub enum Started {
     /// A higher token was admitted meanwhile, or the last look found a higher mark: 409.
     FencedOut,
+    /// 409: the last look found the token below the floor: the store changed since its
+    /// compare-and-set.
+    BelowFloor,
     Waiting,
-    /// It has its turn and waits for another process's entry to settle.
+    /// It has its turn and waits for another process's entry to settle, or is held after a
+    /// store change.
     HandingOver,
     Forwarded,
 }
@@ -354,13 +368,63 @@ impl Fence {
             .all(|e| self.settled(rules, network, task.account, *e))
     }
 
+    /// Whether the hold after the store change `changed` holds `task` back: its token is at or
+    /// above the change's floor, and a forward of a token below it may still reach the rail
+    /// that is either of a process instance that had stopped by the change (the quiet bound
+    /// has not passed), or of another running instance, for the same account (listed pending
+    /// in that instance's row). The task's own instance's forwards are behind its turn.
+    pub fn held(
+        &self,
+        rules: FenceRules,
+        network: &Network,
+        changed: Option<&Change>,
+        task: &Task,
+    ) -> bool {
+        let Some(change) = changed else {
+            return false;
+        };
+        if !(rules.handover && rules.hold_after_store_change) || task.token < change.floor {
+            return false;
+        }
+        let own = &self.processes[task.proxy as usize];
+        let mine = |proxy: u8, seq: Seq| proxy == task.proxy && own.owns(Entry { proxy, seq });
+        let stopped = |proxy: u8, seq: Seq| seq < change.running[proxy as usize];
+        let unsent = self.tasks.iter().any(|t| {
+            t.account == task.account
+                && t.token < change.floor
+                && t.stage != Stage::Forwarded
+                && !mine(t.proxy, t.seq)
+        });
+        let on_its_way = rules.settle_after_transit
+            && network.in_flight.iter().any(|m| {
+                matches!(*m, Msg::Forward { proxy, account, token, seq, .. }
+                    if token < change.floor
+                        && !mine(proxy, seq)
+                        && (account == task.account || stopped(proxy, seq)))
+            });
+        unsent || on_its_way
+    }
+
+    /// Whether `task`, having its turn, may go on to its last look: every entry it awaits is
+    /// settled and the hold after a store change does not hold it back.
+    fn may_go_on(&self, rules: FenceRules, network: &Network, epoch: &Epoch, task: &Task) -> bool {
+        self.handed_over(rules, network, task)
+            && !self.held(rules, network, epoch.changed.as_ref(), task)
+    }
+
     /// Whether `task` can take its start step now (a waiting one only when it would be
     /// admitted or refused; a handing-over one only when every entry it awaits is settled).
-    pub fn can_start(&self, rules: FenceRules, network: &Network, task: &Task) -> bool {
+    pub fn can_start(
+        &self,
+        rules: FenceRules,
+        network: &Network,
+        epoch: &Epoch,
+        task: &Task,
+    ) -> bool {
         match task.stage {
             Stage::Accepted => true,
             Stage::Forwarded => false,
-            Stage::HandingOver => self.handed_over(rules, network, task),
+            Stage::HandingOver => self.may_go_on(rules, network, epoch, task),
             Stage::Waiting => {
                 let slot = &self.processes[task.proxy as usize].slots[task.account as usize];
                 !rules.ordering
@@ -371,9 +435,15 @@ impl Fence {
         }
     }
 
-    /// Step 2: `Ticket::admit`, the wait for the entries of other processes, the last look at
-    /// the mark, and the forward.
-    pub fn start(&mut self, rules: FenceRules, network: &Network, task: &Task) -> Started {
+    /// Step 2: `Ticket::admit`, the wait for the entries of other processes and the hold after a
+    /// store change, the last look at the floor and the mark, and the forward.
+    pub fn start(
+        &mut self,
+        rules: FenceRules,
+        network: &Network,
+        epoch: &Epoch,
+        task: &Task,
+    ) -> Started {
         let mut task = self.take_task(task).expect("a task to start exists");
         let (proxy, account, token) = (task.proxy, task.account, task.token);
         let admitted = task.stage == Stage::HandingOver;
@@ -394,7 +464,7 @@ impl Fence {
             }
         }
         if rules.handover {
-            if !self.handed_over(rules, network, &task) {
+            if !self.may_go_on(rules, network, epoch, &task) {
                 task.stage = Stage::HandingOver;
                 self.add_task(task);
                 return Started::HandingOver;
@@ -403,6 +473,10 @@ impl Fence {
             let row = &mut self.entries[account as usize];
             row.retain(|e| !task.awaits.contains(e));
             task.awaits.clear();
+        }
+        if token < epoch.floor {
+            self.refuse(rules, &task, true, 0);
+            return Started::BelowFloor;
         }
         let mark = self.marks[account as usize];
         if mark > token {

@@ -132,6 +132,37 @@ fn no_store_epoch_check_on_etcd_breaks_inv04_and_inv02() {
     assert_caught(Variant::NoStoreEpochCheckOnEtcd);
 }
 
+/// PostgreSQL goes back with two proxy processes and nothing holds the forwards after it: P1's
+/// forward of g1 is on its way when the mark row, with P1's entry, goes back; g2, granted above
+/// the floor, is accepted by P2, whose compare-and-set finds no entry to wait for, and its
+/// forward reaches the rail first.
+#[test]
+fn no_hold_after_store_change_breaks_inv05() {
+    assert_caught_at(
+        Variant::NoHoldAfterStoreChange,
+        Bounds {
+            payments_per_account: 1,
+            retries: 0,
+            ..Bounds::VARIANTS
+        },
+    );
+}
+
+/// One proxy process that restarts across PostgreSQL going back, no hold: the instance after
+/// the restart forwards a newer grant's request while the instance before it left a forward in
+/// the network.
+#[test]
+fn no_hold_after_store_change_breaks_inv05_across_a_restart() {
+    assert_caught_at(
+        Variant::NoHoldAfterStoreChange,
+        Bounds {
+            payments_per_account: 1,
+            retries: 0,
+            ..Bounds::RESTART
+        },
+    );
+}
+
 /// Exploring up to a renaming of workers (as the protocol-as-designed tests do) hides no
 /// violation: every variant is still caught with symmetry on.
 #[test]
