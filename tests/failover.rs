@@ -6,7 +6,7 @@
 
 use railguard_testkit as support;
 
-use support::payment::pay;
+use support::payment::{pay, pay_after_the_hold};
 
 use std::time::Duration;
 
@@ -15,6 +15,9 @@ use railguard::sdk::{LockClient, LockHandle, RailClient, SdkError};
 use support::{PatroniCluster, Rail, Railguard, init_tracing};
 
 const FAILOVER: Duration = Duration::from_secs(60);
+/// Longer than the hold after a change of server (3 s + the test config's
+/// `proxy.rail_transit_ms`), with room for a loaded machine.
+const HOLD: Duration = Duration::from_secs(30);
 
 /// A grant once the lock service answers again (it may be reconnecting).
 async fn acquire(lock: &LockClient, holder: &str) -> LockHandle {
@@ -92,7 +95,9 @@ async fn a_failover_fences_the_grants_from_before_it_and_payments_go_on_after_it
         "new grants start at the floor"
     );
     assert_eq!(
-        pay(&proxy, &after, "acct", "p3").await.unwrap(),
+        pay_after_the_hold(&proxy, &after, "acct", "p3", HOLD)
+            .await
+            .unwrap(),
         StatusCode::CREATED
     );
     assert_eq!(rail.tokens(), [before.token().get(), after.token().get()]);
@@ -170,7 +175,9 @@ async fn an_asynchronous_failover_that_lost_commits_is_fenced() {
         "no token is handed out twice"
     );
     assert_eq!(
-        pay(&proxy, &w3, "acct", "p5").await.unwrap(),
+        pay_after_the_hold(&proxy, &w3, "acct", "p5", HOLD)
+            .await
+            .unwrap(),
         StatusCode::CREATED
     );
     assert_eq!(
