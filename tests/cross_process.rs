@@ -147,8 +147,8 @@ async fn a_settled_entry_of_another_process_is_removed_after_the_handover() {
     assert_eq!(rail.tokens(), [3, 4, 5]);
 }
 
-/// Token 5 through railguard A, whose path to the rail holds each chunk 3 s (within
-/// `proxy.rail_transit_ms`); then the database goes back to a copy taken before 5's
+/// Token 5 through railguard A, whose path to the rail holds each chunk 8 s (longer than the
+/// rewind takes, within `proxy.rail_transit_ms`); then the database goes back to a copy taken before 5's
 /// compare-and-set (a rewind: the entry that named A's forward is lost with it), and railguard
 /// B pays a grant above the floor the change raised. Returns the order the rail received them
 /// in, and that grant's token. A cannot write its row while the server restarts: if that takes
@@ -160,13 +160,13 @@ async fn the_database_goes_back_with_a_forward_on_its_way(order: &str) -> (Vec<i
     let slow_path = Relay::start(rail.addr).await;
     let env = [
         ("RAILGUARD__FENCING__ORDER_ACROSS_PROCESSES", order),
-        ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "4000"),
-        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "30000"),
+        ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "10000"),
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "40000"),
     ];
     let a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
     let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
     let copy = pg.copy_data().await.expect("copy of the data directory");
-    slow_path.set_delay(Duration::from_millis(3000));
+    slow_path.set_delay(Duration::from_millis(8000));
     let older = pay_in_background(&a, 5, "acct-r");
     eventually(Duration::from_secs(5), || async {
         (pg.mark("acct-r").await == Some(5)).then_some(())

@@ -8,9 +8,13 @@
 
 use railguard_testkit as support;
 
-use support::payment::pay;
+use support::payment::{pay, pay_after_the_hold};
 
 use std::time::Duration;
+
+/// Longer than the hold after a change of server (3 s + the test config's
+/// `proxy.rail_transit_ms`), with room for a loaded machine.
+const HOLD: Duration = Duration::from_secs(30);
 
 use http::StatusCode;
 use railguard::sdk::{RailClient, SdkError};
@@ -197,17 +201,22 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
     assert_eq!(answer["error"], "in_doubt", "{answer}");
     assert_eq!(rail.ledger().len(), 1, "P was paid once");
 
-    let fresh = proxy
-        .retry(
-            &w2,
-            "acct",
-            "/payments",
-            "{\"id\":\"q\"}".into(),
-            "q",
-            w2.token(),
-        )
-        .await
-        .unwrap();
+    // A new payment waits out the hold after the change of server (503, nothing sent).
+    let fresh = support::eventually(HOLD, || async {
+        let fresh = proxy
+            .retry(
+                &w2,
+                "acct",
+                "/payments",
+                "{\"id\":\"q\"}".into(),
+                "q",
+                w2.token(),
+            )
+            .await
+            .unwrap();
+        (fresh.status != StatusCode::SERVICE_UNAVAILABLE).then_some(fresh)
+    })
+    .await;
     assert_eq!(fresh.status, StatusCode::CREATED);
     assert_eq!(rail.ledger().len(), 2);
 }
@@ -246,7 +255,9 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
         .await
         .unwrap();
     assert_eq!(
-        pay(&proxy, &w1, "acct", "p1").await.unwrap(),
+        pay_after_the_hold(&proxy, &w1, "acct", "p1", HOLD)
+            .await
+            .unwrap(),
         StatusCode::CREATED
     );
 
@@ -269,7 +280,9 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
         w1.token().get()
     );
     assert_eq!(
-        pay(&proxy, &w2, "acct", "p2").await.unwrap(),
+        pay_after_the_hold(&proxy, &w2, "acct", "p2", HOLD)
+            .await
+            .unwrap(),
         StatusCode::CREATED
     );
     let again = pay(&proxy, &w1, "acct", "p1").await;

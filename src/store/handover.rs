@@ -87,6 +87,9 @@ pub const ALIVE: Duration = Duration::from_secs(3);
 /// A forward still waiting for the rail's answer closes its connection once this process's
 /// last confirmed write of its row began this long ago (before [`ALIVE`]).
 pub const ABORT_AFTER: Duration = Duration::from_millis(2500);
+/// What a request held after a change of server must have left of its deadline when the hold
+/// ends, for its forward; one that would have less is answered at once instead.
+const LEFT_TO_FORWARD: Duration = Duration::from_secs(1);
 /// Rows of processes quiet for longer than this are removed at start.
 const FORGET_ROWS_AFTER: &str = "1 day";
 
@@ -521,7 +524,7 @@ impl Handover {
     /// After the database changed server (`store::epoch`): waits until no forward of a token
     /// below the new floor can still reach the rail ahead of `account`'s next one (the module
     /// docs, "When the store goes back"), or fails at once with [`WaitError::Held`] when that
-    /// is beyond `deadline`. Returns the change's time once no process has such a forward for
+    /// leaves less than [`LEFT_TO_FORWARD`] of `deadline` for the forward. Returns the change's time once no process has such a forward for
     /// any account: nothing more to wait for after it.
     pub async fn wait_store_change(
         &self,
@@ -534,7 +537,7 @@ impl Handover {
         loop {
             let held_until = *self.held_until.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(until) = held_until.filter(|until| *until > Instant::now()) {
-                if until >= deadline {
+                if until + LEFT_TO_FORWARD >= deadline {
                     return Err(WaitError::Held(until - Instant::now()));
                 }
                 tokio::time::sleep_until(until).await;
