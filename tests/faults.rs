@@ -1,6 +1,7 @@
-//! The safety holes found under faults (issue 8), each as the scenario that reproduced it:
-//! real PostgreSQL, real railguard processes, the rail simulator, and a delaying TCP relay
-//! where the network has to be slow.
+//! Safety under faults: each test is a scenario in which a fault (a slow network, a database
+//! outage or crash, clients that hang up, mixed timeouts, a restart) could let a stale grant
+//! through or pay twice, and checks that it does not. Real PostgreSQL, real railguard
+//! processes, the rail simulator, and a delaying TCP relay where the network has to be slow.
 
 use railguard_testkit as support;
 
@@ -499,11 +500,11 @@ async fn release(http: &Http, rg: &Railguard, key: &str, grant: &WireGrant) {
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
 }
 
-/// Found by review (a probe, kept as a regression test): a forward whose client hangs up
-/// while the request is still in the network keeps the account's turn, so a newer grant's
-/// request (same process, same account) reaches the rail only after the older one.
+/// A keyed forward whose client hangs up while the request is still in the network keeps the
+/// account's turn, so a newer grant's request (same process, same account) reaches the rail
+/// only after the older one.
 #[tokio::test]
-async fn review_a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward() {
+async fn a_keyed_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;
@@ -547,7 +548,7 @@ async fn review_a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_f
         .filter_map(|e| e.token.as_deref().and_then(|t| t.parse().ok()))
         .collect();
     eprintln!(
-        "review: ledger tokens {tokens:?}, new holder got {} {}",
+        "ledger tokens {tokens:?}, new holder got {} {}",
         reply.status, reply.body
     );
     assert!(
@@ -557,12 +558,12 @@ async fn review_a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_f
     );
 }
 
-/// Found by review: a *graceful* stop (SIGTERM, as a rolling config change or deploy does)
+/// A *graceful* stop (SIGTERM, as a rolling config change or deploy does)
 /// must wait — within its grace — for forwards past their deadline that still wait for the
 /// rail's late answer; otherwise the restarted process knows nothing of them and a newer
 /// grant's request overtakes one at the rail.
 #[tokio::test]
-async fn review_a_graceful_restart_waits_for_a_late_forward_before_a_newer_grant_is_sent() {
+async fn a_graceful_restart_waits_for_a_late_forward_before_a_newer_grant_is_sent() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;
