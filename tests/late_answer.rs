@@ -1,7 +1,8 @@
 //! A forward delayed in the network past its request deadline (the client got 504) keeps its
 //! account's turn until the rail's late answer arrives: a newer grant's request sent meanwhile
 //! waits, and reaches the rail after the late one — never before it (INV-05). The fault
-//! harness found this hole (`rail-past-deadline`); this test pins it over real sockets.
+//! harness's `rail-past-deadline` fault exercises this under load; these tests pin it over real
+//! sockets.
 
 use railguard_testkit as support;
 
