@@ -22,7 +22,7 @@ use crate::token::FencingToken;
 
 /// Prefix of the wire form of a proof that binds (lock key, token).
 const VERSION: &str = "v1.";
-/// Prefix of a proof that also binds the holder's authenticated identity (issue 12).
+/// Prefix of a proof that also binds the holder's authenticated identity.
 const VERSION_BOUND: &str = "v2.";
 /// Separates the fields of the signed message; lock keys and tokens never contain it.
 const SEPARATOR: u8 = 0;

@@ -1,5 +1,5 @@
-//! Authentication and authorisation on all three listeners (issue 12), against a real
-//! PostgreSQL, the rail simulator and railguard over real sockets.
+//! Authentication and authorisation on all three listeners, against a real PostgreSQL, the
+//! rail simulator and railguard over real sockets.
 //!
 //! Unauthenticated → 401, unauthorised → 403, and in each case nothing granted, nothing
 //! forwarded, no mark moved, nothing forgotten; a grant is accepted only from the identity it
@@ -506,7 +506,7 @@ async fn renew_and_release_of_another_identitys_grant_are_forbidden() {
     another_identitys_grant_is_forbidden(&s.rg).await;
 }
 
-/// Review 12b: the etcd backend answers as PostgreSQL does (403 only with the grant's own
+/// The etcd backend answers as PostgreSQL does (403 only with the grant's own
 /// token and secret, 410 for a wrong secret, the holder unaffected).
 #[tokio::test]
 async fn etcd_renew_and_release_of_another_identitys_grant_are_forbidden() {
@@ -563,7 +563,7 @@ async fn another_identitys_grant_is_forbidden(rg: &support::Railguard) {
     }
 }
 
-/// Found by review: the rate limit bounds how often an identity asks, not how many of its
+/// The rate limit bounds how often an identity asks, not how many of its
 /// requests are open, and a waiting acquire stays open. One worker's waits must not fill the
 /// lock listener's `max_in_flight` and starve the others.
 #[tokio::test]
@@ -634,10 +634,10 @@ async fn one_identitys_waiting_acquires_do_not_starve_other_identities() {
     assert_eq!(again.status, StatusCode::OK, "{}", again.body);
 }
 
-/// Found by review: account patterns are checked against `Fencing-Account`, and nothing tied
-/// that header to the account the payment moves money on. With `fencing.account_in_path` a
-/// request whose path names another account is refused before the fence: a grant on one
-/// account never carries a payment on another.
+/// Account patterns are checked against `Fencing-Account`, which by itself says nothing of the
+/// account the payment moves money on. With `fencing.account_in_path` a request whose path
+/// names another account is refused before the fence: a grant on one account never carries a
+/// payment on another.
 #[tokio::test]
 async fn the_path_must_name_the_fenced_account_when_account_in_path_is_set() {
     let s = setup_with(&[(
@@ -656,7 +656,7 @@ async fn the_path_must_name_the_fenced_account_when_account_in_path_is_set() {
         ("/accounts/acct-eu-55/payments", "k-2"),
         ("/payments?account=acct-eu-5", "k-3"),
         ("/accounts/acct%2Deu%2D5/payments", "k-4"),
-        // Review 12b (FAILS ON MAIN): dot segments after the account, which the rail resolves.
+        // Dot segments after the account, which the rail resolves.
         ("/accounts/acct-eu-5/../acct-us-1/payments", "k-6"),
         ("/accounts/acct-eu-5/%2e%2e/acct-us-1/payments", "k-7"),
     ] {
@@ -767,7 +767,7 @@ fn check_config_and_serve_refuse_a_broken_credentials_file_naming_file_and_key()
     assert!(String::from_utf8_lossy(&out.stderr).contains("fencing.require_proof"));
 }
 
-/// Review 12b: authentication turned on by a restart while a grant taken without it is live.
+/// Authentication turned on by a restart while a grant taken without it is live.
 /// Its holder is whatever name the worker sent (`worker-7`), not an authenticated identity, so
 /// no identity may renew or release it (403: a free-text name proves nothing); the proxy
 /// refuses its unbound proof too. The key comes free when the grant's ttl runs out, as
@@ -820,7 +820,7 @@ async fn a_grant_taken_before_authentication_was_on_is_renewed_by_nobody_and_run
     assert_eq!(reply.json()["holder"], "eu");
 }
 
-/// Review 12b: waiting acquires whose clients hang up give their identity's slots back at
+/// Waiting acquires whose clients hang up give their identity's slots back at
 /// once, not when their `wait_ms` runs out.
 #[tokio::test]
 async fn waiting_acquires_whose_clients_hang_up_give_their_slots_back() {

@@ -1,6 +1,7 @@
-//! The safety holes found under faults (issue 8), each as the scenario that reproduced it:
-//! real PostgreSQL, real railguard processes, the rail simulator, and a delaying TCP relay
-//! where the network has to be slow.
+//! Safety under faults: each test is a scenario in which a fault (a slow network, a database
+//! outage or crash, clients that hang up, mixed timeouts, a restart) could let a stale grant
+//! through or pay twice, and checks that it does not. Real PostgreSQL, real railguard
+//! processes, the rail simulator, and a delaying TCP relay where the network has to be slow.
 
 use railguard_testkit as support;
 
@@ -84,7 +85,7 @@ fn spawn_pay(
     })
 }
 
-/// Hole 2: a token is only good for the account whose lock key it was granted on, and a
+/// A token is only good for the account whose lock key it was granted on, and a
 /// token nobody was granted is good for nothing.
 #[tokio::test]
 async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_token() {
@@ -124,7 +125,7 @@ async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_to
     );
 }
 
-/// Hole 3(a): two railguards on one database with different request timeouts (a rolling
+/// Two railguards on one database with different request timeouts (a rolling
 /// config change). The owner's forward is slow on the network; the other process must not
 /// declare its record in doubt on the strength of its own, shorter, timeout.
 #[tokio::test]
@@ -180,7 +181,7 @@ async fn mixed_request_timeouts_across_two_processes_never_pay_twice() {
     assert_eq!(paid.len(), 1, "one payment at the rail: {paid:?}");
 }
 
-/// Hole 3(b): a forward whose bytes are still in the network after its request timed out —
+/// A forward whose bytes are still in the network after its request timed out —
 /// held longer than `proxy.rail_transit_ms` says any path can hold one (the operator's
 /// statement about the network is wrong). A middlebox resets the owner's connection and keeps
 /// the request; the owner stops cleanly; the operator follows the in-doubt procedure — waits
@@ -279,7 +280,7 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
     );
 }
 
-/// Item 7: a database outage is not railguard's error. 503s are logged once each at info by
+/// A database outage is not railguard's error. 503s are logged once each at info by
 /// the proxy's own layer, never at ERROR by the trace layer.
 #[tokio::test]
 async fn a_database_outage_logs_no_error_lines() {
@@ -312,7 +313,7 @@ async fn a_database_outage_logs_no_error_lines() {
     assert!(errors.is_empty(), "{errors:#?}");
 }
 
-/// Hole 4: an acquire answered 503 because PostgreSQL was slower than `database.timeout_ms`
+/// An acquire answered 503 because PostgreSQL was slower than `database.timeout_ms`
 /// must not leave behind a grant nobody received, holding the key for its whole ttl.
 #[tokio::test]
 async fn an_acquire_slower_than_the_database_timeout_leaves_no_grant_behind() {
@@ -382,7 +383,7 @@ async fn an_acquire_slower_than_the_database_timeout_leaves_no_grant_behind() {
     assert_eq!(second.status, StatusCode::OK, "{}", second.body);
 }
 
-/// Hole 5: PostgreSQL dies after the rail answered and before the response was stored. The
+/// PostgreSQL dies after the rail answered and before the response was stored. The
 /// client got its 201; once the database is back the record must be complete and replayable,
 /// not in flight (and later in doubt) for a payment that succeeded.
 #[tokio::test]
@@ -436,7 +437,7 @@ async fn a_completion_lost_to_a_database_crash_is_stored_when_it_returns() {
     assert_eq!(rail.ledger().len(), 1);
 }
 
-/// Hole 6: across two railguard processes, a token superseded in the database before its
+/// Across two railguard processes, a token superseded in the database before its
 /// forward starts must be refused (or counted), not delivered after the newer one.
 #[tokio::test]
 async fn a_token_superseded_in_another_process_before_its_forward_starts_is_refused() {
@@ -499,11 +500,11 @@ async fn release(http: &Http, rg: &Railguard, key: &str, grant: &WireGrant) {
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
 }
 
-/// Found by review (a probe, kept as a regression test): a forward whose client hangs up
-/// while the request is still in the network keeps the account's turn, so a newer grant's
-/// request (same process, same account) reaches the rail only after the older one.
+/// A keyed forward whose client hangs up while the request is still in the network keeps the
+/// account's turn, so a newer grant's request (same process, same account) reaches the rail
+/// only after the older one.
 #[tokio::test]
-async fn review_a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward() {
+async fn a_keyed_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;
@@ -547,7 +548,7 @@ async fn review_a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_f
         .filter_map(|e| e.token.as_deref().and_then(|t| t.parse().ok()))
         .collect();
     eprintln!(
-        "review: ledger tokens {tokens:?}, new holder got {} {}",
+        "ledger tokens {tokens:?}, new holder got {} {}",
         reply.status, reply.body
     );
     assert!(
@@ -557,12 +558,12 @@ async fn review_a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_f
     );
 }
 
-/// Found by review: a *graceful* stop (SIGTERM, as a rolling config change or deploy does)
+/// A *graceful* stop (SIGTERM, as a rolling config change or deploy does)
 /// must wait — within its grace — for forwards past their deadline that still wait for the
 /// rail's late answer; otherwise the restarted process knows nothing of them and a newer
 /// grant's request overtakes one at the rail.
 #[tokio::test]
-async fn review_a_graceful_restart_waits_for_a_late_forward_before_a_newer_grant_is_sent() {
+async fn a_graceful_restart_waits_for_a_late_forward_before_a_newer_grant_is_sent() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;

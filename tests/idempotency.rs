@@ -718,12 +718,11 @@ async fn wait_for_lock(pg: &Pg, instance: i64, held: bool) {
     panic!("instance {instance}'s lock never became held = {held}");
 }
 
-/// Found by the review of the eleventh session: a missing instance lock was taken as proof
-/// that a record's owner had stopped. But a paused owner whose database session is lost (a
-/// backend crash resets every session without restarting the postmaster; a terminated
-/// session; a failover) holds no lock either, and sends once it runs again. Now only the
-/// owner's own clean stop, or the operator's word naming it, shows it stopped; a held lock
-/// refuses even that word.
+/// A missing instance lock is no proof that a record's owner has stopped: a paused owner whose
+/// database session is lost (a backend crash resets every session without restarting the
+/// postmaster; a terminated session; a failover) holds no lock either, and sends once it runs
+/// again. Only the owner's own clean stop, or the operator's word naming it, shows it stopped;
+/// a held lock refuses even that word.
 #[tokio::test]
 async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
     init_tracing();
@@ -1069,10 +1068,10 @@ async fn a_graceful_stop_waits_for_a_completion_still_retried_in_the_background(
     assert_eq!(state, "done", "{}", rg.log());
 }
 
-/// Found by the second review of the eleventh session: a keyed request was counted as
-/// outstanding only once its forward started, so a stop while it waited for its account's turn
-/// (behind a slower forward) recorded a clean stop — "sends nothing more" — and the request
-/// reached the rail afterwards. Now every request is counted from before its compare-and-set.
+/// Every keyed request is counted as outstanding from before its compare-and-set, not only
+/// once its forward starts: otherwise a stop while it waits for its account's turn (behind a
+/// slower forward) would record a clean stop — "sends nothing more" — and the request would
+/// reach the rail afterwards.
 #[tokio::test]
 async fn no_clean_stop_is_recorded_while_a_keyed_request_waits_for_its_turn() {
     init_tracing();

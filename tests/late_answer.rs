@@ -1,7 +1,8 @@
 //! A forward delayed in the network past its request deadline (the client got 504) keeps its
 //! account's turn until the rail's late answer arrives: a newer grant's request sent meanwhile
 //! waits, and reaches the rail after the late one — never before it (INV-05). The fault
-//! harness found this hole (`rail-past-deadline`); this test pins it over real sockets.
+//! harness's `rail-past-deadline` fault exercises this under load; these tests pin it over real
+//! sockets.
 
 use railguard_testkit as support;
 
@@ -52,10 +53,10 @@ async fn arrival_order(late_answer_wait_ms: &str, delay: Duration) -> Vec<String
         .collect()
 }
 
-/// Found by a hostile review (ninth session): a request without an idempotency key runs in its
-/// client connection's task, and a client that hung up while the request was on its way to
-/// the rail used to take the account's turn with it — a newer grant's request then reached the
-/// rail first. Its forward now goes on without its client, holding the turn.
+/// A request without an idempotency key runs in its client connection's task. If a client
+/// that hangs up while the request is on its way to the rail took the account's turn with it,
+/// a newer grant's request could reach the rail first. Its forward goes on without its client,
+/// holding the turn.
 #[tokio::test]
 async fn a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward() {
     init_tracing();
@@ -88,7 +89,7 @@ async fn a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward(
     );
 }
 
-/// Found by the model checker (docs/protocol.md, "upstream timeout"): a finite
+/// The model checker's "upstream timeout" scenario (docs/protocol.md): a finite
 /// `late_answer_wait_ms` is a clock, and a forward held in the network longer than it is
 /// overtaken by a newer grant's. With 0 (no limit) the turn passes on only when the rail
 /// answers, so the same delay cannot reorder.
@@ -140,10 +141,9 @@ async fn a_graceful_stop_waits_for_a_late_answer_within_its_grace() {
     );
 }
 
-/// Found by the second review of the ninth session: a keyed forward runs in a task of its own,
-/// which stopping the listeners does not end, and it was not counted among the forwards a stop
-/// waits for — past the grace the process exited under it, while a keyless one was waited for.
-/// Every forward is counted from its start now.
+/// A keyed forward runs in a task of its own, which stopping the listeners does not end: it is
+/// counted among the forwards a graceful stop waits for from its start, as a keyless one is, so
+/// that the process does not exit under it.
 #[tokio::test]
 async fn a_graceful_stop_waits_for_a_keyed_forward_still_on_its_way() {
     init_tracing();
@@ -192,12 +192,11 @@ async fn a_graceful_stop_waits_for_a_keyed_forward_still_on_its_way() {
     );
 }
 
-/// Found by the second review of the ninth session: a request without a body is marked "may
-/// have been sent" as soon as it is handed on (nothing will ever ask for its body), so one
-/// whose client hung up while railguard was still connecting to the rail went on connecting
-/// without it and was sent after its client had gone. Only a request handed to a connection
-/// goes on without its client now; one still connecting is dropped, and nothing reaches the
-/// rail.
+/// A request without a body is marked "may have been sent" as soon as it is handed on (nothing
+/// will ever ask for its body), yet one whose client hangs up while railguard is still
+/// connecting to the rail must not be sent after its client has gone. Only a request handed to
+/// a connection goes on without its client; one still connecting is dropped, and nothing
+/// reaches the rail.
 #[tokio::test]
 async fn a_bodiless_request_whose_client_left_while_connecting_is_never_sent() {
     use bytes::Bytes;

@@ -778,7 +778,7 @@ async fn backend_down_means_503_and_no_token(mut w: World) {
     );
 }
 
-/// Issue 8, hole 1: a stalled worker that knows only its own superseded grant tries renew and
+/// A stalled worker that knows only its own superseded grant tries renew and
 /// release with every token near its own and near the current one. No answer may differ
 /// between guesses (a yes/no to a guess is a read path that returns the token), and the
 /// current grant must survive every attempt.
@@ -1149,7 +1149,7 @@ async fn leases_seen(etcd: &EtcdCluster, period: Duration) -> BTreeSet<i64> {
     seen
 }
 
-/// Issue 9 item 6: a waiting acquire uses one lease, like etcd's `concurrency.Session`: its
+/// A waiting acquire uses one lease, like etcd's `concurrency.Session`: its
 /// first attempt grants it, the many retries while the key is held reuse it, and the grant
 /// gets it — with its whole ttl from the winning attempt on, not from the first attempt.
 #[tokio::test]

@@ -760,7 +760,8 @@ async fn unreachable_database_url_fails_start_up_clearly() {
     );
 }
 
-/// Issue 8, item 7: what a reverse proxy must refuse or say.
+/// What a reverse proxy must refuse or say: `CONNECT` and bad `Host` headers are refused, and
+/// `Via` names the protocol.
 #[tokio::test]
 async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
     init_tracing();

@@ -1,6 +1,10 @@
-//! Found by a hostile review of the issue-9 re-cut: the RecordGuard under client hang-ups,
-//! resets and HTTP/2, the in-process test server, and every environment override —
-//! over real sockets, real PostgreSQL and the rail simulator.
+//! What becomes of a keyed request's idempotency record (its `RecordGuard`) when the forward
+//! ends badly: a client that hangs up or resets its HTTP/2 stream mid-forward, a rail that
+//! reads the head and resets or refuses the connection, a database that is away when an
+//! unsent request's record must go. A payment the rail may have received is never forwarded
+//! twice; the record of one it cannot have received is removed, so that a retry goes through.
+//! Also: a stopped in-process railguard stops serving, and every configuration key has a
+//! working environment override. Over real sockets, real PostgreSQL and the rail simulator.
 
 use railguard_testkit as support;
 
@@ -100,7 +104,7 @@ async fn empty_body_client_gone_mid_forward(env: &[(&str, &str)]) {
 /// Enforcing: the owner's forward runs in a task of its own, so a client that hangs up does not
 /// cancel it; its record is completed and the retry is replayed.
 #[tokio::test]
-async fn review_enforced_empty_body_client_gone_mid_forward_is_not_paid_twice() {
+async fn enforced_empty_body_client_gone_mid_forward_is_not_paid_twice() {
     empty_body_client_gone_mid_forward(&[]).await;
 }
 
@@ -109,14 +113,14 @@ async fn review_enforced_empty_body_client_gone_mid_forward_is_not_paid_twice() 
 /// that hangs up drops it, the RecordGuard sees MaybeSent unset (an empty body is never asked
 /// for), and forgets the record of a payment the rail has received.
 #[tokio::test]
-async fn review_kill_switch_empty_body_client_gone_mid_forward_is_not_paid_twice() {
+async fn kill_switch_empty_body_client_gone_mid_forward_is_not_paid_twice() {
     empty_body_client_gone_mid_forward(&[("RAILGUARD__FENCING__ENFORCE", "false")]).await;
 }
 
 /// A stopped in-process railguard must stop serving: its listeners refuse connections and a
 /// keep-alive connection opened before the stop no longer gets answers.
 #[tokio::test]
-async fn review_in_process_stop_refuses_connections() {
+async fn in_process_stop_refuses_connections() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;
@@ -182,7 +186,7 @@ async fn review_in_process_stop_refuses_connections() {
 /// Every key of the configuration can be overridden from the environment, and the override
 /// lands in that key (and no other).
 #[test]
-fn review_every_key_has_a_working_environment_override() {
+fn every_key_has_a_working_environment_override() {
     use railguard::config::Config;
     use std::collections::BTreeMap;
     let defaults = toml::Table::try_from(Config::default()).unwrap();
@@ -201,7 +205,7 @@ fn review_every_key_has_a_working_environment_override() {
                     ("http://10.0.0.9:9999".into(), "http://10.0.0.9:9999".into())
                 }
                 (k, _) if k.ends_with("_header") => {
-                    ("X-Review-Header".into(), "x-review-header".into())
+                    ("X-Override-Header".into(), "x-override-header".into())
                 }
                 ("lock.backend", _) => ("etcd".into(), "etcd".into()),
                 ("etcd.endpoints", _) => (
@@ -211,7 +215,7 @@ fn review_every_key_has_a_working_environment_override() {
                         "http://10.0.0.2:2379".into(),
                     ]),
                 ),
-                ("etcd.key_prefix", _) => ("/rev/".into(), "/rev/".into()),
+                ("etcd.key_prefix", _) => ("/override/".into(), "/override/".into()),
                 ("etcd.tls_ca_file", _) | ("etcd.tls_cert_file", _) | ("etcd.tls_key_file", _) => {
                     ("/tmp/x.pem".into(), "/tmp/x.pem".into())
                 }
@@ -221,10 +225,10 @@ fn review_every_key_has_a_working_environment_override() {
                 | ("database.tls_ca_file", _) => ("/tmp/x.pem".into(), "/tmp/x.pem".into()),
                 ("database.url", _) => ("postgres://u@h/db".into(), "postgres://u@h/db".into()),
                 ("auth.credentials_file", _) => (
-                    "/tmp/review-creds.toml".into(),
-                    "/tmp/review-creds.toml".into(),
+                    "/tmp/override-creds.toml".into(),
+                    "/tmp/override-creds.toml".into(),
                 ),
-                ("database.data_dir", _) => ("/tmp/review-pg".into(), "/tmp/review-pg".into()),
+                ("database.data_dir", _) => ("/tmp/override-pg".into(), "/tmp/override-pg".into()),
                 ("fencing.account_in_path", _) => {
                     ("/accounts/{account}/".into(), "/accounts/{account}/".into())
                 }
@@ -368,7 +372,7 @@ async fn resetting_rail() -> (
 /// A rail that saw the request's head and reset: the request may have reached it, so its record
 /// must be in doubt and a retry must not be forwarded — with or without a body.
 #[tokio::test]
-async fn review_a_rail_that_reads_the_head_and_resets_leaves_the_record_in_doubt() {
+async fn a_rail_that_reads_the_head_and_resets_leaves_the_record_in_doubt() {
     use std::sync::atomic::Ordering;
     init_tracing();
     let pg = Pg::start().await;
@@ -419,7 +423,7 @@ async fn review_a_rail_that_reads_the_head_and_resets_leaves_the_record_in_doubt
 /// working on the payment. The owner's forward goes on in its own task, completes, and the retry
 /// is replayed.
 #[tokio::test]
-async fn review_http2_client_reset_mid_forward_with_an_empty_body_is_not_paid_twice() {
+async fn http2_client_reset_mid_forward_with_an_empty_body_is_not_paid_twice() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_millis(1500)).await;
@@ -500,11 +504,10 @@ async fn an_empty_body_payment_to_a_rail_that_refuses_connections_leaves_no_reco
     assert_eq!(rail.ledger().len(), 1);
 }
 
-/// Found by the tenth session's review: the record of a request that never reached the rail
-/// was deleted with one attempt, so a database that did not answer at that moment left it in
-/// flight — a retry with the same key was refused (`in_flight`, then `in_doubt`) although the
-/// rail never saw the payment. The delete is retried in the background until the database
-/// takes it.
+/// The record of a request that never reached the rail is deleted, and the delete is retried
+/// in the background until the database takes it. Deleted with one attempt, a database that
+/// did not answer at that moment would leave it in flight, and a retry with the same key would
+/// be refused (`in_flight`, then `in_doubt`) although the rail never saw the payment.
 #[tokio::test]
 async fn an_unsent_requests_record_goes_once_the_database_answers_again() {
     init_tracing();
@@ -515,9 +518,9 @@ async fn an_unsent_requests_record_goes_once_the_database_answers_again() {
     );
 }
 
-/// Found by the second review of that change: past its owner's deadline a record is reported
-/// in doubt, which holds until an operator lifts it; a delete retried after that must not
-/// lift it on its own.
+/// Past its owner's deadline a record is reported in doubt, which holds until an operator
+/// lifts it; the background delete of an unsent request's record, retried after that, must
+/// not lift it on its own.
 #[tokio::test]
 async fn an_unsent_requests_record_stays_in_doubt_once_its_deadline_has_passed() {
     init_tracing();

@@ -487,10 +487,10 @@ async fn indexes_on_the_state_do_not_change_the_completions_plan() {
     let session = completion_session(&pg).await;
     let plan = completion_plan(&session, COMPLETE_SQL, 20).await;
     assert!(one_plan(&plan), "{plan}");
-    // What holds the plan is the statement's comparisons, not the sessions' join settings (a
-    // second review showed `=` on the state driving a nested loop from an index on it even
-    // with all of them, on a table of 1M rows): on a session with only a generic plan and no
-    // sequential scans (the first version's), the statement keeps its plan…
+    // What holds the plan is the statement's comparisons, not the sessions' join settings (`=`
+    // on the state drives a nested loop from an index on it even with all of them, on a table
+    // of 1M rows): on a session with only a generic plan and no sequential scans, the
+    // statement keeps its plan…
     let weaker = pg.client().await;
     weaker
         .batch_execute("SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off")
@@ -498,8 +498,8 @@ async fn indexes_on_the_state_do_not_change_the_completions_plan() {
         .unwrap();
     let plan = completion_plan(&weaker, COMPLETE_SQL, 20).await;
     assert!(one_plan(&plan), "{plan}");
-    // …where the same statement comparing the state with `=` (the first version's) reads the
-    // table through the operator's index: the negative control.
+    // …where the same statement comparing the state with `=` reads the table through the
+    // operator's index: the negative control.
     let with_equals = COMPLETE_SQL.replace(
         "r.state IS NOT DISTINCT FROM 'in_flight'",
         "r.state = 'in_flight'",

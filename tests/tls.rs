@@ -1,4 +1,4 @@
-//! Issue 12, item 3, the client side of TLS, over real sockets: railguard forwarding to an
+//! The client side of TLS, over real sockets: railguard forwarding to an
 //! `https://` rail whose certificate is from a private CA (and refusing one from another CA,
 //! saying truthfully that nothing was sent), presenting a client certificate to a rail that
 //! requires one, and reaching PostgreSQL over TLS as the URL's `sslmode` asks.

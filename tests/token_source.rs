@@ -1,4 +1,4 @@
-//! The token source against the marks (C1 §1.7, issue 11): a lockdb restored to an older
+//! The token source against the marks (C1 §1.7): a lockdb restored to an older
 //! state, or a switch from the PostgreSQL backend to etcd, puts the token source below tokens
 //! the proxy has already accepted. The guard must notice — the lock API grants nothing and
 //! `/readyz` fails — until `railguard fast-forward` has moved the source past every mark; then

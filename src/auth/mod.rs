@@ -1,4 +1,4 @@
-//! Who is calling, and whether they may (issue 12): one [`Authenticator`] per process, shared
+//! Who is calling, and whether they may: one [`Authenticator`] per process, shared
 //! by the lock API, the proxy and the admin listener.
 //!
 //! A caller proves who it is with a bearer secret (`Authorization: Bearer rgs_…`) or with a
@@ -8,7 +8,7 @@
 //! stays in force, so a typo never locks every worker out (nor lets anyone in).
 //!
 //! Without a credentials file (`[auth] credentials_file = ""`) there is no authentication at
-//! all and every caller is anonymous, as before issue 12; railguard says so loudly at start.
+//! all and every caller is anonymous; railguard says so loudly at start.
 //!
 //! Answers: no or unknown credentials → 401 with `WWW-Authenticate: Bearer`; a known identity
 //! asking for a key, account or action it may not → 403. Neither says which identities exist
@@ -492,7 +492,7 @@ mod tests {
         );
     }
 
-    /// Review 12b: a file replaced by a directory keeps the last good version (stale), and a
+    /// A file replaced by a directory keeps the last good version (stale), and a
     /// file whose content flaps at every look is never put in force, half of it or not.
     #[test]
     fn a_directory_or_flapping_content_never_replaces_the_last_good_version() {

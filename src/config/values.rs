@@ -375,9 +375,9 @@ mod tests {
         }
     }
 
-    // FAILS ON MAIN: the path was compared as sent, so dot segments after the account (which
-    // the rail, or any server or proxy in between, resolves per RFC 3986 §5.2.4) carried a
-    // payment to another account past the check: `/accounts/acct-1/../acct-2/payments`.
+    // Dot segments after the account are resolved by the rail, or any server or proxy in
+    // between (RFC 3986 §5.2.4): a path compared as sent would carry a payment to another
+    // account past the check, `/accounts/acct-1/../acct-2/payments`.
     #[test]
     fn an_account_path_with_dot_segments_or_encoded_separators_names_no_account() {
         let t = AccountPathTemplate::parse("/accounts/{account}/").unwrap();

@@ -1,4 +1,4 @@
-//! Who may pay on which account (issue 12): the proxy's side of [`crate::auth`].
+//! Who may pay on which account: the proxy's side of [`crate::auth`].
 //!
 //! With authentication on, a request names its caller (a bearer secret, or the connection's
 //! client certificate); the caller must be a worker whose account patterns cover the

@@ -170,7 +170,8 @@ impl GrantCheck {
             }
             return Err(Forbidden {
                 reason: format!(
-                    "header {header} does not prove a grant of this account's lock key to                      identity {:?} (a grant is accepted only from the identity it was issued to)",
+                    "header {header} does not prove a grant of this account's lock key to \
+                     identity {:?} (a grant is accepted only from the identity it was issued to)",
                     caller.name
                 ),
             }

@@ -93,8 +93,8 @@ enum BenchSuite {
     Etcd,
     /// railguard and nginx as processes of their own under wrk (not part of `all`).
     Wire,
-    /// What each of railguard's statements costs PostgreSQL alone, with the variants issue 13
-    /// asks about (not part of `all`).
+    /// What each of railguard's statements costs PostgreSQL alone, and what variants of them
+    /// would cost (not part of `all`).
     Statements,
     All,
 }

@@ -1,6 +1,6 @@
 //! The `statements` suite: what each of railguard's statements costs PostgreSQL, measured
-//! alone, and what the variants issue 13 asks about would cost instead (its "PostgreSQL's
-//! share": `RETURNING`, `updated_at`, prepared array binds, batch size).
+//! alone, and what variants of them would cost instead — the parts that make up PostgreSQL's
+//! share of a request: `RETURNING`, `updated_at`, prepared array binds, batch size.
 //!
 //! The wire suite measures PostgreSQL's CPU per request with everything else running on the
 //! same two cores, and cannot say which statement it went to, nor what a statement that
@@ -83,8 +83,8 @@ pub(crate) enum Variant {
     /// The same without the calling process's forwarder entry (`store::handover`): what the
     /// cross-process order costs the statement of one process.
     FenceWithoutForwarders,
-    /// The keyed batch's statement with no records, which every batch ran until the tenth
-    /// session of issue 13.
+    /// The keyed batch's statement (`BATCH_SQL`) with no records: what a batch without keys
+    /// would cost PostgreSQL if it ran that instead of `ADVANCE_BATCH_SQL`.
     RecordsStatementWithoutRecords,
     /// The fence statement with its rows written into the text as a `VALUES` list, sent
     /// unprepared: what prepared array binds save.
@@ -142,7 +142,7 @@ impl Variant {
             Variant::FenceWithoutReturning => "… without `RETURNING`",
             Variant::FenceWithoutForwarders => "… without the forwarder entry (`store::handover`)",
             Variant::RecordsStatementWithoutRecords => {
-                "the keyed statement (`BATCH_SQL`) with no records, as before"
+                "the keyed statement (`BATCH_SQL`) with no records"
             }
             Variant::FenceLiteral => "… rows as a literal `VALUES` list, unprepared",
             Variant::Look => "last look",

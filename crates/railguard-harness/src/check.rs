@@ -838,17 +838,17 @@ mod tests {
         );
     }
 
-    // ---- review-10: holes found by the hostile review (these fail today) ----
+    // ---- INV-05 broken where the rail's ledger alone would not show it ----
 
     /// Seed 1 of `--negative-control reread --idempotency-keys true --faults worker-pause
     /// --accounts 2` on postgres: every pause is the long one, the stalled worker's payment is
     /// retried by the newer grant, and the stale worker's submit — presenting the re-read
     /// token — is *accepted by the fence* and then refused by the idempotency layer (422,
     /// the attempt is in the path). Nothing reaches the rail twice and paydb is not written,
-    /// so only the proxy's answer shows the bug: it did not answer 409 to a stale writer
-    /// (INV-05 says it must), and the checker judges that answer.
+    /// so only the proxy's answer shows that a stale writer got past the fence: it was not
+    /// answered 409 (INV-05 says it must be), and the checker judges that answer.
     #[test]
-    fn review_a_stale_grant_not_fenced_out_by_the_proxy_is_inv05_even_if_the_rail_never_saw_it() {
+    fn a_stale_grant_not_fenced_out_by_the_proxy_is_inv05_even_if_the_rail_never_saw_it() {
         let mut inputs = t042_history();
         // W2 (grant 9) retried W1's payment p1 and the rail answered it.
         inputs.history.push(submit(1_250, 2, 9, "p1", "w2-2"));
@@ -879,7 +879,7 @@ mod tests {
     /// a lost or torn history line, a proxy that rewrote or re-sent a path). INV-05 judges it
     /// by the token the rail saw, so failed attribution cannot hide a stale arrival.
     #[test]
-    fn review_a_rail_entry_no_submit_sent_is_not_silently_skipped() {
+    fn a_rail_entry_no_submit_sent_is_not_silently_skipped() {
         let mut inputs = t042_history();
         inputs.ledger.push(arrival(2, 5, "p1", "w1-unknown"));
         let report = check(&inputs);

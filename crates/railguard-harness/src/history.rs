@@ -233,7 +233,7 @@ mod tests {
     /// error details can carry any text) is not valid UTF-8: it is skipped and counted like
     /// any torn line, not fatal to the whole check.
     #[test]
-    fn review_a_line_torn_inside_a_utf8_character_is_skipped_and_counted() {
+    fn a_line_torn_inside_a_utf8_character_is_skipped_and_counted() {
         let dir = tempfile::tempdir().unwrap();
         let mut w = HistoryWriter::create(&dir.path().join("history-1.jsonl")).unwrap();
         let e = Event::new(1, Op::Acquire, Phase::Invoke, "a1");

@@ -465,12 +465,12 @@ fn a_superseded_grant_across_an_async_failover_without_detection_is_caught_etcd(
     superseded_grant_without_detection_is_caught("pg-failover-takeover");
 }
 
-/// Found by review: every cleanup (workers' `kill_on_drop`, PostgreSQL, etcd, `railguard
-/// serve`, temp dirs) lives in `Drop`, which an unhandled signal never runs. The coordinator
-/// handles SIGTERM/SIGINT by dropping the run: a run stopped after a few seconds leaves no
-/// process running (not even a worker caught stopped by `worker-sigstop`).
+/// Every cleanup (workers' `kill_on_drop`, PostgreSQL, etcd, `railguard serve`, temp dirs)
+/// lives in `Drop`, which an unhandled signal never runs. The coordinator handles
+/// SIGTERM/SIGINT by dropping the run: a run stopped after a few seconds leaves no process
+/// running (not even a worker caught stopped by `worker-sigstop`).
 #[tokio::test]
-async fn review_a_run_stopped_by_sigterm_leaves_no_process_behind() {
+async fn a_run_stopped_by_sigterm_leaves_no_process_behind() {
     fn children() -> Vec<(u32, u32, String)> {
         let mut all = Vec::new();
         for entry in std::fs::read_dir("/proc").unwrap().flatten() {

@@ -78,7 +78,7 @@ RETURNING account_id,
 }
 
 /// A batch in which no request has an idempotency key: the compare-and-set alone. Measured
-/// alone (`railguard-bench --suite statements`, BENCHMARKS.md, tenth session), the statement
+/// alone (`railguard-bench --suite statements`, BENCHMARKS.md), the statement
 /// below with empty record arrays cost PostgreSQL's backend 11–44% more per statement (79 µs
 /// more at 64 rows, 62 at one), for a part that does nothing when there is no record.
 pub const ADVANCE_BATCH_SQL: &str = advance_batch!("$3", "$4");

@@ -11,7 +11,7 @@
 //! **Why a plain sharded map.** Every request looks here, and a worker stuck on a superseded
 //! grant repeats its refused requests as fast as it can, so the look-up is the whole cost of
 //! the stale path. A lock on one of 64 shards and one hash look-up cost a fraction of a general
-//! cache's bookkeeping (issue 13's profiles: `moka` was 2–3% of the proxy's CPU on the 409
+//! cache's bookkeeping (profiled: `moka` was 2–3% of the proxy's CPU on the 409
 //! path). Memory is bounded by `capacity` entries (rounded up to a multiple of the shards).
 //!
 //! **Eviction** only ever costs an account a round trip, but which account matters: the one

@@ -64,16 +64,16 @@ use crate::proxy::held::{BatchQueue, HeldRow, Rows};
 ///   that row's position (`ctid`). The join's one condition is the position, which no index
 ///   serves; the owner and state are compared with `IS NOT DISTINCT FROM`, which no index
 ///   serves either. Keep it so: a plain `=` on `state` let an operator's index on it drive a
-///   join over every in-flight record, in that index's order (hostile reviews measured 57 ms
-///   per 20-row batch and deadlocks with the fence's batches, the second with every planner
-///   switch below set). With sequential scans off (and hash and merge joins, as a second line),
+///   join over every in-flight record, in that index's order (measured: 57 ms per 20-row
+///   batch, and deadlocks with the fence's batches even with every planner switch below
+///   set). With sequential scans off (and hash and merge joins, as a second line),
 ///   the only way to `idempotency_record`'s rows is the position the sub-select found, for one
 ///   batch row at a time. The sessions' settings are checked when each opens
 ///   (`db::sessions_with`). A prepared join by key (`UPDATE … FROM unnest(…) WHERE
 ///   r.account_id = u.account_id …`) gets a generic plan costed for the table as it was at
 ///   its sixth execution: on a new deployment a sequential scan kept while the table grows,
 ///   or, after an `ANALYZE` of the empty table, a walk over the whole index with the batch
-///   inside (issue 13 measured 2,860 such scans in a minute of load, and 8.9 s for a 500-row
+///   inside (measured: 2,860 such scans in a minute of load, and 8.9 s for a 500-row
 ///   batch). Migration 0006's `railguard_complete_records` avoided that with one `UPDATE` per
 ///   record in a loop, at an executor start per record. `tests/statement_plans.rs` checks the
 ///   one plan on a new table, on an analyzed empty one and with indexes an operator might add,
@@ -98,7 +98,7 @@ use crate::proxy::held::{BatchQueue, HeldRow, Rows};
 /// replay, never safety: the record itself was created durably with the fence's
 /// compare-and-set, so a lost completion leaves it `in_flight`, then in doubt once its owner's
 /// deadline passes — a retry is refused (`409 in_doubt`), never forwarded twice. What it saves
-/// is a second durable commit on every keyed request's path (issue 13: the added latency at one
+/// is a second durable commit on every keyed request's path (the added latency at one
 /// connection is one commit, not two). No explicit `FOR UPDATE` first: it writes a lock to each
 /// row before updating it (it doubled PostgreSQL's CPU per row when tried).
 pub const COMPLETE_SQL: &str = "\

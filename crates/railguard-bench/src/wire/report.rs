@@ -1,5 +1,5 @@
 //! The `wire` suite's markdown: medians per phase, ratios to nginx and to pgbench from the same
-//! run, and issue 13's targets with whether this run met them.
+//! run, and the performance targets with whether this run met them.
 
 use std::fmt::Write as _;
 
@@ -273,7 +273,7 @@ impl WireReport {
         out
     }
 
-    /// Issue 13's targets against this run.
+    /// The performance targets against this run.
     fn targets(&self, out: &mut String) {
         let c = self.options.connections;
         let (Some(nginx), Some(direct)) = (
@@ -293,7 +293,7 @@ impl WireReport {
         let met = |ok: bool| if ok { "met" } else { "**not met**" };
         let _ = writeln!(
             out,
-            "\nIssue 13's targets, from this run:\n\n| target | measured | |\n|---|---|---|"
+            "\nPerformance targets, from this run:\n\n| target | measured | |\n|---|---|---|"
         );
         let r = keyed.rate / nginx.rate.max(1e-9);
         let _ = writeln!(

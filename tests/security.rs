@@ -1,7 +1,7 @@
-//! A hostile review of authentication, authorisation, TLS and the listener limits (issue 12),
-//! kept as tests over real sockets: each "Found by review" test failed before its fix; the
-//! others pin behaviour that held under attack. (The review's findings on renew/release by
-//! another identity, one identity's waits, the account in the path and credential reloads
+//! Authentication, authorisation, TLS and the listener limits under attack, over real
+//! sockets: each test is one way a hostile client, a careless operator command or an
+//! unauthenticated probe could get past them, and checks that it does not. (Renew and release
+//! by another identity, one identity's waits, the account in the path and credential reloads
 //! are tested in `tests/auth.rs` and `auth`'s unit tests.)
 
 use railguard_testkit as support;
@@ -138,7 +138,7 @@ async fn mark(rg: &support::Railguard, account: &str) -> i64 {
     reply.json()["mark"].as_i64().unwrap_or(0)
 }
 
-/// Held: a grant for key K is no grant for account A (the proof binds the key), another
+/// A grant for key K is no grant for account A (the proof binds the key), another
 /// identity's grant is refused even on an account it may pay on, and a 403 for a guessed
 /// token reads the same whether the token is the live grant's or made up (§A2.3: nothing
 /// confirms a token). Nothing forwarded, no mark moved.
@@ -212,12 +212,13 @@ async fn grants_are_bound_to_key_and_identity_and_403s_confirm_no_token() {
     assert_eq!(ok.status, StatusCode::CREATED, "{}", ok.body);
 }
 
-/// Found by review: the lock API read a request body with no deadline (`lock::api::read_body`),
-/// and while a request is in flight neither the header-read nor the idle timeout applies
-/// (`http::connection::Activity::expired`). A client that sends a request head and then
-/// nothing holds a `max_in_flight` slot and a `max_connections` slot for ever: with
-/// `max_in_flight` of them, every later lock request gets 503 until the attacker lets go.
-/// Here the attacker is an authenticated worker; with authentication off, anyone.
+/// While a request is in flight neither the header-read nor the idle timeout applies
+/// (`http::connection::Activity::expired`), so the lock API's request body has a deadline of
+/// its own (`lock::api::read_body`). Without it a client that sends a request head and then
+/// nothing would hold a `max_in_flight` slot and a `max_connections` slot for ever: with
+/// `max_in_flight` of them, every later lock request would get 503 until the attacker let go.
+/// Here the attacker is an authenticated worker; with authentication off, anyone. Each silent
+/// client is answered 408, saying that nothing was done.
 #[tokio::test]
 async fn lock_api_a_silent_request_body_does_not_hold_the_listener() {
     let s = setup(
@@ -274,12 +275,10 @@ async fn lock_api_a_silent_request_body_does_not_hold_the_listener() {
     }
 }
 
-/// Found by review: the operator commands (`marks`,
-/// `recover-account`, `idempotency-forget`,
-/// and `inspect` on the lock listener) always speak plain `http://`
-/// (`admin::ask_within`, `main.rs` `Command::Inspect`), even when the listener they call has
-/// TLS on. They send `Authorization: Bearer $RAILGUARD_SECRET` in clear text to the TLS port
-/// — over the network when `admin.listen` is not loopback — and then fail.
+/// The operator commands (`marks`, `recover-account`, `idempotency-forget`, and `inspect` on
+/// the lock listener) speak TLS to a listener that has TLS on. A command that spoke plain
+/// `http://` to it would send `Authorization: Bearer $RAILGUARD_SECRET` in clear text to the
+/// TLS port — over the network when `admin.listen` is not loopback — and only then fail.
 #[tokio::test]
 async fn operator_commands_never_send_the_secret_in_clear_to_a_tls_listener() {
     let pki = support::Pki::new();
@@ -344,7 +343,7 @@ async fn operator_commands_never_send_the_secret_in_clear_to_a_tls_listener() {
     );
 }
 
-/// Held (checked): no secret, digest of a secret or Authorization header value reaches the
+/// No secret, digest of a secret or Authorization header value reaches the
 /// JSON log at debug level, for accepted, unknown and malformed credentials on all three
 /// listeners.
 #[tokio::test]
@@ -400,7 +399,7 @@ async fn no_secret_reaches_the_log() {
     assert!(ledger[0].header("authorization").is_none());
 }
 
-/// Held (checked): an `https://` rail whose certificate is from the trusted CA but names
+/// An `https://` rail whose certificate is from the trusted CA but names
 /// another host is refused at the handshake; nothing reaches the rail.
 #[tokio::test]
 async fn an_https_rail_whose_certificate_names_another_host_is_refused() {
@@ -432,9 +431,10 @@ async fn an_https_rail_whose_certificate_names_another_host_is_refused() {
     assert!(rail.ledger().is_empty(), "nothing reached the rail");
 }
 
-/// Found by review: `max_headers` (431 past 100 headers by default) was set on hyper's HTTP/1 builder only (`http::serve::serve`). Over HTTP/2 (h2c prior knowledge here; `h2` by ALPN on
-/// a TLS listener) the same request with 300 small headers is read and served: the header
-/// count limit the issue asks for does not hold on HTTP/2.
+/// `max_headers` (431 past 100 headers by default) holds on HTTP/2 as on HTTP/1: hyper's
+/// HTTP/1 builder enforces it there (`http::serve::serve`), and over HTTP/2 (h2c prior
+/// knowledge here; `h2` by ALPN on a TLS listener) a request with 300 small headers must be
+/// refused the same way, not read and served.
 #[tokio::test]
 async fn too_many_headers_over_http2_get_431_too() {
     let s = setup(&[], false).await;
@@ -485,7 +485,7 @@ fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     f
 }
 
-/// Held (checked): a HEADERS frame without END_HEADERS followed by a CONTINUATION every
+/// A HEADERS frame without END_HEADERS followed by a CONTINUATION every
 /// 200 ms for ever (the CONTINUATION trickle) is cut off by the header-read timeout, and
 /// normal requests are served meanwhile.
 #[tokio::test]
@@ -547,11 +547,10 @@ async fn a_never_ending_http2_continuation_is_cut_off() {
     assert!(closed_after < Duration::from_secs(4), "{closed_after:?}");
 }
 
-/// Found by review: an HTTP/2 request head over `max_header_bytes`
-/// is refused (by h2's
-/// SETTINGS_MAX_HEADER_LIST_SIZE), but the refusal is not counted in
-/// `railguard_listener_refusals_total{reason="headers_too_large"}`: only HTTP/1's parse error
-/// is (`http::serve::http`). The issue asks for each refusal to be counted.
+/// An HTTP/2 request head over `max_header_bytes` is refused (by h2's
+/// SETTINGS_MAX_HEADER_LIST_SIZE) and, like HTTP/1's parse error (`http::serve::http`),
+/// counted in `railguard_listener_refusals_total{reason="headers_too_large"}`: every refusal
+/// is counted, whichever protocol it came over.
 #[tokio::test]
 async fn an_oversized_http2_head_is_refused_and_counted() {
     let s = setup(&[], false).await;
@@ -597,7 +596,7 @@ async fn an_oversized_http2_head_is_refused_and_counted() {
     );
 }
 
-/// Held (checked): clients that send a payment and hang up while the rail is slow do not
+/// Clients that send a payment and hang up while the rail is slow do not
 /// leak the proxy's `max_in_flight` slots: once the rail has answered, the listener serves
 /// again (no permanent 503).
 #[tokio::test]
@@ -638,14 +637,11 @@ async fn clients_that_hang_up_mid_payment_do_not_leak_in_flight_slots() {
     }
 }
 
-/// Found by review: `/readyz` needs no credentials (health probes), and while the token source
-/// is behind it answers `... is at {position}, behind the highest fencing mark {mark}`
-/// (`admin::Admin::ready`): the highest mark, read by anyone who reaches the admin listener.
-/// The threat model says an unauthenticated caller reads nothing and a mark is for operators
-/// only (ADR-002 §A2.3). With proofs required a mark alone pays for nothing, so the impact is
-/// low, but it is exactly the kind of read path the project promises not to have. Fix: keep
-/// the numbers for authenticated `read` operators (or the log / metrics) and answer the probe
-/// with "not ready: the token source is behind the fencing marks".
+/// `/readyz` needs no credentials (health probes), so while the token source is behind it
+/// says so without numbers (`admin::Admin::ready`): the guard's log line has the position and
+/// the highest fencing mark. The threat model says an unauthenticated caller reads nothing and
+/// a mark is for operators only (ADR-002 §A2.3). With proofs required a mark alone pays for
+/// nothing, but an unauthenticated read path is one the project promises not to have.
 #[tokio::test]
 async fn readyz_without_credentials_does_not_reveal_a_mark() {
     let s = setup(&[("RAILGUARD__GUARD__INTERVAL_MS", "200")], false).await;
@@ -686,11 +682,10 @@ async fn readyz_without_credentials_does_not_reveal_a_mark() {
     );
 }
 
-/// Review 12b: a head that HTTP/1 serves is served over HTTP/2 too. `Limited` measured an
-/// HTTP/2 head as SETTINGS_MAX_HEADER_LIST_SIZE does (32 octets more a field, RFC 9113
-/// §6.5.2) against `max_header_bytes`, which HTTP/1 applies to the bytes sent: the same
-/// 80-header, ~31 KiB request got 200 over HTTP/1 and 431 over HTTP/2.
-// FAILS ON MAIN: http2=true was answered 431.
+/// A head that HTTP/1 serves is served over HTTP/2 too. HTTP/1 applies `max_header_bytes`
+/// to the bytes sent; measuring an HTTP/2 head as SETTINGS_MAX_HEADER_LIST_SIZE does (32
+/// octets more a field, RFC 9113 §6.5.2) would refuse over HTTP/2, with 431, an 80-header,
+/// ~31 KiB request that HTTP/1 answers 200.
 #[tokio::test]
 async fn a_head_served_over_http1_is_served_over_http2() {
     let s = setup(&[], false).await;
