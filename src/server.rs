@@ -318,6 +318,7 @@ pub async fn run(
                 instance.get(),
                 config.proxy.rail_transit,
                 config.database.timeout,
+                database.server.is_some(),
             )
             .await
             .map_err(ServeError::Handover)?,

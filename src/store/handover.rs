@@ -56,7 +56,11 @@
 //! the change: the compare-and-set refuses it, and so does the last look of a request accepted
 //! before (`proxy::fence`). So every forward sent before the change has reached the rail, or
 //! never will, before a newer grant's forward starts. Once a look finds no process with such an
-//! entry for any account, the process stops looking until the next change.
+//! entry for any account, the process stops looking until the next change. The embedded server
+//! is a database of one process, started and stopped with it: no process it does not know of
+//! can have forwarded through it, so (1) is not waited for there — a restart of the default
+//! deployment does not pause its payments — while (2) still covers an earlier run of the
+//! process killed with forwards on their way.
 //!
 //! **Cost.** With one process, or accounts each forwarded through one process, the
 //! compare-and-set finds only the caller's own entry and answers nothing: no wait and no extra
@@ -107,7 +111,8 @@ ON CONFLICT (instance) DO UPDATE
 /// whether a process other than `$1` has a pending entry below the floor for the account
 /// (hash `$2`) and for any account. `$3`: this process's own quiet time, for processes the
 /// database does not know of. An entry without a token (a process that does not state it)
-/// counts as below the floor.
+/// counts as below the floor. `$4`: the database is this process's own (the embedded server):
+/// no process it does not know of can have forwarded, and (1) is not waited for.
 const HOLD_SQL: &str = "\
 WITH e AS (SELECT floor, went_back_at FROM railguard_store_epoch),
 pending AS (
@@ -118,11 +123,11 @@ pending AS (
       AND now() <= f.published_at + f.quiet_ms * interval '1 millisecond'
       AND (p.token IS NULL OR p.token < e.floor))
 SELECT COALESCE((extract(epoch FROM e.went_back_at) * 1000000)::bigint, 0),
-       COALESCE(GREATEST(0, ceil(extract(epoch FROM
+       CASE WHEN $4 THEN 0 ELSE COALESCE(GREATEST(0, ceil(extract(epoch FROM
            e.went_back_at
            + GREATEST($3, (SELECT COALESCE(max(quiet_ms), 0) FROM railguard_forwarder))
              * interval '1 millisecond'
-           - now()) * 1000)), 0)::bigint,
+           - now()) * 1000)), 0) END::bigint,
        EXISTS (SELECT 1 FROM pending WHERE account = $2),
        EXISTS (SELECT 1 FROM pending)
 FROM e";
@@ -188,6 +193,10 @@ pub enum WaitError {
 pub struct Handover {
     instance: i64,
     transit: Duration,
+    /// The database is this process's own (the embedded server, stopped and started with it):
+    /// every process that forwarded through it is this one or an earlier run of it, each with
+    /// its row.
+    own_database: bool,
     /// Reads of other processes' rows and pruning.
     pool: Pool,
     /// Where this process's row is written from, on a connection of its own.
@@ -238,17 +247,20 @@ pub struct Entry {
 
 impl Handover {
     /// Writes this process's first row (durably: a process that forwards has a row) and starts
-    /// rewriting it; `instance` is this process's id, `transit` is `proxy.rail_transit_ms`.
+    /// rewriting it; `instance` is this process's id, `transit` is `proxy.rail_transit_ms`,
+    /// `own_database`: the database is the embedded server, this process's alone.
     pub async fn start(
         pool: Pool,
         url: String,
         instance: i64,
         transit: Duration,
         timeout: Duration,
+        own_database: bool,
     ) -> Result<Arc<Self>, DbError> {
         let handover = Arc::new(Self {
             instance,
             transit,
+            own_database,
             pool,
             url,
             connection: tokio::sync::Mutex::new(None),
@@ -547,7 +559,10 @@ impl Handover {
                 let statement = client.prepare_cached(HOLD_SQL).await?;
                 Ok::<_, DbError>(
                     client
-                        .query_one(&statement, &[&self.instance, &hash, &quiet_ms])
+                        .query_one(
+                            &statement,
+                            &[&self.instance, &hash, &quiet_ms, &self.own_database],
+                        )
                         .await?,
                 )
             };
