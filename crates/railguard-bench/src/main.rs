@@ -75,6 +75,17 @@ struct Cli {
     /// (repeatable), e.g. `shared_buffers=1GB`.
     #[arg(long = "pg-setting", value_parser = parse_setting)]
     pg_settings: Vec<(String, String)>,
+    /// The wire suite: also run the fenced phases through a railguard with
+    /// `fencing.order_across_processes = false`, interleaved with the default's.
+    #[arg(long)]
+    order_off: bool,
+    /// The wire suite: also run the fenced phases through this `railguard` binary (another
+    /// build, e.g. an earlier commit's), on a database of the run's cluster it migrates itself.
+    #[arg(long)]
+    baseline_bin: Option<std::path::PathBuf>,
+    /// The wire suite: what the report calls the --baseline-bin binary.
+    #[arg(long, default_value = "baseline", requires = "baseline_bin")]
+    baseline_label: String,
     /// The statements suite: rows per statement, one group of phases each.
     #[arg(long, value_delimiter = ',', default_values_t = [1usize, 16, 64])]
     batch_rows: Vec<usize>,
@@ -117,6 +128,9 @@ fn main() -> ExitCode {
         batch_concurrency,
         profile_dir,
         pg_settings,
+        order_off,
+        baseline_bin,
+        baseline_label,
         batch_rows,
         statements: variants,
     } = Cli::parse();
@@ -172,6 +186,11 @@ fn main() -> ExitCode {
                     batch_concurrency: batch_concurrency.map(|c| c as usize),
                     profile_dir,
                     pg_settings,
+                    order_off,
+                    baseline: baseline_bin.map(|binary| wire::Baseline {
+                        binary,
+                        label: baseline_label,
+                    }),
                 };
                 return match wire::run(options).await {
                     Ok(report) => {

@@ -1,6 +1,6 @@
 //! The `statements` suite: what each of railguard's statements costs PostgreSQL, measured
-//! alone, and what variants of them would cost instead — the parts that make up PostgreSQL's
-//! share of a request: `RETURNING`, `updated_at`, prepared array binds, batch size.
+//! alone, and what variants of them would cost instead (`RETURNING`, `updated_at`, prepared
+//! array binds, batch size, the forwarder entry, designs of the keyed record not built).
 //!
 //! The wire suite measures PostgreSQL's CPU per request with everything else running on the
 //! same two cores, and cannot say which statement it went to, nor what a statement that

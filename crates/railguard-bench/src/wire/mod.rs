@@ -12,6 +12,13 @@
 //! - `railguard serve` twice on the same throwaway durable PostgreSQL: fencing enforced, and
 //!   fencing off (`fencing.enforce = false`: the compare-and-set still runs, nothing is
 //!   refused), each at the default configuration (log level `info`, its log to a file);
+//! - with `--order-off`, a third: fencing enforced with `fencing.order_across_processes =
+//!   false` (no process's entries waited for, no `railguard_forwarder` row written; the
+//!   compare-and-set still writes the process's entry into the mark row); with
+//!   `--baseline-bin`, another binary (an earlier commit, say) fenced at its defaults;
+//! - each railguard on a database of its own in that cluster, so that none meets another
+//!   process's entries in the mark rows (`store::handover`) and each is measured as one
+//!   process alone;
 //! - `wrk` sending what a worker sends (`wrk::Requests`): token, account, grant proof, and in
 //!   the phases that say so an `Idempotency-Key` unique across the run;
 //! - `pgbench` running the single-row compare-and-set on the same database.
@@ -72,6 +79,19 @@ pub(crate) struct WireOptions {
     pub profile_dir: Option<std::path::PathBuf>,
     /// PostgreSQL server settings for the run, `(name, value)`, over its defaults.
     pub pg_settings: Vec<(String, String)>,
+    /// Also run the fenced phases through a railguard with
+    /// `fencing.order_across_processes = false`.
+    pub order_off: bool,
+    /// Also run the fenced phases through this `railguard` binary (another build), on a
+    /// database it migrates itself; the label names it in the report.
+    pub baseline: Option<Baseline>,
+}
+
+/// Another `railguard` binary whose fenced forward is measured beside this build's.
+#[derive(Debug, Clone)]
+pub(crate) struct Baseline {
+    pub binary: std::path::PathBuf,
+    pub label: String,
 }
 
 /// What one phase sends load through.
@@ -81,6 +101,10 @@ pub(crate) enum Route {
     Nginx,
     RailguardOff,
     Fenced,
+    /// Fenced, `fencing.order_across_processes = false`.
+    Unordered,
+    /// Fenced, through the baseline binary.
+    Baseline,
     Pgbench,
 }
 
@@ -88,6 +112,8 @@ pub(crate) enum Route {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Phase {
     pub route: Route,
+    /// The baseline binary's label (`Route::Baseline`).
+    pub baseline: Option<&'static str>,
     pub keys: bool,
     pub stale: bool,
     pub connections: usize,
@@ -101,6 +127,12 @@ impl Phase {
             (Route::RailguardOff, _) => "railguard, fencing off".to_string(),
             (Route::Fenced, true) => "railguard, stale token → 409".to_string(),
             (Route::Fenced, false) => "railguard, fenced".to_string(),
+            (Route::Unordered, _) => {
+                "railguard, fenced, order_across_processes = false".to_string()
+            }
+            (Route::Baseline, _) => {
+                format!("railguard {}, fenced", self.baseline.unwrap_or("baseline"))
+            }
             (Route::Pgbench, _) => "pgbench, the same single-row CAS".to_string(),
         };
         let keys = match self.route {
@@ -120,8 +152,14 @@ impl Phase {
 /// The phases, in the order each round runs them.
 fn phases(o: &WireOptions) -> Vec<Phase> {
     let c = o.connections;
+    // Leaked once per run: a phase is `Copy`, and the label lives as long as the report.
+    let baseline: Option<&'static str> = o
+        .baseline
+        .as_ref()
+        .map(|b| &*Box::leak(b.label.clone().into_boxed_str()));
     let p = |route, keys, stale, connections| Phase {
         route,
+        baseline,
         keys,
         stale,
         connections,
@@ -130,11 +168,22 @@ fn phases(o: &WireOptions) -> Vec<Phase> {
         p(Route::Direct, true, false, c),
         p(Route::Nginx, true, false, c),
         p(Route::RailguardOff, false, false, c),
-        p(Route::Fenced, false, false, c),
-        p(Route::Fenced, true, false, c),
+    ];
+    // The fenced forward, unkeyed then keyed, each followed by its variants: what they are
+    // compared with runs next to them.
+    for keys in [false, true] {
+        all.push(p(Route::Fenced, keys, false, c));
+        if o.order_off {
+            all.push(p(Route::Unordered, keys, false, c));
+        }
+        if o.baseline.is_some() {
+            all.push(p(Route::Baseline, keys, false, c));
+        }
+    }
+    all.extend([
         p(Route::Fenced, false, true, c),
         p(Route::Pgbench, false, false, c),
-    ];
+    ]);
     if !o.latency_duration.is_zero() {
         all.extend([
             p(Route::Direct, true, false, 1),
@@ -177,6 +226,8 @@ struct Components {
     nginx: Spawned,
     off: Spawned,
     fenced: Spawned,
+    unordered: Option<Spawned>,
+    baseline: Option<Spawned>,
 }
 
 pub(crate) async fn run(options: WireOptions) -> Result<WireReport, String> {
@@ -186,6 +237,11 @@ pub(crate) async fn run(options: WireOptions) -> Result<WireReport, String> {
         .map_err(|e| format!("cannot create a directory under /var/tmp: {e}"))?;
     eprintln!("wire: starting PostgreSQL (durable) under /var/tmp");
     let mut builder = Pg::builder().durable(true).temp_dir_in("/var/tmp");
+    if options.order_off || options.baseline.is_some() {
+        // Up to four railguards' sessions beside pgbench's 64 clients; a setting given on the
+        // command line comes later and wins.
+        builder = builder.setting("max_connections", "300");
+    }
     for (name, value) in &options.pg_settings {
         builder = builder.setting(name, value);
     }
@@ -198,14 +254,43 @@ pub(crate) async fn run(options: WireOptions) -> Result<WireReport, String> {
     Ok(report)
 }
 
-async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireReport, String> {
-    let url = pg.url();
-    // The binary under test migrates: a `RAILGUARD_BIN` of another version must find the
-    // schema it knows, not this build's.
-    procs::migrate(dir, proxy_config(o.pool_size), &url).await?;
+/// A database of its own for one railguard, in the run's cluster, migrated by `binary` (a
+/// binary of another version must find the schema it knows, not this build's) and holding the
+/// benchmark's grant-proof key; its URL. `None`: the cluster's own database.
+async fn database_for(
+    pg: &Pg,
+    dir: &Path,
+    binary: &Path,
+    name: Option<&str>,
+    pool_size: usize,
+) -> Result<String, String> {
+    let url = match name {
+        None => pg.url(),
+        Some(name) => {
+            let client = pg.client_with(&pg.url()).await?;
+            client
+                .batch_execute(&format!("CREATE DATABASE {name}"))
+                .await
+                .map_err(|e| format!("creating database {name}: {e}"))?;
+            let base = pg.url();
+            let (server, _) = base
+                .rsplit_once('/')
+                .ok_or("a database URL without a path")?;
+            format!("{server}/{name}")
+        }
+    };
+    let config_name = format!("migrate-{}", name.unwrap_or("main"));
+    procs::migrate(binary, &config_name, dir, proxy_config(pool_size), &url).await?;
     crate::load::store_proof_key(&url)
         .await
         .map_err(|e| format!("storing the grant-proof key: {e}"))?;
+    Ok(url)
+}
+
+async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireReport, String> {
+    let binary = railguard_testkit::railguard_binary();
+    let url = database_for(pg, dir, &binary, None, o.pool_size).await?;
+    let off_url = database_for(pg, dir, &binary, Some("railguard_off"), o.pool_size).await?;
     let upstream = match o.upstream {
         UpstreamKind::Static => procs::static_upstream(dir).await?,
         UpstreamKind::RailSim => procs::rail_sim(dir).await?,
@@ -216,20 +301,81 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
     if let Some(concurrency) = o.batch_concurrency {
         config.fencing.batch_concurrency = concurrency;
     }
-    // One after the other: each migrates the database on start.
-    let fenced =
-        procs::railguard("railguard-fenced", dir, config.clone(), upstream.addr, &url).await?;
+    let fenced = procs::railguard(
+        &binary,
+        "railguard-fenced",
+        dir,
+        config.clone(),
+        upstream.addr,
+        &url,
+    )
+    .await?;
     let mut off_config = config.clone();
     off_config.fencing.enforce = false;
     eprintln!(
         "wire: starting railguard with fencing.enforce = false; the error it logs about that is expected"
     );
-    let off = procs::railguard("railguard-off", dir, off_config, upstream.addr, &url).await?;
+    let off = procs::railguard(
+        &binary,
+        "railguard-off",
+        dir,
+        off_config,
+        upstream.addr,
+        &off_url,
+    )
+    .await?;
+    let unordered = if o.order_off {
+        let url = database_for(pg, dir, &binary, Some("railguard_unordered"), o.pool_size).await?;
+        let mut config = config.clone();
+        config.fencing.order_across_processes = false;
+        eprintln!(
+            "wire: starting railguard with fencing.order_across_processes = false; the error it logs about that is expected"
+        );
+        Some(
+            procs::railguard(
+                &binary,
+                "railguard-unordered",
+                dir,
+                config,
+                upstream.addr,
+                &url,
+            )
+            .await?,
+        )
+    } else {
+        None
+    };
+    let baseline = match &o.baseline {
+        Some(baseline) => {
+            let url = database_for(
+                pg,
+                dir,
+                &baseline.binary,
+                Some("railguard_baseline"),
+                o.pool_size,
+            )
+            .await?;
+            Some(
+                procs::railguard(
+                    &baseline.binary,
+                    "railguard-baseline",
+                    dir,
+                    config.clone(),
+                    upstream.addr,
+                    &url,
+                )
+                .await?,
+            )
+        }
+        None => None,
+    };
     let components = Components {
         upstream,
         nginx,
         off,
         fenced,
+        unordered,
+        baseline,
     };
     let result = measure_all(o, pg, dir, &components).await;
     let Components {
@@ -237,8 +383,14 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
         nginx,
         off,
         fenced,
+        unordered,
+        baseline,
     } = components;
-    for process in [fenced, off, nginx, upstream] {
+    for process in [fenced, off, nginx, upstream]
+        .into_iter()
+        .chain(unordered)
+        .chain(baseline)
+    {
         process.stop().await;
     }
     let mut report = result?;
@@ -405,10 +557,19 @@ async fn measure(
     if phase.route == Route::Pgbench {
         return measure_pgbench(o, pg, dir, phase, duration).await;
     }
-    let (target, proxy) = match phase.route {
-        Route::Direct => (c.upstream.addr, None),
-        Route::Nginx => (c.nginx.addr, Some(&c.nginx)),
-        Route::RailguardOff => (c.off.addr, Some(&c.off)),
+    let variant = match phase.route {
+        Route::Unordered => c.unordered.as_ref(),
+        Route::Baseline => c.baseline.as_ref(),
+        _ => None,
+    };
+    let (target, proxy) = match (phase.route, variant) {
+        (Route::Direct, _) => (c.upstream.addr, None),
+        (Route::Nginx, _) => (c.nginx.addr, Some(&c.nginx)),
+        (Route::RailguardOff, _) => (c.off.addr, Some(&c.off)),
+        (Route::Unordered | Route::Baseline, Some(variant)) => (variant.addr, Some(variant)),
+        (Route::Unordered | Route::Baseline, None) => {
+            return failed("that railguard was not started".to_string());
+        }
         _ => (c.fenced.addr, Some(&c.fenced)),
     };
     let requests = if phase.stale {

@@ -256,15 +256,18 @@ fn write_config(dir: &Path, name: &str, config: &Config) -> Result<PathBuf, Stri
     Ok(path)
 }
 
-/// `railguard migrate` with the binary under test.
+/// `railguard migrate` with `binary` (the binary under test, or a baseline's), its config
+/// written as `<dir>/<name>.toml`.
 pub(crate) async fn migrate(
+    binary: &Path,
+    name: &str,
     dir: &Path,
     mut config: Config,
     database_url: &str,
 ) -> Result<(), String> {
     config.database.url = DatabaseUrl::Postgres(database_url.to_string());
-    let path = write_config(dir, "migrate", &config)?;
-    let out = Command::new(railguard_testkit::railguard_binary())
+    let path = write_config(dir, name, &config)?;
+    let out = Command::new(binary)
         .arg("migrate")
         .arg("--config")
         .arg(&path)
@@ -281,9 +284,10 @@ pub(crate) async fn migrate(
     Ok(())
 }
 
-/// `railguard serve` with `config` (listeners, upstream and database set here), ready once its
-/// `/readyz` answers 200.
+/// `railguard serve` of `binary` with `config` (listeners, upstream and database set here),
+/// ready once its `/readyz` answers 200.
 pub(crate) async fn railguard(
+    binary: &Path,
     name: &str,
     dir: &Path,
     mut config: Config,
@@ -296,7 +300,7 @@ pub(crate) async fn railguard(
     config.proxy.upstream = Upstream::parse(&format!("http://{upstream}"))?;
     config.database.url = DatabaseUrl::Postgres(database_url.to_string());
     let path = write_config(dir, name, &config)?;
-    let mut command = Command::new(railguard_testkit::railguard_binary());
+    let mut command = Command::new(binary);
     command.arg("serve").arg("--config").arg(&path);
     let mut spawned = spawn(name, &mut command, dir, config.proxy.listen)?;
     let admin = config.admin.listen;

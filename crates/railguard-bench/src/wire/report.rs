@@ -1,5 +1,6 @@
 //! The `wire` suite's markdown: medians per phase, ratios to nginx and to pgbench from the same
-//! run, and the performance targets with whether this run met them.
+//! run, the targets (docs/performance.md) with whether this run met them, and the fenced
+//! forward with the cross-process order off and through a baseline binary, when run.
 
 use std::fmt::Write as _;
 
@@ -146,6 +147,28 @@ impl WireReport {
             o.accounts,
             self.stale_accounts
         );
+        let mut variants = Vec::new();
+        if o.order_off {
+            variants
+                .push("the same build with `fencing.order_across_processes = false`".to_string());
+        }
+        if let Some(baseline) = &o.baseline {
+            variants.push(format!(
+                "railguard {} (`{}`) at its defaults",
+                baseline.label,
+                baseline.binary.display()
+            ));
+        }
+        let _ = writeln!(
+            out,
+            "- Each railguard process on a database of its own in the cluster (none meets another \
+             process's entries in the mark rows); the fenced phases also run through {}",
+            if variants.is_empty() {
+                "nothing else".to_string()
+            } else {
+                variants.join(" and ")
+            }
+        );
         let _ = writeln!(
             out,
             "- CPU and context switches per request: from `/proc` of each process (nginx: master \
@@ -196,7 +219,11 @@ impl WireReport {
             };
             let has_proxy = matches!(
                 phase.route,
-                Route::Nginx | Route::RailguardOff | Route::Fenced
+                Route::Nginx
+                    | Route::RailguardOff
+                    | Route::Fenced
+                    | Route::Unordered
+                    | Route::Baseline
             );
             let _ = writeln!(
                 out,
@@ -267,13 +294,71 @@ impl WireReport {
                 );
             }
         }
+        self.variants(&mut out);
         self.targets(&mut out);
         self.budgets(&mut out);
         self.repetitions(&mut out);
         out
     }
 
-    /// The performance targets against this run.
+    /// The fenced forward with the cross-process order off, and through the baseline binary,
+    /// each against the default build's in the same run: the ratio of their medians.
+    fn variants(&self, out: &mut String) {
+        let c = self.options.connections;
+        let variants: Vec<Phase> = self
+            .samples
+            .iter()
+            .map(|(p, _)| *p)
+            .filter(|p| matches!(p.route, Route::Unordered | Route::Baseline) && p.connections == c)
+            .collect();
+        if variants.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "\nThe fenced forward against its variants, medians of this run ({c} connections; \
+             ratio = default ÷ variant: above 1 the default costs more):\n\n\
+             | requests | variant | railguard CPU µs/req: default | variant | ratio | ctx sw/req: default | variant | PostgreSQL CPU µs/req: default | variant | ratio | req/s: default | variant | ratio |\n\
+             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for variant in variants {
+            let (Some(default), Some(v)) = (
+                self.find(Route::Fenced, variant.keys, false, c),
+                self.find(variant.route, variant.keys, false, c),
+            ) else {
+                continue;
+            };
+            let ratio = |a: f64, b: f64| {
+                if a > 0.0 && b > 0.0 {
+                    format!("{:.3}", a / b)
+                } else {
+                    "—".into()
+                }
+            };
+            let name = match variant.route {
+                Route::Unordered => "`fencing.order_across_processes = false`".to_string(),
+                _ => format!("railguard {}", variant.baseline.unwrap_or("baseline")),
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {name} | {:.1} | {:.1} | {} | {:.2} | {:.2} | {:.1} | {:.1} | {} | {:.0} | {:.0} | {} |",
+                if variant.keys { "with keys" } else { "no keys" },
+                default.proxy_us,
+                v.proxy_us,
+                ratio(default.proxy_us, v.proxy_us),
+                default.switches,
+                v.switches,
+                default.postgres_us,
+                v.postgres_us,
+                ratio(default.postgres_us, v.postgres_us),
+                default.rate,
+                v.rate,
+                ratio(default.rate, v.rate),
+            );
+        }
+    }
+
+    /// The targets (docs/performance.md) against this run.
     fn targets(&self, out: &mut String) {
         let c = self.options.connections;
         let (Some(nginx), Some(direct)) = (
@@ -293,7 +378,7 @@ impl WireReport {
         let met = |ok: bool| if ok { "met" } else { "**not met**" };
         let _ = writeln!(
             out,
-            "\nPerformance targets, from this run:\n\n| target | measured | |\n|---|---|---|"
+            "\nThe targets (docs/performance.md), from this run:\n\n| target | measured | |\n|---|---|---|"
         );
         let r = keyed.rate / nginx.rate.max(1e-9);
         let _ = writeln!(
@@ -427,15 +512,29 @@ impl WireReport {
                 );
             }
         }
-        let _ = writeln!(out, "\nEvery repetition (req/s), and what was flagged:\n");
+        let _ = writeln!(
+            out,
+            "\nEvery repetition (req/s; the proxy's CPU µs per request where there is one), and \
+             what was flagged:\n"
+        );
         for (phase, samples) in &self.samples {
             let rates: Vec<String> = samples.iter().map(|s| format!("{:.0}", s.rate)).collect();
+            let cpu: Vec<String> = samples
+                .iter()
+                .filter(|s| s.proxy_cpu > 0.0)
+                .map(|s| format!("{:.1}", per_request_us(s.proxy_cpu, s.requests)))
+                .collect();
             let _ = writeln!(
                 out,
-                "- {} (c={}): {}",
+                "- {} (c={}): {}{}",
                 phase.label(),
                 phase.connections,
-                rates.join(", ")
+                rates.join(", "),
+                if cpu.is_empty() {
+                    String::new()
+                } else {
+                    format!("; proxy CPU µs/req {}", cpu.join(", "))
+                }
             );
             for (i, s) in samples.iter().enumerate() {
                 for problem in &s.problems {
