@@ -416,7 +416,6 @@ where
             )?;
             config.host(request.version(), request.headers())?;
             let (token, account) = config.fencing_headers(request.headers())?;
-            config.grants.grantable(&config.account_header, &account)?;
             if let Some(caller) = &caller {
                 authorize::may_pay_on(config.auth.as_ref(), caller, account.as_str())?;
             }
@@ -428,6 +427,9 @@ where
                     format!("the request path does not name the Fencing-Account at {template}"),
                 )?;
             }
+            // After the caller's own checks, so that an account outside a worker's patterns
+            // is a 403 whatever its characters; before the proof, which no grant could make.
+            config.grants.grantable(&config.account_header, &account)?;
             let evidence = config
                 .grants
                 .check(
