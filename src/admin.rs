@@ -159,7 +159,7 @@ impl Admin {
             Err(e) => {
                 auth.metrics
                     .refused(Listener::Admin, Refusal::Unauthenticated);
-                let mut refused = reply(StatusCode::UNAUTHORIZED, "text/plain", format!("{e}\n"));
+                let mut refused = error(StatusCode::UNAUTHORIZED, "unauthenticated", e.to_string());
                 refused
                     .headers_mut()
                     .insert(header::WWW_AUTHENTICATE, e.challenge());
@@ -175,12 +175,12 @@ impl Admin {
             Permission::Read => "read",
             Permission::Write => "write",
         };
-        Some(reply(
+        Some(error(
             StatusCode::FORBIDDEN,
-            "text/plain",
+            "forbidden",
             format!(
                 "identity {:?} may not do this: it needs an operator credential with {what:?}; \
-                 nothing was read or changed\n",
+                 nothing was read or changed",
                 identity.name
             ),
         ))
@@ -213,20 +213,15 @@ impl Admin {
             (Method::POST, "/marks") => self.mark(request).await,
             (Method::POST, "/recover") => self.recover(request).await,
             (Method::GET, "/openapi.yaml") => crate::openapi::response(),
-            (
-                _,
-                "/metrics" | "/healthz" | "/readyz" | "/idempotency/forget" | "/marks" | "/recover"
-                | "/openapi.yaml",
-            ) => reply(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "text/plain",
-                "method not allowed\n".into(),
-            ),
-            _ => reply(
+            (_, "/metrics" | "/healthz" | "/readyz" | "/openapi.yaml") => {
+                method_not_allowed("GET")
+            }
+            (_, "/idempotency/forget" | "/marks" | "/recover") => method_not_allowed("POST"),
+            _ => error(
                 StatusCode::NOT_FOUND,
-                "text/plain",
+                "not_found",
                 "not found; try /metrics, /healthz, /readyz, POST /idempotency/forget, POST /marks, \
-                 POST /recover, /openapi.yaml\n"
+                 POST /recover, /openapi.yaml"
                     .into(),
             ),
         })
@@ -263,10 +258,10 @@ impl Admin {
         let body = match crate::http::read_small_body(request, 4096).await {
             Ok(body) => body,
             Err(e @ crate::http::SmallBodyError::TimedOut(_)) => {
-                return Err(reply(
+                return Err(error(
                     StatusCode::REQUEST_TIMEOUT,
-                    "text/plain",
-                    format!("{e}; nothing was done\n"),
+                    "request_timeout",
+                    format!("{e}; nothing was done"),
                 ));
             }
             Err(e) => return Err(bad_request(e.to_string())),
@@ -297,10 +292,10 @@ impl Admin {
                 let body = serde_json::json!({ "account": account.as_str(), "mark": mark });
                 reply(StatusCode::OK, "application/json", format!("{body}\n"))
             }
-            Err(e) => reply(
+            Err(e) => error(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "text/plain",
-                format!("database: {e}\n"),
+                "unavailable",
+                format!("database: {e}"),
             ),
         }
     }
@@ -481,7 +476,12 @@ impl Admin {
             Ok(Forgot::NotFound) => (StatusCode::NOT_FOUND, "no record for this account and key".into()),
             Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
         };
-        reply(status, "text/plain", format!("{message}\n"))
+        match status {
+            StatusCode::OK => reply(status, "text/plain", format!("{message}\n")),
+            StatusCode::NOT_FOUND => error(status, "not_found", message),
+            StatusCode::CONFLICT => error(status, "not_forgotten", message),
+            _ => error(status, "unavailable", message),
+        }
     }
 }
 
@@ -490,12 +490,34 @@ fn recover_error(
     code: &'static str,
     e: &dyn std::fmt::Display,
 ) -> Response<ResponseBody> {
-    let body = serde_json::json!({ "error": code, "message": e.to_string() });
+    error(status, code, e.to_string())
+}
+
+/// An error answer, in the shape the other listeners use: `{"error": code, "message"}`.
+pub(crate) fn error(
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+) -> Response<ResponseBody> {
+    let body = serde_json::json!({ "error": code, "message": message });
     reply(status, "application/json", format!("{body}\n"))
 }
 
+/// 405 for a path that takes only `allow`, saying so in `Allow`.
+pub(crate) fn method_not_allowed(allow: &'static str) -> Response<ResponseBody> {
+    let mut response = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("method not allowed; this path takes {allow}"),
+    );
+    response
+        .headers_mut()
+        .insert(header::ALLOW, http::HeaderValue::from_static(allow));
+    response
+}
+
 fn bad_request(why: String) -> Response<ResponseBody> {
-    reply(StatusCode::BAD_REQUEST, "text/plain", format!("{why}\n"))
+    error(StatusCode::BAD_REQUEST, "bad_request", why)
 }
 
 /// The `idempotency-forget` command: asks the railguard whose admin listener is `admin` to
@@ -604,9 +626,16 @@ async fn ask_within(
         .to_bytes();
     let text = String::from_utf8_lossy(&text).trim().to_string();
     if status == StatusCode::OK {
-        Ok(text)
-    } else {
-        Err(format!("{status}: {text}"))
+        return Ok(text);
+    }
+    // Errors are JSON: show the code and the message as text.
+    let answer = serde_json::from_str::<serde_json::Value>(&text).ok();
+    match answer
+        .as_ref()
+        .and_then(|a| Some((a["error"].as_str()?, a["message"].as_str()?)))
+    {
+        Some((code, message)) => Err(format!("{status} {code}: {message}")),
+        None => Err(format!("{status}: {text}")),
     }
 }
 

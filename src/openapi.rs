@@ -231,7 +231,7 @@ mod tests {
                 return Some(format!("no {status} response"));
             };
             let response = self.resolve(response);
-            for name in [header::RETRY_AFTER] {
+            for name in [header::RETRY_AFTER, header::ALLOW] {
                 if rendered.headers.contains_key(&name) {
                     let documented = response["headers"]
                         .as_object()
@@ -372,6 +372,63 @@ mod tests {
                     .map(|p| doc.resolve(p))
                     .any(|p| p["in"] == "path" && p["name"] == name && p["required"] == true);
                 assert!(declared, "{path}: path parameter {name}");
+            }
+        }
+    }
+
+    /// The bounds the document gives an acquire are the server's: a client generated from it
+    /// sends no `ttl_ms` the server refuses, and the admin listener's account is what the
+    /// proxy reads as one.
+    #[test]
+    fn the_documented_bounds_of_request_fields_are_the_servers() {
+        let doc = Doc::load();
+        let ttl = &doc.at("#/components/schemas/AcquireRequest").unwrap()["properties"]["ttl_ms"];
+        let limits = crate::lock::service::LockLimits::default();
+        assert_eq!(
+            ttl["minimum"].as_u64(),
+            Some(limits.min_ttl.as_millis() as u64),
+            "ttl_ms minimum: {ttl}"
+        );
+        for schema in ["AccountRequest", "ForgetRequest", "RecoverRequest"] {
+            let account = doc.resolve(
+                &doc.at(&format!("#/components/schemas/{schema}")).unwrap()["properties"]
+                    ["account"],
+            );
+            assert_eq!(account["minLength"], 1, "{schema}.account: {account}");
+            assert_eq!(
+                account["pattern"], "^[!-~]+$",
+                "{schema}.account: {account}"
+            );
+        }
+    }
+
+    /// The admin listener's errors are JSON in the documented shape, and its 405 says in
+    /// `Allow` what the path takes.
+    #[tokio::test]
+    async fn the_admin_listeners_error_answers_are_documented() {
+        let doc = Doc::load();
+        let unrouted = doc.unrouted("admin");
+        for response in [
+            crate::admin::method_not_allowed("GET"),
+            crate::admin::error(http::StatusCode::NOT_FOUND, "not_found", "no".into()),
+        ] {
+            let rendered = render(response).await;
+            if let Some(why) = doc.undocumented(unrouted, &rendered) {
+                panic!("admin, unrouted: {why}");
+            }
+        }
+        let marks = &doc.operation("admin", "/marks", &Method::POST).unwrap()["responses"];
+        for response in [
+            crate::admin::error(http::StatusCode::BAD_REQUEST, "bad_request", "no".into()),
+            crate::admin::error(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "database: down".into(),
+            ),
+        ] {
+            let rendered = render(response).await;
+            if let Some(why) = doc.undocumented(marks, &rendered) {
+                panic!("admin, /marks: {why}");
             }
         }
     }

@@ -440,6 +440,54 @@ async fn a_changed_credentials_file_is_in_force_without_a_restart_and_a_broken_o
     assert!(inspect(LATE).await.is_ok());
 }
 
+/// The documented revocation of a leaked secret — remove its digest — for a worker whose only
+/// secret it is: the file with `secrets = []` is put in force, and from then on the secret gets
+/// 401 on the lock API and on the proxy, while the other identities are unaffected.
+#[tokio::test]
+async fn removing_the_only_secret_of_a_worker_revokes_it_on_the_lock_api_and_the_proxy() {
+    let s = setup().await;
+    let rg = &s.rg;
+    let body = || Bytes::from_static(br#"{"amount":100}"#);
+    let grant = locks(rg, Some(EU))
+        .acquire("acct-eu-9", "eu", Duration::from_secs(5), Duration::ZERO)
+        .await
+        .unwrap();
+    let reply = rail(rg, Some(EU))
+        .post(&grant, "acct-eu-9", "/payments", body(), Some("k-1"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+
+    let with_eu = format!("secrets = [\"{}\"]", secret::digest_text(EU));
+    let revoked = credentials("").replacen(&with_eu, "secrets = []", 1);
+    assert_ne!(revoked, credentials(""), "the test removed eu's digest");
+    write_atomically(&s.file, &revoked);
+    wait_for(|| async {
+        matches!(
+            locks(rg, Some(EU)).inspect("acct-eu-9").await,
+            Err(SdkError::Unauthenticated(_))
+        )
+    })
+    .await;
+    let m = metrics(rg).await;
+    assert!(m.contains("railguard_credentials_stale 0"), "{m}");
+
+    // The proxy refuses the revoked secret, even with a grant it took before.
+    let reply = rail(rg, Some(EU))
+        .post(&grant, "acct-eu-9", "/payments", body(), Some("k-2"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{:?}", reply.body);
+    assert_eq!(s.rail.ledger().len(), 1, "nothing more forwarded");
+    // Renewing the grant is refused too.
+    assert!(matches!(
+        locks(rg, Some(EU)).renew(&grant).await,
+        Err(SdkError::Unauthenticated(_))
+    ));
+    // Every other identity is as it was.
+    assert!(locks(rg, Some(EU2)).inspect("acct-eu-9").await.is_ok());
+}
+
 #[tokio::test]
 async fn an_identity_over_its_lock_rate_gets_429_and_others_are_not_slowed() {
     let s = setup().await;
@@ -659,6 +707,10 @@ async fn the_path_must_name_the_fenced_account_when_account_in_path_is_set() {
         // Dot segments after the account, which the rail resolves.
         ("/accounts/acct-eu-5/../acct-us-1/payments", "k-6"),
         ("/accounts/acct-eu-5/%2e%2e/acct-us-1/payments", "k-7"),
+        // Encoded twice (a server that decodes again resolves them), and overlong UTF-8
+        // (a `.` to a lax decoder).
+        ("/accounts/acct-eu-5/%252e%252e/acct-us-1/payments", "k-8"),
+        ("/accounts/acct-eu-5/%c0%ae%c0%ae/acct-us-1/payments", "k-9"),
     ] {
         let reply = rail(rg, Some(EU))
             .post(&grant, "acct-eu-5", path, body(), Some(key))
@@ -688,7 +740,7 @@ async fn the_path_must_name_the_fenced_account_when_account_in_path_is_set() {
         .unwrap();
     assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
     assert_eq!(s.rail.ledger().len(), 1);
-    assert_eq!(refusals(&metrics(rg).await, "proxy", "forbidden"), 6);
+    assert_eq!(refusals(&metrics(rg).await, "proxy", "forbidden"), 8);
 }
 
 /// Replaces `path` by a rename, as configuration management tools do.

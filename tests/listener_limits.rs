@@ -212,6 +212,74 @@ async fn a_connection_past_max_connections_is_closed_at_once_and_the_listener_re
     assert_eq!(served.expect("served again").0, StatusCode::OK);
 }
 
+/// A burst of 60 connections at a listener just started with `max_connections = 50`: exactly
+/// the 10 past the limit are closed and the 50 stay open, on each of twenty starts, with the
+/// accept loop and the connections on several threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_past_max_connections_right_after_start_closes_exactly_the_excess() {
+    for start in 0..20 {
+        let server = Server::start(ListenerLimits {
+            max_connections: 50,
+            ..ListenerLimits::default()
+        })
+        .await;
+        let closed = burst(server.addr, 60).await;
+        server.wait_refused(Refusal::Connections, 10).await;
+        assert_eq!(
+            closed, 10,
+            "start {start}: 60 connections at 50 closed {closed}"
+        );
+    }
+}
+
+/// The same through railguard's proxy listener (`proxy.max_connections = 50`), on each of
+/// five starts, counted by the client and in `railguard_listener_refusals_total`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_past_the_proxys_max_connections_right_after_start_closes_exactly_the_excess() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let key = "railguard_listener_refusals_total{listener=\"proxy\",reason=\"connections\"}";
+    for start in 0..5 {
+        let mut rg = Railguard::start(
+            &pg.url(),
+            &rail.url(),
+            &[("RAILGUARD__PROXY__MAX_CONNECTIONS", "50")],
+        )
+        .await;
+        let closed = burst(rg.proxy, 60).await;
+        assert_eq!(
+            closed, 10,
+            "start {start}: 60 connections at 50 closed {closed}"
+        );
+        assert_eq!(rg.metrics().await.get(key), 10.0, "start {start}");
+        rg.stop().await;
+    }
+}
+
+/// Opens `n` connections at once to `addr` and returns how many the server closed within a
+/// second, sending nothing on any (the header-read timeout is far longer).
+async fn burst(addr: SocketAddr, n: usize) -> usize {
+    let mut connecting = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        connecting.spawn(async move {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            let mut byte = [0u8; 1];
+            let read = tokio::time::timeout(Duration::from_secs(1), stream.read(&mut byte));
+            // Keep every stream open until all are counted.
+            (matches!(read.await, Ok(Ok(0) | Err(_))), stream)
+        });
+    }
+    let mut closed = 0;
+    let mut open = Vec::new();
+    while let Some(joined) = connecting.join_next().await {
+        let (was_closed, stream) = joined.unwrap();
+        closed += usize::from(was_closed);
+        open.push(stream);
+    }
+    closed
+}
+
 #[tokio::test]
 async fn a_request_past_max_in_flight_gets_503_and_is_not_served() {
     let server = Server::start(ListenerLimits {

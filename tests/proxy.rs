@@ -293,6 +293,243 @@ async fn oversized_bodies_get_413_and_advance_nothing() {
     rg.stop().await;
 }
 
+/// With proofs on (the default), an account is paid with a grant of its lock key, and lock keys
+/// hold only `A-Z a-z 0-9 . _ : -`: an account outside that set could never be granted, so
+/// it is refused at once, with the characters allowed named. With proofs off it is fenced as
+/// any other.
+#[tokio::test]
+async fn an_account_no_lock_key_can_name_is_refused_while_proofs_are_required() {
+    let (pg, rail, rg) = world().await;
+    let http = rg.http();
+    for account in ["a,b", "acct/1", "a%2Cb", "acct@eu", "a+b"] {
+        // Even with a proof made for it (no grant could be: the lock API refuses the key).
+        let reply = http.pay_with(&rg, 5, account).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::BAD_REQUEST,
+            "{account}: {}",
+            reply.body
+        );
+        let body = reply.json();
+        assert_eq!(body["error"], "bad_request", "{account}");
+        let message = body["message"].as_str().unwrap();
+        assert!(message.contains("fencing-account"), "{message}");
+        assert!(message.contains("A-Z a-z 0-9 . _ : -"), "{message}");
+        assert!(message.contains("fencing.require_proof"), "{message}");
+        assert_eq!(pg.mark(account).await, None, "{account}: no mark moved");
+    }
+    assert!(rail.ledger().is_empty(), "nothing forwarded");
+    assert!(
+        rg.lock_client()
+            .acquire("a,b", "w", Duration::from_secs(5), Duration::ZERO)
+            .await
+            .is_err(),
+        "the lock API refuses such a key"
+    );
+
+    // Proofs off: the account is fenced and forwarded with an issued token.
+    let grant = rg
+        .lock_client()
+        .acquire("acct-any", "w", Duration::from_secs(5), Duration::ZERO)
+        .await
+        .unwrap();
+    let lenient = Railguard::start(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__FENCING__REQUIRE_PROOF", "false")],
+    )
+    .await;
+    let token = grant.token().get().to_string();
+    let reply = support::Http::new()
+        .pay(
+            &lenient.proxy_url("/payments"),
+            &[("Fencing-Token", &token), ("Fencing-Account", "a,b")],
+            "{}",
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    assert_eq!(pg.mark("a,b").await, Some(grant.token().get()));
+}
+
+/// The contract's small print as docs/openapi.yaml states it: a lock key sent percent-encoded
+/// is the key it decodes to; a 405 names in `Allow` what the path takes, on every listener;
+/// the admin listener's errors are JSON in the shape of the other listeners' (an empty
+/// account included, which its schema refuses too).
+#[tokio::test]
+async fn encoded_keys_allow_headers_and_admin_errors_are_as_documented() {
+    let (_pg, _rail, rg) = world().await;
+    let http = Http::new();
+    let send = |method: &str, url: String, body: &str| {
+        let request = http::Request::builder()
+            .method(method)
+            .uri(url)
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(
+                body.to_string(),
+            )))
+            .unwrap();
+        let http = http.clone();
+        async move { http.send(request).await.expect("railguard answers") }
+    };
+    let lock = rg.lock_url();
+    let acquire = r#"{"holder":"w","ttl_ms":5000}"#;
+
+    // `%3A` is `:`: the grant is of `acct:1`, which is then held under either spelling.
+    let granted = send("POST", format!("{lock}/v1/locks/acct%3A1/acquire"), acquire).await;
+    assert_eq!(granted.status, StatusCode::OK, "{}", granted.body);
+    assert_eq!(granted.json()["key"], "acct:1");
+    let again = send("POST", format!("{lock}/v1/locks/acct:1/acquire"), acquire).await;
+    assert_eq!(again.status, StatusCode::CONFLICT, "{}", again.body);
+    assert_eq!(again.json()["error"], "held");
+    // A key that decodes to a character no key may hold is refused as that character is.
+    let slash = send("POST", format!("{lock}/v1/locks/a%2Fb/acquire"), acquire).await;
+    assert_eq!(slash.status, StatusCode::BAD_REQUEST, "{}", slash.body);
+    assert!(slash.body.contains("A-Z a-z 0-9"), "{}", slash.body);
+
+    // 405 on the lock listener: `Allow` says which method the path takes.
+    for (method, path, allow) in [
+        ("POST", "/v1/locks/k", "GET"),
+        ("GET", "/v1/locks/k/acquire", "POST"),
+        ("DELETE", "/v1/locks/k/release", "POST"),
+    ] {
+        let reply = send(method, format!("{lock}{path}"), "").await;
+        assert_eq!(
+            reply.status,
+            StatusCode::METHOD_NOT_ALLOWED,
+            "{method} {path}"
+        );
+        assert_eq!(reply.headers["allow"], allow, "{method} {path}");
+        assert_eq!(reply.json()["error"], "method_not_allowed");
+    }
+
+    // The admin listener: JSON errors, `Allow` on 405.
+    let admin = format!("http://{}", rg.admin);
+    for (method, path, allow) in [
+        ("DELETE", "/metrics", "GET"),
+        ("POST", "/readyz", "GET"),
+        ("GET", "/marks", "POST"),
+        ("GET", "/idempotency/forget", "POST"),
+    ] {
+        let reply = send(method, format!("{admin}{path}"), "").await;
+        assert_eq!(
+            reply.status,
+            StatusCode::METHOD_NOT_ALLOWED,
+            "{method} {path}"
+        );
+        assert_eq!(reply.headers["allow"], allow, "{method} {path}");
+        assert_eq!(reply.headers["content-type"], "application/json");
+        assert_eq!(reply.json()["error"], "method_not_allowed");
+    }
+    for (method, path, body, status, code) in [
+        (
+            "GET",
+            "/no-such-route",
+            "",
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            "POST",
+            "/marks",
+            r#"{"account":""}"#,
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "POST",
+            "/marks",
+            "{not json",
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "POST",
+            "/idempotency/forget",
+            r#"{"account":"a","key":"never-sent"}"#,
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+    ] {
+        let reply = send(method, format!("{admin}{path}"), body).await;
+        assert_eq!(
+            reply.status, status,
+            "{method} {path} {body}: {}",
+            reply.body
+        );
+        assert_eq!(reply.headers["content-type"], "application/json", "{path}");
+        let json = reply.json();
+        assert_eq!(json["error"], code, "{path}");
+        assert!(
+            json["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{json}"
+        );
+    }
+}
+
+/// A chunked body over `proxy.max_body_bytes` gets 413 as soon as the limit is passed — by a
+/// chunk's declared size, or by the bytes that arrived — not 408 at the request deadline:
+/// nothing forwarded, no mark moved.
+#[tokio::test]
+async fn an_oversized_chunked_body_gets_413_at_once_and_advances_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let rg = Railguard::start(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__PROXY__MAX_BODY_BYTES", "1024")],
+    )
+    .await;
+    let over = "x".repeat(1025);
+    let half = "y".repeat(512);
+    let cases: [(&str, String); 4] = [
+        // The first chunk alone says it is over the limit; its bytes never come.
+        (
+            "a 1 GiB first chunk, declared only",
+            "40000000\r\n".to_string(),
+        ),
+        (
+            "a chunk one byte over, declared only",
+            "401\r\n".to_string(),
+        ),
+        ("a chunk one byte over, sent", format!("401\r\n{over}")),
+        (
+            "chunks within the limit, then one past it",
+            format!("200\r\n{half}\r\n200\r\n{half}\r\n1\r\nz\r\n"),
+        ),
+    ];
+    for (i, (case, body)) in cases.iter().enumerate() {
+        let account = format!("acct-chunked-{i}");
+        let head = format!(
+            "POST /payments HTTP/1.1\r\nHost: rail\r\nFencing-Token: 9\r\n\
+             Fencing-Account: {account}\r\nFencing-Proof: {}\r\n\
+             Transfer-Encoding: chunked\r\n\r\n",
+            rg.proof(&account, 9)
+        );
+        let mut stream = tokio::net::TcpStream::connect(rg.proxy).await.unwrap();
+        let started = std::time::Instant::now();
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(body.as_bytes()).await.unwrap();
+        // The client keeps the connection open, as one still sending would.
+        let mut answer = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut answer))
+            .await
+            .unwrap_or_else(|_| panic!("{case}: no answer"))
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+        let took = started.elapsed();
+        assert!(answer.starts_with("HTTP/1.1 413"), "{case}: {answer}");
+        assert!(answer.contains("body_too_large"), "{case}: {answer}");
+        assert!(
+            took < Duration::from_millis(1500),
+            "{case}: answered after {took:?}, not at once (the request deadline is 3 s)"
+        );
+        assert_eq!(pg.mark(&account).await, None, "{case}: no mark moved");
+    }
+    assert!(rail.ledger().is_empty(), "nothing forwarded");
+}
+
 /// One burst: 50 concurrent requests for `account` with random tokens. Checks the rail's
 /// ledger for that account and returns how many were fenced out.
 async fn fifty_concurrent_random_tokens(
@@ -789,6 +1026,21 @@ async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
             "Host: a.example\r\nHost: b.example\r\n".to_string(),
         ),
         ("invalid Host", "Host: a b/c\r\n".to_string()),
+        ("empty Host", "Host: \r\n".to_string()),
+        (
+            "Host with userinfo",
+            "Host: user@rail.example\r\n".to_string(),
+        ),
+        (
+            "Host with a port over 65535",
+            "Host: rail.example:99999\r\n".to_string(),
+        ),
+        ("Host with port 0", "Host: rail.example:0\r\n".to_string()),
+        (
+            "Host with an empty port",
+            "Host: rail.example:\r\n".to_string(),
+        ),
+        ("Host with only a port", "Host: :8080\r\n".to_string()),
     ] {
         let answer = raw(
             rg.proxy,
@@ -797,6 +1049,28 @@ async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
         .await;
         assert!(answer.starts_with("HTTP/1.1 400"), "{case}: {answer}");
         assert!(answer.contains("\"error\""), "{case}: JSON body: {answer}");
+        assert!(
+            answer.contains("header host"),
+            "{case}: names the header: {answer}"
+        );
+    }
+    // Valid forms are forwarded: a name with a port, and an IPv6 literal with one.
+    for (i, host) in ["rail.example:8443", "[::1]:9090", "127.0.0.1"]
+        .iter()
+        .enumerate()
+    {
+        let account = format!("acct-host-{i}");
+        let proof = rg.proof(&account, 5);
+        let answer = raw(
+            rg.proxy,
+            &format!(
+                "POST /payments HTTP/1.1\r\nHost: {host}\r\nFencing-Token: 5\r\n\
+                 Fencing-Account: {account}\r\nFencing-Proof: {proof}\r\n\
+                 Content-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+            ),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 201"), "{host}: {answer}");
     }
     let answer = raw(
         rg.proxy,
@@ -806,16 +1080,26 @@ async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
     )
     .await;
     assert!(
-        !answer.starts_with("HTTP/1.1 2"),
+        answer.starts_with("HTTP/1.1 405"),
         "CONNECT refused: {answer}"
     );
-    assert!(rail.ledger().is_empty(), "nothing reached the rail");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("\r\nallow: get, head, post, put, delete, options, trace, patch\r\n"),
+        "a 405 names the methods forwarded: {answer}"
+    );
+    assert_eq!(
+        rail.ledger().len(),
+        3,
+        "only the valid Hosts reached the rail"
+    );
     assert_eq!(pg.mark("acct-h").await, None, "no mark moved");
 
     // HTTP/2 arrives at the rail as HTTP/1.1, and Via says what railguard received.
     let reply = Http::http2().pay_with(&rg, 5, "acct-h2").await;
     assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
-    let via = rail.ledger()[0].header("via").map(str::to_string);
+    let via = rail.ledger()[3].header("via").map(str::to_string);
     assert_eq!(via.as_deref(), Some("2 railguard"));
 }
 

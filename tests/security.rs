@@ -173,15 +173,21 @@ async fn grants_are_bound_to_key_and_identity_and_403s_confirm_no_token() {
         let r = pay(rg, EU, account, &token, &proof, "k5").await;
         assert_eq!(r.status, StatusCode::FORBIDDEN, "{account}: {}", r.body);
     }
-    // Inside the pattern but not eu's granted key: dot segments, percent-encoding. (No grant
-    // can exist for them: a lock key is [A-Za-z0-9._:-], so no proof can be made either.)
+    // Inside the pattern but not eu's granted key: dot segments, percent-encoding. No grant
+    // can exist for them (a lock key is [A-Za-z0-9._:-]), so no proof can be made either, and
+    // with proofs required such an account is refused as one that can never be paid.
     for account in [
         "acct-eu-1/../acct-us-1",
         "acct-eu-%31",
         "acct-eu-1%2F..%2Fx",
     ] {
         let r = pay(rg, EU, account, &token, &proof, "k8").await;
-        assert_eq!(r.status, StatusCode::FORBIDDEN, "{account}: {}", r.body);
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{account}: {}", r.body);
+        assert!(
+            r.body.contains("A-Z a-z 0-9 . _ : -"),
+            "{account}: {}",
+            r.body
+        );
     }
     let denied = call(
         Method::GET,

@@ -21,6 +21,10 @@
 //! may = ["read", "write"]                 # read: metrics, marks, OpenAPI; write: forget, recover
 //! ```
 //!
+//! An identity with no secret and no certificate (`secrets = []`) is valid and cannot
+//! authenticate: that is how the only secret of an identity is revoked (remove its digest)
+//! without removing the identity, or refusing the whole file.
+//!
 //! Workers and operators are separate: a worker credential opens nothing on the admin
 //! listener, an operator credential nothing on the lock API or the proxy.
 
@@ -186,12 +190,6 @@ impl Credentials {
                 return Err(error(
                     at("name"),
                     format!("{name:?} is named twice; names must be unique"),
-                ));
-            }
-            if secrets.is_empty() && certificates.is_empty() {
-                return Err(error(
-                    at("secrets"),
-                    "an identity needs at least one secret or certificate".into(),
                 ));
             }
             let identity = Arc::new(Identity {
@@ -398,12 +396,28 @@ mod tests {
     }
 
     #[test]
+    fn an_identity_without_secrets_or_certificates_is_kept_and_cannot_authenticate() {
+        let c = parse(&format!(
+            "[[worker]]\nname = \"eu\"\nsecrets = []\naccounts = [\"x\"]\n\
+             [[operator]]\nname = \"oncall\"\nmay = [\"read\"]\n\
+             [[worker]]\nname = \"us\"\nsecrets = [\"{A}\"]\naccounts = [\"y\"]\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.names(),
+            ["eu", "us", "oncall"],
+            "workers first, then operators"
+        );
+        assert_eq!(c.by_secret(&digest(A)).unwrap().name, "us");
+        assert!(c.by_secret(&digest(B)).is_none() && c.by_certificate(&digest(B)).is_none());
+    }
+
+    #[test]
     fn errors_name_the_file_and_the_key() {
         let cases = [
             (format!("[[worker]]\nname = \"eu\"\nsecrets = [\"{A}\"]\naccounts = [\"x\"]\ncolour = 1\n"), "worker[0]"),
             (format!("[[worker]]\nname = \"e u\"\nsecrets = [\"{A}\"]\naccounts = [\"x\"]\n"), "worker[0].name"),
             ("[[worker]]\nname = \"eu\"\nsecrets = [\"hunter2hunter2hunter2\"]\naccounts = [\"x\"]\n".to_string(), "worker[0].secrets[0]"),
-            ("[[worker]]\nname = \"eu\"\naccounts = [\"x\"]\n".to_string(), "worker[0].secrets"),
             (format!("[[worker]]\nname = \"eu\"\nsecrets = [\"{A}\"]\naccounts = []\n"), "worker[0].accounts[0]"),
             (format!("[[worker]]\nname = \"eu\"\nsecrets = [\"{A}\"]\naccounts = [\"x\"]\nkeys = [\"\"]\n"), "worker[0].keys[0]"),
             (format!("[[worker]]\nname = \"a\"\nsecrets = [\"{A}\"]\naccounts = [\"x\"]\n[[worker]]\nname = \"b\"\nsecrets = [\"{A}\"]\naccounts = [\"x\"]\n"), "worker[1].secrets[0]"),

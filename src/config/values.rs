@@ -225,13 +225,33 @@ fn plain_segment(text: &str) -> bool {
 }
 
 /// Whether `path` has no dot segment, backslash or percent-encoded `/` or `\\`, so that
-/// normalising it (RFC 3986 §5.2.4, or a server's own habits) cannot change it.
+/// normalising it (RFC 3986 §5.2.4, or a server's own habits) cannot change it. The same
+/// holds for the path decoded once, twice, … (a server that decodes again sees `%252e` as
+/// `%2e`, then `.`), and every decoding must be valid UTF-8: an overlong form such as
+/// `%c0%ae` (a `.` to a lax decoder) names no account.
 fn resolves_to_itself(path: &str) -> bool {
-    let lower = path.to_ascii_lowercase();
-    !lower.contains('\\')
-        && !lower.contains("%2f")
-        && !lower.contains("%5c")
-        && !lower.split('/').any(dot_segment)
+    /// Past this many rounds of decoding, a path still changing is refused.
+    const ROUNDS: usize = 4;
+    let mut current = path.to_string();
+    for _ in 0..ROUNDS {
+        let lower = current.to_ascii_lowercase();
+        if lower.contains('\\')
+            || lower.contains("%2f")
+            || lower.contains("%5c")
+            || lower.split('/').any(dot_segment)
+        {
+            return false;
+        }
+        let decoded = crate::http::percent_decode(&current);
+        if decoded == current.as_bytes() {
+            return true;
+        }
+        match String::from_utf8(decoded) {
+            Ok(text) => current = text,
+            Err(_) => return false,
+        }
+    }
+    false
 }
 
 /// `.` or `..`, also as `%2e`, and also with a `;` parameter after it (`..;`).
@@ -393,9 +413,18 @@ mod tests {
             "/accounts/acct-1/%2F..%2Facct-2/payments",
             "/accounts/acct-1/..\\acct-2/payments",
             "/accounts/acct-1/.",
+            "/accounts/acct-1/%252e%252e/acct-2/payments",
+            "/accounts/acct-1/%25252E%25252e/acct-2/payments",
+            "/accounts/acct-1/..%252facct-2/payments",
+            "/accounts/acct-1/%c0%ae%c0%ae/acct-2/payments",
+            "/accounts/acct-1/..%c0%afacct-2/payments",
+            "/accounts/acct-1/%e0%80%ae%e0%80%ae/acct-2/payments",
+            "/accounts/acct-1/%ff/payments",
         ] {
             assert!(!t.names(path, "acct-1"), "{path}");
         }
+        // Encoded characters that decode to themselves, or to valid UTF-8, are fine.
+        assert!(t.names("/accounts/acct-1/caf%C3%A9/100%25/x%2", "acct-1"));
         assert!(!open.names("/pay/acct-1/../acct-2", "acct-1"));
         assert!(!open.names("/pay/acct-1/..", "acct-1"));
         // An account that is itself a dot segment or holds a separator names nothing.

@@ -21,6 +21,7 @@ use hyper::body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
+use super::framing::Framing;
 use super::{BoxError, ResponseBody};
 
 /// Why the accept loop closed or refused a connection or a request: the `reason` label of
@@ -152,15 +153,21 @@ impl Activity {
     }
 }
 
-/// A connection's byte stream, telling its [`Activity`] when bytes arrive.
+/// A connection's byte stream, telling its [`Activity`] when bytes arrive, and following its
+/// HTTP/1 framing ([`Framing`]).
 pub(super) struct Tracked<T> {
     inner: T,
     activity: Arc<Activity>,
+    framing: Framing,
 }
 
 impl<T> Tracked<T> {
-    pub(super) fn new(inner: T, activity: Arc<Activity>) -> Self {
-        Self { inner, activity }
+    pub(super) fn new(inner: T, activity: Arc<Activity>, framing: Framing) -> Self {
+        Self {
+            inner,
+            activity,
+            framing,
+        }
     }
 }
 
@@ -174,6 +181,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Tracked<T> {
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() > before {
             self.activity.received();
+            self.framing.read(&buf.filled()[before..]);
         }
         polled
     }

@@ -4,9 +4,11 @@
 //! one another.
 
 mod connection;
+mod framing;
 mod serve;
 
 pub use connection::Refusal;
+pub use framing::DeclaredBody;
 pub use serve::{Listener, serve};
 
 use std::net::SocketAddr;
@@ -17,6 +19,30 @@ use http::Request;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
+
+/// `text` with every `%` and two hex digits replaced by the byte they name; anything else,
+/// a `%` without two hex digits after it included, as it is.
+pub fn percent_decode(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| char::from(b).to_digit(16);
+        if bytes[i] == b'%'
+            && let (Some(hi), Some(lo)) = (
+                bytes.get(i + 1).copied().and_then(hex),
+                bytes.get(i + 2).copied().and_then(hex),
+            )
+        {
+            out.push((hi * 16 + lo) as u8);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    out
+}
 
 /// An error of any layer, as tower and hyper pass them around.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -48,6 +48,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use super::connection::{Activity, GuardedBody, InFlight, RequestGuard, Tracked};
+use super::framing::{Framing, Requests};
 use super::{BodyTimeout, BoxError, Peer, Refusal, ResponseBody, full};
 use crate::config::{ListenerLimits, MIN_HEADER_BYTES};
 use crate::tls::server::{TlsServer, fingerprint};
@@ -325,7 +326,9 @@ async fn http<S, B, T>(
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let activity = Activity::new();
+    let (framing, requests) = Framing::new();
     let service = Limited {
+        requests,
         inner: service,
         peer,
         activity: activity.clone(),
@@ -337,7 +340,7 @@ async fn http<S, B, T>(
         max_header_bytes: shared.limits.max_header_bytes,
         body_timeout: BodyTimeout(shared.limits.header_read_timeout),
     };
-    let io = TokioIo::new(Tracked::new(stream, activity.clone()));
+    let io = TokioIo::new(Tracked::new(stream, activity.clone(), framing));
     let connection = shared.builder.serve_connection(io, service);
     tokio::pin!(connection);
     let limits = &shared.limits;
@@ -381,6 +384,8 @@ async fn http<S, B, T>(
 /// A connection's service behind the listener's in-flight limit.
 struct Limited<S> {
     inner: S,
+    /// Numbers the requests, to give each what its HTTP/1 body declared.
+    requests: Requests,
     peer: Peer,
     activity: Arc<Activity>,
     in_flight: Arc<InFlight>,
@@ -408,6 +413,8 @@ where
 
     fn call(&self, mut request: Request<Incoming>) -> Self::Future {
         let entered = RequestGuard::enter(&self.in_flight, &self.activity);
+        // Every request hyper hands over takes its number, answered here or not.
+        let declared = self.requests.next();
         // hyper refuses an HTTP/1 head with too many lines or bytes before parsing it; an
         // HTTP/2 request's headers are counted and measured here, before anything else looks
         // at them.
@@ -424,6 +431,7 @@ where
             Ok(guard) => {
                 request.extensions_mut().insert(self.peer);
                 request.extensions_mut().insert(self.body_timeout);
+                request.extensions_mut().insert(declared);
                 let future = self.inner.call(request);
                 Box::pin(async move {
                     let response = future.await?;

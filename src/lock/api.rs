@@ -58,8 +58,9 @@ pub enum ApiError {
     BodyTimeout(String),
     #[error("no such route; see /v1/locks/{{key}}")]
     NotFound,
-    #[error("method not allowed here")]
-    MethodNotAllowed,
+    /// The path exists; its operations take only these methods (the `Allow` header).
+    #[error("method not allowed here; this path takes {0}")]
+    MethodNotAllowed(&'static str),
     #[error(transparent)]
     Unauthenticated(#[from] Unauthenticated),
     #[error("{0}")]
@@ -166,9 +167,19 @@ impl Operation {
         if at_path.peek().is_none() {
             return Err(ApiError::NotFound);
         }
+        let at_path: Vec<Operation> = at_path.collect();
         at_path
-            .find(|operation| operation.method() == method)
-            .ok_or(ApiError::MethodNotAllowed)
+            .iter()
+            .copied()
+            .find(|operation| operation.method() == *method)
+            .ok_or(ApiError::MethodNotAllowed(
+                // One operation per path today; each path takes one method.
+                if at_path.iter().all(|o| o.method() == Method::GET) {
+                    "GET"
+                } else {
+                    "POST"
+                },
+            ))
     }
 }
 
@@ -183,7 +194,7 @@ impl ApiError {
             ApiError::RateLimited | ApiError::TooManyOpen(_) => {
                 (StatusCode::TOO_MANY_REQUESTS, "rate_limited")
             }
-            ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
+            ApiError::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::Lock(LockError::Held) => (StatusCode::CONFLICT, "held"),
             ApiError::Lock(LockError::Lost) => (StatusCode::GONE, "lost"),
             ApiError::Lock(LockError::OtherHolder) => (StatusCode::FORBIDDEN, "forbidden"),
@@ -204,6 +215,11 @@ impl ApiError {
             _ => {}
         }
         let mut response = json(status, &body);
+        if let ApiError::MethodNotAllowed(allow) = &self {
+            response
+                .headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static(allow));
+        }
         if let ApiError::Unauthenticated(e) = &self {
             response
                 .headers_mut()
@@ -239,7 +255,7 @@ impl ApiError {
             (ApiError::Forbidden("no".into()), Operation::ALL.to_vec()),
             (ApiError::RateLimited, Operation::ALL.to_vec()),
             (ApiError::TooManyOpen(100), Operation::ALL.to_vec()),
-            (ApiError::MethodNotAllowed, vec![]),
+            (ApiError::MethodNotAllowed("POST"), vec![]),
             (ApiError::Lock(LockError::Held), vec![Acquire]),
             (ApiError::Lock(LockError::Lost), vec![Renew, Release]),
             (ApiError::Lock(LockError::OtherHolder), vec![Renew, Release]),
@@ -262,7 +278,7 @@ impl ApiError {
                 | ApiError::Forbidden(_)
                 | ApiError::RateLimited
                 | ApiError::TooManyOpen(_)
-                | ApiError::MethodNotAllowed
+                | ApiError::MethodNotAllowed(_)
                 | ApiError::Unavailable { .. }
                 | ApiError::Lock(
                     LockError::Held
@@ -414,7 +430,11 @@ impl<B: LockBackend> LockApi<B> {
             Some((key, action)) => (key, Some(action)),
             None => (rest, None),
         };
-        let key = LockKey::parse(key).map_err(ApiError::BadRequest)?;
+        // A key is read decoded: `acct%3A1` is the key `acct:1`, as a client that encodes
+        // every `:` in a path segment means it.
+        let key = String::from_utf8(crate::http::percent_decode(key))
+            .map_err(|_| ApiError::BadRequest("the key is not valid UTF-8 once decoded".into()))
+            .and_then(|key| LockKey::parse(&key).map_err(ApiError::BadRequest))?;
         let operation = Operation::find(action, request.method())?;
         self.authorize(identity.as_deref(), &key)?;
         // With authentication on, renew and release also need the grant to be the caller's:
@@ -650,7 +670,7 @@ mod tests {
         ] {
             assert!(matches!(
                 find(action, method),
-                Err(ApiError::MethodNotAllowed)
+                Err(ApiError::MethodNotAllowed(_))
             ));
         }
         for action in ["steal", "", "acquire/more"] {

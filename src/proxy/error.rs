@@ -95,9 +95,17 @@ impl Rejection {
         if self.status == StatusCode::SERVICE_UNAVAILABLE {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
+        if self.status == StatusCode::METHOD_NOT_ALLOWED {
+            // Only CONNECT is refused; every other method is forwarded.
+            headers.insert(header::ALLOW, HeaderValue::from_static(PROXY_ALLOW));
+        }
         response
     }
 }
+
+/// The methods the proxy forwards, for the `Allow` header of its 405 (RFC 9110 §15.5.6):
+/// the standard ones but `CONNECT`.
+pub const PROXY_ALLOW: &str = "GET, HEAD, POST, PUT, DELETE, OPTIONS, TRACE, PATCH";
 
 /// The answer to a request the proxy listener had no room for (`proxy.max_in_flight`): 503,
 /// `overloaded`, nothing forwarded. Counted in `railguard_listener_refusals_total`, not as an

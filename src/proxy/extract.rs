@@ -133,6 +133,26 @@ impl GrantCheck {
         key
     }
 
+    /// With proofs required, refuses an account whose lock key is not a valid lock key: no
+    /// grant of it can ever be made, so no payment on it could ever be proven.
+    fn grantable(&self, header: &HeaderName, account: &AccountId) -> Result<(), BadRequest> {
+        if !self.required {
+            return Ok(());
+        }
+        let lock_key = self.lock_key(account);
+        crate::lock::LockKey::parse(&lock_key).map_err(|why| BadRequest::Header {
+            header: header.clone(),
+            reason: format!(
+                "cannot be paid on: its lock key {lock_key:?} is not a valid lock key ({why}). \
+                 With fencing.require_proof on, a payment needs a grant of the account's lock \
+                 key, and lock keys hold only A-Z a-z 0-9 . _ : - (at most {} bytes, \
+                 fencing.lock_key_template included)",
+                crate::lock::MAX_KEY_LEN
+            ),
+        })?;
+        Ok(())
+    }
+
     /// Checks the proof sent with `token` for `account`, and with authentication on, that it
     /// is the proof of a grant to `caller`.
     fn check(
@@ -248,15 +268,45 @@ impl ExtractConfig {
             Err(HeaderError::Missing) => Ok(()),
             Err(HeaderError::Repeated) => Err(bad("appears more than once")),
             Err(HeaderError::NotAscii) => Err(bad("is not a valid host")),
-            Ok(text) => text
-                .parse::<http::uri::Authority>()
-                .map(|_| ())
-                .map_err(|_| bad("is not a valid host")),
+            Ok(text) => valid_host(text).map_err(bad),
         }
     }
 
     fn idempotency_key(&self, headers: &http::HeaderMap) -> Result<Option<String>, BadRequest> {
         idempotency_key(headers, &self.idempotency_header, self.idempotency_required)
+    }
+}
+
+/// Checks a `Host` value: `host` or `host:port` (RFC 9110 §7.2), where `host` is a name, an
+/// IPv4 address or a bracketed IPv6 literal, and `port` is `1..=65535`. Userinfo
+/// (`user@host`), which a URI's authority may carry but `Host` may not, is refused, as are an
+/// empty host and an empty, zero or out-of-range port.
+pub fn valid_host(text: &str) -> Result<(), &'static str> {
+    if text.is_empty() {
+        return Err("is empty: send the rail's host name");
+    }
+    if text.contains('@') {
+        return Err("carries userinfo (user@host): send the host name alone");
+    }
+    let authority = text
+        .parse::<http::uri::Authority>()
+        .map_err(|_| "is not a valid host (expected host or host:port)")?;
+    let host = authority.host();
+    if host.is_empty() || host == "[]" {
+        return Err("has an empty host name");
+    }
+    // `host()` is the text before the port, brackets of an IPv6 literal included.
+    let rest = &authority.as_str()[host.len()..];
+    if rest.is_empty() {
+        return Ok(());
+    }
+    let port = rest
+        .strip_prefix(':')
+        .ok_or("is not a valid host (expected host or host:port)")?;
+    let digits = !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit());
+    match port.parse::<u16>() {
+        Ok(port) if digits && port >= 1 => Ok(()),
+        _ => Err("has an invalid port: a port is a decimal number in 1..=65535"),
     }
 }
 
@@ -378,6 +428,9 @@ where
                     format!("the request path does not name the Fencing-Account at {template}"),
                 )?;
             }
+            // After the caller's own checks, so that an account outside a worker's patterns
+            // is a 403 whatever its characters; before the proof, which no grant could make.
+            config.grants.grantable(&config.account_header, &account)?;
             let evidence = config
                 .grants
                 .check(
@@ -422,7 +475,24 @@ where
                 parts.headers.remove(header::AUTHORIZATION);
             }
             let limited = Limited::new(body, config.max_body_bytes as usize);
-            let bytes = match tokio::time::timeout_at(deadline, limited.collect()).await {
+            // A chunked body is over the limit as soon as its chunk sizes say so, whether or
+            // not the bytes ever come (the connection follows them: `crate::http::DeclaredBody`).
+            let declared_over = async {
+                match parts.extensions.get::<crate::http::DeclaredBody>() {
+                    Some(declared) => declared.clone().over(config.max_body_bytes).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let read = tokio::select! {
+                read = tokio::time::timeout_at(deadline, limited.collect()) => read,
+                () = declared_over => {
+                    return Err(BodyTooLarge {
+                        limit: config.max_body_bytes,
+                    }
+                    .into());
+                }
+            };
+            let bytes = match read {
                 Err(_) => return Err(ClientTimeout(config.request_timeout).into()),
                 Ok(Ok(collected)) => collected.to_bytes(),
                 Ok(Err(e)) if e.is::<LengthLimitError>() => {
