@@ -65,7 +65,7 @@
 //! **Cost.** With one process, or accounts each forwarded through one process, the
 //! compare-and-set finds only the caller's own entry and answers nothing: no wait and no extra
 //! statement; what remains is two small arrays in the mark row and a row rewrite every
-//! [`PUBLISH_EVERY`] while forwards change. Entries found settled are removed from the mark
+//! heartbeat (every [`PUBLISH_EVERY`] while forwards change and another process runs). Entries found settled are removed from the mark
 //! row afterwards ([`Handover::wait_settled`]), so an account that changes process pays one
 //! read, once.
 
@@ -105,7 +105,9 @@ ON CONFLICT (instance) DO UPDATE
     SET horizon = EXCLUDED.horizon, pending_seqs = EXCLUDED.pending_seqs,
         pending_accounts = EXCLUDED.pending_accounts, pending_tokens = EXCLUDED.pending_tokens,
         quiet_ms = EXCLUDED.quiet_ms, published_at = EXCLUDED.published_at
-    WHERE f.horizon <= EXCLUDED.horizon";
+    WHERE f.horizon <= EXCLUDED.horizon
+RETURNING EXISTS (SELECT 1 FROM railguard_forwarder o
+                  WHERE o.instance <> $1 AND now() <= o.published_at + interval '3 seconds')";
 
 /// After the server changed: how long until (1) of [`Handover::wait_store_change`] holds, and
 /// whether a process other than `$1` has a pending entry below the floor for the account
@@ -273,7 +275,7 @@ impl Handover {
             published: watch::Sender::new(None),
             held_until: Mutex::new(None),
         });
-        handover.publish_with(true).await?;
+        let alone = !handover.publish_with(true).await?;
         let client = handover.pool.get().await?;
         let forget = format!(
             "DELETE FROM railguard_forwarder
@@ -281,7 +283,7 @@ impl Handover {
         );
         client.execute(forget.as_str(), &[]).await?;
         drop(client);
-        tokio::spawn(handover.clone().keep_publishing());
+        tokio::spawn(handover.clone().keep_publishing(alone));
         Ok(handover)
     }
 
@@ -326,11 +328,13 @@ impl Handover {
         ALIVE + self.transit
     }
 
-    /// Writes this process's row; `durable`: waits for the commit's WAL flush. The rewrites
+    /// Writes this process's row; `durable`: waits for the commit's WAL flush. Returns whether
+    /// another process wrote its row within [`ALIVE`]: only another process reads this one,
+    /// so while there is none the row is rewritten at the heartbeat only. The rewrites
     /// do not: one lost with a crash leaves an older row, whose horizon is lower and whose
     /// settled entries were settled then — it says less, never something false — and a
     /// database that lost commits fences every grant from before (`store::epoch`).
-    async fn publish_with(&self, durable: bool) -> Result<(), DbError> {
+    async fn publish_with(&self, durable: bool) -> Result<bool, DbError> {
         let began = Instant::now();
         let (horizon, seqs, accounts, tokens) = {
             let state = self.state();
@@ -359,8 +363,8 @@ impl Handover {
                     .batch_execute("SET LOCAL synchronous_commit = off")
                     .await?;
             }
-            transaction
-                .execute(
+            let row = transaction
+                .query_opt(
                     &*statement,
                     &[
                         &self.instance,
@@ -373,7 +377,8 @@ impl Handover {
                 )
                 .await?;
             transaction.commit().await?;
-            Ok::<_, DbError>(())
+            // No row: a newer write of this process's row went first; others may be reading it.
+            Ok::<_, DbError>(row.is_none_or(|row| row.get::<_, bool>(0)))
         };
         let written = tokio::time::timeout(self.timeout, write)
             .await
@@ -382,19 +387,30 @@ impl Handover {
             // A connection that failed or stalled is not used again.
             *connection = None;
         }
-        written?;
+        let others = written?;
         self.published.send_replace(Some(began));
-        Ok(())
+        Ok(others)
     }
 
-    async fn keep_publishing(self: Arc<Self>) {
+    /// Rewrites this process's row: every [`PUBLISH_EVERY`] while its forwards change and
+    /// another process runs (a process that finds this one's entry reads the row until it says
+    /// the forward is settled), every [`HEARTBEAT`] otherwise. A process that starts beside
+    /// this one waits at most a heartbeat longer, once: a row written less often says less,
+    /// never something false.
+    async fn keep_publishing(self: Arc<Self>, mut alone: bool) {
         let mut failing = false;
         loop {
             // While writes fail, every moment counts against ALIVE: the next try goes at once.
             if !failing {
-                let _ = tokio::time::timeout(HEARTBEAT, self.changed.notified()).await;
+                if alone {
+                    tokio::time::sleep(HEARTBEAT).await;
+                } else {
+                    let _ = tokio::time::timeout(HEARTBEAT, self.changed.notified()).await;
+                }
             }
-            match self.publish_with(false).await {
+            match self.publish_with(false).await.map(|others| {
+                alone = !others;
+            }) {
                 Ok(()) if failing => {
                     failing = false;
                     tracing::info!(
@@ -417,7 +433,7 @@ impl Handover {
     /// Writes this process's row once more as it stops, so that the forwards answered by now
     /// are settled for the other processes at once.
     pub async fn publish_last(&self) {
-        if let Err(e) = self.publish_with(true).await {
+        if let Err(e) = self.publish_with(true).await.map(|_| ()) {
             tracing::warn!(error = %e,
                 "could not write which forwards this railguard still has on their way as it \
                  stops; other railguards hold its accounts' newer tokens until its row is quiet \
