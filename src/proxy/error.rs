@@ -21,7 +21,7 @@ use super::extract::{
     BadProof, BadRequest, BodyTooLarge, ClientTimeout, ImplausibleToken, MethodRefused,
     SourceUnavailable,
 };
-use super::fence::{FenceUnavailable, FencedOut};
+use super::fence::{FenceUnavailable, FencedOut, StoreError};
 use super::forward::{UpstreamTimeout, UpstreamUnavailable};
 use super::idempotency::{IdempotencyConflict, IdempotencyUnavailable};
 use super::{BoxError, ResponseBody, full};
@@ -307,14 +307,25 @@ impl Rejection {
     }
 
     fn fence_unavailable(e: &FenceUnavailable) -> Self {
-        // The database's own words stay in the log: they describe our infrastructure.
-        tracing::warn!(error = %e, "fence check unavailable");
+        let message = match &e.0 {
+            // A pause railguard keeps on purpose, logged where it started (`store::handover`).
+            StoreError::HeldAfterStoreChange(_) => {
+                "the database changed server moments ago: newer grants' payments wait until \
+                 nothing sent before the change can still reach the rail; nothing was \
+                 forwarded, retry later"
+            }
+            _ => {
+                // The database's own words stay in the log: they describe our infrastructure.
+                tracing::warn!(error = %e, "fence check unavailable");
+                "the fence check could not be made; nothing was forwarded, retry later"
+            }
+        };
         Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             Outcome::DatabaseUnavailable,
             "database_unavailable",
             Origin::Database,
-            "the fence check could not be made; nothing was forwarded, retry later".into(),
+            message.into(),
         )
     }
 

@@ -156,8 +156,9 @@ pub struct StoreEpoch {
     /// When the PostgreSQL server last changed (`went_back_at`, the database's clock in
     /// microseconds; 0: never), as this process last read it.
     went_back: AtomicI64,
-    /// The latest such change after which nothing sent before it can still reach the rail, as
-    /// this process found ([`StoreEpoch::change_settled`]).
+    /// The epoch after whose changes nothing sent before can still reach the rail, as this
+    /// process found ([`StoreEpoch::change_settled`]); -1: none yet. Epochs, not times: the
+    /// servers that set `went_back_at` need not agree on the clock.
     settled: AtomicI64,
     timeout: Duration,
     metrics: EpochMetrics,
@@ -222,7 +223,7 @@ impl StoreEpoch {
             epoch: AtomicI64::new(-1),
             seen: AtomicI64::new(0),
             went_back: AtomicI64::new(0),
-            settled: AtomicI64::new(0),
+            settled: AtomicI64::new(-1),
             timeout,
             metrics: EpochMetrics {
                 changes,
@@ -303,18 +304,17 @@ impl StoreEpoch {
             && self.seen.load(Ordering::Acquire) >= floor
     }
 
-    /// The last change of PostgreSQL server this process knows of (the database's clock in
-    /// microseconds), unless it found that nothing sent before it can still reach the rail: a
-    /// forward of a newer grant waits for that first (`store::handover`).
-    pub fn unsettled_change(&self) -> Option<i64> {
-        let went_back = self.went_back.load(Ordering::Acquire);
-        (went_back > self.settled.load(Ordering::Acquire)).then_some(went_back)
+    /// Whether the PostgreSQL server ever changed under this database and this process has not
+    /// found, since the epoch it last read, that nothing sent before can still reach the rail:
+    /// a forward of a newer grant waits for that first (`store::handover`).
+    pub fn unsettled_change(&self) -> bool {
+        self.went_back.load(Ordering::Acquire) != 0
+            && self.epoch.load(Ordering::Acquire) > self.settled.load(Ordering::Acquire)
     }
 
-    /// Nothing sent before the change of server at `went_back` (or an earlier one) can still
-    /// reach the rail.
-    pub fn change_settled(&self, went_back: i64) {
-        self.settled.fetch_max(went_back, Ordering::AcqRel);
+    /// Nothing sent before the changes up to `epoch` can still reach the rail.
+    pub fn change_settled(&self, epoch: i64) {
+        self.settled.fetch_max(epoch, Ordering::AcqRel);
     }
 
     /// A token this process saw granted or accepted: the floor of a later change must be above

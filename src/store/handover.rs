@@ -52,9 +52,10 @@
 //! new server does not know of — its row lost with the data, or it killed or cut off — has by
 //! then started nothing for [`ALIVE`], and what it sent has arrived; every process still
 //! running has written its row on the new server; and (2) no such row names a pending entry of
-//! the account with a token below the floor. Nothing of a token below the floor is sent after
-//! the change: the compare-and-set refuses it, and so does the last look of a request accepted
-//! before (`proxy::fence`). So every forward sent before the change has reached the rail, or
+//! the account with a token below the floor. No forward of a token below the floor starts once
+//! its process has seen the change: the compare-and-set refuses it, and so does the last look
+//! of a request accepted before (`proxy::fence`); one whose last look came just before stays
+//! pending in its process's row. So every forward sent before the change has reached the rail, or
 //! never will, before a newer grant's forward starts. Once a look finds no process with such an
 //! entry for any account, the process stops looking until the next change. The embedded server
 //! is a database of one process, started and stopped with it: no process it does not know of
@@ -112,11 +113,12 @@ RETURNING EXISTS (SELECT 1 FROM railguard_forwarder o
 /// After the server changed: how long until (1) of [`Handover::wait_store_change`] holds, and
 /// whether a process other than `$1` has a pending entry below the floor for the account
 /// (hash `$2`) and for any account. `$3`: this process's own quiet time, for processes the
-/// database does not know of. An entry without a token (a process that does not state it)
+/// database does not know of (or the longest of the processes that could still have been
+/// running at the change, if longer). An entry without a token (a process that does not state it)
 /// counts as below the floor. `$4`: the database is this process's own (the embedded server):
 /// no process it does not know of can have forwarded, and (1) is not waited for.
 const HOLD_SQL: &str = "\
-WITH e AS (SELECT floor, went_back_at FROM railguard_store_epoch),
+WITH e AS (SELECT floor, went_back_at, epoch FROM railguard_store_epoch),
 pending AS (
     SELECT p.account
     FROM railguard_forwarder f, e,
@@ -124,10 +126,12 @@ pending AS (
     WHERE f.instance <> $1
       AND now() <= f.published_at + f.quiet_ms * interval '1 millisecond'
       AND (p.token IS NULL OR p.token < e.floor))
-SELECT COALESCE((extract(epoch FROM e.went_back_at) * 1000000)::bigint, 0),
+SELECT e.epoch,
        CASE WHEN $4 THEN 0 ELSE COALESCE(GREATEST(0, ceil(extract(epoch FROM
            e.went_back_at
-           + GREATEST($3, (SELECT COALESCE(max(quiet_ms), 0) FROM railguard_forwarder))
+           + GREATEST($3, (SELECT COALESCE(max(quiet_ms), 0) FROM railguard_forwarder
+                           WHERE published_at + quiet_ms * interval '1 millisecond'
+                                 >= e.went_back_at))
              * interval '1 millisecond'
            - now()) * 1000)), 0) END::bigint,
        EXISTS (SELECT 1 FROM pending WHERE account = $2),
@@ -552,8 +556,9 @@ impl Handover {
     /// After the database changed server (`store::epoch`): waits until no forward of a token
     /// below the new floor can still reach the rail ahead of `account`'s next one (the module
     /// docs, "When the store goes back"), or fails at once with [`WaitError::Held`] when that
-    /// leaves less than [`LEFT_TO_FORWARD`] of `deadline` for the forward. Returns the change's time once no process has such a forward for
-    /// any account: nothing more to wait for after it.
+    /// leaves less than [`LEFT_TO_FORWARD`] of `deadline` for the forward. Returns the store's
+    /// epoch once no process has such a forward for any account: nothing more to wait for until
+    /// the next change.
     pub async fn wait_store_change(
         &self,
         account: &AccountId,
@@ -586,7 +591,7 @@ impl Handover {
                 Ok(row) => row?,
                 Err(_) => return Err(WaitError::Deadline),
             };
-            let (went_back, wait_ms, here, anywhere): (i64, i64, bool, bool) =
+            let (epoch, wait_ms, here, anywhere): (i64, i64, bool, bool) =
                 (row.get(0), row.get(1), row.get(2), row.get(3));
             if wait_ms > 0 {
                 let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(u64::MAX));
@@ -605,7 +610,7 @@ impl Handover {
                 continue;
             }
             if !anywhere {
-                return Ok(Some(went_back));
+                return Ok(Some(epoch));
             }
             if !here {
                 return Ok(None);

@@ -511,10 +511,10 @@ where
     // be lost; ours waits until none can still arrive.
     if let (Some(handover), Some(epoch)) = (&point.handover, &point.epoch)
         && forwards
-        && epoch.unsettled_change().is_some()
+        && epoch.unsettled_change()
     {
         match handover.wait_store_change(&account, request.deadline).await {
-            Ok(Some(went_back)) => epoch.change_settled(went_back),
+            Ok(Some(settled)) => epoch.change_settled(settled),
             Ok(None) => {}
             Err(e) => return Err(waited(e, &account, token)),
         }
