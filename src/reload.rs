@@ -69,7 +69,11 @@ async fn once(reload: &Reload, running: &mut Config, what: &Reloadable) {
     let loaded = tokio::task::spawn_blocking(move || Config::load(&path, &env)).await;
     match loaded {
         Ok(Ok(new)) => {
-            for key in running.changed_keys(&new) {
+            let changed = running.changed_keys(&new);
+            if changed.is_empty() {
+                done.push("config file: no key changed".into());
+            }
+            for key in changed {
                 if !RELOADED_KEYS.contains(&key.as_str()) {
                     restart.push(key);
                     continue;
@@ -138,9 +142,9 @@ async fn once(reload: &Reload, running: &mut Config, what: &Reloadable) {
     };
     if failed.is_empty() {
         tracing::info!(%reloaded, needs_restart = %restart.join(", "),
-            "SIGHUP: reload done; reloaded: {reloaded}");
+            "SIGHUP: reload done: {reloaded}");
     } else {
         tracing::error!(%reloaded, failed = %failed.join("; "), needs_restart = %restart.join(", "),
-            "SIGHUP: reload done with errors: {}; reloaded: {reloaded}", failed.join("; "));
+            "SIGHUP: reload done with errors: {}; done: {reloaded}", failed.join("; "));
     }
 }

@@ -267,6 +267,41 @@ async fn sighup_reloads_credentials_and_log_level_and_leaves_railguard_and_postg
         "and none before it"
     );
 
+    // Files that cannot be used: said, key and file named, and nothing changes.
+    let config = std::fs::read_to_string(rg.config_path()).unwrap();
+    let broken = config.replace("request_timeout_ms = 4000", "request_timeout_ms = \"soon\"");
+    assert_ne!(config, broken);
+    std::fs::write(rg.config_path(), broken).unwrap();
+    std::fs::write(&credentials, "[[worker]]\nname = \"nobody\"\n").unwrap();
+    let before = rg.log().len();
+    assert!(support::signal(pid, "HUP").await, "SIGHUP delivered");
+    let mut reloaded = false;
+    for _ in 0..100 {
+        reloaded = rg.log()[before..].contains("SIGHUP: reload done with errors");
+        if reloaded {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = rg.log()[before..].to_string();
+    assert!(reloaded, "the refused reload is logged as an error:\n{log}");
+    assert!(
+        log.contains("the configuration cannot be used, nothing in it was applied")
+            && log.contains("railguard.toml: key `proxy.request_timeout_ms`"),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!("credentials file {credentials_text}"))
+            && log.contains("the version in force stays"),
+        "{log}"
+    );
+    let grant = locks(&second)
+        .acquire("acct-2", "second", Duration::from_secs(30), Duration::ZERO)
+        .await
+        .expect("the credentials in force before the broken file still are");
+    assert!(alive(pid) && alive(postgres));
+    drop(grant);
+
     let status = rg.stop().await;
     assert!(status.success(), "{status}");
     assert!(
