@@ -41,6 +41,7 @@ pub mod openapi;
 pub mod proof;
 pub mod proxy;
 pub mod railsim;
+pub mod reload;
 pub mod server;
 pub mod store;
 pub mod telemetry;

@@ -1,5 +1,6 @@
 //! The `railguard` command. Only this file knows about flags and the process environment.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -38,29 +39,35 @@ enum Command {
         #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u64).range(100..=30_000))]
         ttl_ms: u64,
     },
-    /// Run the rail proxy and the admin listener until SIGTERM/SIGINT.
+    /// Run the rail proxy, the lock service and the admin listener until SIGTERM/SIGINT.
+    ///
+    /// SIGHUP reloads the credentials file, the listeners' TLS files and `log.level`, and
+    /// logs by name every other changed key as needing a restart; it never stops railguard.
     ///
     /// Every config key can be overridden as RAILGUARD__SECTION__KEY, e.g.
     /// RAILGUARD__PROXY__LISTEN=0.0.0.0:8080.
     Serve {
-        /// TOML config file (see config/railguard.toml for every key, commented).
-        #[arg(long, short, default_value = "config/railguard.toml")]
-        config: PathBuf,
+        /// TOML config file (see config/railguard.toml for every key, commented). Default:
+        /// $RAILGUARD_CONFIG, else config/railguard.toml in the working directory.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
     },
     /// Check a config file (and the RAILGUARD__… overrides in the environment) without starting
     /// anything, as `nginx -t` does: exit 0 with a one-line summary, or 2 naming the key and the
     /// file (or variable) that is wrong.
     CheckConfig {
-        #[arg(long, short, default_value = "config/railguard.toml")]
-        config: PathBuf,
+        /// TOML config file. Default: $RAILGUARD_CONFIG, else config/railguard.toml in the
+        /// working directory.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
     },
     /// Show who holds a lock key, asking the running railguard's lock API: holder, lease left
     /// and grant age, for diagnosis. Never a token, and never usable for a correctness decision
     /// (FR-07).
     Inspect {
         /// The running railguard's config file (for lock.listen).
-        #[arg(long, short, default_value = "config/railguard.toml")]
-        config: PathBuf,
+        #[arg(long, short)]
+        config: Option<PathBuf>,
         /// The lock key (by default the account id, see fencing.lock_key_template).
         key: String,
     },
@@ -69,8 +76,8 @@ enum Command {
     /// worker must never learn a mark (ADR-002 §A2.3).
     Marks {
         /// The running railguard's config file (for admin.listen).
-        #[arg(long, short, default_value = "config/railguard.toml")]
-        config: PathBuf,
+        #[arg(long, short)]
+        config: Option<PathBuf>,
         account: String,
     },
     /// Move the lock backend's token source past every fencing mark (C1 §1.7), before traffic
@@ -81,8 +88,8 @@ enum Command {
     FastForward {
         /// The config of the railguard whose source to move: `lock.backend` (the one being
         /// switched to), `[etcd]`, and `[database]` for the marks.
-        #[arg(long, short, default_value = "config/railguard.toml")]
-        config: PathBuf,
+        #[arg(long, short)]
+        config: Option<PathBuf>,
         /// Also pass max(COLUMN) of this paydb table (the fenced UPDATE's fence, C1 §1.6).
         #[arg(long, requires = "paydb_table")]
         paydb_url: Option<String>,
@@ -104,8 +111,8 @@ enum Command {
     /// recorded in railguard_audit with REASON. Exit 0 when recovered or nothing was needed.
     RecoverAccount {
         /// The running railguard's config file (for admin.listen).
-        #[arg(long, short, default_value = "config/railguard.toml")]
-        config: PathBuf,
+        #[arg(long, short)]
+        config: Option<PathBuf>,
         account: String,
         /// Why, for the audit record (required).
         #[arg(long)]
@@ -115,8 +122,8 @@ enum Command {
     /// writes), and exit (serve does both too, the indexes in the background).
     Migrate {
         /// TOML config file; only `[database]` and `[log]` are used.
-        #[arg(long, short, default_value = "config/railguard.toml")]
-        config: PathBuf,
+        #[arg(long, short)]
+        config: Option<PathBuf>,
         /// List every migration and whether it is applied, pending or changed, and apply
         /// nothing. Exit 0 when the schema is current, 1 when it is not. Needs a
         /// `postgres://` database.url: the embedded database is private to `railguard serve`
@@ -132,8 +139,8 @@ enum Command {
     #[command(after_help = railguard::admin::IN_DOUBT_PROCEDURE)]
     IdempotencyForget {
         /// The running railguard's config file (for admin.listen).
-        #[arg(long, short, default_value = "config/railguard.toml")]
-        config: PathBuf,
+        #[arg(long, short)]
+        config: Option<PathBuf>,
         /// The account the key belongs to (the Fencing-Account of the request).
         #[arg(long)]
         account: String,
@@ -201,15 +208,28 @@ fn main() -> ExitCode {
     // `serve` reads its configuration before the runtime starts: `runtime.worker_threads`
     // decides how the runtime is built.
     let served = match &cli.command {
-        Command::Serve { config } => match load(config) {
-            Ok(config) => Some(config),
-            Err(code) => return code,
-        },
+        Command::Serve { config } => {
+            let path = config_path(config.clone());
+            match read(&path) {
+                Ok((config, env)) => {
+                    let log = telemetry::init(
+                        config.log.format,
+                        &config.log.level,
+                        rust_log().as_deref(),
+                    );
+                    Some((config, env, log, path.path))
+                }
+                Err(code) => return code,
+            }
+        }
         _ => None,
     };
     // Always set, so that tokio never reads `TOKIO_WORKER_THREADS` (it panics on a bad value):
     // the configuration is the one place this is decided.
-    let threads = match served.as_ref().map_or(0, |c| c.runtime.worker_threads) {
+    let threads = match served
+        .as_ref()
+        .map_or(0, |(c, ..)| c.runtime.worker_threads)
+    {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
@@ -240,14 +260,21 @@ fn main() -> ExitCode {
                 }
             }
             Command::Serve { .. } => {
-                let config = served.expect("loaded before the runtime started");
-                // Installed before binding, so that a signal during start-up is not lost.
+                let (config, env, log, path) = served.expect("loaded before the runtime started");
+                // Installed before binding, so that a signal during start-up is not lost, and
+                // a SIGHUP then never ends the process.
                 let shutdown = server::shutdown_signal();
+                let reload = railguard::reload::Reload {
+                    path,
+                    env,
+                    log,
+                    requests: server::hangup_requests(),
+                };
                 let listeners = match server::Listeners::bind(&config).await {
                     Ok(l) => l,
                     Err(e) => return fail(&e),
                 };
-                match server::run(listeners, config, shutdown).await {
+                match server::run_reloading(listeners, config, shutdown, Some(reload)).await {
                     Ok(()) => ExitCode::SUCCESS,
                     Err(e) => fail(&e),
                 }
@@ -259,7 +286,7 @@ fn main() -> ExitCode {
                 owner_stopped,
                 dry_run,
             } => {
-                let config = match load(&config) {
+                let config = match load(&config_path(config)) {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
@@ -288,24 +315,30 @@ fn main() -> ExitCode {
                 );
                 ExitCode::SUCCESS
             }
-            Command::CheckConfig { config: path } => match load(&path) {
-                Ok(config) => match tls_files(&config).and_then(|()| check_credentials(&config)) {
-                    Ok(identities) => {
-                        for (key, why) in config.warnings() {
-                            eprintln!("railguard: warning: {}: {key}: {why}", path.display());
+            Command::CheckConfig { config } => {
+                let path = config_path(config);
+                match load(&path) {
+                    Ok(config) => {
+                        let file = path.path.display();
+                        match tls_files(&config).and_then(|()| check_credentials(&config)) {
+                            Ok(identities) => {
+                                for (key, why) in config.warnings() {
+                                    eprintln!("railguard: warning: {file}: {key}: {why}");
+                                }
+                                println!("{file}: ok — {}{identities}", summary(&config));
+                                ExitCode::SUCCESS
+                            }
+                            Err(e) => {
+                                eprintln!("railguard: configuration error: {file}: {e}");
+                                ExitCode::from(2)
+                            }
                         }
-                        println!("{}: ok — {}{identities}", path.display(), summary(&config));
-                        ExitCode::SUCCESS
                     }
-                    Err(e) => {
-                        eprintln!("railguard: configuration error: {}: {e}", path.display());
-                        ExitCode::from(2)
-                    }
-                },
-                Err(code) => code,
-            },
+                    Err(code) => code,
+                }
+            }
             Command::Marks { config, account } => {
-                let config = match load(&config) {
+                let config = match load(&config_path(config)) {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
@@ -322,7 +355,7 @@ fn main() -> ExitCode {
                 }
             }
             Command::Inspect { config, key } => {
-                let config = match load(&config) {
+                let config = match load(&config_path(config)) {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
@@ -360,14 +393,14 @@ fn main() -> ExitCode {
                 config,
                 status: true,
             } => {
-                let config = match load(&config) {
+                let config = match load(&config_path(config)) {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
                 migration_status(&config).await
             }
             Command::Migrate { config, .. } => {
-                let config = match load(&config) {
+                let config = match load(&config_path(config)) {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
@@ -420,7 +453,7 @@ fn main() -> ExitCode {
                 paydb_column,
                 dry_run,
             } => {
-                let config = match load(&config) {
+                let config = match load(&config_path(config)) {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
@@ -453,7 +486,7 @@ fn main() -> ExitCode {
                 account,
                 reason,
             } => {
-                let config = match load(&config) {
+                let config = match load(&config_path(config)) {
                     Ok(c) => c,
                     Err(code) => return code,
                 };
@@ -741,22 +774,78 @@ fn search_path() -> Option<std::ffi::OsString> {
     std::env::var_os("PATH")
 }
 
-/// Reads the config file with the process environment's `RAILGUARD__…` overrides, and starts
-/// logging as it says.
+/// The variable that names the config file when `--config` is not given.
+const CONFIG_VAR: &str = "RAILGUARD_CONFIG";
+
+/// Where the config file is read from when neither `--config` nor `$RAILGUARD_CONFIG` says.
+const DEFAULT_CONFIG: &str = "config/railguard.toml";
+
+/// The config file a command reads, and what named it.
+struct ConfigPath {
+    path: PathBuf,
+    from: ConfigFrom,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ConfigFrom {
+    Flag,
+    Variable,
+    Default,
+}
+
+/// `--config`, else `$RAILGUARD_CONFIG` (if set and not empty), else [`DEFAULT_CONFIG`].
 #[allow(clippy::disallowed_methods)] // main reads the environment
-fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
-    let loaded = railguard::config::overrides_from(std::env::vars_os())
-        .and_then(|env| Config::load(path, &env));
-    match loaded {
-        Ok(config) => {
-            telemetry::init(config.log.format, &config.log.level, rust_log().as_deref());
-            Ok(config)
-        }
-        Err(e) => {
-            eprintln!("railguard: configuration error: {e}");
-            Err(ExitCode::from(2))
-        }
+fn config_path(flag: Option<PathBuf>) -> ConfigPath {
+    if let Some(path) = flag {
+        return ConfigPath {
+            path,
+            from: ConfigFrom::Flag,
+        };
     }
+    match std::env::var_os(CONFIG_VAR).filter(|v| !v.is_empty()) {
+        Some(path) => ConfigPath {
+            path: path.into(),
+            from: ConfigFrom::Variable,
+        },
+        None => ConfigPath {
+            path: DEFAULT_CONFIG.into(),
+            from: ConfigFrom::Default,
+        },
+    }
+}
+
+/// Reads the config file with the process environment's `RAILGUARD__…` overrides; returns
+/// them too (a reload applies the same ones).
+#[allow(clippy::disallowed_methods)] // main reads the environment
+fn read(path: &ConfigPath) -> Result<(Config, BTreeMap<String, String>), ExitCode> {
+    let loaded = railguard::config::overrides_from(std::env::vars_os())
+        .and_then(|env| Config::load(&path.path, &env).map(|config| (config, env)));
+    loaded.map_err(|e| {
+        let unreadable = e.key.is_none() && e.message.starts_with("cannot read the file");
+        let hint = match path.from {
+            ConfigFrom::Default if unreadable => format!(
+                "\nrailguard: without --config or ${CONFIG_VAR}, railguard reads \
+                 {DEFAULT_CONFIG} relative to the working directory{}: run it from the \
+                 repository, pass --config PATH, or set {CONFIG_VAR}=PATH",
+                std::env::current_dir()
+                    .map(|dir| format!(" ({})", dir.display()))
+                    .unwrap_or_default()
+            ),
+            ConfigFrom::Variable if unreadable => {
+                format!("\nrailguard: this path came from ${CONFIG_VAR}")
+            }
+            _ => String::new(),
+        };
+        eprintln!("railguard: configuration error: {e}{hint}");
+        ExitCode::from(2)
+    })
+}
+
+/// [`read`], then starts logging as the configuration says.
+fn load(path: &ConfigPath) -> Result<Config, ExitCode> {
+    let (config, _) = read(path)?;
+    telemetry::init(config.log.format, &config.log.level, rust_log().as_deref());
+    Ok(config)
 }
 
 /// `$RAILGUARD_SECRET`, if set and not empty: the bearer secret the operator commands send.

@@ -38,6 +38,7 @@ use crate::proxy::idempotency::{
     hold_instance_lock, record_clean_stop, sweep_forever,
 };
 use crate::proxy::{self, ClientAddr};
+use crate::reload::{Reload, Reloadable};
 use crate::store::handover::Handover;
 use crate::store::replication::{ReplicationCheck, ReplicationError};
 
@@ -111,6 +112,17 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
+    run_reloading(listeners, config, shutdown, None).await
+}
+
+/// [`run`], also reloading what can be reloaded on each of `reload`'s requests (SIGHUP,
+/// [`crate::reload`]) once it serves.
+pub async fn run_reloading(
+    listeners: Listeners,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+    reload: Option<Reload>,
+) -> Result<(), ServeError> {
     let metrics = Arc::new(Metrics::new());
     // Credentials first: a broken file fails the start before anything is opened.
     let auth = load_credentials(&config, &metrics)?;
@@ -120,6 +132,17 @@ pub async fn run(
         .answering_overload_with(proxy::error::overloaded);
     let lock_listener = listener(listeners.lock, "lock", &config.lock.listener, &metrics)?;
     let admin_listener = listener(listeners.admin, "admin", &config.admin.listener, &metrics)?;
+    let reloadable = Reloadable {
+        credentials: auth.clone(),
+        tls: [
+            ("proxy", &proxy_listener),
+            ("lock", &lock_listener),
+            ("admin", &admin_listener),
+        ]
+        .into_iter()
+        .filter_map(|(name, listener)| listener.tls().map(|tls| (name, tls)))
+        .collect(),
+    };
     if !config.fencing.enforce {
         tracing::error!(
             "!!! FENCING IS DISABLED (fencing.enforce = false) !!! Stale tokens WILL reach the \
@@ -450,6 +473,8 @@ pub async fn run(
         grace,
     ));
 
+    let reloads =
+        reload.map(|reload| tokio::spawn(crate::reload::serve(reload, config.clone(), reloadable)));
     let died = tokio::select! {
         () = &mut shutdown => None,
         status = database.embedded_exited() => Some(status),
@@ -458,6 +483,9 @@ pub async fn run(
         tracing::error!(%status, "the embedded PostgreSQL exited on its own; shutting down");
     }
     tracing::info!(?grace, "shutting down");
+    if let Some(reloads) = reloads {
+        reloads.abort();
+    }
     let _ = stop_tx.send(true);
     let _ = proxy_task.await;
     if late_forwards.count() > 0 {
@@ -701,6 +729,23 @@ async fn load_proof_key(pool: &deadpool_postgres::Pool) -> Result<ProofKey, Stri
     ProofKey::load_or_create(&**client)
         .await
         .map_err(|e| e.to_string())
+}
+
+/// SIGHUP, as [`Reload::requests`]: one message per signal (signals that arrive while one is
+/// being handled are folded into one more). The handler is installed when this is called, so
+/// from then on SIGHUP never ends the process, even before it serves.
+pub fn hangup_requests() -> tokio::sync::mpsc::Receiver<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            if tx.try_send(()).is_err() && tx.is_closed() {
+                tracing::warn!("SIGHUP received while stopping: nothing reloaded");
+            }
+        }
+    });
+    rx
 }
 
 /// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not when

@@ -294,3 +294,71 @@ async fn marks_reads_a_mark_through_the_admin_listener_only() {
         assert!(!body.contains("42"), "{url}: {}", reply.body);
     }
 }
+
+/// Without `--config`, `$RAILGUARD_CONFIG` names the file; without either, the default path is
+/// read relative to the working directory, and an error there says how to point at the file.
+#[test]
+fn the_config_file_comes_from_the_flag_then_railguard_config_then_the_default_path() {
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/railguard.toml");
+    let shipped = shipped.to_str().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let bad = elsewhere.path().join("bad.toml");
+    std::fs::write(&bad, "[proxy]\nlisten = \"nowhere\"\n").unwrap();
+    let bad = bad.to_str().unwrap();
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let out = std::process::Command::new(support::railguard_binary())
+            .args(args)
+            .current_dir(elsewhere.path())
+            .env_remove("RAILGUARD_CONFIG")
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+
+    // Neither: there is no config/railguard.toml here. Both fail at once and say what to do.
+    for command in ["serve", "check-config"] {
+        let (code, stdout, stderr) = run(&[command], &[]);
+        assert_eq!(code, 2, "{command}: {stdout}{stderr}");
+        for part in [
+            "config/railguard.toml: cannot read the file",
+            "relative to the working directory",
+            elsewhere.path().to_str().unwrap(),
+            "pass --config PATH, or set RAILGUARD_CONFIG=PATH",
+        ] {
+            assert!(stderr.contains(part), "{command}: {part} in {stderr}");
+        }
+    }
+
+    // The variable names the file, for every command that reads one.
+    let (code, stdout, stderr) = run(&["check-config"], &[("RAILGUARD_CONFIG", shipped)]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(stdout.starts_with(&format!("{shipped}: ok")), "{stdout}");
+    let (code, _, stderr) = run(&["serve"], &[("RAILGUARD_CONFIG", bad)]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains(bad) && stderr.contains("key `proxy.listen`"),
+        "serve read the file the variable names: {stderr}"
+    );
+    let (code, _, stderr) = run(
+        &["check-config"],
+        &[("RAILGUARD_CONFIG", "/nonexistent/rg.toml")],
+    );
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("/nonexistent/rg.toml: cannot read the file")
+            && stderr.contains("came from $RAILGUARD_CONFIG"),
+        "{stderr}"
+    );
+
+    // The flag wins over the variable.
+    let (code, stdout, stderr) = run(
+        &["check-config", "--config", shipped],
+        &[("RAILGUARD_CONFIG", bad)],
+    );
+    assert_eq!(code, 0, "{stdout}{stderr}");
+}

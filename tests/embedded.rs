@@ -1,4 +1,5 @@
-//! `database.url = "embedded"`: railguard runs its own PostgreSQL, privately, and stops it.
+//! `database.url = "embedded"`: railguard runs its own PostgreSQL, privately, and stops it;
+//! a SIGHUP reloads what it can and stops neither.
 
 use railguard_testkit as support;
 
@@ -130,4 +131,183 @@ async fn embedded_postgres_is_private_survives_restarts_and_is_stopped_cleanly()
     assert_eq!(paid.status, StatusCode::CREATED);
     assert!(rg.stop().await.success());
     assert_eq!(rail.ledger().len(), 3);
+}
+
+/// Whether `pid` is a live process (not gone, not a zombie waiting for its parent).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rfind(')')
+            .and_then(|end| stat[end + 1..].split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
+}
+
+fn worker(name: &str, secret: &str) -> String {
+    format!(
+        "[[worker]]\nname = \"{name}\"\nsecrets = [\"{}\"]\naccounts = [\"acct-*\"]\n",
+        railguard::auth::secret::digest_text(secret)
+    )
+}
+
+#[tokio::test]
+async fn sighup_reloads_credentials_and_log_level_and_leaves_railguard_and_postgres_running() {
+    init_tracing();
+    let dir = tempfile::Builder::new()
+        .prefix("railguard-sighup-")
+        .tempdir()
+        .unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let data_dir = dir.path().join("pg");
+    let credentials = dir.path().join("credentials.toml");
+    let (first, second) = (
+        railguard::auth::secret::generate(),
+        railguard::auth::secret::generate(),
+    );
+    std::fs::write(&credentials, worker("first", &first)).unwrap();
+    let (data_dir_text, credentials_text) = (
+        data_dir.display().to_string(),
+        credentials.display().to_string(),
+    );
+    let env = [
+        ("RAILGUARD__DATABASE__DATA_DIR", data_dir_text.as_str()),
+        (
+            "RAILGUARD__AUTH__CREDENTIALS_FILE",
+            credentials_text.as_str(),
+        ),
+        // An hour: within this test only a SIGHUP can bring a new version in.
+        ("RAILGUARD__AUTH__RELOAD_INTERVAL_MS", "3600000"),
+    ];
+    let rail = Rail::start().await;
+    let mut rg = Railguard::start_process("embedded", &rail.url(), &env).await;
+    let pid = rg.pid().expect("a process");
+    let postmaster = || -> Option<u32> {
+        std::fs::read_to_string(data_dir.join("postmaster.pid"))
+            .ok()?
+            .lines()
+            .next()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    let postgres = postmaster().expect("the embedded server runs");
+    assert!(alive(postgres));
+    let locks = |secret: &str| rg.lock_client().with_bearer(secret).unwrap();
+    let refused = locks(&second)
+        .acquire("acct-1", "w2", Duration::from_secs(30), Duration::ZERO)
+        .await
+        .expect_err("a secret the file does not list");
+    assert!(
+        matches!(refused, railguard::sdk::SdkError::Unauthenticated(_)),
+        "{refused:?}"
+    );
+
+    // A new identity, a new log level, and a key that only a restart can change.
+    std::fs::write(
+        &credentials,
+        format!("{}{}", worker("first", &first), worker("second", &second)),
+    )
+    .unwrap();
+    let config = std::fs::read_to_string(rg.config_path()).unwrap();
+    let changed = config
+        .replace("level = \"info\"", "level = \"debug\"")
+        .replace("request_timeout_ms = 3000", "request_timeout_ms = 4000");
+    assert_ne!(
+        config, changed,
+        "the test's config has the lines it changes"
+    );
+    std::fs::write(rg.config_path(), changed).unwrap();
+    let before = rg.log().len();
+    assert!(support::signal(pid, "HUP").await, "SIGHUP delivered");
+
+    let mut reloaded = false;
+    for _ in 0..100 {
+        reloaded = rg.log()[before..].contains("SIGHUP: reload done");
+        if reloaded {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = rg.log()[before..].to_string();
+    assert!(reloaded, "the reload is logged:\n{log}");
+    assert!(log.contains("SIGHUP received"), "{log}");
+    assert!(
+        log.contains("credentials file read again (SIGHUP); the new version is in force"),
+        "{log}"
+    );
+    assert!(log.contains("log.level is now \\\"debug\\\""), "{log}");
+    assert!(
+        log.contains("need a restart to take effect: proxy.request_timeout_ms;"),
+        "the key that needs a restart is named, and only it:\n{log}"
+    );
+    assert!(!log.contains("reload done with errors"), "{log}");
+
+    // It still serves, with the new credentials in force, on the same PostgreSQL.
+    let grant = locks(&second)
+        .acquire("acct-1", "second", Duration::from_secs(30), Duration::ZERO)
+        .await
+        .expect("the identity added by the reload may lock");
+    let paid = railguard::sdk::RailClient::new(rg.proxy_url(""))
+        .with_bearer(&second)
+        .unwrap()
+        .post(&grant, "acct-1", "/payments", "{}".into(), None)
+        .await
+        .unwrap();
+    assert_eq!(paid.status, StatusCode::CREATED);
+    assert!(alive(pid), "railguard is still running:\n{}", rg.log());
+    assert_eq!(postmaster(), Some(postgres), "the same embedded PostgreSQL");
+    assert!(alive(postgres), "the embedded PostgreSQL is untouched");
+    // The new level is in force: debug lines appear from the reload on.
+    assert!(
+        rg.log()[before..].contains("\"level\":\"DEBUG\""),
+        "debug lines after the reload:\n{}",
+        &rg.log()[before..]
+    );
+    assert!(
+        !rg.log()[..before].contains("\"level\":\"DEBUG\""),
+        "and none before it"
+    );
+
+    // Files that cannot be used: said, key and file named, and nothing changes.
+    let config = std::fs::read_to_string(rg.config_path()).unwrap();
+    let broken = config.replace("request_timeout_ms = 4000", "request_timeout_ms = \"soon\"");
+    assert_ne!(config, broken);
+    std::fs::write(rg.config_path(), broken).unwrap();
+    std::fs::write(&credentials, "[[worker]]\nname = \"nobody\"\n").unwrap();
+    let before = rg.log().len();
+    assert!(support::signal(pid, "HUP").await, "SIGHUP delivered");
+    let mut reloaded = false;
+    for _ in 0..100 {
+        reloaded = rg.log()[before..].contains("SIGHUP: reload done with errors");
+        if reloaded {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = rg.log()[before..].to_string();
+    assert!(reloaded, "the refused reload is logged as an error:\n{log}");
+    assert!(
+        log.contains("the configuration cannot be used, nothing in it was applied")
+            && log.contains("railguard.toml: key `proxy.request_timeout_ms`"),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!("credentials file {credentials_text}"))
+            && log.contains("the version in force stays"),
+        "{log}"
+    );
+    let grant = locks(&second)
+        .acquire("acct-2", "second", Duration::from_secs(30), Duration::ZERO)
+        .await
+        .expect("the credentials in force before the broken file still are");
+    assert!(alive(pid) && alive(postgres));
+    drop(grant);
+
+    let status = rg.stop().await;
+    assert!(status.success(), "{status}");
+    assert!(
+        processes_in(&data_dir).is_empty(),
+        "a stop after the reload still stops PostgreSQL:\n{}",
+        rg.log()
+    );
+    assert_eq!(rail.ledger().len(), 1);
 }

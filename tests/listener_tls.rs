@@ -18,7 +18,7 @@ use http_body_util::Full;
 use prometheus::IntCounterVec;
 use railguard::config::{ClientAuth, ListenerLimits, ListenerTls};
 use railguard::http::{Listener, Peer, Refusal, serve};
-use railguard::tls::server::{STALLED_AFTER, TlsServer, reload_counter};
+use railguard::tls::server::{Checked, STALLED_AFTER, TlsServer, reload_counter};
 use support::{Http, Issued, Pg, Pki, Rail, Railguard, TlsClient, hex, init_tracing};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -30,6 +30,7 @@ struct Echo {
     addr: SocketAddr,
     refusals: IntCounterVec,
     reloads: IntCounterVec,
+    tls: Arc<TlsServer>,
     _stop: oneshot::Sender<()>,
 }
 
@@ -38,12 +39,13 @@ impl Echo {
         init_tracing();
         let reloads = reload_counter();
         let refusals = Refusal::counter();
-        let server = TlsServer::load(tls, "proxy", reloads.clone()).expect("TLS files load");
+        let server =
+            Arc::new(TlsServer::load(tls, "proxy", reloads.clone()).expect("TLS files load"));
         let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = tcp.local_addr().unwrap();
         let listener = Listener::new(tcp, "proxy")
             .with_limits(limits)
-            .with_tls(Arc::new(server))
+            .with_tls(server.clone())
             .counting_refusals_in(refusals.clone());
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(serve(
@@ -73,6 +75,7 @@ impl Echo {
             addr,
             refusals,
             reloads,
+            tls: server,
             _stop: stop,
         }
     }
@@ -344,6 +347,51 @@ async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(ok(&echo.reloads, "error"), 1);
+    assert_eq!(served().await, second.fingerprint_sha256());
+}
+
+/// A check on demand, as SIGHUP makes one: a replaced certificate is in force for the very next
+/// handshake, with no wait for the periodic check; unchanged files are said to be unchanged; a
+/// broken key is reported and the certificate in use stays.
+#[tokio::test]
+async fn a_check_on_demand_puts_a_replaced_certificate_in_force_at_once() {
+    let Rotation {
+        pki,
+        first,
+        second,
+        dir: _dir,
+        live,
+    } = Rotation::new();
+    let install = |from: &Issued| {
+        for (src, dst) in [(&from.cert, &live.cert), (&from.key, &live.key)] {
+            let aside = dst.with_extension("new");
+            std::fs::copy(src, &aside).unwrap();
+            std::fs::rename(&aside, dst).unwrap();
+        }
+    };
+    install(&first);
+    let echo = Echo::start(
+        files(&live, None, ClientAuth::None),
+        ListenerLimits::default(),
+    )
+    .await;
+    let client = TlsClient::new(&pki.ca, None);
+    let served = || async { client.get(echo.addr, "/").await.unwrap().server_cert_sha256 };
+    assert_eq!(served().await, first.fingerprint_sha256());
+    assert_eq!(echo.tls.check_now().await, Checked::Unchanged);
+
+    install(&second);
+    assert_eq!(echo.tls.check_now().await, Checked::Reloaded);
+    // Within the second after a check, handshakes start none of their own: what they get is
+    // what the check on demand loaded.
+    assert_eq!(served().await, second.fingerprint_sha256());
+    assert_eq!(echo.reloads.with_label_values(&["proxy", "ok"]).get(), 1);
+
+    std::fs::write(&live.key, "-----BEGIN PRIVATE KEY-----\nnot a key\n").unwrap();
+    match echo.tls.check_now().await {
+        Checked::Failed(why) => assert!(why.contains("key.pem"), "{why}"),
+        other => panic!("a broken key is reported: {other:?}"),
+    }
     assert_eq!(served().await, second.fingerprint_sha256());
 }
 

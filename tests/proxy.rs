@@ -976,13 +976,22 @@ async fn bad_config_stops_start_up_naming_the_key_and_file() {
 async fn unreachable_database_url_fails_start_up_clearly() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("rg.toml");
-    let port = support::free_loopback_port();
+    // Every listener and the database on a port of its own, free when picked: nothing else
+    // on this machine (a railguard on the shipped ports, say) can fail the start first.
+    let mut ports: Vec<u16> = Vec::new();
+    while ports.len() < 4 {
+        let port = support::free_loopback_port();
+        if !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    let [proxy, admin, lock, database] = [ports[0], ports[1], ports[2], ports[3]];
     std::fs::write(
         &path,
         format!(
-            "[proxy]\nlisten = \"127.0.0.1:{}\"\n[admin]\nlisten = \"127.0.0.1:{}\"\n[database]\nurl = \"postgres://rg:pw@127.0.0.1:{port}/x\"\ntimeout_ms = 500\n",
-            support::free_loopback_port(),
-            support::free_loopback_port()
+            "[proxy]\nlisten = \"127.0.0.1:{proxy}\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n\
+             [lock]\nlisten = \"127.0.0.1:{lock}\"\n\
+             [database]\nurl = \"postgres://rg:pw@127.0.0.1:{database}/x\"\ntimeout_ms = 500\n"
         ),
     )
     .unwrap();

@@ -321,6 +321,28 @@ impl Authenticator {
             seen.settled = version;
             seen.pending = None;
         }
+        self.put_in_force(text, "credentials file changed").is_ok()
+    }
+
+    /// Reads the file now and puts it in force if it parses, without waiting for a second look
+    /// (SIGHUP: whoever sends it says the file is complete). On an error the version in force
+    /// stays. Returns how many identities the file now in force holds.
+    pub fn reload_now(&self) -> Result<usize, CredentialsError> {
+        let (version, text) = read_version(&self.path);
+        {
+            let mut seen = self.seen.lock().expect("not poisoned");
+            seen.settled = version;
+            seen.pending = None;
+        }
+        self.put_in_force(text, "credentials file read again (SIGHUP)")
+    }
+
+    /// Parses `text`, the file's contents, and puts it in force; or logs and counts why not.
+    fn put_in_force(
+        &self,
+        text: std::io::Result<String>,
+        why: &str,
+    ) -> Result<usize, CredentialsError> {
         let file = self.path.display().to_string();
         let parsed = text
             .map_err(|e| CredentialsError {
@@ -331,22 +353,21 @@ impl Authenticator {
             .and_then(|text| Credentials::parse(&text, &file, &self.shape));
         match parsed {
             Ok(credentials) => {
-                self.metrics
-                    .identities
-                    .set(credentials.names().len() as i64);
-                tracing::info!(file = %self.path.display(), identities = credentials.names().len(),
-                    "credentials file changed; the new version is in force");
+                let identities = credentials.names().len();
+                self.metrics.identities.set(identities as i64);
+                tracing::info!(file = %self.path.display(), identities,
+                    "{why}; the new version is in force");
                 *self.current.write().expect("not poisoned") = Arc::new(credentials);
                 self.metrics.reloads.with_label_values(&["loaded"]).inc();
                 self.metrics.stale.set(0);
-                true
+                Ok(identities)
             }
             Err(e) => {
                 tracing::error!(error = %e,
-                    "credentials file changed but cannot be used; the last good version stays in force");
+                    "{why} but cannot be used; the last good version stays in force");
                 self.metrics.reloads.with_label_values(&["failed"]).inc();
                 self.metrics.stale.set(1);
-                false
+                Err(e)
             }
         }
     }

@@ -783,6 +783,47 @@ impl Config {
         warnings
     }
 
+    /// The dotted keys (`proxy.upstream`, `log.level`) whose values differ between this
+    /// configuration and `other`, sorted. Only names, never values: a
+    /// value may be a credential (`database.url`).
+    pub fn changed_keys(&self, other: &Config) -> Vec<String> {
+        fn walk(
+            prefix: &str,
+            a: Option<&toml::Value>,
+            b: Option<&toml::Value>,
+            out: &mut Vec<String>,
+        ) {
+            match (a, b) {
+                (Some(toml::Value::Table(a)), Some(toml::Value::Table(b))) => {
+                    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+                    keys.sort();
+                    keys.dedup();
+                    for key in keys {
+                        let path = if prefix.is_empty() {
+                            key.clone()
+                        } else {
+                            format!("{prefix}.{key}")
+                        };
+                        walk(&path, a.get(key), b.get(key), out);
+                    }
+                }
+                (a, b) if a == b => {}
+                _ => out.push(prefix.to_string()),
+            }
+        }
+        let (a, b) = (toml::Value::try_from(self), toml::Value::try_from(other));
+        match (a, b) {
+            (Ok(a), Ok(b)) => {
+                let mut out = Vec::new();
+                walk("", Some(&a), Some(&b), &mut out);
+                out
+            }
+            // Not expected (a parsed configuration always writes back): say what is known.
+            _ if self == other => Vec::new(),
+            _ => vec!["(the configuration, which cannot be compared key by key)".into()],
+        }
+    }
+
     /// Reads and parses `path`, applying the `RAILGUARD__…` overrides found in `env` (the
     /// process environment, as `main` read it).
     pub fn load(path: &Path, env: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
@@ -993,6 +1034,22 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         Config::parse(text, "test.toml", &env)
+    }
+
+    #[test]
+    fn changed_keys_names_each_changed_key_and_nothing_else() {
+        let running = parse("[proxy]\nupstream = \"http://10.0.0.1:9090\"\n", &[]).unwrap();
+        assert!(running.changed_keys(&running.clone()).is_empty());
+        let changed = parse(
+            "[proxy]\nupstream = \"http://10.0.0.2:9090\"\n[log]\nlevel = \"debug\"\n\
+             [auth]\nlock_requests_per_s = 7\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            running.changed_keys(&changed),
+            ["auth.lock_requests_per_s", "log.level", "proxy.upstream"]
+        );
     }
 
     #[test]

@@ -65,6 +65,13 @@ pub struct Upstream {
 
 impl Upstream {
     pub fn parse(text: &str) -> Result<Self, String> {
+        if text.trim().is_empty() {
+            return Err(
+                "must be set: the rail's URL, http://host:port or https://host:port \
+                        (RAILGUARD__PROXY__UPSTREAM in the environment sets it too)"
+                    .into(),
+            );
+        }
         let uri: http::Uri = text.parse().map_err(|e| format!("not a URL: {e}"))?;
         let scheme = match uri.scheme_str() {
             Some("http") => Scheme::HTTP,

@@ -89,6 +89,11 @@ impl Listener {
         self
     }
 
+    /// The TLS configuration it serves, if it serves TLS (SIGHUP checks its files).
+    pub fn tls(&self) -> Option<Arc<TlsServer>> {
+        self.tls.clone()
+    }
+
     /// Counts refusals in `refusals` (labels `listener`, `reason`; see [`Refusal::counter`]).
     pub fn counting_refusals_in(mut self, refusals: IntCounterVec) -> Listener {
         self.refusals = refusals;

@@ -167,7 +167,9 @@ impl TlsServer {
                 state.checking = Some(Instant::now());
                 state.stall_reported = false;
                 let shared = self.shared.clone();
-                drop(tokio::task::spawn_blocking(move || shared.check()));
+                drop(tokio::task::spawn_blocking(move || {
+                    shared.check();
+                }));
             }
             match state.checking {
                 Some(started) if started.elapsed() < CHECK_WAIT => Some(started + CHECK_WAIT),
@@ -196,6 +198,57 @@ impl TlsServer {
         }
         TlsAcceptor::from(self.shared.lock().config.clone())
     }
+
+    /// Checks the files now, however recently they were checked (SIGHUP), and waits for the
+    /// check at most [`STALLED_AFTER`]. Handshakes meanwhile go on as with any check.
+    pub async fn check_now(&self) -> Checked {
+        // A check already running (started by a handshake) may have read the files before
+        // they changed: it is waited for, and then this one is made.
+        for _ in 0..2 {
+            let mut done = self.shared.checks_done.subscribe();
+            let started = {
+                let mut state = self.shared.lock();
+                let idle = state.checking.is_none();
+                if idle {
+                    state.checking = Some(Instant::now());
+                    state.stall_reported = false;
+                }
+                idle
+            };
+            if started {
+                let shared = self.shared.clone();
+                let check = tokio::task::spawn_blocking(move || shared.check());
+                return match tokio::time::timeout(STALLED_AFTER, check).await {
+                    Ok(Ok(checked)) => checked,
+                    Ok(Err(e)) => Checked::Failed(format!("the check did not finish: {e}")),
+                    Err(_) => Checked::Stalled,
+                };
+            }
+            if tokio::time::timeout(STALLED_AFTER, done.changed())
+                .await
+                .is_err()
+            {
+                return Checked::Stalled;
+            }
+        }
+        Checked::Busy
+    }
+}
+
+/// What a check of a listener's TLS files found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Checked {
+    /// The files are as when last loaded (or a check already running took them in).
+    Unchanged,
+    /// They changed, and the new certificate is in force for new connections.
+    Reloaded,
+    /// They changed but cannot be used: the certificate in use stays. Why.
+    Failed(String),
+    /// The check did not return: the file system does not answer.
+    Stalled,
+    /// Checks started by handshakes kept the files busy; the next handshake's check takes
+    /// any change in.
+    Busy,
 }
 
 impl Shared {
@@ -205,7 +258,7 @@ impl Shared {
 
     /// Reads the files and swaps in a new configuration if they changed. Runs on the blocking
     /// pool; the lock is held only to compare and swap, never while a file is read.
-    fn check(&self) {
+    fn check(&self) -> Checked {
         /// Ends the check whatever happens in it, a panic included, so that a later one can
         /// start.
         struct Done<'a>(&'a Shared);
@@ -230,7 +283,7 @@ impl Shared {
         let contents = Contents::read(&self.files);
         let stamps = contents.stamps();
         if stamps == self.lock().stamps {
-            return;
+            return Checked::Unchanged;
         }
         let built = build(&self.files, contents);
         let mut state = self.lock();
@@ -243,6 +296,7 @@ impl Shared {
                 tracing::info!(listener = self.listener,
                     cert = %self.files.cert_file.display(),
                     "TLS files changed: reloaded");
+                Checked::Reloaded
             }
             Err(e) => {
                 drop(state);
@@ -252,6 +306,7 @@ impl Shared {
                 tracing::error!(listener = self.listener, error = %e,
                     "TLS files changed but cannot be used; still serving the previous \
                      certificate");
+                Checked::Failed(e.to_string())
             }
         }
     }
