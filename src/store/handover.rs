@@ -556,7 +556,7 @@ impl Handover {
     /// After the database changed server (`store::epoch`): waits until no forward of a token
     /// below the new floor can still reach the rail ahead of `account`'s next one (the module
     /// docs, "When the store goes back"), or fails at once with [`WaitError::Held`] when that
-    /// leaves less than [`LEFT_TO_FORWARD`] of `deadline` for the forward. Returns the store's
+    /// leaves less than a second of `deadline` for the forward. Returns the store's
     /// epoch once no process has such a forward for any account: nothing more to wait for until
     /// the next change.
     pub async fn wait_store_change(
