@@ -10,29 +10,7 @@ use railguard_testkit as support;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Pg, Rail, Railguard, Relay, Reply, eventually, init_tracing};
-
-/// Pays `token` on `account` through `rg` in a task of its own.
-fn pay_in_background(rg: &Railguard, token: i64, account: &str) -> tokio::task::JoinHandle<Reply> {
-    let (http, url, proof) = (
-        rg.http(),
-        rg.proxy_url("/payments"),
-        rg.proof(account, token),
-    );
-    let (token, account) = (token.to_string(), account.to_string());
-    tokio::spawn(async move {
-        http.pay(
-            &url,
-            &[
-                ("Fencing-Token", &token),
-                ("Fencing-Account", &account),
-                ("Fencing-Proof", &proof),
-            ],
-            "{}",
-        )
-        .await
-    })
-}
+use support::{Pg, Rail, Railguard, Relay, eventually, init_tracing};
 
 /// Token 5 through railguard A, whose path to the rail holds each chunk 1.5 s; token 7 through
 /// railguard B, direct, 300 ms later. Returns the order the rail received them in.
@@ -47,7 +25,7 @@ async fn two_processes(order: &str) -> Vec<i64> {
     let a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
     let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
     slow_path.set_delay(Duration::from_millis(1500));
-    let older = pay_in_background(&a, 5, "acct-x");
+    let older = a.pay_in_background(5, "acct-x");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let newer = b.http().pay_with(&b, 7, "acct-x").await;
     assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
@@ -93,7 +71,7 @@ async fn a_killed_railguards_forward_holds_newer_tokens_until_it_can_no_longer_a
     let mut a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
     let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
     slow_path.set_delay(Duration::from_millis(2500));
-    let older = pay_in_background(&a, 5, "acct-k");
+    let older = a.pay_in_background(5, "acct-k");
     tokio::time::sleep(Duration::from_millis(300)).await;
     a.kill().await;
     let _ = older.await;
@@ -167,13 +145,14 @@ async fn the_database_goes_back_with_a_forward_on_its_way(order: &str) -> (Vec<i
     let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
     let copy = pg.copy_data().await.expect("copy of the data directory");
     slow_path.set_delay(Duration::from_millis(8000));
-    let older = pay_in_background(&a, 5, "acct-r");
+    let older = a.pay_in_background(5, "acct-r");
     eventually(Duration::from_secs(5), || async {
         (pg.mark("acct-r").await == Some(5)).then_some(())
     })
     .await;
     pg.rewind_to(&copy).await.expect("rewind");
-    // B's next session sees the new server and raises the floor: an old grant is refused.
+    // B's next database connection meets the new server and raises the floor: an old grant is
+    // refused.
     eventually(Duration::from_secs(10), || async {
         let reply = b.http().pay_with(&b, 6, "acct-r").await;
         (reply.status == StatusCode::CONFLICT).then_some(())

@@ -9,30 +9,8 @@ use railguard_testkit as support;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Pg, Rail, Railguard, Relay, Reply, eventually, init_tracing};
+use support::{Pg, Rail, Railguard, Relay, eventually, init_tracing};
 use tokio::time::Instant;
-
-/// Pays `token` on `account` through `rg` in a task of its own.
-fn pay_in_background(rg: &Railguard, token: i64, account: &str) -> tokio::task::JoinHandle<Reply> {
-    let (http, url, proof) = (
-        rg.http(),
-        rg.proxy_url("/payments"),
-        rg.proof(account, token),
-    );
-    let (token, account) = (token.to_string(), account.to_string());
-    tokio::spawn(async move {
-        http.pay(
-            &url,
-            &[
-                ("Fencing-Token", &token),
-                ("Fencing-Account", &account),
-                ("Fencing-Proof", &proof),
-            ],
-            "{}",
-        )
-        .await
-    })
-}
 
 /// Has `rg` meet the new server (an old grant is refused: the change is fenced) and returns
 /// the floor the change raised.
@@ -123,7 +101,7 @@ async fn two_changes_in_a_row_under_a_forward_on_its_way_keep_the_older_forward_
     let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
     let copy = pg.copy_data().await.expect("copy of the data directory");
     slow_path.set_delay(Duration::from_millis(8000));
-    let older = pay_in_background(&a, 5, "acct-2");
+    let older = a.pay_in_background(5, "acct-2");
     eventually(Duration::from_secs(5), || async {
         (pg.mark("acct-2").await == Some(5)).then_some(())
     })

@@ -251,6 +251,29 @@ impl Railguard {
         Some(Arc::new(ProofKey::from_bytes(&row.get::<_, Vec<u8>>(0))))
     }
 
+    /// Pays `token` on `account` through this railguard, with its grant's proof, in a task of
+    /// its own: a request the test lets travel (held in a relay, say) while it goes on.
+    pub fn pay_in_background(&self, token: i64, account: &str) -> JoinHandle<crate::Reply> {
+        let (http, url, proof) = (
+            self.http(),
+            self.proxy_url("/payments"),
+            self.proof(account, token),
+        );
+        let (token, account) = (token.to_string(), account.to_string());
+        tokio::spawn(async move {
+            http.pay(
+                &url,
+                &[
+                    ("Fencing-Token", &token),
+                    ("Fencing-Account", &account),
+                    ("Fencing-Proof", &proof),
+                ],
+                "{}",
+            )
+            .await
+        })
+    }
+
     /// The proof a grant of lock key `account` (the default mapping) with `token` carries.
     pub fn proof(&self, account: &str, token: i64) -> String {
         let token = railguard::token::FencingToken::new(token).expect("a valid token");
