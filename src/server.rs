@@ -482,70 +482,73 @@ pub async fn run_reloading(
     if let Some(status) = &died {
         tracing::error!(%status, "the embedded PostgreSQL exited on its own; shutting down");
     }
+    // One deadline for the whole stop: the listeners' drain, then every piece of work still
+    // outstanding — forwards waiting for the rail's answer (past their deadline, left by their
+    // client, or run for an idempotency key), database statements still unanswered (a
+    // compare-and-set that commits after this process is gone leaves the record of a request
+    // that was never forwarded in flight, then in doubt), and idempotency outcomes the database
+    // did not take at once. Each kind can only add to the ones after it, so they are waited
+    // for in that order, all within `shutdown.grace_ms` of the signal.
+    let deadline = tokio::time::Instant::now() + grace;
     tracing::info!(?grace, "shutting down");
     if let Some(reloads) = reloads {
         reloads.abort();
     }
     let _ = stop_tx.send(true);
     let _ = proxy_task.await;
-    if late_forwards.count() > 0 {
+    let outstanding = || {
+        (
+            late_forwards.count(),
+            unanswered.count(),
+            outcomes_retrying.count(),
+        )
+    };
+    let (forwards, statements, outcomes) = outstanding();
+    if forwards > 0 {
         tracing::info!(
-            forwards = late_forwards.count(),
+            forwards,
             "waiting for the rail's answers to forwards still on their way (past their deadline, \
              left by their client, or run for an idempotency key)"
         );
     }
-    if tokio::time::timeout(grace, late_forwards.drained())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            forwards = late_forwards.count(),
-            "stopping with forwards still waiting for the rail's answer: a newer grant's request \
-             sent by another railguard may reach the rail before them"
-        );
-    }
-    // A statement still unanswered may yet commit: a compare-and-set that does so after this
-    // process is gone leaves the record of a request that was never forwarded in flight, and
-    // then in doubt. Its answer, and the first attempt to remove that record, are waited for.
-    if unanswered.count() > 0 {
+    if statements > 0 {
         tracing::info!(
-            statements = unanswered.count(),
+            statements,
             "waiting for database statements still unanswered"
         );
     }
-    if tokio::time::timeout(grace, unanswered.none_left())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            statements = unanswered.count(),
-            "stopping with database statements still unanswered (compare-and-sets, last \
-             looks, idempotency completions): a compare-and-set among them that commits later \
-             leaves its idempotency record in flight, then in doubt, though its request was \
-             refused (503) and never forwarded; a completion among them that never commits \
-             leaves its record in flight, then in doubt, though the rail answered. \
-             `railguard idempotency-forget` clears such a record once this process has stopped"
-        );
-    }
-    // Outcomes still retried in the background (the database did not take them at once) are
-    // waited for too; those left when the grace ends go with the process: their records stay
-    // in flight, then in doubt.
-    if outcomes_retrying.count() > 0 {
+    if outcomes > 0 {
         tracing::info!(
-            outcomes = outcomes_retrying.count(),
+            outcomes,
             "waiting for idempotency outcomes still retried until the database takes them"
         );
     }
-    if tokio::time::timeout(grace, outcomes_retrying.none_left())
-        .await
-        .is_err()
-    {
+    let settled = async {
+        loop {
+            late_forwards.drained().await;
+            unanswered.none_left().await;
+            outcomes_retrying.none_left().await;
+            if outstanding() == (0, 0, 0) {
+                break;
+            }
+        }
+    };
+    if tokio::time::timeout_at(deadline, settled).await.is_err() {
+        let (forwards, statements, outcomes) = outstanding();
         tracing::warn!(
-            outcomes = outcomes_pending.get(),
-            "stopping with idempotency outcomes not stored yet (answers to store, records to \
-             declare in doubt or remove): their records stay in flight and become in doubt; a \
-             repeat of such a request is refused, never forwarded twice"
+            forwards,
+            statements,
+            outcomes,
+            outcomes_pending = outcomes_pending.get(),
+            "shutdown.grace_ms is over with work still outstanding. Forwards still waiting for \
+             the rail's answer: a newer grant's request sent by another railguard may reach the \
+             rail before them. Statements unanswered: a compare-and-set among them that commits \
+             later leaves its idempotency record in flight, then in doubt, though its request \
+             was refused (503) and never forwarded; a completion among them that never commits \
+             leaves its record in doubt though the rail answered. Outcomes not stored: their \
+             records stay in flight and become in doubt. A repeat of such a request is refused, \
+             never forwarded twice; `railguard idempotency-forget` clears such a record once \
+             this process has stopped"
         );
     }
     // The other processes take this one's answered forwards as settled at once, not when its
