@@ -1,4 +1,3 @@
-
 use http::HeaderValue;
 use proptest::prelude::*;
 

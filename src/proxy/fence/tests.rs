@@ -1,4 +1,3 @@
-
 //! The fence layer with marks in memory and a `service_fn` rail: its decisions, not
 //! PostgreSQL's (the end-to-end tests in `tests/proxy.rs` run it on real PostgreSQL).
 

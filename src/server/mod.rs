@@ -35,12 +35,17 @@ use crate::proxy::fence::{Batching, FenceLayer, FencePoint, HighWaterStore, This
 use crate::proxy::forward::Forward;
 use crate::proxy::idempotency::{
     IdempotencyConfig, IdempotencyLayer, IdempotencyStore, InstanceId, OutcomeMetrics, Records,
-    hold_instance_lock, record_clean_stop, sweep_forever,
+    hold_instance_lock, sweep_forever,
 };
 use crate::proxy::{self, ClientAddr};
 use crate::reload::{Reload, Reloadable};
 use crate::store::handover::Handover;
 use crate::store::replication::{ReplicationCheck, ReplicationError};
+
+mod shutdown;
+
+use self::shutdown::Outstanding;
+pub use self::shutdown::{hangup_requests, shutdown_signal};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -413,7 +418,12 @@ pub async fn run_reloading(
     let credentials_watch = auth
         .as_ref()
         .map(|auth| auth.watch(config.auth.reload_interval));
-    let outcomes_pending = metrics.outcomes_pending.clone();
+    let outstanding = Outstanding {
+        late_forwards: late_forwards.clone(),
+        unanswered: unanswered.clone(),
+        outcomes_retrying: outcomes_retrying.clone(),
+        outcomes_pending: metrics.outcomes_pending.clone(),
+    };
     let admin = Admin {
         metrics,
         guard: locks.guard.clone(),
@@ -483,12 +493,7 @@ pub async fn run_reloading(
         tracing::error!(%status, "the embedded PostgreSQL exited on its own; shutting down");
     }
     // One deadline for the whole stop: the listeners' drain, then every piece of work still
-    // outstanding — forwards waiting for the rail's answer (past their deadline, left by their
-    // client, or run for an idempotency key), database statements still unanswered (a
-    // compare-and-set that commits after this process is gone leaves the record of a request
-    // that was never forwarded in flight, then in doubt), and idempotency outcomes the database
-    // did not take at once. Each kind can only add to the ones after it, so they are waited
-    // for in that order, all within `shutdown.grace_ms` of the signal.
+    // outstanding (`shutdown::Outstanding`), all within `shutdown.grace_ms` of the signal.
     let deadline = tokio::time::Instant::now() + grace;
     tracing::info!(?grace, "shutting down");
     if let Some(reloads) = reloads {
@@ -496,104 +501,15 @@ pub async fn run_reloading(
     }
     let _ = stop_tx.send(true);
     let _ = proxy_task.await;
-    let outstanding = || {
-        (
-            late_forwards.count(),
-            unanswered.count(),
-            outcomes_retrying.count(),
-        )
-    };
-    let (forwards, statements, outcomes) = outstanding();
-    if forwards > 0 {
-        tracing::info!(
-            forwards,
-            "waiting for the rail's answers to forwards still on their way (past their deadline, \
-             left by their client, or run for an idempotency key)"
-        );
-    }
-    if statements > 0 {
-        tracing::info!(
-            statements,
-            "waiting for database statements still unanswered"
-        );
-    }
-    if outcomes > 0 {
-        tracing::info!(
-            outcomes,
-            "waiting for idempotency outcomes still retried until the database takes them"
-        );
-    }
-    let settled = async {
-        loop {
-            late_forwards.drained().await;
-            unanswered.none_left().await;
-            outcomes_retrying.none_left().await;
-            if outstanding() == (0, 0, 0) {
-                break;
-            }
-        }
-    };
-    if tokio::time::timeout_at(deadline, settled).await.is_err() {
-        let (forwards, statements, outcomes) = outstanding();
-        tracing::warn!(
-            forwards,
-            statements,
-            outcomes,
-            outcomes_pending = outcomes_pending.get(),
-            "shutdown.grace_ms is over with work still outstanding. Forwards still waiting for \
-             the rail's answer: a newer grant's request sent by another railguard may reach the \
-             rail before them. Statements unanswered: a compare-and-set among them that commits \
-             later leaves its idempotency record in flight, then in doubt, though its request \
-             was refused (503) and never forwarded; a completion among them that never commits \
-             leaves its record in doubt though the rail answered. Outcomes not stored: their \
-             records stay in flight and become in doubt. A repeat of such a request is refused, \
-             never forwarded twice; `railguard idempotency-forget` clears such a record once \
-             this process has stopped"
-        );
-    }
+    outstanding.settle(deadline).await;
     // The other processes take this one's answered forwards as settled at once, not when its
     // row goes quiet (store::handover).
     if let Some(handover) = &handover {
         handover.publish_last().await;
     }
-    // Every forward this process started has ended and it starts no more: it says so, and from
-    // when nothing it sent can still reach the rail (proxy.rail_transit_ms after the latest
-    // forward that ended without an answer), so that forget takes the records it owned as
-    // ownerless from then on (a crash, or a stop with forwards still out, says nothing; those
-    // records wait for an operator's `--owner-stopped`).
-    if late_forwards.count() == 0 && unanswered.count() == 0 {
-        let quiet_in = late_forwards.quiet_in(config.proxy.rail_transit);
-        match record_clean_stop(
-            &database.pool,
-            instance,
-            quiet_in,
-            config.proxy.rail_transit,
-            config.database.timeout,
-        )
-        .await
-        {
-            Ok(quiet_after) => tracing::info!(
-                instance = instance.get(),
-                quiet_after,
-                "recorded this process's clean stop: records in doubt it owned can be forgotten \
-                 without --owner-stopped once nothing it sent can still reach the rail \
-                 (quiet_after)"
-            ),
-            Err(e) => tracing::warn!(
-                instance = instance.get(),
-                error = %e,
-                "could not record this process's clean stop: a record in doubt it owned needs \
-                 `railguard idempotency-forget --owner-stopped {instance}`"
-            ),
-        }
-    } else {
-        tracing::warn!(
-            instance = instance.get(),
-            "stopping with forwards or statements still out, so no clean stop is recorded: a \
-             record in doubt this process owned needs `railguard idempotency-forget \
-             --owner-stopped {instance}`"
-        );
-    }
+    outstanding
+        .record_stop(&database.pool, instance, &config)
+        .await;
     let _ = lock_task.await;
     let _ = admin_task.await;
     locks.stop();
@@ -732,44 +648,4 @@ async fn load_proof_key(pool: &deadpool_postgres::Pool) -> Result<ProofKey, Stri
     ProofKey::load_or_create(&**client)
         .await
         .map_err(|e| e.to_string())
-}
-
-/// SIGHUP, as [`Reload::requests`]: one message per signal (signals that arrive while one is
-/// being handled are folded into one more). The handler is installed when this is called, so
-/// from then on SIGHUP never ends the process, even before it serves.
-pub fn hangup_requests() -> tokio::sync::mpsc::Receiver<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
-    tokio::spawn(async move {
-        while hup.recv().await.is_some() {
-            if tx.try_send(()).is_err() && tx.is_closed() {
-                tracing::warn!("SIGHUP received while stopping: nothing reloaded");
-            }
-        }
-    });
-    rx
-}
-
-/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not when
-/// the future is first polled, so a signal during start-up is not lost. A second signal while
-/// draining exits at once.
-pub fn shutdown_signal() -> impl Future<Output = ()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM received"),
-            _ = int.recv() => tracing::info!("SIGINT received"),
-        }
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-            tracing::warn!("second signal: exiting without draining");
-            std::process::exit(130);
-        });
-    }
 }
