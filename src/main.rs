@@ -60,6 +60,12 @@ enum Command {
         /// working directory.
         #[arg(long, short)]
         config: Option<PathBuf>,
+        /// Also print the effective configuration, as `nginx -T` does: every key with its
+        /// value and, in a comment, where it came from (the file, a RAILGUARD__… variable, or
+        /// the default); passwords redacted. The output is TOML; the summary line follows it
+        /// as a comment.
+        #[arg(long)]
+        print: bool,
     },
     /// Show who holds a lock key, asking the running railguard's lock API: holder, lease left
     /// and grant age, for diagnosis. Never a token, and never usable for a correctness decision
@@ -315,7 +321,7 @@ fn main() -> ExitCode {
                 );
                 ExitCode::SUCCESS
             }
-            Command::CheckConfig { config } => {
+            Command::CheckConfig { config, print } => {
                 let path = config_path(config);
                 match load(&path) {
                     Ok(config) => {
@@ -324,6 +330,18 @@ fn main() -> ExitCode {
                             Ok(identities) => {
                                 for (key, why) in config.warnings() {
                                     eprintln!("railguard: warning: {file}: {key}: {why}");
+                                }
+                                if print {
+                                    #[allow(clippy::disallowed_methods)]
+                                    // main reads the environment
+                                    let vars = std::env::vars_os();
+                                    match railguard::config::Effective::render(&path.path, vars) {
+                                        Ok(text) => print!("{text}\n# "),
+                                        Err(e) => {
+                                            eprintln!("railguard: configuration error: {e}");
+                                            return ExitCode::from(2);
+                                        }
+                                    }
                                 }
                                 println!("{file}: ok — {}{identities}", summary(&config));
                                 ExitCode::SUCCESS
