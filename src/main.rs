@@ -331,19 +331,31 @@ fn main() -> ExitCode {
                                 for (key, why) in config.warnings() {
                                     eprintln!("railguard: warning: {file}: {key}: {why}");
                                 }
+                                let ok = format!("{file}: ok — {}{identities}", summary(&config));
                                 if print {
                                     #[allow(clippy::disallowed_methods)]
                                     // main reads the environment
                                     let vars = std::env::vars_os();
-                                    match railguard::config::Effective::render(&path.path, vars) {
-                                        Ok(text) => print!("{text}\n# "),
+                                    let text = match railguard::config::Effective::render(
+                                        &path.path, vars,
+                                    ) {
+                                        Ok(text) => format!("{text}\n# {ok}\n"),
                                         Err(e) => {
                                             eprintln!("railguard: configuration error: {e}");
                                             return ExitCode::from(2);
                                         }
-                                    }
+                                    };
+                                    // A reader that stops early (`| head`) is not an error.
+                                    use std::io::Write as _;
+                                    return match std::io::stdout().lock().write_all(text.as_bytes())
+                                    {
+                                        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                                            fail(&e)
+                                        }
+                                        _ => ExitCode::SUCCESS,
+                                    };
                                 }
-                                println!("{file}: ok — {}{identities}", summary(&config));
+                                println!("{ok}");
                                 ExitCode::SUCCESS
                             }
                             Err(e) => {
