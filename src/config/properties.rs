@@ -183,6 +183,35 @@ proptest! {
     }
 
     #[test]
+    fn each_generated_key_is_shown_as_coming_from_where_it_was_set(
+        v in values(),
+        from_env in prop::collection::vec(any::<bool>(), 9),
+    ) {
+        let (text, env) = sources(&v, &from_env);
+        let effective = Effective::parse(&text, "gen.toml", &env)
+            .map_err(|e| TestCaseError::fail(format!("{e}\n{text}{env:?}")))?;
+        for ((section, key, _, _), env_wins) in entries(&v).into_iter().zip(&from_env) {
+            let expected = if *env_wins {
+                Source::Environment(format!(
+                    "{ENV_PREFIX}{}__{}",
+                    section.to_uppercase(),
+                    key.to_uppercase()
+                ))
+            } else {
+                Source::File("gen.toml".into())
+            };
+            prop_assert_eq!(effective.source(&format!("{section}.{key}")), expected);
+        }
+        prop_assert_eq!(effective.source("admin.listen"), Source::Default);
+        // What --print writes reads back as the same configuration.
+        let printed = effective.to_toml().unwrap();
+        prop_assert_eq!(
+            Config::parse(&printed, "printed.toml", &BTreeMap::new()),
+            Ok(effective.config)
+        );
+    }
+
+    #[test]
     fn an_unknown_key_in_the_file_is_an_error_naming_the_key_and_the_file(
         section in section(),
         key in "[a-z][a-z_]{0,15}",
