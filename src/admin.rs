@@ -2,7 +2,8 @@
 //! one account's mark (`POST /marks`), the way out of an idempotency record in doubt
 //! (`POST /idempotency/forget`) and of a poisoned account (`POST /recover`, [`recover`]).
 //! Actions that change something are recorded in `railguard_audit`. `/openapi.yaml`
-//! describes every listener's HTTP contract (`crate::openapi`).
+//! describes every listener's HTTP contract (`crate::openapi`); `/runbook` is
+//! docs/operations.md, where the alerts' `runbook_url` links lead ([`runbook`]).
 //!
 //! It has its own port (loopback by default) so that a scrape or a health probe never queues
 //! behind payment traffic, and so that the proxy's port carries nothing but the rail's API.
@@ -19,6 +20,7 @@ use hyper::body::Incoming;
 use serde::Deserialize;
 
 pub mod recover;
+pub mod runbook;
 
 use crate::auth::{Authenticator, Listener, PeerCertificate, Permission, Refusal};
 use crate::config::LockKeyTemplate;
@@ -48,11 +50,13 @@ pub struct Admin {
 }
 
 /// What a route needs of an operator, with authentication on. Health probes need nothing:
-/// a load balancer or an orchestrator asks them without credentials.
+/// a load balancer or an orchestrator asks them without credentials. Nor does the runbook: it
+/// ships with every copy of railguard, and an alert's link to it opens in a browser, which
+/// has no bearer secret to send ([`runbook`]).
 fn permission_for(method: &Method, path: &str) -> Option<Permission> {
     match (method, path) {
         (&Method::POST, "/idempotency/forget" | "/recover") => Some(Permission::Write),
-        (_, "/healthz" | "/readyz") => None,
+        (_, "/healthz" | "/readyz" | "/runbook") => None,
         _ => Some(Permission::Read),
     }
 }
@@ -213,7 +217,10 @@ impl Admin {
             (Method::POST, "/marks") => self.mark(request).await,
             (Method::POST, "/recover") => self.recover(request).await,
             (Method::GET, "/openapi.yaml") => crate::openapi::response(),
-            (_, "/metrics" | "/healthz" | "/readyz" | "/openapi.yaml") => {
+            (Method::GET, "/runbook") => {
+                reply(StatusCode::OK, "text/html; charset=utf-8", runbook::html())
+            }
+            (_, "/metrics" | "/healthz" | "/readyz" | "/openapi.yaml" | "/runbook") => {
                 method_not_allowed("GET")
             }
             (_, "/idempotency/forget" | "/marks" | "/recover") => method_not_allowed("POST"),
@@ -221,7 +228,7 @@ impl Admin {
                 StatusCode::NOT_FOUND,
                 "not_found",
                 "not found; try /metrics, /healthz, /readyz, POST /idempotency/forget, POST /marks, \
-                 POST /recover, /openapi.yaml"
+                 POST /recover, /openapi.yaml, /runbook"
                     .into(),
             ),
         })

@@ -60,6 +60,12 @@ enum Command {
         /// working directory.
         #[arg(long, short)]
         config: Option<PathBuf>,
+        /// Also print the effective configuration, as `nginx -T` does: every key with its
+        /// value and, in a comment, where it came from (the file, a RAILGUARD__… variable, or
+        /// the default); passwords redacted. The output is TOML; the summary line follows it
+        /// as a comment.
+        #[arg(long)]
+        print: bool,
     },
     /// Show who holds a lock key, asking the running railguard's lock API: holder, lease left
     /// and grant age, for diagnosis. Never a token, and never usable for a correctness decision
@@ -315,7 +321,7 @@ fn main() -> ExitCode {
                 );
                 ExitCode::SUCCESS
             }
-            Command::CheckConfig { config } => {
+            Command::CheckConfig { config, print } => {
                 let path = config_path(config);
                 match load(&path) {
                     Ok(config) => {
@@ -325,7 +331,31 @@ fn main() -> ExitCode {
                                 for (key, why) in config.warnings() {
                                     eprintln!("railguard: warning: {file}: {key}: {why}");
                                 }
-                                println!("{file}: ok — {}{identities}", summary(&config));
+                                let ok = format!("{file}: ok — {}{identities}", summary(&config));
+                                if print {
+                                    #[allow(clippy::disallowed_methods)]
+                                    // main reads the environment
+                                    let vars = std::env::vars_os();
+                                    let text = match railguard::config::Effective::render(
+                                        &path.path, vars,
+                                    ) {
+                                        Ok(text) => format!("{text}\n# {ok}\n"),
+                                        Err(e) => {
+                                            eprintln!("railguard: configuration error: {e}");
+                                            return ExitCode::from(2);
+                                        }
+                                    };
+                                    // A reader that stops early (`| head`) is not an error.
+                                    use std::io::Write as _;
+                                    return match std::io::stdout().lock().write_all(text.as_bytes())
+                                    {
+                                        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                                            fail(&e)
+                                        }
+                                        _ => ExitCode::SUCCESS,
+                                    };
+                                }
+                                println!("{ok}");
                                 ExitCode::SUCCESS
                             }
                             Err(e) => {

@@ -3,6 +3,11 @@
 //!
 //! No metric is labelled by account, key or token: those are unbounded and would turn every
 //! new account into a new time series. Outcome and path labels come from fixed enums.
+//!
+//! Besides railguard's own: `railguard_build_info` (1, labelled with the version), and on
+//! Linux the standard process metrics (`process_cpu_seconds_total`,
+//! `process_resident_memory_bytes`, `process_open_fds`, `process_start_time_seconds`, …) read
+//! from `/proc`.
 
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -144,6 +149,33 @@ pub(crate) const LATENCY_BUCKETS: &[f64] = &[
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
+        let build_info = IntGauge::with_opts(
+            Opts::new(
+                "railguard_build_info",
+                "Always 1; the labels say which railguard this is: version (the crate's), \
+                 profile (release, or debug for a build not meant for production).",
+            )
+            .const_label("version", env!("CARGO_PKG_VERSION"))
+            .const_label(
+                "profile",
+                if cfg!(debug_assertions) {
+                    "debug"
+                } else {
+                    "release"
+                },
+            ),
+        )
+        .expect("valid metric");
+        build_info.set(1);
+        registry
+            .register(Box::new(build_info))
+            .expect("metric registered once");
+        #[cfg(target_os = "linux")]
+        registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("metric registered once");
         let fenced_out = IntCounter::new(
             "lock_fenced_out_total",
             "Requests refused because their fencing token was below the account's high-water \
@@ -343,5 +375,47 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn build_info_names_this_version_and_is_one() {
+        let text = Metrics::new().render();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("railguard_build_info{"))
+            .unwrap_or_else(|| panic!("no railguard_build_info in:\n{text}"));
+        assert!(
+            line.contains(&format!("version=\"{}\"", env!("CARGO_PKG_VERSION"))),
+            "{line}"
+        );
+        assert!(line.ends_with("} 1"), "{line}");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_process_metrics_describe_this_process() {
+        let text = Metrics::new().render();
+        let value = |name: &str| -> f64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+        };
+        assert!(value("process_resident_memory_bytes") > 0.0);
+        assert!(value("process_open_fds") >= 3.0);
+        assert!(value("process_cpu_seconds_total") >= 0.0);
+        let started = value("process_start_time_seconds");
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        assert!(
+            started > now - 24.0 * 3600.0 && started <= now + 1.0,
+            "{started} {now}"
+        );
     }
 }

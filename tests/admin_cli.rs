@@ -1,7 +1,8 @@
 //! The operator's commands, run as an operator runs them (the real binary):
 //! - `railguard check-config`, the `nginx -t` habit: a good file gets exit 0 and one line that
 //!   says what railguard would do; a bad one gets exit 2 naming the key and the file (or the
-//!   environment variable). Nothing is started either way.
+//!   environment variable). Nothing is started either way. `check-config --print`, the
+//!   `nginx -T` habit, also prints every key's value and where it came from, passwords redacted.
 //! - `railguard inspect KEY`: who holds a key, from the running railguard — never a token.
 //! - `railguard migrate --status`: where the schema stands, read only.
 //! - `railguard marks ACCOUNT`: one account's mark, through the admin listener only.
@@ -55,6 +56,90 @@ fn the_shipped_config_checks_ok_in_one_line() {
     // command panic): runtime.worker_threads alone decides.
     let (code, stdout, stderr) = check(&shipped, &[("TOKIO_WORKER_THREADS", "lots")]);
     assert_eq!(code, 0, "{stdout}{stderr}");
+}
+
+#[test]
+fn check_config_print_shows_each_keys_value_and_source_and_no_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("rg.toml");
+    std::fs::write(
+        &config,
+        "[proxy]\nupstream = \"http://10.1.2.3:9090\"\nlisten = \"127.0.0.1:1\"\n\
+         [database]\nurl = \"postgres://rg:s3cret-pw@db.internal:5432/railguard?sslmode=disable\"\n",
+    )
+    .unwrap();
+    let file = config.display().to_string();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_railguard"))
+        .args(["check-config", "--print", "--config", &file])
+        .env_clear()
+        .env("RAILGUARD__PROXY__LISTEN", "127.0.0.1:18080")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(!stdout.contains("s3cret-pw"), "{stdout}");
+    assert!(!stderr.contains("s3cret-pw"), "{stderr}");
+
+    // The line of `section.key`, found by its section header.
+    let line = |section: &str, key: &str| -> String {
+        let mut current = "";
+        for line in stdout.lines() {
+            if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+                current = name;
+            } else if current == section && line.starts_with(&format!("{key} = ")) {
+                return line.to_string();
+            }
+        }
+        panic!("no {section}.{key} in:\n{stdout}")
+    };
+    // The environment wins over the file, and says so.
+    assert_eq!(
+        line("proxy", "listen"),
+        "listen = \"127.0.0.1:18080\"  # environment variable RAILGUARD__PROXY__LISTEN"
+    );
+    assert_eq!(
+        line("proxy", "upstream"),
+        format!("upstream = \"http://10.1.2.3:9090\"  # {file}: proxy.upstream")
+    );
+    assert_eq!(
+        line("database", "url"),
+        format!(
+            "url = \"postgres://rg:<redacted>@db.internal:5432/railguard?sslmode=disable\"  \
+             # {file}: database.url (password redacted)"
+        )
+    );
+    assert_eq!(
+        line("admin", "listen"),
+        "listen = \"127.0.0.1:9100\"  # default"
+    );
+    assert_eq!(
+        line("lock", "max_connections"),
+        "max_connections = 10000  # default"
+    );
+    // The summary follows, as a comment.
+    let last = stdout.lines().last().unwrap();
+    assert!(last.starts_with(&format!("# {file}: ok")), "{last}");
+
+    // It is TOML, and reads back as the configuration checked (the password aside).
+    let printed =
+        railguard::config::Config::parse(&stdout, "printed.toml", &Default::default()).unwrap();
+    let env = [(
+        "RAILGUARD__PROXY__LISTEN".to_string(),
+        "127.0.0.1:18080".to_string(),
+    )];
+    let mut loaded = railguard::config::Config::load(&config, &env.into_iter().collect()).unwrap();
+    loaded.database.url = railguard::config::DatabaseUrl::Postgres(
+        "postgres://rg:<redacted>@db.internal:5432/railguard?sslmode=disable".into(),
+    );
+    assert_eq!(printed, loaded);
+
+    // Without --print, the one line only.
+    let (code, stdout, _) = check(&config, &[]);
+    assert_eq!(code, 0);
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
 }
 
 /// Every kind of bad value — unknown key, wrong type, out of range, malformed address, URL,

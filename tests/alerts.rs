@@ -6,7 +6,9 @@
 //!   before it, though the lease had expired, the key been taken over and the payment made;
 //! - every metric an alert or a panel names is one that railguard exports (read from its
 //!   `/metrics`), so that a typo cannot leave an alert silent forever;
-//! - every alert has a severity, a runbook section in docs/operations.md and a promtool test.
+//! - every alert has a severity, a runbook section in docs/operations.md and a promtool test,
+//!   and its `runbook_url` leads to that section as the admin listener serves it (`/runbook`);
+//! - railguard exports `railguard_build_info` and the process metrics.
 //!
 //! `promtool test rules` (scripts/test.sh) checks each rule's firing and sparing series.
 
@@ -139,10 +141,15 @@ async fn a_stale_token_fires_the_fenced_out_alert_and_nothing_fires_before() {
     assert_eq!(labels["job"], "railguard", "{alert:#}");
     assert_eq!(labels["instance"], instance.as_str(), "{alert:#}");
     let annotations = &alert["annotations"];
-    assert_eq!(
-        annotations["runbook_url"], "docs/operations.md#railguardfencedout",
-        "{alert:#}"
-    );
+    let runbook = format!("http://{instance}/runbook#railguardfencedout");
+    assert_eq!(annotations["runbook_url"], runbook.as_str(), "{alert:#}");
+    // The link works: the instance that fired serves the runbook, with the section's anchor.
+    let (status, page) = support::Http::new()
+        .get(runbook.split('#').next().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::OK, "{runbook}");
+    assert!(page.contains(" id=\"railguardfencedout\""), "{runbook}");
     assert!(
         annotations["summary"]
             .as_str()
@@ -190,15 +197,55 @@ async fn every_metric_the_rules_and_the_dashboard_name_is_one_railguard_exports(
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;
+    let started = std::time::SystemTime::now();
     let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let metrics = rg.metrics().await;
     // Sample names as exposed: a histogram's are its _bucket, _sum and _count.
-    let exported: BTreeSet<String> = rg
-        .metrics()
-        .await
+    let exported: BTreeSet<String> = metrics
         .0
         .keys()
         .map(|k| k.split('{').next().unwrap().to_string())
         .collect();
+
+    // Which railguard this is, and the process metrics of the `railguard serve` child.
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    let build_info = format!(
+        "railguard_build_info{{profile=\"{profile}\",version=\"{}\"}}",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(metrics.get(&build_info), 1.0);
+    assert_eq!(
+        metrics
+            .0
+            .keys()
+            .filter(|k| k.starts_with("railguard_build_info"))
+            .count(),
+        1,
+        "one build_info series, no other labels"
+    );
+    let since_epoch = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    let start_time = metrics.get("process_start_time_seconds");
+    assert!(
+        start_time >= since_epoch(started) - 2.0
+            && start_time <= since_epoch(std::time::SystemTime::now()) + 1.0,
+        "process_start_time_seconds {start_time}: not the railguard started by this test"
+    );
+    assert!(metrics.get("process_resident_memory_bytes") > 1e6);
+    assert!(
+        metrics.get("process_open_fds") >= 3.0 + 3.0,
+        "stdio and three listeners"
+    );
+    // Whole seconds (the prometheus crate counts CPU time in whole seconds): present, not yet 1.
+    assert!(metrics.get("process_cpu_seconds_total") >= 0.0);
+    assert!(metrics.get("process_max_fds") >= metrics.get("process_open_fds"));
     let known = |name: &str| exported.contains(name) || PROMETHEUS_OWN.contains(&name);
 
     let rules = std::fs::read_to_string(RULES).unwrap();
@@ -286,20 +333,41 @@ fn every_alert_has_a_severity_a_runbook_and_a_promtool_test() {
         .lines()
         .filter_map(|l| l.strip_prefix("### "))
         .collect();
+    // The anchors of the page the admin listener serves at /runbook.
+    let page = railguard::admin::runbook::html();
+    let anchors: BTreeSet<&str> = page
+        .split(" id=\"")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .collect();
     for ((alert, severity), url) in alerts.iter().zip(&severities).zip(&runbook_urls) {
         assert!(
             ["page", "ticket"].contains(&severity.as_str()),
             "{alert}: severity {severity}"
         );
-        // GitHub's anchor of a `### Name` heading is the name in lower case.
-        assert_eq!(
-            url,
-            &format!("docs/operations.md#{}", alert.to_lowercase()),
-            "{alert}"
-        );
+        // GitHub's anchor of a `### Name` heading is the name in lower case; /runbook gives
+        // each heading the same.
+        let anchor = alert.to_lowercase();
+        let expected = match alert.as_str() {
+            // Nothing is scraped, so no railguard can serve it: the repository's file.
+            "RailguardTargetMissing" => format!("docs/operations.md#{anchor}"),
+            // A railguard that is up serves it; with none up, the repository's file.
+            "RailguardDown" => format!(
+                "{{{{ with query `up{{job=\"railguard\"}} == 1` | sortByLabel \"instance\" }}}}\
+                 http://{{{{ (index . 0).Labels.instance }}}}/runbook{{{{ else }}}}\
+                 docs/operations.md{{{{ end }}}}#{anchor}"
+            ),
+            // The instance that fired serves it.
+            _ => format!("http://{{{{ $labels.instance }}}}/runbook#{anchor}"),
+        };
+        assert_eq!(url, &expected, "{alert}");
         assert!(
             sections.contains(alert.as_str()),
             "docs/operations.md has no section ### {alert}"
+        );
+        assert!(
+            anchors.contains(anchor.as_str()),
+            "/runbook has no anchor #{anchor} for {alert}"
         );
         assert!(tested.contains(alert), "no promtool test for {alert}");
     }

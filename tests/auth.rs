@@ -332,8 +332,9 @@ async fn the_admin_listener_needs_an_operator_and_write_for_actions() {
     let forget = r#"{"account":"acct-eu-1","key":"k-1"}"#;
     let json = [("content-type", "application/json")];
 
-    // Probes stay open: a load balancer asks them without credentials.
-    for path in ["/healthz", "/readyz"] {
+    // Probes stay open: a load balancer asks them without credentials. So does the runbook,
+    // which an alert links to and a browser opens without any.
+    for path in ["/healthz", "/readyz", "/runbook"] {
         let reply = call(Method::GET, &admin(path), None, &[], "").await;
         assert_eq!(reply.status, StatusCode::OK, "{path}");
     }
