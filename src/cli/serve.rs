@@ -7,7 +7,7 @@ use railguard::{server, telemetry};
 
 use super::config::{config_path, read, rust_log};
 
-/// Run the rail proxy, the lock API and the admin listener until SIGTERM/SIGINT.
+/// Run the rail proxy, the lock API and the admin listener until stopped.
 ///
 /// The proxy forwards a worker's payment to the rail only if its fencing token passes the
 /// account's high-water mark; the lock API grants leases with fencing tokens (and answers
