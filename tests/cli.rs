@@ -69,14 +69,21 @@ fn every_command_has_a_one_line_summary_then_details() {
             !listed.is_empty() && listed.len() <= 74 && lines[0].trim_end_matches('.') == listed,
             "{name}: a short summary, the same in the list ({listed:?}) and first in its help:\n{help}"
         );
-        assert_eq!(lines[1], "", "{name}: a blank line after the summary:\n{help}");
+        assert_eq!(
+            lines[1], "",
+            "{name}: a blank line after the summary:\n{help}"
+        );
         assert!(
             !lines[2].is_empty() && !lines[2].starts_with("Usage:"),
             "{name}: details after the summary:\n{help}"
         );
     }
     let serve = railguard(&["help", "serve"]);
-    let summary = stdout(&serve).lines().next().unwrap_or_default().to_string();
+    let summary = stdout(&serve)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string();
     assert!(
         summary.contains("proxy") && summary.contains("lock API"),
         "{summary}"
@@ -114,7 +121,10 @@ fn every_argument_of_every_command_has_help() {
                 );
             }
         }
-        assert!(entries > 0, "{name}: no arguments or options found in\n{help}");
+        assert!(
+            entries > 0,
+            "{name}: no arguments or options found in\n{help}"
+        );
     }
     // The ones an operator types most.
     let check = stdout(&railguard(&["check-config", "-h"]));
@@ -144,7 +154,10 @@ fn completions_cover_every_command_for_each_shell() {
         assert!(out.status.success(), "{shell}: {out:?}");
         let script = stdout(&out);
         for name in &names {
-            assert!(script.contains(name.as_str()), "{shell}: {name} in\n{script}");
+            assert!(
+                script.contains(name.as_str()),
+                "{shell}: {name} in\n{script}"
+            );
         }
         assert!(script.contains("paydb-url"), "{shell}: flags too");
     }
@@ -168,7 +181,10 @@ fn the_manual_pages_are_roff_for_railguard_and_each_command() {
         let out = railguard(&["man", &name]);
         assert!(out.status.success(), "{name}: {out:?}");
         let sub = stdout(&out);
-        assert!(sub.contains(&format!(".TH railguard-{name} 1")), "{name}:\n{sub}");
+        assert!(
+            sub.contains(&format!(".TH railguard-{name} 1")),
+            "{name}:\n{sub}"
+        );
         assert!(sub.contains(".SH SYNOPSIS"), "{name}:\n{sub}");
     }
     let fast_forward = stdout(&railguard(&["man", "fast-forward"]));

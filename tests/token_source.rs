@@ -533,7 +533,10 @@ async fn a_poisoned_account_is_recovered_without_lowering_any_mark() {
         said.contains(&format!("the mark {healthy}")) && said.contains("Audit record "),
         "{said}"
     );
-    assert!(serde_json::from_str::<serde_json::Value>(&said).is_err(), "{said}");
+    assert!(
+        serde_json::from_str::<serde_json::Value>(&said).is_err(),
+        "{said}"
+    );
     // Only the admin listener offers it.
     let http = support::Http::new();
     for url in [

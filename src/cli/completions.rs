@@ -20,6 +20,11 @@ pub(crate) struct Args {
 
 /// Writes the script for `command`, railguard's whole command line, to stdout.
 pub(crate) fn run(args: Args, mut command: clap::Command) -> ExitCode {
-    clap_complete::generate(args.shell, &mut command, "railguard", &mut std::io::stdout());
+    clap_complete::generate(
+        args.shell,
+        &mut command,
+        "railguard",
+        &mut std::io::stdout(),
+    );
     ExitCode::SUCCESS
 }

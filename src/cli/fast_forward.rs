@@ -29,10 +29,20 @@ pub(crate) struct Args {
     #[arg(long, value_name = "URL")]
     paydb_url: Option<String>,
     /// The paydb table (`table` or `schema.table`); with --paydb-url.
-    #[arg(long, value_name = "TABLE", default_value = "account", requires = "paydb_url")]
+    #[arg(
+        long,
+        value_name = "TABLE",
+        default_value = "account",
+        requires = "paydb_url"
+    )]
     paydb_table: String,
     /// The paydb column holding each row's fencing token; with --paydb-url.
-    #[arg(long, value_name = "COLUMN", default_value = "fence", requires = "paydb_url")]
+    #[arg(
+        long,
+        value_name = "COLUMN",
+        default_value = "fence",
+        requires = "paydb_url"
+    )]
     paydb_column: String,
     /// Print what would be done and move nothing (exit 0 if something would be done, 3
     /// if nothing). Like every command that opens the database, it applies pending schema

@@ -39,17 +39,24 @@ pub(crate) async fn run(args: Args) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let answer =
-        match railguard::admin::recover_account(&admin_endpoint(&config), &account, &reason).await
-        {
-            Ok(answer) => answer,
-            Err(e) => return fail(&format!("recover-account {account}: {e}")),
-        };
+    let answer = match railguard::admin::recover_account(
+        &admin_endpoint(&config),
+        &account,
+        &reason,
+    )
+    .await
+    {
+        Ok(answer) => answer,
+        Err(e) => return fail(&format!("recover-account {account}: {e}")),
+    };
     if json {
         println!("{answer}");
         return ExitCode::SUCCESS;
     }
-    match serde_json::from_str(&answer).ok().and_then(|a| describe(&a)) {
+    match serde_json::from_str(&answer)
+        .ok()
+        .and_then(|a| describe(&a))
+    {
         Some(text) => {
             println!("{text}");
             ExitCode::SUCCESS

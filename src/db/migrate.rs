@@ -292,9 +292,9 @@ impl std::fmt::Display for SchemaStatus {
                 MigrationState::Pending => {
                     "pending (railguard migrate, or serve, applies it)".to_string()
                 }
-                MigrationState::Unknown { applied_at, .. } => format!(
-                    "applied {applied_at} by a newer railguard: this binary will not start"
-                ),
+                MigrationState::Unknown { applied_at, .. } => {
+                    format!("applied {applied_at} by a newer railguard: this binary will not start")
+                }
             };
             writeln!(f, "{version:04} {name:<36} {what}")?;
         }
