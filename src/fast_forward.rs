@@ -359,6 +359,49 @@ mod tests {
     }
 
     #[test]
+    fn the_plan_and_the_outcome_say_how_the_source_moves() {
+        let plan = Plan {
+            source: "etcd",
+            target: 40,
+            with_paydb: true,
+        };
+        assert_eq!(
+            plan.to_string(),
+            "token source: etcd (cluster revision); highest fencing mark (railguard and paydb): 40"
+        );
+        let would = |scratch_key: Option<&str>| {
+            Ran {
+                outcome: FastForward::WouldMove {
+                    position: 10,
+                    target: 40,
+                },
+                scratch_key: scratch_key.map(str::to_string),
+            }
+            .to_string()
+        };
+        assert_eq!(
+            would(Some("/railguard.fast-forward")),
+            "dry run: would move the source from 10 past 40: about 31 writes to the scratch key \
+             /railguard.fast-forward"
+        );
+        assert_eq!(
+            would(None),
+            "dry run: would move the source from 10 past 40: setval('fencing_token_seq', 41)"
+        );
+        let nothing = Ran {
+            outcome: FastForward::NothingToDo {
+                position: 50,
+                target: 40,
+            },
+            scratch_key: None,
+        };
+        assert_eq!(
+            nothing.to_string(),
+            "nothing to do: the source is at 50, above 40"
+        );
+    }
+
+    #[test]
     fn progress_reports_rate_and_eta() {
         let line = ProgressLine::default();
         let at = |position, secs| {

@@ -360,6 +360,49 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_status_lists_each_migration_and_says_whether_the_schema_is_current() {
+        let applied = |m: &Migration| {
+            (
+                m.version,
+                m.name.to_string(),
+                MigrationState::Applied {
+                    applied_at: "2026-01-02".into(),
+                },
+            )
+        };
+        let current = SchemaStatus {
+            migrations: MIGRATIONS.iter().map(applied).collect(),
+        };
+        assert!(current.is_current());
+        let text = current.to_string();
+        assert!(text.starts_with("0001 rail_high_water "), "{text}");
+        assert!(
+            text.ends_with(&format!(
+                "schema is current (version {})\n",
+                latest_version()
+            )),
+            "{text}"
+        );
+        let mut behind = current.clone();
+        behind.migrations.last_mut().unwrap().2 = MigrationState::Pending;
+        assert!(!behind.is_current());
+        let text = behind.to_string();
+        assert!(text.contains("pending (railguard migrate"), "{text}");
+        assert!(!text.contains("schema is current"), "{text}");
+        let mut newer = current;
+        newer.migrations.push((
+            99,
+            "from_the_future".into(),
+            MigrationState::Unknown {
+                name: "from_the_future".into(),
+                applied_at: "2027-01-01".into(),
+            },
+        ));
+        assert!(!newer.is_current());
+        assert!(newer.to_string().contains("by a newer railguard"));
+    }
+
+    #[test]
     fn migrations_dir_matches_this_list() {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
         let mut files: Vec<_> = std::fs::read_dir(dir)
