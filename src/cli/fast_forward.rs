@@ -24,8 +24,8 @@ pub(crate) struct Args {
     /// switched to), `[etcd]`, and `[database]` for the marks.
     #[arg(long, short)]
     config: Option<PathBuf>,
-    /// Also pass max(COLUMN) of this paydb table (the fenced UPDATE's fence, C1 §1.6): the
-    /// database URL, `postgres://…` (TLS as its `sslmode` says).
+    /// The paydb database (`postgres://…`, TLS as its `sslmode` says): the source must also
+    /// pass max(COLUMN) of its TABLE, the fenced UPDATE's fence (C1 §1.6).
     #[arg(long, value_name = "URL")]
     paydb_url: Option<String>,
     /// The paydb table (`table` or `schema.table`); with --paydb-url.
