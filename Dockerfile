@@ -61,9 +61,9 @@ EXPOSE 8080 7070
 # checked) is for a load balancer deciding where to send traffic.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
     CMD curl -fsS --max-time 2 http://127.0.0.1:9100/healthz || exit 1
-# railguard drains in up to four waits of shutdown.grace_ms (10 s) each — requests, late
-# forwards, unanswered statements, idempotency outcomes; each ends as soon as nothing is left —
-# and then stops PostgreSQL cleanly: give it longer than that, e.g. `docker stop -t 60`. A stop
+# railguard drains within shutdown.grace_ms (10 s) of the signal — requests, late forwards,
+# unanswered statements, idempotency outcomes; sooner as soon as nothing is left — and then
+# stops PostgreSQL cleanly: give it longer than that, e.g. `docker stop -t 30`. A stop
 # cut short leaves no clean-stop record (records in doubt then need --owner-stopped). SIGHUP
 # (`docker kill -s HUP`) reloads credentials, TLS files and log.level (docs/operations.md).
 STOPSIGNAL SIGTERM

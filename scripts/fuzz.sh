@@ -3,7 +3,7 @@
 #
 #   scripts/fuzz.sh [seconds-per-target]     # default 30
 #
-# Targets: fence_headers, lock_api_json, config_loader, idempotency_fingerprint (README,
+# Targets: fence_headers, lock_api_json, config_loader, idempotency_fingerprint (docs/development.md,
 # "Fuzzing"). Each starts from its seed corpus in fuzz/corpus/<target>/, which it only reads:
 # what the run finds goes to a work corpus under the build directory, so the clone stays clean.
 # A crash leaves its input in fuzz/artifacts/<target>/; replay it with

@@ -72,7 +72,7 @@ struct MarkRequest {
 }
 
 /// The in-doubt procedure: what an operator checks, and in which order, before forgetting an
-/// idempotency record in doubt. The same text is in the README, in docs/operations.md ("In
+/// idempotency record in doubt. The same text is in docs/contract.md, in docs/operations.md ("In
 /// doubt"), in `railguard idempotency-forget --help`, and in forget's refusals (a test holds the
 /// documents to it). railguard checks the owner's stop (its clean stop, or `--owner-stopped`)
 /// and the time (`IdempotencyStore::forget_in_doubt`); the rest is the operator's.
@@ -671,13 +671,13 @@ mod tests {
         }
     }
 
-    /// The procedure reads the same wherever an operator meets it: the README, the runbook,
+    /// The procedure reads the same wherever an operator meets it: the contract, the runbook,
     /// `idempotency-forget --help` (`src/cli/idempotency_forget.rs` shows this constant) and
     /// forget's refusals.
     #[test]
-    fn the_in_doubt_procedure_is_the_same_text_in_the_readme_and_the_runbook() {
+    fn the_in_doubt_procedure_is_the_same_text_in_the_contract_and_the_runbook() {
         for (name, text) in [
-            ("README.md", include_str!("../README.md")),
+            ("docs/contract.md", include_str!("../docs/contract.md")),
             ("docs/operations.md", include_str!("../docs/operations.md")),
         ] {
             assert!(

@@ -121,7 +121,7 @@ pub async fn open_one(pool: &Pool, what: &'static str) -> Result<(), DatabaseErr
 }
 
 /// Runs the completion of idempotency records
-/// ([`COMPLETE_SQL`](crate::proxy::idempotency::COMPLETE_SQL)) for one record that cannot
+/// ([`COMPLETE_SQL`](crate::store::completions::COMPLETE_SQL)) for one record that cannot
 /// exist (an empty account), so that its privileges are checked and nothing changes. A role
 /// that may not (no UPDATE on the table, a read-only session) would otherwise start, report
 /// ready, and fail every completion batch.
@@ -129,7 +129,7 @@ async fn check_completion_access(client: &tokio_postgres::Client) -> Result<(), 
     let none: &[&str] = &[""];
     let probe = client
         .query(
-            crate::proxy::idempotency::COMPLETE_SQL,
+            crate::store::completions::COMPLETE_SQL,
             &[
                 &none,
                 &none,
@@ -385,7 +385,7 @@ const LOOK_SESSION_SETTINGS: &[(&str, &str)] = &[
 ];
 
 /// Session settings of the connections that store idempotency completions
-/// ([`COMPLETE_SQL`](crate::proxy::idempotency::COMPLETE_SQL), and nothing else). One generic
+/// ([`COMPLETE_SQL`](crate::store::completions::COMPLETE_SQL), and nothing else). One generic
 /// plan, as the look's; the planner may reach `idempotency_record` only by a primary-key
 /// lookup inside the statement and a nested loop fetching each row by the position it found
 /// (sequential scans, hash and merge joins off; nested loops, TID and index scans on, whatever

@@ -449,7 +449,7 @@ impl Handover {
     /// ago: a forward still waiting for the rail's answer then closes its connection, so that
     /// what it wrote arrives, if at all, within `proxy.rail_transit_ms` of that — before the
     /// other processes take this one as quiet. A process too paused to run this is beyond any
-    /// timer of its own (README, "What fencing cannot see").
+    /// timer of its own (docs/contract.md, "Ordering of overlapping requests").
     pub async fn silenced(&self) {
         let mut published = self.published.subscribe();
         loop {

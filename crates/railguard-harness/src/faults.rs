@@ -5,7 +5,8 @@
 //!
 //! One at a time on purpose: a railguard killed or restarted while one of its forwards is
 //! still held in the network could let that forward reach the rail after a newer grant's,
-//! and no proxy can retract bytes it has sent (README, "What fencing cannot see").
+//! and no proxy can retract bytes it has sent (docs/contract.md, "Ordering of
+//! overlapping requests").
 //!
 //! The schedule is drawn from the run's seed: the order of kinds (every enabled kind before
 //! any repeats), their targets and the gaps between them.

@@ -1,5 +1,4 @@
-//! railguard's M4 fault harness (see `railguard harness --help` and the README's "Fault
-//! harness" section): real worker processes drive a real deployment while real faults are
+//! railguard's M4 fault harness (see `railguard harness --help` and docs/harness.md): real worker processes drive a real deployment while real faults are
 //! injected; every step is recorded, and an independent checker judges the invariants from
 //! what the stores themselves recorded.
 //!

@@ -35,12 +35,17 @@ use crate::proxy::fence::{Batching, FenceLayer, FencePoint, HighWaterStore, This
 use crate::proxy::forward::Forward;
 use crate::proxy::idempotency::{
     IdempotencyConfig, IdempotencyLayer, IdempotencyStore, InstanceId, OutcomeMetrics, Records,
-    hold_instance_lock, record_clean_stop, sweep_forever,
+    hold_instance_lock, sweep_forever,
 };
 use crate::proxy::{self, ClientAddr};
 use crate::reload::{Reload, Reloadable};
 use crate::store::handover::Handover;
 use crate::store::replication::{ReplicationCheck, ReplicationError};
+
+mod shutdown;
+
+use self::shutdown::Outstanding;
+pub use self::shutdown::{hangup_requests, shutdown_signal};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -413,7 +418,12 @@ pub async fn run_reloading(
     let credentials_watch = auth
         .as_ref()
         .map(|auth| auth.watch(config.auth.reload_interval));
-    let outcomes_pending = metrics.outcomes_pending.clone();
+    let outstanding = Outstanding {
+        late_forwards: late_forwards.clone(),
+        unanswered: unanswered.clone(),
+        outcomes_retrying: outcomes_retrying.clone(),
+        outcomes_pending: metrics.outcomes_pending.clone(),
+    };
     let admin = Admin {
         metrics,
         guard: locks.guard.clone(),
@@ -482,115 +492,24 @@ pub async fn run_reloading(
     if let Some(status) = &died {
         tracing::error!(%status, "the embedded PostgreSQL exited on its own; shutting down");
     }
+    // One deadline for the whole stop: the listeners' drain, then every piece of work still
+    // outstanding (`shutdown::Outstanding`), all within `shutdown.grace_ms` of the signal.
+    let deadline = tokio::time::Instant::now() + grace;
     tracing::info!(?grace, "shutting down");
     if let Some(reloads) = reloads {
         reloads.abort();
     }
     let _ = stop_tx.send(true);
     let _ = proxy_task.await;
-    if late_forwards.count() > 0 {
-        tracing::info!(
-            forwards = late_forwards.count(),
-            "waiting for the rail's answers to forwards still on their way (past their deadline, \
-             left by their client, or run for an idempotency key)"
-        );
-    }
-    if tokio::time::timeout(grace, late_forwards.drained())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            forwards = late_forwards.count(),
-            "stopping with forwards still waiting for the rail's answer: a newer grant's request \
-             sent by another railguard may reach the rail before them"
-        );
-    }
-    // A statement still unanswered may yet commit: a compare-and-set that does so after this
-    // process is gone leaves the record of a request that was never forwarded in flight, and
-    // then in doubt. Its answer, and the first attempt to remove that record, are waited for.
-    if unanswered.count() > 0 {
-        tracing::info!(
-            statements = unanswered.count(),
-            "waiting for database statements still unanswered"
-        );
-    }
-    if tokio::time::timeout(grace, unanswered.none_left())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            statements = unanswered.count(),
-            "stopping with database statements still unanswered (compare-and-sets, last \
-             looks, idempotency completions): a compare-and-set among them that commits later \
-             leaves its idempotency record in flight, then in doubt, though its request was \
-             refused (503) and never forwarded; a completion among them that never commits \
-             leaves its record in flight, then in doubt, though the rail answered. \
-             `railguard idempotency-forget` clears such a record once this process has stopped"
-        );
-    }
-    // Outcomes still retried in the background (the database did not take them at once) are
-    // waited for too; those left when the grace ends go with the process: their records stay
-    // in flight, then in doubt.
-    if outcomes_retrying.count() > 0 {
-        tracing::info!(
-            outcomes = outcomes_retrying.count(),
-            "waiting for idempotency outcomes still retried until the database takes them"
-        );
-    }
-    if tokio::time::timeout(grace, outcomes_retrying.none_left())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            outcomes = outcomes_pending.get(),
-            "stopping with idempotency outcomes not stored yet (answers to store, records to \
-             declare in doubt or remove): their records stay in flight and become in doubt; a \
-             repeat of such a request is refused, never forwarded twice"
-        );
-    }
+    outstanding.settle(deadline).await;
     // The other processes take this one's answered forwards as settled at once, not when its
     // row goes quiet (store::handover).
     if let Some(handover) = &handover {
         handover.publish_last().await;
     }
-    // Every forward this process started has ended and it starts no more: it says so, and from
-    // when nothing it sent can still reach the rail (proxy.rail_transit_ms after the latest
-    // forward that ended without an answer), so that forget takes the records it owned as
-    // ownerless from then on (a crash, or a stop with forwards still out, says nothing; those
-    // records wait for an operator's `--owner-stopped`).
-    if late_forwards.count() == 0 && unanswered.count() == 0 {
-        let quiet_in = late_forwards.quiet_in(config.proxy.rail_transit);
-        match record_clean_stop(
-            &database.pool,
-            instance,
-            quiet_in,
-            config.proxy.rail_transit,
-            config.database.timeout,
-        )
-        .await
-        {
-            Ok(quiet_after) => tracing::info!(
-                instance = instance.get(),
-                quiet_after,
-                "recorded this process's clean stop: records in doubt it owned can be forgotten \
-                 without --owner-stopped once nothing it sent can still reach the rail \
-                 (quiet_after)"
-            ),
-            Err(e) => tracing::warn!(
-                instance = instance.get(),
-                error = %e,
-                "could not record this process's clean stop: a record in doubt it owned needs \
-                 `railguard idempotency-forget --owner-stopped {instance}`"
-            ),
-        }
-    } else {
-        tracing::warn!(
-            instance = instance.get(),
-            "stopping with forwards or statements still out, so no clean stop is recorded: a \
-             record in doubt this process owned needs `railguard idempotency-forget \
-             --owner-stopped {instance}`"
-        );
-    }
+    outstanding
+        .record_stop(&database.pool, instance, &config)
+        .await;
     let _ = lock_task.await;
     let _ = admin_task.await;
     locks.stop();
@@ -729,44 +648,4 @@ async fn load_proof_key(pool: &deadpool_postgres::Pool) -> Result<ProofKey, Stri
     ProofKey::load_or_create(&**client)
         .await
         .map_err(|e| e.to_string())
-}
-
-/// SIGHUP, as [`Reload::requests`]: one message per signal (signals that arrive while one is
-/// being handled are folded into one more). The handler is installed when this is called, so
-/// from then on SIGHUP never ends the process, even before it serves.
-pub fn hangup_requests() -> tokio::sync::mpsc::Receiver<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
-    tokio::spawn(async move {
-        while hup.recv().await.is_some() {
-            if tx.try_send(()).is_err() && tx.is_closed() {
-                tracing::warn!("SIGHUP received while stopping: nothing reloaded");
-            }
-        }
-    });
-    rx
-}
-
-/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not when
-/// the future is first polled, so a signal during start-up is not lost. A second signal while
-/// draining exits at once.
-pub fn shutdown_signal() -> impl Future<Output = ()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM received"),
-            _ = int.recv() => tracing::info!("SIGINT received"),
-        }
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-            tracing::warn!("second signal: exiting without draining");
-            std::process::exit(130);
-        });
-    }
 }
