@@ -679,7 +679,8 @@ mod tests {
     }
 
     /// The procedure reads the same wherever an operator meets it: the contract, the runbook,
-    /// `idempotency-forget --help` (`main.rs` shows this constant) and forget's refusals.
+    /// `idempotency-forget --help` (`src/cli/idempotency_forget.rs` shows this constant) and
+    /// forget's refusals.
     #[test]
     fn the_in_doubt_procedure_is_the_same_text_in_the_contract_and_the_runbook() {
         for (name, text) in [

@@ -159,6 +159,144 @@ pub async fn fast_forward(
     })
 }
 
+/// What [`run`] found before moving anything, said before a long etcd run starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// `"postgres"` or `"etcd"` ([`TokenSource::name`]).
+    pub source: &'static str,
+    /// The highest token any fence has recorded.
+    pub target: i64,
+    /// Whether the target includes the paydb column's maximum.
+    pub with_paydb: bool,
+}
+
+impl std::fmt::Display for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "token source: {} ({}); highest fencing mark{}: {}",
+            self.source,
+            if self.source == "etcd" {
+                "cluster revision"
+            } else {
+                "fencing_token_seq"
+            },
+            if self.with_paydb {
+                " (railguard and paydb)"
+            } else {
+                ""
+            },
+            self.target
+        )
+    }
+}
+
+/// What [`run`] did, and how the source is (or would be) moved, for the operator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ran {
+    pub outcome: FastForward,
+    /// The etcd scratch key the writes go to; `None` for PostgreSQL (`setval`).
+    pub scratch_key: Option<String>,
+}
+
+impl std::fmt::Display for Ran {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.outcome {
+            FastForward::NothingToDo { position, target } => write!(
+                f,
+                "nothing to do: the source is at {position}, above {target}"
+            ),
+            FastForward::WouldMove { position, target } => {
+                write!(
+                    f,
+                    "dry run: would move the source from {position} past {target}: "
+                )?;
+                match &self.scratch_key {
+                    Some(key) => write!(
+                        f,
+                        "about {} writes to the scratch key {key}",
+                        target.saturating_add(1).saturating_sub(position)
+                    ),
+                    None => write!(
+                        f,
+                        "setval('fencing_token_seq', {})",
+                        target.saturating_add(1)
+                    ),
+                }
+            }
+            FastForward::Done {
+                from,
+                target,
+                drawn,
+            } => write!(
+                f,
+                "done: moved the source from {from} past {target}; a fresh draw came out at \
+                 {drawn}. Grants resume at each railguard's next guard check."
+            ),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("{0}")]
+    Database(#[from] crate::db::DatabaseError),
+    #[error("fast-forward: {0}")]
+    FastForward(#[from] FastForwardError),
+}
+
+/// `railguard fast-forward`: opens railguard's database (applying pending migrations, as
+/// every command that opens it does) and the token source of `config`'s `lock.backend`,
+/// finds the target (with `paydb`'s column when given) and tells `found`, then moves the
+/// source past it ([`fast_forward`]), reporting to `progress`. `interrupted` resolving stops
+/// the writes in flight: the run then fails, and running it again continues.
+pub async fn run(
+    config: &crate::config::Config,
+    paydb: Option<&PaydbFence>,
+    dry_run: bool,
+    interrupted: impl std::future::Future<Output = ()> + Send + 'static,
+    found: &(dyn Fn(&Plan) + Sync),
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<Ran, RunError> {
+    let database = crate::db::Database::open(&config.database).await?;
+    let timeout = config.database.timeout.max(Duration::from_secs(5));
+    let lock_database = crate::lock::LockDatabase {
+        pool: &database.pool,
+        url: &database.url,
+        timeout,
+    };
+    let source =
+        crate::lock::token_source(&config.lock, &config.etcd, &config.guard, &lock_database);
+    let outcome = async {
+        let target = target(&database.pool, timeout, paydb).await?;
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let interrupt = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                interrupted.await;
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            })
+        };
+        found(&Plan {
+            source: source.name(),
+            target,
+            with_paydb: paydb.is_some(),
+        });
+        let result = fast_forward(&source, target, dry_run, progress, &stop).await;
+        interrupt.abort();
+        result
+    }
+    .await;
+    database.shutdown().await;
+    Ok(Ran {
+        outcome: outcome?,
+        scratch_key: match &source {
+            TokenSource::Etcd { scratch_key, .. } => Some(scratch_key.clone()),
+            TokenSource::Postgres { .. } => None,
+        },
+    })
+}
+
 /// A one-line progress report: where, how fast, how long to go.
 pub struct ProgressLine {
     started: std::time::Instant,
@@ -218,6 +356,49 @@ mod tests {
             assert!(parse_identifier(bad, "t", true).is_err(), "{bad:?}");
         }
         assert!(parse_identifier("a.b", "c", false).is_err());
+    }
+
+    #[test]
+    fn the_plan_and_the_outcome_say_how_the_source_moves() {
+        let plan = Plan {
+            source: "etcd",
+            target: 40,
+            with_paydb: true,
+        };
+        assert_eq!(
+            plan.to_string(),
+            "token source: etcd (cluster revision); highest fencing mark (railguard and paydb): 40"
+        );
+        let would = |scratch_key: Option<&str>| {
+            Ran {
+                outcome: FastForward::WouldMove {
+                    position: 10,
+                    target: 40,
+                },
+                scratch_key: scratch_key.map(str::to_string),
+            }
+            .to_string()
+        };
+        assert_eq!(
+            would(Some("/railguard.fast-forward")),
+            "dry run: would move the source from 10 past 40: about 31 writes to the scratch key \
+             /railguard.fast-forward"
+        );
+        assert_eq!(
+            would(None),
+            "dry run: would move the source from 10 past 40: setval('fencing_token_seq', 41)"
+        );
+        let nothing = Ran {
+            outcome: FastForward::NothingToDo {
+                position: 50,
+                target: 40,
+            },
+            scratch_key: None,
+        };
+        assert_eq!(
+            nothing.to_string(),
+            "nothing to do: the source is at 50, above 40"
+        );
     }
 
     #[test]

@@ -457,18 +457,19 @@ async fn a_poisoned_account_is_recovered_without_lowering_any_mark() {
         .unwrap();
     wait_until_refusing(&rg, "acct-p").await;
 
-    let recover = |account: &str, reason: &str| {
-        railguard(
-            &["recover-account", account, "--reason", reason],
-            &rg.config_path(),
-            &[],
-        )
+    let recover = |account: &str, reason: &str, json: bool| {
+        let mut args = vec!["recover-account", account, "--reason", reason];
+        if json {
+            args.push("--json");
+        }
+        railguard(&args, &rg.config_path(), &[])
     };
-    let empty = recover("acct-p", "  ");
+    let empty = recover("acct-p", "  ", false);
     assert_eq!(empty.status.code(), Some(1), "{}", text(&empty));
     assert!(text(&empty).contains("reason"), "{}", text(&empty));
 
-    let done = recover("acct-p", "INC-7: mark from a pre-proof worker");
+    // For scripts, the admin listener's answer as JSON.
+    let done = recover("acct-p", "INC-7: mark from a pre-proof worker", true);
     assert_eq!(done.status.code(), Some(0), "{}", text(&done));
     let answer: serde_json::Value =
         serde_json::from_slice(&done.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&done)));
@@ -520,13 +521,21 @@ async fn a_poisoned_account_is_recovered_without_lowering_any_mark() {
     assert_eq!(audit.get::<_, String>(2), "recovered");
     assert!(audit.get::<_, bool>(3));
 
-    // A healthy account needs nothing, and says so.
-    let nothing = recover("acct-ok", "checking");
+    // A healthy account needs nothing, and says so, in a sentence as `marks` does.
+    let nothing = recover("acct-ok", "checking", false);
     assert_eq!(nothing.status.code(), Some(0), "{}", text(&nothing));
+    let said = String::from_utf8_lossy(&nothing.stdout);
     assert!(
-        text(&nothing).contains("nothing_to_do"),
-        "{}",
-        text(&nothing)
+        said.starts_with("acct-ok: nothing to do: the token source is at "),
+        "{said}"
+    );
+    assert!(
+        said.contains(&format!("the mark {healthy}")) && said.contains("Audit record "),
+        "{said}"
+    );
+    assert!(
+        serde_json::from_str::<serde_json::Value>(&said).is_err(),
+        "{said}"
     );
     // Only the admin listener offers it.
     let http = support::Http::new();

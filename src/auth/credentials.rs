@@ -1,9 +1,9 @@
 //! The credentials file: who may call railguard, and what each caller may touch.
 //!
 //! It holds SHA-256 digests, never secrets, so the file can be read by anyone who can read
-//! the config and still lets no one in. A secret is 32 random bytes (`railguard credentials
-//! new-secret` makes one), so a plain SHA-256 is as strong as a slow hash here: there is no
-//! dictionary to try. Client certificates (mutual TLS) are named by the SHA-256 of their DER
+//! the config and still lets no one in. A secret is 32 random bytes
+//! (`railguard credentials-new-secret` makes one), so a plain SHA-256 is as strong as a slow
+//! hash here: there is no dictionary to try. Client certificates (mutual TLS) are named by the SHA-256 of their DER
 //! encoding, as `openssl x509 -noout -fingerprint -sha256` prints it.
 //!
 //! ```toml

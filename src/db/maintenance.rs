@@ -124,6 +124,27 @@ async fn index_valid(
         .map(|row| row.get(0)))
 }
 
+/// Runs [`run_once`] until the indexes are as wanted, waiting while another session is at it
+/// (a railguard, or the server session of one killed mid-build finishing it): what
+/// `railguard migrate` does, where a failure is reported rather than retried.
+pub async fn wait_until_done(url: &str, timeout: Duration) -> Result<(), DatabaseError> {
+    let mut said_busy = false;
+    loop {
+        match run_once(url, timeout).await? {
+            Maintenance::Done { .. } => return Ok(()),
+            Maintenance::Busy => {
+                if !said_busy {
+                    tracing::info!(
+                        "another session is bringing the indexes up to date; waiting for it"
+                    );
+                    said_busy = true;
+                }
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        }
+    }
+}
+
 /// Runs [`run_once`] until the indexes are as wanted, backing off from a minute to an hour
 /// between attempts that could not finish (another session at it, a build that gave up
 /// behind an old transaction, a role that does not own the table).

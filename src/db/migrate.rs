@@ -247,6 +247,100 @@ pub async fn status(
     Ok(out)
 }
 
+/// `railguard migrate`: applies pending migrations as [`super::Database::open`] does (starting
+/// the embedded server for it if configured), then makes the index changes `serve` would make
+/// in the background and waits for them ([`super::maintenance::wait_until_done`]), ahead of a
+/// rollout on a large table. Those are not needed to serve: their failure is logged, not
+/// returned.
+pub async fn apply(config: &crate::config::DatabaseConfig) -> Result<(), super::DatabaseError> {
+    let db = super::Database::open(config).await?;
+    tracing::info!(version = latest_version(), "schema is current");
+    match super::maintenance::wait_until_done(&db.url, config.timeout).await {
+        Ok(()) => tracing::info!("indexes are current"),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not bring the indexes up to date; `serve` retries")
+        }
+    }
+    db.shutdown().await;
+    Ok(())
+}
+
+/// Where a database's schema stands: every migration, by [`status`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaStatus {
+    pub migrations: Vec<(i32, String, MigrationState)>,
+}
+
+impl SchemaStatus {
+    /// Every migration applied as this binary has it, and none it does not know.
+    pub fn is_current(&self) -> bool {
+        self.migrations
+            .iter()
+            .all(|(_, _, state)| matches!(state, MigrationState::Applied { .. }))
+    }
+}
+
+/// One line per migration, then whether the schema is current.
+impl std::fmt::Display for SchemaStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (version, name, state) in &self.migrations {
+            let what = match state {
+                MigrationState::Applied { applied_at } => format!("applied {applied_at}"),
+                MigrationState::Changed { applied_at } => {
+                    format!("CHANGED since it was applied {applied_at}: railguard will not start")
+                }
+                MigrationState::Pending => {
+                    "pending (railguard migrate, or serve, applies it)".to_string()
+                }
+                MigrationState::Unknown { applied_at, .. } => {
+                    format!("applied {applied_at} by a newer railguard: this binary will not start")
+                }
+            };
+            writeln!(f, "{version:04} {name:<36} {what}")?;
+        }
+        if self.is_current() {
+            writeln!(f, "schema is current (version {})", latest_version())?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    #[error(
+        "migrate --status needs database.url = \"postgres://…\": the embedded database is \
+         private to `railguard serve`; its /readyz says whether the schema is current"
+    )]
+    Embedded,
+    #[error("database.url: {0}")]
+    Connect(#[from] super::DatabaseError),
+    #[error("database.url: no answer from the database")]
+    NoAnswer,
+    #[error("cannot read the schema's migrations: {0}")]
+    Read(#[from] tokio_postgres::Error),
+}
+
+/// `railguard migrate --status`: where the schema of a `postgres://` database stands, read
+/// over a session of its own. Read only: nothing is applied or locked.
+pub async fn read_status(
+    config: &crate::config::DatabaseConfig,
+) -> Result<SchemaStatus, StatusError> {
+    let crate::config::DatabaseUrl::Postgres(_) = &config.url else {
+        return Err(StatusError::Embedded);
+    };
+    let timeout = config.timeout.max(std::time::Duration::from_secs(2));
+    let url = super::url_of(config);
+    let (client, connection) = tokio::time::timeout(timeout, super::connect(&url, timeout))
+        .await
+        .map_err(|_| StatusError::NoAnswer)??;
+    let migrations = status(&client).await;
+    drop(client);
+    let _ = connection.await;
+    Ok(SchemaStatus {
+        migrations: migrations?,
+    })
+}
+
 /// The highest applied version, or `None` before the first migration.
 pub async fn current_version(
     client: &impl GenericClient,
@@ -264,6 +358,49 @@ pub async fn current_version(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_status_lists_each_migration_and_says_whether_the_schema_is_current() {
+        let applied = |m: &Migration| {
+            (
+                m.version,
+                m.name.to_string(),
+                MigrationState::Applied {
+                    applied_at: "2026-01-02".into(),
+                },
+            )
+        };
+        let current = SchemaStatus {
+            migrations: MIGRATIONS.iter().map(applied).collect(),
+        };
+        assert!(current.is_current());
+        let text = current.to_string();
+        assert!(text.starts_with("0001 rail_high_water "), "{text}");
+        assert!(
+            text.ends_with(&format!(
+                "schema is current (version {})\n",
+                latest_version()
+            )),
+            "{text}"
+        );
+        let mut behind = current.clone();
+        behind.migrations.last_mut().unwrap().2 = MigrationState::Pending;
+        assert!(!behind.is_current());
+        let text = behind.to_string();
+        assert!(text.contains("pending (railguard migrate"), "{text}");
+        assert!(!text.contains("schema is current"), "{text}");
+        let mut newer = current;
+        newer.migrations.push((
+            99,
+            "from_the_future".into(),
+            MigrationState::Unknown {
+                name: "from_the_future".into(),
+                applied_at: "2027-01-01".into(),
+            },
+        ));
+        assert!(!newer.is_current());
+        assert!(newer.to_string().contains("by a newer railguard"));
+    }
 
     #[test]
     fn migrations_dir_matches_this_list() {

@@ -326,7 +326,8 @@ async fn idempotency_forget(
     }
 }
 
-/// A line railguard wrote: its message, when it is a JSON log line.
+/// A line railguard wrote: its message, when it is a JSON log line, or a command's failure
+/// (`railguard: MESSAGE`) without the prefix.
 fn said(line: &str) -> String {
     serde_json::from_str::<serde_json::Value>(line)
         .ok()
@@ -336,7 +337,7 @@ fn said(line: &str) -> String {
                 .or(v["message"].as_str())
                 .map(str::to_string)
         })
-        .unwrap_or_else(|| line.to_string())
+        .unwrap_or_else(|| line.strip_prefix("railguard: ").unwrap_or(line).to_string())
 }
 
 #[cfg(test)]
@@ -360,5 +361,9 @@ mod tests {
             "409 Conflict: wait"
         );
         assert_eq!(said("forgotten"), "forgotten");
+        assert_eq!(
+            said("railguard: 409 Conflict: wait until 12:00"),
+            "409 Conflict: wait until 12:00"
+        );
     }
 }
