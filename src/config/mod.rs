@@ -17,6 +17,7 @@
 //! override for a key that does not exist is an error, like an unknown key in the file.
 
 mod listener;
+mod rail_lookup;
 mod values;
 
 use std::collections::BTreeMap;
@@ -30,6 +31,7 @@ use serde::{Deserialize, Serialize};
 pub use listener::{
     ClientAuth, ListenerConfig, ListenerLimits, ListenerSettings, ListenerTls, MIN_HEADER_BYTES,
 };
+pub use rail_lookup::{LookupPath, LookupTemplate, RailLookupConfig};
 pub use values::{AccountPathTemplate, DatabaseUrl, LockBackendKind, LockKeyTemplate, Upstream};
 use values::{header, millis, secs};
 
@@ -55,6 +57,7 @@ pub struct Config {
     pub guard: GuardConfig,
     pub auth: AuthConfig,
     pub runtime: RuntimeConfig,
+    pub rail_lookup: RailLookupConfig,
 }
 
 /// `[proxy]`: the listener payment workers talk to and the rail behind it.
@@ -905,6 +908,7 @@ impl Config {
         }
         positive("shutdown.grace_ms", self.shutdown.grace)?;
         self.runtime.validate()?;
+        self.rail_lookup.validate()?;
         if self.fencing.batch_concurrency > self.database.pool_size {
             return Err((
                 "fencing.batch_concurrency",
