@@ -650,9 +650,15 @@ async fn a_payment_the_rail_does_not_have_stays_in_doubt_while_its_owner_runs() 
 async fn a_payment_the_rail_does_not_have_is_forgotten_once_nothing_sent_can_arrive() {
     init_tracing();
     let (account, key) = ("acct-not-found", "not-on-the-rail");
+    // The slow path is kept: dropped, it would deliver the request it holds.
     let (
         Stuck {
-            pg, rail, b, http, ..
+            pg,
+            rail,
+            slow_path: _held,
+            b,
+            http,
+            ..
         },
         quiet_after,
     ) = stopped_cleanly_with_the_request_held(account, key, None).await;
@@ -680,7 +686,15 @@ async fn a_payment_the_rail_does_not_have_is_forgotten_once_nothing_sent_can_arr
     assert_eq!(audit.len(), 1, "{audit:?}");
     assert!(audit[0].contains("rail's lookup"), "{audit:?}");
 
-    let forwarded = spawn_pay(&http, &b, account, key).await.unwrap();
+    // B's forward waits first for A's last row to settle (`store::handover`): until then a
+    // retry is told so, and nothing is sent.
+    let forwarded = eventually(Duration::from_secs(20), || async {
+        let retry = spawn_pay(&http, &b, account, key).await.unwrap();
+        let waited = retry.status == StatusCode::GATEWAY_TIMEOUT
+            && retry.body.contains("this request was not sent");
+        (!waited).then_some(retry)
+    })
+    .await;
     assert_eq!(forwarded.status, StatusCode::CREATED, "{}", forwarded.body);
     assert!(!forwarded.headers.contains_key("idempotency-replayed"));
     let again = spawn_pay(&http, &b, account, key).await.unwrap();
@@ -701,9 +715,15 @@ async fn a_lookup_that_gets_no_answer_changes_nothing() {
         let socket = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}", socket.local_addr().unwrap())
     };
+    // The slow path is kept: dropped, it would deliver the request it holds.
     let (
         Stuck {
-            pg, rail, b, http, ..
+            pg,
+            rail,
+            slow_path: _held,
+            b,
+            http,
+            ..
         },
         quiet_after,
     ) = stopped_cleanly_with_the_request_held(account, key, Some(&nothing_there)).await;
