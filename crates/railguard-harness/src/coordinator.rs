@@ -33,7 +33,7 @@ use serde::Serialize;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
-use crate::check::{self, FaultRecord, Inputs, Report};
+use crate::check::{self, FaultRecord, InDoubtAtEnd, Inputs, Report};
 use crate::faults::{self, FaultKind, Operator, Schedule, Setup, Targets, Timing};
 use crate::history;
 use crate::lockdb::LockDb;
@@ -130,6 +130,12 @@ pub struct RunOptions {
     /// rail, and forgets only a payment the rail does not have (see `operator`).
     #[arg(long)]
     pub operator_forgets: bool,
+    /// The railguards ask the rail simulator about a payment in doubt, by idempotency key, when
+    /// a retry of its key finds its record in doubt (`[rail_lookup]`): paid, the record is
+    /// completed with the rail's answer; not paid, it is forgotten once `idempotency-forget`
+    /// would forget it without an operator's word.
+    #[arg(long)]
+    pub rail_lookup: bool,
     /// Payments created up front; enough that the workers stay busy for the whole run (they
     /// stop early when every payment is done, and faults after that would hit an idle system).
     #[arg(long, default_value_t = 20_000)]
@@ -406,6 +412,12 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         }
         Some(NegativeControl::OperatorSkipsTheWait) | None => {}
     }
+    if options.rail_lookup {
+        env.push((
+            "RAILGUARD__RAIL_LOOKUP__PATH".into(),
+            "/payments?account={account}&idempotency_key={key}".into(),
+        ));
+    }
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let database_url = match &pg_relay {
         Some(relay) => relay.postgres_url(&lockdb.url()),
@@ -550,6 +562,14 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         .await
         .map_err(|e| format!("paydb payments: {e}"))?;
     write_json(&out.join("paydb-payments.json"), &payments)?;
+    // The payments railguard still holds in doubt (`409 in_doubt` to their retries).
+    match paydb::connect(&lockdb.url()).await {
+        Ok(client) => match client.query_one(IN_DOUBT_AT_END_SQL, &[]).await {
+            Ok(row) => write_json(&out.join("records-in-doubt.json"), &row.get::<_, i64>(0))?,
+            Err(e) => eprintln!("could not count the records in doubt at the end: {e}"),
+        },
+        Err(e) => eprintln!("could not count the records in doubt at the end: {e}"),
+    }
     let http = Http::new();
     for (i, rg) in proxies.iter_mut().enumerate() {
         if let Ok((_, text)) = http.get(&format!("http://{}/metrics", rg.admin)).await {
@@ -695,6 +715,21 @@ pub fn check_dir(dir: &Path) -> Result<Report, String> {
         payments: read_json(&dir.join("paydb-payments.json"))?,
         faults,
         fenced_out_metric: fenced_out_metric(dir),
+        in_doubt_at_end: read_json::<i64>(&dir.join("records-in-doubt.json"))
+            .ok()
+            .map(|records| InDoubtAtEnd {
+                records: usize::try_from(records).unwrap_or(0),
+                paid_per_the_rail: metric_sum(
+                    dir,
+                    "railguard_in_doubt_resolved_total{outcome=\"paid\"}",
+                )
+                .unwrap_or(0.0) as usize,
+                not_on_the_rail: metric_sum(
+                    dir,
+                    "railguard_in_doubt_resolved_total{outcome=\"not_paid\"}",
+                )
+                .unwrap_or(0.0) as usize,
+            }),
         torn_lines: torn,
     };
     let report = check::check(&inputs);
@@ -704,21 +739,35 @@ pub fn check_dir(dir: &Path) -> Result<Report, String> {
     Ok(report)
 }
 
+/// Idempotency records in doubt in railguard's PostgreSQL: declared so, or in flight past their
+/// owner's deadline — railguard answers `409 in_doubt` for both.
+const IN_DOUBT_AT_END_SQL: &str = "SELECT count(*) FROM idempotency_record \
+     WHERE state = 'in_doubt' OR (state = 'in_flight' AND now() > COALESCE(in_doubt_at, created_at))";
+
 /// `lock_fenced_out_total` summed over the saved metrics of every railguard.
 fn fenced_out_metric(dir: &Path) -> Option<f64> {
+    metric_sum(dir, "lock_fenced_out_total")
+}
+
+/// The sample `name` (a metric with its labels, as exposed) summed over the saved metrics of
+/// every railguard.
+fn metric_sum(dir: &Path, name: &str) -> Option<f64> {
     let mut total = None;
     for entry in std::fs::read_dir(dir).ok()?.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if !(name.starts_with("metrics-") && name.ends_with(".txt")) {
+        let file = entry.file_name();
+        let Some(file) = file.to_str() else { continue };
+        if !(file.starts_with("metrics-") && file.ends_with(".txt")) {
             continue;
         }
         let text = std::fs::read_to_string(entry.path()).ok()?;
         for line in text.lines() {
-            let Some(rest) = line.strip_prefix("lock_fenced_out_total") else {
+            let Some(rest) = line.strip_prefix(name) else {
                 continue;
             };
-            // `lock_fenced_out_total 3` or `lock_fenced_out_total{…} 3`.
+            if !(rest.starts_with(' ') || rest.starts_with('{')) {
+                continue;
+            }
+            // `name 3` or `name{…} 3`.
             if let Some(v) = rest.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
                 *total.get_or_insert(0.0) += v;
             }

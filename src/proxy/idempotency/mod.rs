@@ -277,15 +277,19 @@ async fn repeat(
     let Some(record) = record else {
         return Err(IdempotencyConflict::InFlight.into());
     };
-    // The same request only: another one under the key is 422, whatever the rail has.
+    // The rail is asked about the key whichever request under it asks: what it answers is the
+    // record's outcome. Its answer is replayed only to the same request; another one under the
+    // key is still 422.
     if let Some(resolver) = resolver
         && record.state == RecordState::InDoubt
-        && record.fingerprint == fingerprint
     {
         match resolver
             .resolve(records, &request.account, key, request.deadline)
             .await
         {
+            Resolved::Paid(_) if record.fingerprint != fingerprint => {
+                return Err(IdempotencyConflict::Mismatch.into());
+            }
             Resolved::Paid(stored) => return Ok(replay::replay(stored)),
             Resolved::Forgotten => return Err(IdempotencyConflict::NotOnTheRail.into()),
             Resolved::InDoubt => {}

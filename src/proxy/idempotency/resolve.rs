@@ -1,7 +1,8 @@
 //! Resolving a payment in doubt by asking the rail (`[rail_lookup]`).
 //!
 //! A retry whose record is in doubt (`409 in_doubt`) is, with a lookup configured, first
-//! answered by the rail itself: railguard asks it, by the record's account and idempotency key,
+//! answered by the rail itself (a request under the same key that is not the same request asks
+//! too — the rail's answer is about the key — and is still answered `422`): railguard asks it, by the record's account and idempotency key,
 //! whether it has the payment, within the retry's own deadline and `rail_lookup.timeout_ms`,
 //! at most `rail_lookup.max_concurrent` lookups at once. Then, and only then:
 //!
