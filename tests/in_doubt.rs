@@ -571,6 +571,21 @@ async fn a_retry_gets_the_rails_answer_when_the_rail_has_the_payment_in_doubt() 
         "A never heard"
     );
 
+    // Another request under the key asks the rail too, and is still refused as another request.
+    let other = http
+        .pay(
+            &b.proxy_url("/payments"),
+            &[
+                ("Fencing-Token", "5"),
+                ("Fencing-Account", account),
+                ("Idempotency-Key", key),
+            ],
+            r#"{"amount":999}"#,
+        )
+        .await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", other.body);
+    assert_eq!(record(&pg, key).await.unwrap().0, "done", "asked the rail");
+
     for attempt in 0..2 {
         let retry = spawn_pay(&http, &b, account, key).await.unwrap();
         assert_eq!(retry.status, StatusCode::OK, "{attempt}: {}", retry.body);

@@ -156,8 +156,9 @@ impl Counts {
 }
 
 /// Idempotency records in doubt in railguard's PostgreSQL at the end of the run (each a payment
-/// whose retries get `409 in_doubt`), and the retries the rail's lookup resolved
-/// (`--rail-lookup`, `railguard_in_doubt_resolved_total` summed over the railguards).
+/// whose retries get `409 in_doubt`), and the records the rail's lookup completed (the rail had
+/// the payment) or forgot (it had not, and nothing sent could still reach it), from railguard's
+/// audit records (`--rail-lookup`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InDoubtAtEnd {
     pub records: usize,
@@ -209,14 +210,8 @@ impl Report {
         }
         if let Some(end) = self.in_doubt_at_end {
             row("records in doubt at the end", end.records.to_string());
-            row(
-                "  resolved by the rail's lookup: paid",
-                end.paid_per_the_rail.to_string(),
-            );
-            row(
-                "  resolved by the rail's lookup: not paid",
-                end.not_on_the_rail.to_string(),
-            );
+            row("  lookup: paid on the rail", end.paid_per_the_rail.to_string());
+            row("  lookup: not on the rail", end.not_on_the_rail.to_string());
         }
         row("rail ledger entries", c.rail_entries.to_string());
         row(

@@ -562,10 +562,19 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         .await
         .map_err(|e| format!("paydb payments: {e}"))?;
     write_json(&out.join("paydb-payments.json"), &payments)?;
-    // The payments railguard still holds in doubt (`409 in_doubt` to their retries).
+    // The payments railguard still holds in doubt (`409 in_doubt` to their retries), and what
+    // the rail's lookup resolved (its audit records: counted across restarts).
     match paydb::connect(&lockdb.url()).await {
         Ok(client) => match client.query_one(IN_DOUBT_AT_END_SQL, &[]).await {
-            Ok(row) => write_json(&out.join("records-in-doubt.json"), &row.get::<_, i64>(0))?,
+            Ok(row) => {
+                let count = |i: usize| usize::try_from(row.get::<_, i64>(i)).unwrap_or(0);
+                let end = InDoubtAtEnd {
+                    records: count(0),
+                    paid_per_the_rail: count(1),
+                    not_on_the_rail: count(2),
+                };
+                write_json(&out.join("in-doubt-at-end.json"), &end)?;
+            }
             Err(e) => eprintln!("could not count the records in doubt at the end: {e}"),
         },
         Err(e) => eprintln!("could not count the records in doubt at the end: {e}"),
@@ -715,21 +724,7 @@ pub fn check_dir(dir: &Path) -> Result<Report, String> {
         payments: read_json(&dir.join("paydb-payments.json"))?,
         faults,
         fenced_out_metric: fenced_out_metric(dir),
-        in_doubt_at_end: read_json::<i64>(&dir.join("records-in-doubt.json"))
-            .ok()
-            .map(|records| InDoubtAtEnd {
-                records: usize::try_from(records).unwrap_or(0),
-                paid_per_the_rail: metric_sum(
-                    dir,
-                    "railguard_in_doubt_resolved_total{outcome=\"paid\"}",
-                )
-                .unwrap_or(0.0) as usize,
-                not_on_the_rail: metric_sum(
-                    dir,
-                    "railguard_in_doubt_resolved_total{outcome=\"not_paid\"}",
-                )
-                .unwrap_or(0.0) as usize,
-            }),
+        in_doubt_at_end: read_json(&dir.join("in-doubt-at-end.json")).ok(),
         torn_lines: torn,
     };
     let report = check::check(&inputs);
@@ -739,35 +734,32 @@ pub fn check_dir(dir: &Path) -> Result<Report, String> {
     Ok(report)
 }
 
-/// Idempotency records in doubt in railguard's PostgreSQL: declared so, or in flight past their
-/// owner's deadline — railguard answers `409 in_doubt` for both.
-const IN_DOUBT_AT_END_SQL: &str = "SELECT count(*) FROM idempotency_record \
-     WHERE state = 'in_doubt' OR (state = 'in_flight' AND now() > COALESCE(in_doubt_at, created_at))";
+/// Idempotency records in doubt in railguard's PostgreSQL — declared so, or in flight past
+/// their owner's deadline: railguard answers `409 in_doubt` for both — and the records the rail's
+/// lookup completed or forgot (`idempotency::resolve`'s audit records).
+const IN_DOUBT_AT_END_SQL: &str = "\
+SELECT (SELECT count(*) FROM idempotency_record
+        WHERE state = 'in_doubt'
+           OR (state = 'in_flight' AND now() > COALESCE(in_doubt_at, created_at))),
+       (SELECT count(*) FROM railguard_audit WHERE action = 'idempotency_resolve'),
+       (SELECT count(*) FROM railguard_audit
+        WHERE action = 'idempotency_forget' AND reason LIKE 'the rail''s lookup%')";
 
 /// `lock_fenced_out_total` summed over the saved metrics of every railguard.
 fn fenced_out_metric(dir: &Path) -> Option<f64> {
-    metric_sum(dir, "lock_fenced_out_total")
-}
-
-/// The sample `name` (a metric with its labels, as exposed) summed over the saved metrics of
-/// every railguard.
-fn metric_sum(dir: &Path, name: &str) -> Option<f64> {
     let mut total = None;
     for entry in std::fs::read_dir(dir).ok()?.flatten() {
-        let file = entry.file_name();
-        let Some(file) = file.to_str() else { continue };
-        if !(file.starts_with("metrics-") && file.ends_with(".txt")) {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !(name.starts_with("metrics-") && name.ends_with(".txt")) {
             continue;
         }
         let text = std::fs::read_to_string(entry.path()).ok()?;
         for line in text.lines() {
-            let Some(rest) = line.strip_prefix(name) else {
+            let Some(rest) = line.strip_prefix("lock_fenced_out_total") else {
                 continue;
             };
-            if !(rest.starts_with(' ') || rest.starts_with('{')) {
-                continue;
-            }
-            // `name 3` or `name{…} 3`.
+            // `lock_fenced_out_total 3` or `lock_fenced_out_total{…} 3`.
             if let Some(v) = rest.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
                 *total.get_or_insert(0.0) += v;
             }
