@@ -583,7 +583,12 @@ async fn a_retry_gets_the_rails_answer_when_the_rail_has_the_payment_in_doubt() 
             r#"{"amount":999}"#,
         )
         .await;
-    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", other.body);
+    assert_eq!(
+        other.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        other.body
+    );
     assert_eq!(record(&pg, key).await.unwrap().0, "done", "asked the rail");
 
     for attempt in 0..2 {

@@ -210,7 +210,10 @@ impl Report {
         }
         if let Some(end) = self.in_doubt_at_end {
             row("records in doubt at the end", end.records.to_string());
-            row("  lookup: paid on the rail", end.paid_per_the_rail.to_string());
+            row(
+                "  lookup: paid on the rail",
+                end.paid_per_the_rail.to_string(),
+            );
             row("  lookup: not on the rail", end.not_on_the_rail.to_string());
         }
         row("rail ledger entries", c.rail_entries.to_string());

@@ -31,6 +31,11 @@
 //! ask the rail only once all of that has passed), and why the proxy forwards
 //! `Idempotency-Key` to the rail: a rail that deduplicates by it absorbs the rest.
 //!
+//! **The rail's lookup** (`resolve`, `[rail_lookup]`) completes a record in doubt with the
+//! rail's answer when the rail has the payment ([`IdempotencyStore::complete_from_the_rail`]),
+//! and, when it has not, forgets it through forget's own checks, without an operator's word
+//! ([`IdempotencyStore::forget_not_on_the_rail`]); each with its audit record.
+//!
 //! **Completions are group-committed** (`outcomes`): concurrent requests'
 //! answers are stored by one statement and one commit, and each request still waits for the
 //! commit that holds its answer.
