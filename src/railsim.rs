@@ -8,6 +8,12 @@
 //! [`RailSim::deduplicating`] makes it behave like most payment APIs instead: a POST whose
 //! `Idempotency-Key` was already seen on its account is answered with the first payment's
 //! response and is not a new payment (it is counted in [`RailSim::absorbed`]).
+//!
+//! `GET /payments?account=A&idempotency_key=K` is the rail's lookup by idempotency key (what
+//! railguard's `[rail_lookup]` asks, and an operator following the in-doubt procedure): `200`
+//! with the answer the rail gave the first payment of account `A` that carried key `K`, `404`
+//! when the ledger has none. Read from the ledger alone, so it answers the same until a payment
+//! with that key arrives.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -127,6 +133,7 @@ impl RailSim {
                     serde_json::json!({ "entries": entries }),
                 ))
             }
+            (&Method::GET, LOOKUP_PATH) => Ok(self.lookup(request.uri().query())),
             (&Method::POST, _) => {
                 // A payment that left the sender is on its way whether or not the sender is
                 // still waiting: record it even if the client disconnects meanwhile.
@@ -141,8 +148,50 @@ impl RailSim {
             }
             _ => Ok(json(
                 StatusCode::NOT_FOUND,
-                serde_json::json!({"error": "POST a payment, or GET /ledger"}),
+                serde_json::json!({
+                    "error": "POST a payment, GET /ledger, or GET /payments?account=..&idempotency_key=.."
+                }),
             )),
+        }
+    }
+
+    /// The first payment of `account` that carried idempotency key `key`, if the rail has one.
+    pub fn payment_with_key(&self, account: &str, key: &str) -> Option<u64> {
+        self.ledger
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|e| {
+                e.account.as_deref() == Some(account) && e.idempotency_key.as_deref() == Some(key)
+            })
+            .map(|e| e.seq)
+    }
+
+    /// `GET /payments?account=..&idempotency_key=..`: `200` with the payment's answer, `404`
+    /// when the rail has no payment with that key, `400` when either is missing.
+    fn lookup(&self, query: Option<&str>) -> Response<ResponseBody> {
+        let mut account = None;
+        let mut key = None;
+        for pair in query.unwrap_or("").split('&') {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match name {
+                "account" => account = form_decoded(value),
+                "idempotency_key" => key = form_decoded(value),
+                _ => {}
+            }
+        }
+        let (Some(account), Some(key)) = (account, key) else {
+            return json_response(
+                StatusCode::BAD_REQUEST,
+                serde_json::json!({"error": "both account and idempotency_key are required"}),
+            );
+        };
+        match self.payment_with_key(&account, &key) {
+            Some(seq) => json_response(StatusCode::OK, accepted(seq)),
+            None => json_response(
+                StatusCode::NOT_FOUND,
+                serde_json::json!({"error": "no payment with this idempotency key"}),
+            ),
         }
     }
 
@@ -190,10 +239,7 @@ impl RailSim {
                 if let Some(&first) = seen.get(dedupe_key) {
                     drop((seen, ledger));
                     self.absorbed.fetch_add(1, Ordering::Relaxed);
-                    return json(
-                        StatusCode::CREATED,
-                        serde_json::json!({ "payment": first, "status": "accepted" }),
-                    );
+                    return json(StatusCode::CREATED, accepted(first));
                 }
             }
             let seq = ledger.len() as u64 + 1;
@@ -238,9 +284,43 @@ impl RailSim {
         if !self.latency.is_zero() {
             tokio::time::sleep(self.latency).await;
         }
-        json(
-            StatusCode::CREATED,
-            serde_json::json!({ "payment": seq, "status": "accepted" }),
-        )
+        json(StatusCode::CREATED, accepted(seq))
     }
+}
+
+/// Where the rail answers its lookup by idempotency key.
+pub const LOOKUP_PATH: &str = "/payments";
+
+/// The rail's answer to payment `seq`: the same to the payment and to a lookup of it.
+fn accepted(seq: u64) -> serde_json::Value {
+    serde_json::json!({ "payment": seq, "status": "accepted" })
+}
+
+/// A query value, `application/x-www-form-urlencoded`: `+` is a space, `%XX` a byte. `None`
+/// when it is not UTF-8 or a `%` is not followed by two hex digits.
+fn form_decoded(value: &str) -> Option<String> {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 2;
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).ok()
+}
+
+fn json_response(status: StatusCode, value: serde_json::Value) -> Response<ResponseBody> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(full(value.to_string()))
+        .expect("static response parts")
 }

@@ -11,6 +11,12 @@
 //! - after a middlebox reset A's connection while keeping the request: A's clean stop says
 //!   nothing it sent can arrive before `proxy.rail_transit_ms` after the reset (`quiet_after`),
 //!   forget refuses until then, and the operator sees the payment and does not forget.
+//!
+//! And with the rail's lookup by idempotency key configured on B (`[rail_lookup]`), B's retry
+//! asks the rail itself: the rail has the payment — the retry gets its answer replayed, paid
+//! once; it has not while A may still send it — still `409 in_doubt`; it has not, A stopped
+//! cleanly and the transit time after A's last forward has passed — forgotten, and the next
+//! retry is forwarded once; the lookup gets no answer — nothing changes.
 
 use railguard_testkit as support;
 
@@ -61,6 +67,16 @@ async fn slow_path_holding(rail: &Rail, key: &str) -> Relay {
     relay
 }
 
+/// The rail simulator's lookup by idempotency key.
+const LOOKUP: &str = "/payments?account={account}&idempotency_key={key}";
+
+/// [`settings`], and the rail's lookup.
+fn with_lookup(grace_ms: &'static str) -> Vec<(&'static str, &'static str)> {
+    let mut env = settings(grace_ms).to_vec();
+    env.push(("RAILGUARD__RAIL_LOOKUP__PATH", LOOKUP));
+    env
+}
+
 /// Owner A (a `railguard serve` process whose path to the rail holds `key`'s request) and B
 /// (in this process, straight to the rail), on one PostgreSQL: A's payment of `key` got 504
 /// and its record is in doubt.
@@ -76,11 +92,23 @@ struct Stuck {
 
 /// [`Stuck`], A stopping within `grace_ms`.
 async fn stuck_in_doubt(account: &str, key: &str, grace_ms: &'static str) -> Stuck {
+    stuck_in_doubt_with(account, key, grace_ms, None, &settings("3000")).await
+}
+
+/// [`Stuck`], B reaching the rail at `b_upstream` (the rail itself if `None`) with `b_env`.
+async fn stuck_in_doubt_with(
+    account: &str,
+    key: &str,
+    grace_ms: &'static str,
+    b_upstream: Option<&str>,
+    b_env: &[(&str, &str)],
+) -> Stuck {
     let pg = Pg::start().await;
     let rail = Rail::start().await;
     let slow_path = slow_path_holding(&rail, key).await;
     let a = Railguard::start_process(&pg.url(), &slow_path.url(), &settings(grace_ms)).await;
-    let b = Railguard::start(&pg.url(), &rail.url(), &settings("3000")).await;
+    let b_upstream = b_upstream.map_or_else(|| rail.url(), str::to_string);
+    let b = Railguard::start(&pg.url(), &b_upstream, b_env).await;
     let owner = a.instance().unwrap();
     let http = a.http();
     let first = spawn_pay(&http, &a, account, key).await.unwrap();
@@ -432,4 +460,315 @@ async fn a_request_delivered_after_its_connection_was_reset_is_never_paid_twice(
     assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
     assert_eq!(retry.json()["error"], "in_doubt");
     assert_eq!(rail.times_paid(key), 1, "paid once");
+}
+
+/// Waits until the record of `key` is `secs` past its in-doubt deadline.
+async fn past_its_deadline(pg: &Pg, key: &str, secs: i64) {
+    eventually(Duration::from_secs(15), || async {
+        pg.client()
+            .await
+            .query_one(
+                "SELECT now() > in_doubt_at + $2::bigint * interval '1 second'
+                 FROM idempotency_record WHERE idempotency_key = $1",
+                &[&key, &secs],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+            .then_some(())
+    })
+    .await;
+}
+
+/// The audit records of `action` for `key`: their reasons.
+async fn audited(pg: &Pg, action: &str, key: &str) -> Vec<String> {
+    pg.client()
+        .await
+        .query(
+            "SELECT reason FROM railguard_audit
+             WHERE action = $1 AND outcome->>'idempotency_key' = $2 ORDER BY id",
+            &[&action, &key],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+/// `railguard_in_doubt_resolved_total{outcome}` at `rg`.
+async fn resolved(rg: &Railguard, outcome: &str) -> f64 {
+    rg.metrics().await.get(&format!(
+        "railguard_in_doubt_resolved_total{{outcome=\"{outcome}\"}}"
+    ))
+}
+
+/// [`Stuck`] with the rail's lookup on B, and A stopped cleanly after a middlebox reset its
+/// connection past the record's in-doubt deadline, keeping the request (it is never delivered):
+/// nothing A sent can arrive after its clean stop's `quiet_after`, which is returned (UTC).
+async fn stopped_cleanly_with_the_request_held(
+    account: &str,
+    key: &str,
+    b_upstream: Option<&str>,
+) -> (Stuck, String) {
+    let mut stuck =
+        stuck_in_doubt_with(account, key, "3000", b_upstream, &with_lookup("3000")).await;
+    past_its_deadline(&stuck.pg, key, 2).await;
+    stuck.slow_path.reset_sources();
+    let a = &stuck.a;
+    eventually(Duration::from_secs(5), || async {
+        a.log()
+            .contains("a forward left by its caller ended")
+            .then_some(())
+    })
+    .await;
+    let status = stuck.a.stop().await;
+    assert!(status.success(), "{status}");
+    let quiet_after: String = stuck
+        .pg
+        .client()
+        .await
+        .query_one(
+            "SELECT to_char((outcome->>'quiet_after')::timestamptz AT TIME ZONE 'UTC',
+                            'YYYY-MM-DD HH24:MI:SS.US\"Z\"')
+             FROM railguard_audit
+             WHERE action = 'instance_stopped' AND (outcome->>'instance')::bigint = $1",
+            &[&stuck.owner],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    (stuck, quiet_after)
+}
+
+/// The request reached the rail after A exited without a clean stop, and A never heard the
+/// answer. B's retry asks the rail, which has the payment: the record is completed with the
+/// rail's answer (audited), the retry gets it replayed, and later retries get it from the
+/// record — the rail is paid once.
+#[tokio::test]
+async fn a_retry_gets_the_rails_answer_when_the_rail_has_the_payment_in_doubt() {
+    init_tracing();
+    let (account, key) = ("acct-found", "found-on-the-rail");
+    let Stuck {
+        pg,
+        rail,
+        slow_path,
+        mut a,
+        b,
+        http,
+        ..
+    } = stuck_in_doubt_with(account, key, "500", None, &with_lookup("3000")).await;
+    let status = a.stop().await;
+    assert!(status.success(), "{status}");
+    slow_path.release_stalled();
+    eventually(Duration::from_secs(5), || async {
+        (rail.times_paid(key) == 1).then_some(())
+    })
+    .await;
+    assert_eq!(
+        record(&pg, key).await.unwrap().0,
+        "in_doubt",
+        "A never heard"
+    );
+
+    // Another request under the key asks the rail too, and is still refused as another request.
+    let other = http
+        .pay(
+            &b.proxy_url("/payments"),
+            &[
+                ("Fencing-Token", "5"),
+                ("Fencing-Account", account),
+                ("Idempotency-Key", key),
+            ],
+            r#"{"amount":999}"#,
+        )
+        .await;
+    assert_eq!(
+        other.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        other.body
+    );
+    assert_eq!(record(&pg, key).await.unwrap().0, "done", "asked the rail");
+
+    for attempt in 0..2 {
+        let retry = spawn_pay(&http, &b, account, key).await.unwrap();
+        assert_eq!(retry.status, StatusCode::OK, "{attempt}: {}", retry.body);
+        assert_eq!(retry.headers["idempotency-replayed"], "true");
+        assert_eq!(
+            retry.json()["payment"],
+            1,
+            "the rail's answer: {}",
+            retry.body
+        );
+    }
+    assert_eq!(rail.times_paid(key), 1, "paid once");
+    assert_eq!(
+        record(&pg, key).await,
+        Some(("done".to_string(), Some(200))),
+        "the rail's answer is the record's"
+    );
+    let audit = audited(&pg, "idempotency_resolve", key).await;
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert!(audit[0].contains("found the payment"), "{audit:?}");
+    assert_eq!(
+        resolved(&b, "paid").await,
+        1.0,
+        "the second retry is the record's"
+    );
+}
+
+/// A's forward is still held on its way to the rail and A is running: B's retries, well past
+/// the record's in-doubt deadline plus the transit time, find no payment on the rail and still
+/// get `409 in_doubt` — nothing forwarded. The request then lands, and the rail is paid once.
+#[tokio::test]
+async fn a_payment_the_rail_does_not_have_stays_in_doubt_while_its_owner_runs() {
+    init_tracing();
+    let (account, key) = ("acct-owner-runs", "owner-still-runs");
+    let Stuck {
+        pg,
+        rail,
+        slow_path,
+        a,
+        b,
+        http,
+        ..
+    } = stuck_in_doubt_with(account, key, "3000", None, &with_lookup("3000")).await;
+    past_its_deadline(&pg, key, (TRANSIT.as_secs() + 1) as i64).await;
+
+    for attempt in 0..2 {
+        let retry = spawn_pay(&http, &b, account, key).await.unwrap();
+        assert_eq!(
+            retry.status,
+            StatusCode::CONFLICT,
+            "{attempt}: {}",
+            retry.body
+        );
+        assert_eq!(retry.json()["error"], "in_doubt");
+    }
+    assert_eq!(rail.times_paid(key), 0, "nothing forwarded");
+    assert_eq!(record(&pg, key).await.unwrap().0, "in_doubt");
+    assert!(audited(&pg, "idempotency_forget", key).await.is_empty());
+    assert_eq!(resolved(&b, "unresolved").await, 2.0);
+
+    // The held request lands; A hears the rail's answer and stores it.
+    slow_path.release_stalled();
+    eventually(Duration::from_secs(5), || async {
+        (record(&pg, key).await?.0 == "done").then_some(())
+    })
+    .await;
+    let retry = spawn_pay(&http, &b, account, key).await.unwrap();
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    assert_eq!(rail.times_paid(key), 1, "paid once\n{}", a.log());
+}
+
+/// A stopped cleanly; the request it wrote never reaches the rail. Before the clean stop's
+/// `quiet_after`, B's retry finds no payment and stays `409 in_doubt`; after it, the retry
+/// finds none, the record is forgotten (audited) and the retry is told so, and the next retry
+/// is forwarded — once.
+#[tokio::test]
+async fn a_payment_the_rail_does_not_have_is_forgotten_once_nothing_sent_can_arrive() {
+    init_tracing();
+    let (account, key) = ("acct-not-found", "not-on-the-rail");
+    // The slow path is kept: dropped, it would deliver the request it holds.
+    let (
+        Stuck {
+            pg,
+            rail,
+            slow_path: _held,
+            b,
+            http,
+            ..
+        },
+        quiet_after,
+    ) = stopped_cleanly_with_the_request_held(account, key, None).await;
+
+    let early = spawn_pay(&http, &b, account, key).await.unwrap();
+    assert_eq!(early.status, StatusCode::CONFLICT, "{}", early.body);
+    assert_eq!(
+        early.json()["error"],
+        "in_doubt",
+        "before {quiet_after}: {}",
+        early.body
+    );
+    assert_eq!(record(&pg, key).await.unwrap().0, "in_doubt");
+
+    let told = eventually(Duration::from_secs(20), || async {
+        let retry = spawn_pay(&http, &b, account, key).await.unwrap();
+        (retry.json()["error"] != "in_doubt").then_some(retry)
+    })
+    .await;
+    assert_eq!(told.status, StatusCode::CONFLICT, "{}", told.body);
+    assert_eq!(told.json()["error"], "not_on_the_rail", "{}", told.body);
+    assert_eq!(rail.times_paid(key), 0, "that retry was not forwarded");
+    assert_eq!(record(&pg, key).await, None, "forgotten");
+    let audit = audited(&pg, "idempotency_forget", key).await;
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert!(audit[0].contains("rail's lookup"), "{audit:?}");
+
+    // B's forward waits first for A's last row to settle (`store::handover`): until then a
+    // retry is told so, and nothing is sent.
+    let forwarded = eventually(Duration::from_secs(20), || async {
+        let retry = spawn_pay(&http, &b, account, key).await.unwrap();
+        let waited = retry.status == StatusCode::GATEWAY_TIMEOUT
+            && retry.body.contains("this request was not sent");
+        (!waited).then_some(retry)
+    })
+    .await;
+    assert_eq!(forwarded.status, StatusCode::CREATED, "{}", forwarded.body);
+    assert!(!forwarded.headers.contains_key("idempotency-replayed"));
+    let again = spawn_pay(&http, &b, account, key).await.unwrap();
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
+    assert_eq!(again.headers["idempotency-replayed"], "true");
+    assert_eq!(rail.times_paid(key), 1, "forwarded once");
+    assert_eq!(resolved(&b, "not_paid").await, 1.0);
+}
+
+/// The same as above, but B's lookup gets no answer (nothing listens where B reaches the rail):
+/// once `idempotency-forget` would forget the record, the retry still changes nothing — `409
+/// in_doubt`, the record kept.
+#[tokio::test]
+async fn a_lookup_that_gets_no_answer_changes_nothing() {
+    init_tracing();
+    let (account, key) = ("acct-lookup-down", "lookup-down");
+    let nothing_there = {
+        let socket = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", socket.local_addr().unwrap())
+    };
+    // The slow path is kept: dropped, it would deliver the request it holds.
+    let (
+        Stuck {
+            pg,
+            rail,
+            slow_path: _held,
+            b,
+            http,
+            ..
+        },
+        quiet_after,
+    ) = stopped_cleanly_with_the_request_held(account, key, Some(&nothing_there)).await;
+    // Wait until the operator's forget would forget it.
+    eventually(Duration::from_secs(20), || async {
+        forget(&b, account, key, None, true)
+            .await
+            .status
+            .success()
+            .then_some(())
+    })
+    .await;
+
+    for attempt in 0..2 {
+        let retry = spawn_pay(&http, &b, account, key).await.unwrap();
+        assert_eq!(
+            retry.status,
+            StatusCode::CONFLICT,
+            "{attempt} after {quiet_after}: {}",
+            retry.body
+        );
+        assert_eq!(retry.json()["error"], "in_doubt", "{}", retry.body);
+    }
+    assert_eq!(record(&pg, key).await.unwrap().0, "in_doubt", "kept");
+    assert!(audited(&pg, "idempotency_forget", key).await.is_empty());
+    assert_eq!(rail.times_paid(key), 0);
+    assert_eq!(resolved(&b, "failed").await, 2.0);
 }

@@ -243,6 +243,10 @@ fn every_key_has_a_working_environment_override() {
                     ("/tmp/x.pem".into(), "/tmp/x.pem".into())
                 }
                 (k, _) if k.ends_with(".tls_client_auth") => ("required".into(), "required".into()),
+                ("rail_lookup.path", _) => (
+                    "/payments?account={account}&idempotency_key={key}".into(),
+                    "/payments?account={account}&idempotency_key={key}".into(),
+                ),
                 ("log.format", _) => ("json".into(), "json".into()),
                 ("database.replication_risk", _) => ("refuse".into(), "refuse".into()),
                 ("log.level", _) => ("debug".into(), "debug".into()),

@@ -221,6 +221,92 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
     assert_eq!(rail.ledger().len(), 2);
 }
 
+/// The same with the rail's lookup by idempotency key (`[rail_lookup]`): W2's retry of P asks
+/// the rail, which has P, and gets the rail's answer replayed — P is not paid twice. A retry of
+/// a payment whose first attempt also predates the change but that the rail does not have stays
+/// in doubt: the rail's "not found" does not say that nothing sent before the change can still
+/// land.
+#[tokio::test]
+async fn with_the_rails_lookup_a_retry_whose_first_attempt_went_back_gets_the_rails_answer() {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let lookup = [(
+        "RAILGUARD__RAIL_LOOKUP__PATH",
+        "/payments?account={account}&idempotency_key={key}",
+    )];
+    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &lookup).await;
+    let lock = rg.lock_client();
+    let proxy = RailClient::new(rg.proxy_url(""));
+
+    let w1 = lock
+        .acquire("acct", "w1", Duration::from_millis(300), Duration::ZERO)
+        .await
+        .unwrap();
+    let copy = pg.copy_data().await.unwrap();
+    assert_eq!(
+        pay(&proxy, &w1, "acct", "p").await.unwrap(),
+        StatusCode::CREATED
+    );
+    pg.rewind_to(&copy).await.unwrap();
+    rg.restart().await;
+
+    let w2 = lock
+        .acquire(
+            "acct",
+            "w2",
+            Duration::from_secs(60),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let retry = proxy
+        .retry(
+            &w2,
+            "acct",
+            "/payments",
+            "{\"id\":\"p\"}".into(),
+            "p",
+            w1.token(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        retry.status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&retry.body)
+    );
+    let answer: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
+    assert_eq!(answer["payment"], 1, "the rail's answer: {answer}");
+    assert_eq!(rail.ledger().len(), 1, "P was paid once");
+
+    let unknown = proxy
+        .retry(
+            &w2,
+            "acct",
+            "/payments",
+            "{\"id\":\"u\"}".into(),
+            "u",
+            w1.token(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(unknown.status, StatusCode::CONFLICT);
+    let answer: serde_json::Value = serde_json::from_slice(&unknown.body).unwrap();
+    assert_eq!(answer["error"], "in_doubt", "{answer}");
+    assert_eq!(rail.ledger().len(), 1, "nothing forwarded");
+    let metrics = rg.metrics().await;
+    assert_eq!(
+        metrics.get("railguard_in_doubt_resolved_total{outcome=\"paid\"}"),
+        1.0
+    );
+    assert_eq!(
+        metrics.get("railguard_in_doubt_resolved_total{outcome=\"unresolved\"}"),
+        1.0
+    );
+}
+
 /// A copy from before an earlier floor was raised: PostgreSQL restarts (floor one), W1 is
 /// granted from it and pays; railguard crashes, the data directory goes back to the copy (no
 /// floor in it), railguard starts again with no memory. The floor it raises must be above W1's

@@ -36,6 +36,7 @@ mod log;
 #[cfg(test)]
 mod properties;
 mod proxy;
+mod rail_lookup;
 mod runtime;
 mod shutdown;
 mod values;
@@ -59,6 +60,7 @@ pub use load::{ConfigError, ENV_PREFIX, overrides_from};
 pub use lock::LockConfig;
 pub use log::{LogConfig, LogFormat};
 pub use proxy::ProxyConfig;
+pub use rail_lookup::{LookupPath, LookupTemplate, RailLookupConfig};
 pub use runtime::RuntimeConfig;
 pub use shutdown::ShutdownConfig;
 pub use values::{AccountPathTemplate, DatabaseUrl, LockBackendKind, LockKeyTemplate, Upstream};
@@ -83,6 +85,7 @@ pub struct Config {
     pub auth: AuthConfig,
     pub shutdown: ShutdownConfig,
     pub runtime: RuntimeConfig,
+    pub rail_lookup: RailLookupConfig,
 }
 
 impl Config {
@@ -178,6 +181,7 @@ impl Config {
         }
         positive("shutdown.grace_ms", self.shutdown.grace)?;
         self.runtime.validate()?;
+        self.rail_lookup.validate()?;
         if self.fencing.batch_concurrency > self.database.pool_size {
             return Err((
                 "fencing.batch_concurrency",

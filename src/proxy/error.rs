@@ -338,6 +338,7 @@ impl Rejection {
             IdempotencyConflict::Mismatch => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
             }
+            IdempotencyConflict::NotOnTheRail => (StatusCode::CONFLICT, "not_on_the_rail"),
         };
         Self::new(
             status,
@@ -426,13 +427,15 @@ pub(crate) fn examples() -> Vec<BoxError> {
         IdempotencyConflict::InDoubt,
         IdempotencyConflict::Mismatch,
         IdempotencyConflict::FirstAttemptLost,
+        IdempotencyConflict::NotOnTheRail,
     ];
     for e in &conflicts {
         match e {
             IdempotencyConflict::InFlight
             | IdempotencyConflict::InDoubt
             | IdempotencyConflict::Mismatch
-            | IdempotencyConflict::FirstAttemptLost => {}
+            | IdempotencyConflict::FirstAttemptLost
+            | IdempotencyConflict::NotOnTheRail => {}
         }
     }
     let mut examples: Vec<BoxError> = vec![
@@ -524,6 +527,12 @@ mod tests {
                 boxed(IdempotencyConflict::InDoubt),
                 StatusCode::CONFLICT,
                 "in_doubt",
+                Origin::Client,
+            ),
+            (
+                boxed(IdempotencyConflict::NotOnTheRail),
+                StatusCode::CONFLICT,
+                "not_on_the_rail",
                 Origin::Client,
             ),
             (

@@ -35,7 +35,7 @@ use crate::proxy::fence::{Batching, FenceLayer, FencePoint, HighWaterStore, This
 use crate::proxy::forward::Forward;
 use crate::proxy::idempotency::{
     IdempotencyConfig, IdempotencyLayer, IdempotencyStore, InstanceId, OutcomeMetrics, Records,
-    hold_instance_lock, sweep_forever,
+    Resolver, hold_instance_lock, sweep_forever,
 };
 use crate::proxy::{self, ClientAddr};
 use crate::reload::{Reload, Reloadable};
@@ -385,6 +385,17 @@ pub async fn run_reloading(
         metrics.clone(),
     );
     let late_forwards = forward.late_forwards();
+    // Retries of payments in doubt ask the rail by idempotency key ([rail_lookup]).
+    let resolver = config.rail_lookup.template().map(|template| {
+        Arc::new(Resolver::new(
+            Arc::new(forward.clone()),
+            template.clone(),
+            config.rail_lookup.timeout,
+            config.rail_lookup.max_concurrent,
+            config.idempotency.max_response_bytes,
+            Resolver::register(metrics.registry()),
+        ))
+    });
     let stack = proxy::stack(
         ExtractLayer::new(extract_config(
             &config,
@@ -403,14 +414,16 @@ pub async fn run_reloading(
             .counting_into(late_forwards.clone())
             .with_floor(epoch.clone())
             .ordered_across_processes(handover.clone())
-            .answering_own_repeats(records.clone()),
+            .answering_own_repeats(records.clone())
+            .resolving_with(resolver.clone()),
         )),
         IdempotencyLayer::new(
             records,
             IdempotencyConfig {
                 max_response_bytes: config.idempotency.max_response_bytes,
             },
-        ),
+        )
+        .resolving_with(resolver),
         forward,
         metrics.clone(),
     );

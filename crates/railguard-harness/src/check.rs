@@ -68,6 +68,8 @@ pub struct Inputs {
     pub faults: Vec<FaultRecord>,
     /// `lock_fenced_out_total` summed over the proxies, when their metrics were saved.
     pub fenced_out_metric: Option<f64>,
+    /// The payments railguard holds in doubt at the end of the run, when they were counted.
+    pub in_doubt_at_end: Option<InDoubtAtEnd>,
     /// History lines that could not be read (a worker killed while writing one).
     pub torn_lines: usize,
 }
@@ -153,10 +155,23 @@ impl Counts {
     }
 }
 
+/// Idempotency records in doubt in railguard's PostgreSQL at the end of the run (each a payment
+/// whose retries get `409 in_doubt`), and the records the rail's lookup completed (the rail had
+/// the payment) or forgot (it had not, and nothing sent could still reach it), from railguard's
+/// audit records (`--rail-lookup`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InDoubtAtEnd {
+    pub records: usize,
+    pub paid_per_the_rail: usize,
+    pub not_on_the_rail: usize,
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Report {
     pub counts: Counts,
     pub fenced_out_metric: Option<f64>,
+    #[serde(default)]
+    pub in_doubt_at_end: Option<InDoubtAtEnd>,
     pub faults: BTreeMap<String, usize>,
     pub violations_by_invariant: BTreeMap<String, usize>,
     pub violations: Vec<Violation>,
@@ -192,6 +207,14 @@ impl Report {
         row("paydb claims fenced out", c.claims_fenced.to_string());
         if let Some(m) = self.fenced_out_metric {
             row("lock_fenced_out_total (proxies)", format!("{m}"));
+        }
+        if let Some(end) = self.in_doubt_at_end {
+            row("records in doubt at the end", end.records.to_string());
+            row(
+                "  lookup: paid on the rail",
+                end.paid_per_the_rail.to_string(),
+            );
+            row("  lookup: not on the rail", end.not_on_the_rail.to_string());
         }
         row("rail ledger entries", c.rail_entries.to_string());
         row(
@@ -267,6 +290,7 @@ pub fn check(inputs: &Inputs) -> Report {
     let mut report = Report {
         counts: counts(inputs, &senders, stale_arrivals),
         fenced_out_metric: inputs.fenced_out_metric,
+        in_doubt_at_end: inputs.in_doubt_at_end,
         ..Report::default()
     };
     for f in &inputs.faults {

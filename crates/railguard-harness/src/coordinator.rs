@@ -33,7 +33,7 @@ use serde::Serialize;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
-use crate::check::{self, FaultRecord, Inputs, Report};
+use crate::check::{self, FaultRecord, InDoubtAtEnd, Inputs, Report};
 use crate::faults::{self, FaultKind, Operator, Schedule, Setup, Targets, Timing};
 use crate::history;
 use crate::lockdb::LockDb;
@@ -130,6 +130,12 @@ pub struct RunOptions {
     /// rail, and forgets only a payment the rail does not have (see `operator`).
     #[arg(long)]
     pub operator_forgets: bool,
+    /// The railguards ask the rail simulator about a payment in doubt, by idempotency key, when
+    /// a retry of its key finds its record in doubt (`[rail_lookup]`): paid, the record is
+    /// completed with the rail's answer; not paid, it is forgotten once `idempotency-forget`
+    /// would forget it without an operator's word.
+    #[arg(long)]
+    pub rail_lookup: bool,
     /// Payments created up front; enough that the workers stay busy for the whole run (they
     /// stop early when every payment is done, and faults after that would hit an idle system).
     #[arg(long, default_value_t = 20_000)]
@@ -406,6 +412,12 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         }
         Some(NegativeControl::OperatorSkipsTheWait) | None => {}
     }
+    if options.rail_lookup {
+        env.push((
+            "RAILGUARD__RAIL_LOOKUP__PATH".into(),
+            "/payments?account={account}&idempotency_key={key}".into(),
+        ));
+    }
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let database_url = match &pg_relay {
         Some(relay) => relay.postgres_url(&lockdb.url()),
@@ -550,6 +562,23 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         .await
         .map_err(|e| format!("paydb payments: {e}"))?;
     write_json(&out.join("paydb-payments.json"), &payments)?;
+    // The payments railguard still holds in doubt (`409 in_doubt` to their retries), and what
+    // the rail's lookup resolved (its audit records: counted across restarts).
+    match paydb::connect(&lockdb.url()).await {
+        Ok(client) => match client.query_one(IN_DOUBT_AT_END_SQL, &[]).await {
+            Ok(row) => {
+                let count = |i: usize| usize::try_from(row.get::<_, i64>(i)).unwrap_or(0);
+                let end = InDoubtAtEnd {
+                    records: count(0),
+                    paid_per_the_rail: count(1),
+                    not_on_the_rail: count(2),
+                };
+                write_json(&out.join("in-doubt-at-end.json"), &end)?;
+            }
+            Err(e) => eprintln!("could not count the records in doubt at the end: {e}"),
+        },
+        Err(e) => eprintln!("could not count the records in doubt at the end: {e}"),
+    }
     let http = Http::new();
     for (i, rg) in proxies.iter_mut().enumerate() {
         if let Ok((_, text)) = http.get(&format!("http://{}/metrics", rg.admin)).await {
@@ -695,6 +724,7 @@ pub fn check_dir(dir: &Path) -> Result<Report, String> {
         payments: read_json(&dir.join("paydb-payments.json"))?,
         faults,
         fenced_out_metric: fenced_out_metric(dir),
+        in_doubt_at_end: read_json(&dir.join("in-doubt-at-end.json")).ok(),
         torn_lines: torn,
     };
     let report = check::check(&inputs);
@@ -703,6 +733,17 @@ pub fn check_dir(dir: &Path) -> Result<Report, String> {
         .map_err(|e| format!("cannot write the report: {e}"))?;
     Ok(report)
 }
+
+/// Idempotency records in doubt in railguard's PostgreSQL — declared so, or in flight past
+/// their owner's deadline: railguard answers `409 in_doubt` for both — and the records the rail's
+/// lookup completed or forgot (`idempotency::resolve`'s audit records).
+const IN_DOUBT_AT_END_SQL: &str = "\
+SELECT (SELECT count(*) FROM idempotency_record
+        WHERE state = 'in_doubt'
+           OR (state = 'in_flight' AND now() > COALESCE(in_doubt_at, created_at))),
+       (SELECT count(*) FROM railguard_audit WHERE action = 'idempotency_resolve'),
+       (SELECT count(*) FROM railguard_audit
+        WHERE action = 'idempotency_forget' AND reason LIKE 'the rail''s lookup%')";
 
 /// `lock_fenced_out_total` summed over the saved metrics of every railguard.
 fn fenced_out_metric(dir: &Path) -> Option<f64> {

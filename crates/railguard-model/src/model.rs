@@ -310,6 +310,12 @@ pub enum Action {
     PostgresGoesBack,
     /// etcd is restored from the copy's snapshot.
     EtcdRestored,
+    /// The rail's lookup by idempotency key resolves a record in doubt (on a retry of its key,
+    /// `idempotency::resolve`): completed if the rail has the payment, forgotten if not.
+    Resolve {
+        account: u8,
+        payment: u8,
+    },
 }
 
 fn worker_name(w: u8) -> String {
@@ -459,6 +465,12 @@ impl fmt::Display for Action {
             }
             Action::Start(t) => write!(f, "start {t}: turn, last look, forward"),
             Action::GiveUp(t) => write!(f, "give up waiting for the rail: {t}"),
+            Action::Resolve { account, payment } => write!(
+                f,
+                "the rail's lookup resolves account {}'s payment {} in doubt",
+                account_name(*account),
+                payment + 1
+            ),
             Action::Restart(p) => write!(
                 f,
                 "P{} DIES and starts again as a new instance (its memory lost, its forwards still \
@@ -504,6 +516,11 @@ impl FencingModel {
             Variant::NoStoreEpochCheck | Variant::NoStoreEpochCheckOnEtcd => Bounds {
                 postgres_goes_back: true,
                 etcd_goes_back: true,
+                ..bounds
+            },
+            // A record in doubt whose owner is gone: a process that restarts.
+            Variant::LookupBeforeTransit => Bounds {
+                restarts: bounds.restarts.max(1),
                 ..bounds
             },
             // PostgreSQL going back, and two instances (two processes, or one that restarts).
@@ -1060,6 +1077,22 @@ impl Model for FencingModel {
                 actions.push(Action::Drop(msg.clone()));
             }
         }
+        if rules.idempotency {
+            let after_transit = !self.is(Variant::LookupBeforeTransit);
+            for account in 0..self.bounds.accounts {
+                for payment in 0..self.bounds.payments_per_account {
+                    if s.fence.lookup_may_resolve(
+                        account,
+                        payment,
+                        &s.network,
+                        &s.rail,
+                        after_transit,
+                    ) {
+                        actions.push(Action::Resolve { account, payment });
+                    }
+                }
+            }
+        }
         if s.restarts_left > 0 {
             for p in 0..self.bounds.proxies {
                 actions.push(Action::Restart(p));
@@ -1234,6 +1267,9 @@ impl Model for FencingModel {
             Action::Restart(p) => {
                 s.restarts_left -= 1;
                 s.fence.restart(p);
+            }
+            Action::Resolve { account, payment } => {
+                s.fence.resolve(account, payment, &s.rail);
             }
             Action::GiveUp(task) => {
                 s.fence.give_up(self.rules(), &task);

@@ -113,3 +113,13 @@ pub struct Arrival {
 pub struct Rail {
     pub arrivals: Vec<Arrival>,
 }
+
+impl Rail {
+    /// Whether a payment of `account` with idempotency key `payment` arrived: the rail's
+    /// lookup by idempotency key.
+    pub fn has(&self, account: u8, payment: u8) -> bool {
+        self.arrivals
+            .iter()
+            .any(|a| a.account == account && a.payment == payment)
+    }
+}

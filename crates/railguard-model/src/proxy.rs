@@ -48,7 +48,7 @@
 
 use crate::epoch::{Change, Epoch};
 use crate::lock::{GrantId, Token};
-use crate::network::{Msg, Network, Reply};
+use crate::network::{Msg, Network, Rail, Reply};
 
 /// An idempotency record of one (account, payment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -525,6 +525,48 @@ impl Fence {
         process.slots = vec![Slot::default(); accounts];
         process.cache = vec![0; accounts];
         process.instances.push(process.last_seq + 1);
+    }
+
+    /// Whether the rail's lookup by idempotency key (`idempotency::resolve`) may resolve the
+    /// record of `payment` of `account`, in flight (in doubt, once nobody waits for it): the
+    /// rail has the payment — always; or it has not, and no live process holds a request of it
+    /// (its owner can no longer send it: stopped, which the real owner's clean stop or the
+    /// operator's word says) and, `after_transit`, no forward of it is still in the network
+    /// (`proxy.rail_transit_ms` has passed).
+    pub fn lookup_may_resolve(
+        &self,
+        account: u8,
+        payment: u8,
+        network: &Network,
+        rail: &Rail,
+        after_transit: bool,
+    ) -> bool {
+        if self.records[account as usize][payment as usize] != Record::InFlight {
+            return false;
+        }
+        if rail.has(account, payment) {
+            return true;
+        }
+        let owner_gone = !self
+            .tasks
+            .iter()
+            .any(|t| t.account == account && t.payment == payment);
+        let arrived_or_lost = !network.in_flight.iter().any(|m| {
+            matches!(m, Msg::Forward { account: a, payment: q, .. } if *a == account && *q == payment)
+        });
+        owner_gone && (arrived_or_lost || !after_transit)
+    }
+
+    /// The lookup's answer: the record completed when the rail has the payment, forgotten
+    /// otherwise (a retry is then forwarded). Returns whether the rail had it.
+    pub fn resolve(&mut self, account: u8, payment: u8, rail: &Rail) -> bool {
+        let paid = rail.has(account, payment);
+        self.records[account as usize][payment as usize] = if paid {
+            Record::Completed
+        } else {
+            Record::Absent
+        };
+        paid
     }
 
     /// The upstream timeout: the proxy stops waiting for the rail and drops its ticket; the

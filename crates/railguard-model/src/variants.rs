@@ -67,11 +67,16 @@ pub enum Variant {
     /// network. Checked with PostgreSQL going back and two proxy processes (or one that
     /// restarts).
     NoHoldAfterStoreChange,
+    /// The rail's lookup by idempotency key forgets a record in doubt it finds no payment for
+    /// once the owner can no longer send it, but without waiting until nothing the owner sent
+    /// can still reach the rail (`proxy.rail_transit_ms`). Checked with a proxy that restarts
+    /// (its records left in doubt, its forwards still in the network).
+    LookupBeforeTransit,
 }
 
 impl Variant {
     /// Every variant, in the order of the docs' table.
-    pub const ALL: [Variant; 16] = [
+    pub const ALL: [Variant; 17] = [
         Variant::RereadTokenAtWrite,
         Variant::CreateRevisionToken,
         Variant::PerRowVersionToken,
@@ -88,6 +93,7 @@ impl Variant {
         Variant::NoStoreEpochCheck,
         Variant::NoStoreEpochCheckOnEtcd,
         Variant::NoHoldAfterStoreChange,
+        Variant::LookupBeforeTransit,
     ];
 
     /// The backend whose semantics the variant changes (or the one it is checked with).
@@ -108,7 +114,8 @@ impl Variant {
             | Variant::EntryReplacesOthers
             | Variant::NoIdempotencyKeys
             | Variant::NoStoreEpochCheck
-            | Variant::NoHoldAfterStoreChange => Backend::Postgres,
+            | Variant::NoHoldAfterStoreChange
+            | Variant::LookupBeforeTransit => Backend::Postgres,
         }
     }
 
@@ -141,6 +148,9 @@ impl Variant {
             Variant::NoHoldAfterStoreChange => {
                 "no hold after a store change for other processes' forwards from before it"
             }
+            Variant::LookupBeforeTransit => {
+                "the rail's lookup forgets a record in doubt before its forward can no longer arrive"
+            }
         }
     }
 
@@ -164,6 +174,7 @@ impl Variant {
             Variant::NoStoreEpochCheck => p::INV_04,
             Variant::NoStoreEpochCheckOnEtcd => p::INV_04,
             Variant::NoHoldAfterStoreChange => p::INV_05_RAIL,
+            Variant::LookupBeforeTransit => p::INV_02,
         }
     }
 

@@ -163,6 +163,14 @@ fn no_hold_after_store_change_breaks_inv05_across_a_restart() {
     );
 }
 
+/// The rail's lookup forgets a record in doubt without waiting for the transit time: the proxy
+/// restarts with its forward still in the network, the lookup finds no payment and forgets the
+/// record, the retry is forwarded, and the first forward arrives too — the payment twice.
+#[test]
+fn lookup_before_transit_breaks_inv02() {
+    assert_caught(Variant::LookupBeforeTransit);
+}
+
 /// Exploring up to a renaming of workers (as the protocol-as-designed tests do) hides no
 /// violation: every variant is still caught with symmetry on.
 #[test]

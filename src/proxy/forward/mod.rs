@@ -37,7 +37,8 @@ use tracing::Instrument;
 
 use self::connections::{RailBody, RailConnections, SendError};
 use super::fence::Turn;
-use super::idempotency::{LateAnswer, MaybeSent};
+use super::idempotency::record::BoxFuture;
+use super::idempotency::{AskTheRail, LateAnswer, MaybeSent};
 use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
 use crate::config::Upstream;
 use crate::metrics::Metrics;
@@ -289,6 +290,32 @@ impl Forward {
     /// The forwards of this stack still waiting for a late answer (for a graceful shutdown).
     pub fn late_forwards(&self) -> LateForwards {
         self.0.late.clone()
+    }
+}
+
+/// The rail's lookup by idempotency key (`idempotency::resolve`): a `GET` of its own on the
+/// rail's connections, outside any account's turn — it pays nothing.
+impl AskTheRail for Forward {
+    fn get(&self, path: PathAndQuery) -> BoxFuture<'static, Result<ProxyResponse, BoxError>> {
+        let rail = self.0.clone();
+        Box::pin(async move {
+            let request = Request::get(Uri::from(path))
+                .header(
+                    header::HOST,
+                    HeaderValue::from_str(rail.upstream.authority.as_str())?,
+                )
+                .body(Tracked {
+                    body: Full::new(Bytes::new()),
+                    asked: MaybeSent::default(),
+                })?;
+            let response = rail
+                .connections
+                .clone()
+                .send(request)
+                .await
+                .map_err(|e| -> BoxError { e.into() })?;
+            Ok(proxy_response(response))
+        })
     }
 }
 

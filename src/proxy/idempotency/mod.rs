@@ -15,6 +15,10 @@
 //!   record in doubt is 409 `in_doubt` (see [`store`]); a completed one is replayed, marked
 //!   `Idempotency-Replayed: true` (`replay`).
 //!
+//! With `[rail_lookup]` configured, a repeat of a record in doubt asks the rail first
+//! ([`resolve`]): the rail's answer is replayed when it has the payment, and the record is
+//! forgotten when it has not and `idempotency-forget` would forget it without an operator's word.
+//!
 //! Where the records live is behind [`Records`], so that this layer's logic is unit-tested with
 //! records in memory; the server's are PostgreSQL's ([`IdempotencyStore`]).
 
@@ -24,6 +28,7 @@ mod late;
 mod outcomes;
 pub mod record;
 mod replay;
+pub mod resolve;
 pub mod store;
 
 use std::future::Future;
@@ -40,6 +45,7 @@ pub use self::outcomes::COMPLETE_SQL;
 pub use self::record::{MaybeSent, NewRecord, RecordGuard, RecordId, Records};
 #[cfg(test)]
 pub(crate) use self::replay::{BODY_OMITTED, REPLAYED};
+pub use self::resolve::{AskTheRail, Resolved, Resolver};
 pub use self::store::{
     Because, CompletionError, Forgot, IdempotencyStore, OutcomeMetrics, OwnerStopped, Record,
     RecordState, StoredResponse, sweep_forever,
@@ -66,6 +72,12 @@ pub enum IdempotencyConflict {
     #[error("this idempotency key was used for a different request (method, path or body)")]
     Mismatch,
     #[error(
+        "the request with this idempotency key was in doubt; the rail has no payment with this \
+         key, and nothing railguard sent can still reach it, so its record is forgotten. This \
+         request was not forwarded: send it again, and it will be"
+    )]
+    NotOnTheRail,
+    #[error(
         "this idempotency key was first sent under a grant from before the fencing store last \
          went back (a failover, a restore), and its record did not survive it: whether the rail \
          acted on the first attempt is unknown, so it will not be forwarded again. Ask the rail \
@@ -91,6 +103,7 @@ pub struct IdempotencyConfig {
 pub struct IdempotencyLayer {
     records: Arc<dyn Records>,
     config: Arc<IdempotencyConfig>,
+    resolver: Option<Arc<Resolver>>,
 }
 
 impl IdempotencyLayer {
@@ -98,7 +111,14 @@ impl IdempotencyLayer {
         Self {
             records,
             config: Arc::new(config),
+            resolver: None,
         }
+    }
+
+    /// Repeats of a record in doubt ask the rail first ([`resolve`]).
+    pub fn resolving_with(mut self, resolver: Option<Arc<Resolver>>) -> Self {
+        self.resolver = resolver;
+        self
     }
 }
 
@@ -109,6 +129,7 @@ impl<S> Layer<S> for IdempotencyLayer {
             inner,
             records: self.records.clone(),
             config: self.config.clone(),
+            resolver: self.resolver.clone(),
         }
     }
 }
@@ -119,6 +140,7 @@ pub struct Idempotency<S> {
     inner: S,
     records: Arc<dyn Records>,
     config: Arc<IdempotencyConfig>,
+    resolver: Option<Arc<Resolver>>,
 }
 
 impl<S> Service<FencedRequest> for Idempotency<S>
@@ -138,13 +160,14 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let (records, config) = (self.records.clone(), self.config.clone());
+        let resolver = self.resolver.clone();
         Box::pin(async move {
             let Some(key) = request.idempotency.as_ref() else {
                 return inner.call(request).await;
             };
             let Some(record) = request.record.take() else {
                 let (fingerprint, key) = (key.fingerprint.clone(), key.key.clone());
-                return repeat(&*records, &request, &fingerprint, &key).await;
+                return repeat(&*records, resolver.as_deref(), &request, &fingerprint, &key).await;
             };
             let deadline = request.deadline;
             // Should the rail answer after the deadline, the forward hands the answer here.
@@ -202,14 +225,16 @@ pub async fn own_answer(
 }
 
 /// A retry whose key was first sent before the store last went back, and whose record is not
-/// there now, may be a payment the rail already has: `Some(in doubt)` then. `None`: go on (no
-/// first token, one from after the floor, a record that survived — the repeat's own answer
-/// comes from it). A store that cannot answer refuses the request: nothing is forwarded on a
-/// guess.
+/// there now, may be a payment the rail already has: `Some(in doubt)` then — or, with a rail
+/// lookup (`resolver`) that finds the payment, `Some` of the rail's answer replayed. `None`: go
+/// on (no first token, one from after the floor, a record that survived — the repeat's own
+/// answer comes from it). A store that cannot answer refuses the request: nothing is forwarded
+/// on a guess.
 pub async fn lost_first_attempt(
     records: &dyn Records,
+    resolver: Option<&Resolver>,
     request: &FencedRequest,
-) -> Option<BoxError> {
+) -> Option<Result<ProxyResponse, BoxError>> {
     let key = request.idempotency.as_ref()?;
     let first = key.first_token?;
     match records
@@ -217,27 +242,65 @@ pub async fn lost_first_attempt(
         .await
     {
         Ok(false) => None,
-        Ok(true) => Some(IdempotencyConflict::FirstAttemptLost.into()),
-        Err(e) => Some(IdempotencyUnavailable(e).into()),
+        Ok(true) => {
+            if let Some(resolver) = resolver
+                && let Some(stored) = resolver
+                    .found_on_the_rail(&request.account, &key.key, request.deadline)
+                    .await
+            {
+                return Some(Ok(replay::replay(stored)));
+            }
+            Some(Err(IdempotencyConflict::FirstAttemptLost.into()))
+        }
+        Err(e) => Some(Err(IdempotencyUnavailable(e).into())),
     }
 }
 
-/// A repeat of a key whose record already exists.
+/// A repeat of a key whose record already exists. One in doubt asks the rail first, with a
+/// lookup configured ([`resolve`]).
 async fn repeat(
     records: &dyn Records,
+    resolver: Option<&Resolver>,
     request: &FencedRequest,
     fingerprint: &str,
     key: &str,
 ) -> Result<ProxyResponse, BoxError> {
-    let record = records
-        .find(&request.account, key)
-        .await
-        .map_err(IdempotencyUnavailable)?;
+    let find = || async {
+        records
+            .find(&request.account, key)
+            .await
+            .map_err(IdempotencyUnavailable)
+    };
+    let record = find().await?;
     // Gone since the compare-and-set saw it (retention, or an operator): ask for a retry
     // rather than forward on a guess.
     let Some(record) = record else {
         return Err(IdempotencyConflict::InFlight.into());
     };
+    // The rail is asked about the key whichever request under it asks: what it answers is the
+    // record's outcome. Its answer is replayed only to the same request; another one under the
+    // key is still 422.
+    if let Some(resolver) = resolver
+        && record.state == RecordState::InDoubt
+    {
+        match resolver
+            .resolve(records, &request.account, key, request.deadline)
+            .await
+        {
+            Resolved::Paid(_) if record.fingerprint != fingerprint => {
+                return Err(IdempotencyConflict::Mismatch.into());
+            }
+            Resolved::Paid(stored) => return Ok(replay::replay(stored)),
+            Resolved::Forgotten => return Err(IdempotencyConflict::NotOnTheRail.into()),
+            Resolved::InDoubt => {}
+            Resolved::Changed => {
+                let Some(record) = find().await? else {
+                    return Err(IdempotencyConflict::InFlight.into());
+                };
+                return answer_repeat(record, fingerprint);
+            }
+        }
+    }
     answer_repeat(record, fingerprint)
 }
 

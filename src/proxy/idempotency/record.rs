@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
-use super::store::{Record, StoredResponse};
+use super::store::{Forgot, Record, StoredResponse};
 use crate::db::DbError;
 use crate::token::AccountId;
 
@@ -159,6 +159,23 @@ pub trait Records: Send + Sync + 'static {
 
     /// Deletes, in the background, a record whose request cannot have reached the rail.
     fn forget_unsent(&self, record: RecordId);
+
+    /// The rail's lookup found the payment of `key`'s record in doubt: completes the record
+    /// with the rail's answer, audited (`resolve`). `false` when it is not in doubt.
+    fn complete_from_the_rail<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key: &'a str,
+        response: StoredResponse,
+    ) -> BoxFuture<'a, Result<bool, DbError>>;
+
+    /// The rail's lookup found no payment with `key`: forgets its record in doubt only as
+    /// `idempotency-forget` would without an operator's word (`resolve`).
+    fn forget_not_on_the_rail<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Forgot, DbError>>;
 }
 
 /// Owns a record its request created; see the module docs.
@@ -232,12 +249,24 @@ pub(crate) mod tests {
     }
 
     /// Records in memory, remembering how each record ended.
-    #[derive(Default)]
     pub(crate) struct MemoryRecords {
         pub(crate) found: Mutex<Option<Record>>,
         /// The fencing floor the store would report.
         pub(crate) floor: i64,
         pub(crate) ended: Mutex<Vec<Ended>>,
+        /// What forgetting a record the rail does not have would say.
+        pub(crate) forget_verdict: Mutex<Forgot>,
+    }
+
+    impl Default for MemoryRecords {
+        fn default() -> Self {
+            Self {
+                found: Mutex::default(),
+                floor: 0,
+                ended: Mutex::default(),
+                forget_verdict: Mutex::new(Forgot::StillInFlight),
+            }
+        }
     }
 
     impl MemoryRecords {
@@ -287,6 +316,34 @@ pub(crate) mod tests {
 
         fn forget_unsent(&self, record: RecordId) {
             self.ended.lock().unwrap().push(Ended::Forgotten(record));
+        }
+
+        fn complete_from_the_rail<'a>(
+            &'a self,
+            _account: &'a AccountId,
+            _key: &'a str,
+            response: StoredResponse,
+        ) -> BoxFuture<'a, Result<bool, DbError>> {
+            let mut found = self.found.lock().unwrap();
+            let in_doubt = found
+                .as_ref()
+                .is_some_and(|r| r.state == super::super::RecordState::InDoubt);
+            if in_doubt && let Some(record) = found.as_mut() {
+                record.state = super::super::RecordState::Done(response);
+            }
+            Box::pin(async move { Ok(in_doubt) })
+        }
+
+        fn forget_not_on_the_rail<'a>(
+            &'a self,
+            _account: &'a AccountId,
+            _key: &'a str,
+        ) -> BoxFuture<'a, Result<Forgot, DbError>> {
+            let verdict = self.forget_verdict.lock().unwrap().clone();
+            if matches!(verdict, Forgot::Forgotten(_)) {
+                *self.found.lock().unwrap() = None;
+            }
+            Box::pin(async move { Ok(verdict) })
         }
     }
 

@@ -31,6 +31,11 @@
 //! ask the rail only once all of that has passed), and why the proxy forwards
 //! `Idempotency-Key` to the rail: a rail that deduplicates by it absorbs the rest.
 //!
+//! **The rail's lookup** (`resolve`, `[rail_lookup]`) completes a record in doubt with the
+//! rail's answer when the rail has the payment ([`IdempotencyStore::complete_from_the_rail`]),
+//! and, when it has not, forgets it through forget's own checks, without an operator's word
+//! ([`IdempotencyStore::forget_not_on_the_rail`]); each with its audit record.
+//!
 //! **Completions are group-committed** (`outcomes`): concurrent requests'
 //! answers are stored by one statement and one commit, and each request still waits for the
 //! commit that holds its answer.
@@ -102,6 +107,21 @@ SELECT now() > t, to_char(t AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US\"Z\"')
        GREATEST(ceil(extract(epoch FROM t - now())), 0)::bigint
 FROM (SELECT GREATEST($1::timestamptz + $2::bigint * interval '1 millisecond',
                       $3::timestamptz) AS t) AS q";
+
+/// Completes a record in doubt — declared so by its owner, or past its owner's deadline —
+/// with the rail's answer to a lookup of its key; its owner instance, for the audit record.
+const COMPLETE_FROM_THE_RAIL_SQL: &str = "\
+UPDATE idempotency_record
+SET state = 'done', status = $3, headers = $4::text::jsonb, body = $5, body_stored = $6,
+    completed_at = now()
+WHERE account_id = $1 AND idempotency_key = $2
+  AND (state = 'in_doubt' OR (state = 'in_flight' AND now() > COALESCE(in_doubt_at, created_at)))
+RETURNING owner_instance";
+
+/// The audit record of a record completed from the rail's lookup, in its transaction.
+const AUDIT_RESOLVE_SQL: &str = "\
+INSERT INTO railguard_audit (action, account_id, reason, outcome, finished_at)
+VALUES ('idempotency_resolve', $1, $2, $3::text::jsonb, now())";
 
 /// The audit record of a forget, written in its transaction: no delete without it.
 const AUDIT_FORGET_SQL: &str = "\
@@ -570,6 +590,84 @@ impl IdempotencyStore {
         owner_stopped: Option<OwnerStopped>,
         dry_run: bool,
     ) -> Result<Forgot, DbError> {
+        self.forget(account, key, owner_stopped, dry_run, Asked::Operator)
+            .await
+    }
+
+    /// The rail's lookup found no payment with the record's key (`resolve`): forgets the
+    /// record exactly when [`forget_in_doubt`](Self::forget_in_doubt) would without an
+    /// operator's word — its forward is over, its owner recorded a clean stop and holds no
+    /// instance lock, and nothing it sent can still reach the rail — audited as the rail's
+    /// answer. Otherwise the record stays in doubt, and the verdict says why.
+    pub async fn forget_not_on_the_rail(
+        &self,
+        account: &AccountId,
+        key: &str,
+    ) -> Result<Forgot, DbError> {
+        self.forget(account, key, None, false, Asked::RailLookup)
+            .await
+    }
+
+    /// The rail's lookup found the payment of a record in doubt (`resolve`): the record is
+    /// completed with the rail's answer, and the audit record says so, in one transaction.
+    /// Whoever sent it, the rail has the payment: a retry gets this answer, never a new
+    /// forward. `false` when the record is not in doubt (any more): completed meanwhile (by
+    /// its owner's late answer), forgotten, or still within its owner's deadline.
+    pub async fn complete_from_the_rail(
+        &self,
+        account: &AccountId,
+        key: &str,
+        response: &StoredResponse,
+    ) -> Result<bool, DbError> {
+        self.bounded(async {
+            let mut client = self.client().await?;
+            let tx = client.transaction().await?;
+            let row = tx
+                .query_opt(
+                    COMPLETE_FROM_THE_RAIL_SQL,
+                    &[
+                        &account.as_str(),
+                        &key,
+                        &outcomes::status_column(response.status),
+                        &outcomes::headers_column(response),
+                        &response.body.as_deref(),
+                        &response.body.is_some(),
+                    ],
+                )
+                .await?;
+            let Some(row) = row else {
+                return Ok(false);
+            };
+            let owner: Option<i64> = row.get(0);
+            let outcome = serde_json::json!({
+                "idempotency_key": key,
+                "result": "completed_from_the_rail",
+                "status": response.status,
+                "owner_instance": owner,
+            });
+            tx.execute(
+                AUDIT_RESOLVE_SQL,
+                &[
+                    &account.as_str(),
+                    &"the rail's lookup by idempotency key found the payment (rail_lookup.path)",
+                    &outcome.to_string(),
+                ],
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn forget(
+        &self,
+        account: &AccountId,
+        key: &str,
+        owner_stopped: Option<OwnerStopped>,
+        dry_run: bool,
+        asked: Asked,
+    ) -> Result<Forgot, DbError> {
         let transit_ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
         let own_transit = transit_ms(self.rail_transit);
         self.bounded(async {
@@ -681,7 +779,11 @@ impl IdempotencyStore {
                 });
                 tx.execute(
                     AUDIT_FORGET_SQL,
-                    &[&account.as_str(), &because.reason(), &outcome.to_string()],
+                    &[
+                        &account.as_str(),
+                        &because.reason(asked),
+                        &outcome.to_string(),
+                    ],
                 )
                 .await?;
             }
@@ -790,6 +892,25 @@ impl Records for IdempotencyStore {
 
     fn forget_unsent(&self, record: RecordId) {
         self.delete_unsent(record);
+    }
+
+    fn complete_from_the_rail<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key: &'a str,
+        response: StoredResponse,
+    ) -> BoxFuture<'a, Result<bool, DbError>> {
+        Box::pin(async move {
+            IdempotencyStore::complete_from_the_rail(self, account, key, &response).await
+        })
+    }
+
+    fn forget_not_on_the_rail<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Forgot, DbError>> {
+        Box::pin(IdempotencyStore::forget_not_on_the_rail(self, account, key))
     }
 }
 
@@ -952,21 +1073,34 @@ impl Because {
     }
 
     /// The audit record's reason.
-    fn reason(self) -> &'static str {
-        match self {
-            Self::OwnerStoppedCleanly(_) => {
+    fn reason(self, asked: Asked) -> &'static str {
+        match (self, asked) {
+            (_, Asked::RailLookup) => {
+                "the rail's lookup by idempotency key found no payment (rail_lookup.path), \
+                 and the owning railguard recorded a clean stop"
+            }
+            (Self::OwnerStoppedCleanly(_), Asked::Operator) => {
                 "checked the rail's own records (railguard idempotency-forget)"
             }
-            Self::NoOwner => {
+            (Self::NoOwner, Asked::Operator) => {
                 "checked the rail's own records, and saw every railguard running when the \
                  record was made stop (railguard idempotency-forget --owner-stopped unrecorded)"
             }
-            Self::OperatorSawOwnerStop(_) => {
+            (Self::OperatorSawOwnerStop(_), Asked::Operator) => {
                 "checked the rail's own records, and saw the owning railguard process stop \
                  (railguard idempotency-forget --owner-stopped)"
             }
         }
     }
+}
+
+/// Who asked to forget a record: what its audit record says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Asked {
+    /// `railguard idempotency-forget`, after checking the rail.
+    Operator,
+    /// railguard itself, when the rail's lookup found no payment with the key (`resolve`).
+    RailLookup,
 }
 
 /// Removes expired records every `interval` until the process ends.

@@ -1,0 +1,296 @@
+//! Resolving a payment in doubt by asking the rail (`[rail_lookup]`).
+//!
+//! A retry whose record is in doubt (`409 in_doubt`) is, with a lookup configured, first
+//! answered by the rail itself (a request under the same key that is not the same request asks
+//! too — the rail's answer is about the key — and is still answered `422`): railguard asks it, by the record's account and idempotency key,
+//! whether it has the payment, within the retry's own deadline and `rail_lookup.timeout_ms`,
+//! at most `rail_lookup.max_concurrent` lookups at once. Then, and only then:
+//!
+//! - **the rail has it** (`200`): whoever sent it, the payment is made. The record is completed
+//!   with the rail's answer, audited ([`IdempotencyStore::complete_from_the_rail`]), and the
+//!   retry gets that answer replayed — never a new forward. Later retries get the stored answer.
+//! - **the rail does not have it** (`404`): that is the operator's step 3 of the in-doubt
+//!   procedure (`admin::IN_DOUBT_PROCEDURE`), and the record is forgotten only if
+//!   `idempotency-forget` would forget it *without* an operator's word: its owner recorded a
+//!   clean stop and holds no instance lock, and its in-doubt deadline plus
+//!   `proxy.rail_transit_ms` (and the stop's `quiet_after`) has passed — the same code path,
+//!   [`IdempotencyStore::forget_not_on_the_rail`]. Until then something the owner sent may
+//!   still reach the rail, and the record stays in doubt. Forgotten, the retry is told so
+//!   (`409 not_on_the_rail`, nothing forwarded) and the next retry is forwarded.
+//! - **no answer** (an error, a timeout, every lookup slot busy, any other status): nothing
+//!   changes; the retry is answered `409 in_doubt` as without a lookup.
+//!
+//! A retry whose `Idempotency-First-Token` predates the last store change and whose record is
+//! gone ([`super::lost_first_attempt`]) gets the rail's answer replayed when the rail has the
+//! payment. When it does not, the retry stays `409 in_doubt`: nothing in the database says
+//! whether a request of the lost record can still reach the rail, so only the operator resolves
+//! it.
+//!
+//! The lookup runs on the retry, not in the background: a record in doubt that nobody retries
+//! needs no answer, and the retry that needs it waits for it within its own deadline.
+//!
+//! [`IdempotencyStore::complete_from_the_rail`]: super::IdempotencyStore::complete_from_the_rail
+//! [`IdempotencyStore::forget_not_on_the_rail`]: super::IdempotencyStore::forget_not_on_the_rail
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::StatusCode;
+use http::uri::PathAndQuery;
+use prometheus::{IntCounterVec, Opts, Registry};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use super::record::{BoxFuture, Records};
+use super::replay;
+use super::store::{Forgot, StoredResponse};
+use crate::config::LookupTemplate;
+use crate::proxy::{BoxError, ProxyResponse};
+use crate::token::AccountId;
+
+/// Sends the lookup's `GET` to the rail (the forward's connections and TLS, in the server).
+pub trait AskTheRail: Send + Sync + 'static {
+    fn get(&self, path: PathAndQuery) -> BoxFuture<'static, Result<ProxyResponse, BoxError>>;
+}
+
+/// What a lookup resolved: `railguard_in_doubt_resolved_total{outcome}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The rail has the payment: its answer is the record's.
+    Paid,
+    /// The rail does not have it, and nothing sent can still reach it: forgotten.
+    NotPaid,
+    /// The rail does not have it, but its owner may still send it, or it may still arrive:
+    /// still in doubt.
+    Unresolved,
+    /// No answer from the rail: still in doubt.
+    Failed,
+}
+
+impl Outcome {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Paid => "paid",
+            Self::NotPaid => "not_paid",
+            Self::Unresolved => "unresolved",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// What a retry of a record in doubt is answered after the lookup.
+#[derive(Debug)]
+pub enum Resolved {
+    /// The rail's answer, to replay.
+    Paid(StoredResponse),
+    /// Forgotten: the next retry is forwarded.
+    Forgotten,
+    /// The record is no longer in doubt (its owner's late answer completed it meanwhile, or an
+    /// operator forgot it): answer from what is there now.
+    Changed,
+    /// Still in doubt.
+    InDoubt,
+}
+
+/// Asks the rail about payments in doubt; see the module docs.
+pub struct Resolver {
+    rail: Arc<dyn AskTheRail>,
+    template: LookupTemplate,
+    timeout: Duration,
+    slots: Arc<Semaphore>,
+    max_response_bytes: usize,
+    resolved: IntCounterVec,
+}
+
+/// The rail's answer to one lookup.
+enum Answer {
+    Has(StoredResponse),
+    HasNot,
+}
+
+impl Resolver {
+    /// `resolved` is [`Resolver::register`]'s counter.
+    pub fn new(
+        rail: Arc<dyn AskTheRail>,
+        template: LookupTemplate,
+        timeout: Duration,
+        max_concurrent: usize,
+        max_response_bytes: usize,
+        resolved: IntCounterVec,
+    ) -> Self {
+        Self {
+            rail,
+            template,
+            timeout,
+            slots: Arc::new(Semaphore::new(max_concurrent.max(1))),
+            max_response_bytes,
+            resolved,
+        }
+    }
+
+    /// `railguard_in_doubt_resolved_total{outcome}`, registered in `registry`; every outcome is
+    /// shown from the start, at zero. Should it not register (a second resolver on one
+    /// registry), it still counts, unseen, and says so.
+    pub fn register(registry: &Registry) -> IntCounterVec {
+        let counter = IntCounterVec::new(
+            Opts::new(
+                "railguard_in_doubt_resolved_total",
+                "Retries of a payment in doubt answered after asking the rail by idempotency key \
+                 (rail_lookup), by outcome: paid (the rail has it: its answer replayed), not_paid \
+                 (it has not, and nothing sent can still reach it: forgotten), unresolved (it has \
+                 not, but the owner may still send or it may still arrive), failed (no answer)",
+            ),
+            &["outcome"],
+        )
+        .expect("a valid metric definition");
+        for outcome in [
+            Outcome::Paid,
+            Outcome::NotPaid,
+            Outcome::Unresolved,
+            Outcome::Failed,
+        ] {
+            counter.with_label_values(&[outcome.label()]);
+        }
+        if let Err(e) = registry.register(Box::new(counter.clone())) {
+            tracing::warn!(error = %e, "railguard_in_doubt_resolved_total is not exported");
+        }
+        counter
+    }
+
+    fn count(&self, outcome: Outcome) {
+        self.resolved.with_label_values(&[outcome.label()]).inc();
+    }
+
+    /// Asks the rail whether it has the payment of `key` on `account`, by `deadline` and within
+    /// `rail_lookup.timeout_ms`; `Err` with why there is no answer.
+    async fn ask(
+        &self,
+        account: &AccountId,
+        key: &str,
+        deadline: Instant,
+    ) -> Result<Answer, String> {
+        let until = deadline.min(Instant::now() + self.timeout);
+        let path = self
+            .template
+            .fill(account.as_str(), key)
+            .map_err(|e| format!("the lookup's path: {e}"))?;
+        let asked = async {
+            let _slot = self
+                .slots
+                .acquire()
+                .await
+                .map_err(|_| "the lookups have stopped".to_string())?;
+            let response = self.rail.get(path).await.map_err(|e| e.to_string())?;
+            match response.status() {
+                StatusCode::OK => {
+                    let (_, stored) = replay::capture(response, self.max_response_bytes)
+                        .await
+                        .map_err(|e| format!("the rail's answer broke off: {e}"))?;
+                    Ok(Answer::Has(stored))
+                }
+                StatusCode::NOT_FOUND => Ok(Answer::HasNot),
+                other => Err(format!("the rail answered {other}")),
+            }
+        };
+        tokio::time::timeout_at(until, asked)
+            .await
+            .unwrap_or_else(|_| Err("no answer in time".to_string()))
+    }
+
+    /// A retry of `key` on `account`, whose record is in doubt: asks the rail, and completes
+    /// or forgets the record as the module docs say.
+    pub async fn resolve(
+        &self,
+        records: &dyn Records,
+        account: &AccountId,
+        key: &str,
+        deadline: Instant,
+    ) -> Resolved {
+        match self.ask(account, key, deadline).await {
+            Err(why) => {
+                self.count(Outcome::Failed);
+                tracing::warn!(%account, key, error = why,
+                    "could not ask the rail about a payment in doubt; it stays in doubt");
+                Resolved::InDoubt
+            }
+            Ok(Answer::Has(stored)) => {
+                self.count(Outcome::Paid);
+                match records
+                    .complete_from_the_rail(account, key, stored.clone())
+                    .await
+                {
+                    Ok(true) => {
+                        tracing::info!(%account, key, status = stored.status,
+                            "the rail has the payment in doubt: its answer is the record's");
+                        Resolved::Paid(stored)
+                    }
+                    Ok(false) => Resolved::Changed,
+                    // The rail has it whatever the database says: its answer is the retry's.
+                    Err(e) => {
+                        tracing::warn!(%account, key, error = %e,
+                            "the rail has the payment in doubt; its answer is replayed but not \
+                             stored yet (the next retry asks again)");
+                        Resolved::Paid(stored)
+                    }
+                }
+            }
+            Ok(Answer::HasNot) => match records.forget_not_on_the_rail(account, key).await {
+                Ok(Forgot::Forgotten(because)) => {
+                    self.count(Outcome::NotPaid);
+                    tracing::info!(%account, key, owner_stopped = because.as_str(),
+                        "the rail does not have the payment in doubt, and nothing sent can \
+                         still reach it: its record is forgotten, the next retry is forwarded");
+                    Resolved::Forgotten
+                }
+                Ok(Forgot::Completed | Forgot::NotFound) => {
+                    self.count(Outcome::Unresolved);
+                    Resolved::Changed
+                }
+                Ok(verdict) => {
+                    self.count(Outcome::Unresolved);
+                    tracing::info!(%account, key, ?verdict,
+                        "the rail does not have the payment in doubt yet, but the request may \
+                         still reach it: it stays in doubt");
+                    Resolved::InDoubt
+                }
+                Err(e) => {
+                    self.count(Outcome::Failed);
+                    tracing::warn!(%account, key, error = %e,
+                        "the rail does not have the payment in doubt, and the record could \
+                         not be checked: it stays in doubt");
+                    Resolved::InDoubt
+                }
+            },
+        }
+    }
+
+    /// A retry whose first attempt's record was lost with the store (`lost_first_attempt`):
+    /// the rail's answer when it has the payment; `None` otherwise (see the module docs).
+    pub async fn found_on_the_rail(
+        &self,
+        account: &AccountId,
+        key: &str,
+        deadline: Instant,
+    ) -> Option<StoredResponse> {
+        match self.ask(account, key, deadline).await {
+            Ok(Answer::Has(stored)) => {
+                self.count(Outcome::Paid);
+                tracing::info!(%account, key, status = stored.status,
+                    "the rail has the payment whose record was lost with the store: its \
+                     answer is replayed");
+                Some(stored)
+            }
+            Ok(Answer::HasNot) => {
+                self.count(Outcome::Unresolved);
+                None
+            }
+            Err(why) => {
+                self.count(Outcome::Failed);
+                tracing::warn!(%account, key, error = why,
+                    "could not ask the rail about a payment whose record was lost with the \
+                     store; it stays in doubt");
+                None
+            }
+        }
+    }
+}
