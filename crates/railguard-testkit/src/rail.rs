@@ -122,6 +122,16 @@ impl Rail {
             .collect()
     }
 
+    /// Waits until the rail has received at least `payments` (fails the test after 10 s).
+    pub async fn until_paid(&self, payments: usize) {
+        crate::until(
+            Duration::from_secs(10),
+            format!("{payments} payments at the rail"),
+            || async move { self.ledger().len() >= payments },
+        )
+        .await
+    }
+
     /// How many arrivals carried idempotency key `key`.
     pub fn times_paid(&self, key: &str) -> usize {
         self.ledger()

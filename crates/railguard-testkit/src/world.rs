@@ -37,6 +37,12 @@ impl World {
         Self::start_with(backend, etcd, env).await
     }
 
+    /// PostgreSQL, the rail simulator and a railguard in this process with `env`: the
+    /// proxy's everyday world, on the PostgreSQL lock backend.
+    pub async fn postgres(env: &[(&str, &str)]) -> World {
+        Self::start(Backend::Postgres, env).await
+    }
+
     pub async fn start_with(
         backend: Backend,
         etcd: Option<EtcdCluster>,

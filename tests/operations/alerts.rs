@@ -20,6 +20,7 @@ use std::time::Duration;
 use http::StatusCode;
 use railguard::sdk::SdkError;
 use serde_json::Value;
+use support::payment::grant;
 use support::{Pg, Prometheus, Rail, Railguard, init_tracing};
 use tokio::time::{Instant, sleep};
 
@@ -53,11 +54,8 @@ async fn a_stale_token_fires_the_fenced_out_alert_and_nothing_fires_before() {
 
     // T-042: W1 acquires k and stalls past its lease; W2 takes k and pays.
     let ttl = Duration::from_millis(300);
-    let w1 = lock.acquire("k", "w1", ttl, Duration::ZERO).await.unwrap();
-    let w2 = lock
-        .acquire("k", "w2", Duration::from_secs(30), ttl * 10)
-        .await
-        .unwrap();
+    let w1 = grant(&lock, "k", "w1", ttl, Duration::ZERO).await;
+    let w2 = grant(&lock, "k", "w2", Duration::from_secs(30), ttl * 10).await;
     assert!(w2.token().get() > w1.token().get());
     let paid = proxy
         .post(

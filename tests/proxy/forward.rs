@@ -6,16 +6,13 @@ use railguard_testkit as support;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Http, Pg, Rail, Railguard, eventually, init_tracing};
+use support::{Http, Pg, Rail, Railguard, World, eventually, init_tracing};
 
 const FENCED: &str = "lock_fenced_out_total";
 const FORWARDED: &str = "railguard_requests_total{outcome=\"forwarded\"}";
 
 async fn world() -> (Pg, Rail, Railguard) {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
     (pg, rail, rg)
 }
 
@@ -260,16 +257,8 @@ async fn oversized_bodies_get_413_and_advance_nothing() {
         &[("RAILGUARD__PROXY__MAX_BODY_BYTES", "1024")],
     )
     .await;
-    let http = rg.http();
-    let url = rg.proxy_url("/payments");
     let big = "x".repeat(4096);
-    let reply = http
-        .pay(
-            &url,
-            &[("Fencing-Token", "9"), ("Fencing-Account", "a")],
-            &big,
-        )
-        .await;
+    let reply = rg.payment("a", 9).body(&big).send().await;
     assert_eq!(
         reply.status,
         StatusCode::PAYLOAD_TOO_LARGE,
@@ -282,13 +271,7 @@ async fn oversized_bodies_get_413_and_advance_nothing() {
         "a refused body never advances the mark"
     );
     assert!(rail.ledger().is_empty());
-    let ok = http
-        .pay(
-            &url,
-            &[("Fencing-Token", "9"), ("Fencing-Account", "a")],
-            "small",
-        )
-        .await;
+    let ok = rg.payment("a", 9).body("small").send().await;
     assert_eq!(ok.status, StatusCode::CREATED);
     rg.stop().await;
 }
@@ -472,15 +455,8 @@ async fn encoded_keys_allow_headers_and_admin_errors_are_as_documented() {
 #[tokio::test]
 async fn an_oversized_chunked_body_gets_413_at_once_and_advances_nothing() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(
-        &pg.url(),
-        &rail.url(),
-        &[("RAILGUARD__PROXY__MAX_BODY_BYTES", "1024")],
-    )
-    .await;
+    let World { pg, rail, rg, .. } =
+        World::postgres(&[("RAILGUARD__PROXY__MAX_BODY_BYTES", "1024")]).await;
     let over = "x".repeat(1025);
     let half = "y".repeat(512);
     let cases: [(&str, String); 4] = [
@@ -661,10 +637,14 @@ async fn marks_survive_a_railguard_restart_and_a_postgres_restart() {
         assert_eq!(reply.json()["error"], "fenced_out");
     }
     // Forwards of newer grants wait out the hold after the change of server: 503, nothing sent.
-    let paid = eventually(Duration::from_secs(30), || async {
-        let reply = http.pay_with(&rg, floor, "k").await;
-        (reply.status != StatusCode::SERVICE_UNAVAILABLE).then_some(reply)
-    })
+    let paid = eventually(
+        Duration::from_secs(30),
+        "a payment of the floor's grant past the hold (not 503)",
+        || async {
+            let reply = http.pay_with(&rg, floor, "k").await;
+            (reply.status != StatusCode::SERVICE_UNAVAILABLE).then_some(reply)
+        },
+    )
     .await;
     assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
     assert_eq!(pg.mark("k").await, Some(floor));
@@ -712,19 +692,15 @@ async fn postgres_down_means_503_and_nothing_forwarded_then_recovery() {
     // The same railguard recovers on its own; the restart raised the fencing floor, and a
     // token above it pays.
     pg.server.start().await.unwrap();
-    let mut recovered = false;
-    for _ in 0..50 {
-        // The first request to meet the restarted server has it fenced; tokens above the new
-        // floor pay.
+    // The first request to meet the restarted server has it fenced; tokens above the new
+    // floor pay.
+    let recovered = support::within(Duration::from_secs(5), || async {
         let floor = pg.floor().await.unwrap_or(0);
-        if http.pay_with(&rg, floor + 13, "k").await.status == StatusCode::CREATED {
-            recovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        (http.pay_with(&rg, floor + 13, "k").await.status == StatusCode::CREATED).then_some(())
+    })
+    .await;
     assert!(
-        recovered,
+        recovered.is_ok(),
         "railguard recovers when PostgreSQL returns:\n{}",
         rg.log()
     );
@@ -910,19 +886,7 @@ async fn sigterm_drains_in_flight_requests() {
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_millis(500)).await;
     let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
-    let http = rg.http();
-    let in_flight = {
-        let http = http.clone();
-        let url = rg.proxy_url("/payments");
-        tokio::spawn(async move {
-            http.pay(
-                &url,
-                &[("Fencing-Token", "1"), ("Fencing-Account", "d")],
-                "{}",
-            )
-            .await
-        })
-    };
+    let in_flight = rg.payment("d", 1).body("{}").spawn();
     tokio::time::sleep(Duration::from_millis(150)).await;
     let status = rg.stop().await;
     assert!(status.success(), "clean exit: {status}");
@@ -1013,10 +977,7 @@ async fn unreachable_database_url_fails_start_up_clearly() {
 /// `Via` names the protocol.
 #[tokio::test]
 async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
     // Raw HTTP/1.1, so that Host can be left out or repeated.
     async fn raw(addr: std::net::SocketAddr, head: &str) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -176,8 +176,11 @@ async fn a_graceful_stop_waits_for_a_keyed_forward_still_on_its_way() {
     // The forward is on its way (the relay holds it) when SIGTERM comes — its record is made,
     // so its forward counts — and the listeners' grace (1 s) runs out before the rail answers.
     let client = pg.client().await;
-    support::eventually(Duration::from_secs(10), || async {
-        let made: i64 = client
+    support::eventually(
+        Duration::from_secs(10),
+        "keyed-stop-1's idempotency record made",
+        || async {
+            let made: i64 = client
             .query_one(
                 "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'keyed-stop-1'",
                 &[],
@@ -185,8 +188,9 @@ async fn a_graceful_stop_waits_for_a_keyed_forward_still_on_its_way() {
             .await
             .unwrap()
             .get(0);
-        (made == 1).then_some(())
-    })
+            (made == 1).then_some(())
+        },
+    )
     .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     let status = rg.stop().await;

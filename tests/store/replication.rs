@@ -21,7 +21,7 @@ use http::StatusCode;
 use railguard::config::Config;
 use railguard::sdk::RailClient;
 use railguard::server::{Listeners, ServeError, run};
-use support::{Metrics, Pg, Rail, Railguard, eventually, init_tracing};
+use support::{Metrics, Pg, Rail, Railguard, World, eventually, init_tracing};
 use tokio::net::TcpListener;
 
 fn risk(metrics: &Metrics, risk: &str) -> f64 {
@@ -52,10 +52,7 @@ async fn serve_refusing(url: &str) -> Result<(), ServeError> {
 
 #[tokio::test]
 async fn a_server_without_fsync_shows_the_risk_and_refuse_stops_the_start() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
     let metrics = rg.metrics().await;
     assert_eq!(risk(&metrics, "fsync_off"), 1.0);
     assert_eq!(risk(&metrics, "full_page_writes_off"), 1.0);
@@ -126,9 +123,11 @@ async fn a_standby_that_is_not_synchronous_is_a_risk_seen_while_running() {
     let shows = |name: &'static str, value: f64| {
         let rg = &rg;
         async move {
-            eventually(Duration::from_secs(20), || async {
-                (risk(&rg.metrics().await, name) == value).then_some(())
-            })
+            eventually(
+                Duration::from_secs(20),
+                format!("the risk {name} at {value}"),
+                || async { (risk(&rg.metrics().await, name) == value).then_some(()) },
+            )
             .await
         }
     };
@@ -169,24 +168,15 @@ async fn a_standby_that_is_not_synchronous_is_a_risk_seen_while_running() {
 /// cancelled: 503, nothing forwarded, the idempotency record removed; the retry pays once.
 #[tokio::test]
 async fn a_compare_and_set_not_replicated_is_not_accepted_and_nothing_is_forwarded() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(
-        &pg.url(),
-        &rail.url(),
-        &[
-            ("RAILGUARD__DATABASE__TIMEOUT_MS", "6000"),
-            ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "20000"),
-        ],
-    )
+    let World { pg, rail, rg, .. } = World::postgres(&[
+        ("RAILGUARD__DATABASE__TIMEOUT_MS", "6000"),
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "20000"),
+    ])
     .await;
     let lock = rg.lock_client();
     let proxy = RailClient::new(rg.proxy_url(""));
-    let grant = lock
-        .acquire("acct", "w1", Duration::from_secs(60), Duration::ZERO)
-        .await
-        .unwrap();
+    let grant =
+        support::payment::grant(&lock, "acct", "w1", Duration::from_secs(60), Duration::ZERO).await;
 
     // From now on every commit waits for a standby that never comes.
     let admin = pg.client().await;
@@ -206,17 +196,21 @@ async fn a_compare_and_set_not_replicated_is_not_accepted_and_nothing_is_forward
                 .await
         })
     };
-    let waiting: i32 = eventually(Duration::from_secs(5), || async {
-        admin
-            .query_opt(
-                "SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep' \
+    let waiting: i32 = eventually(
+        Duration::from_secs(5),
+        "a mark's insert waiting for synchronous replication",
+        || async {
+            admin
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep' \
                  AND query LIKE '%INSERT INTO rail_high_water%'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .map(|row| row.get(0))
-    })
+                    &[],
+                )
+                .await
+                .unwrap()
+                .map(|row| row.get(0))
+        },
+    )
     .await;
     admin
         .execute("SELECT pg_cancel_backend($1)", &[&waiting])
@@ -245,17 +239,21 @@ async fn a_compare_and_set_not_replicated_is_not_accepted_and_nothing_is_forward
     // Commits are replicated again (no synchronous standby): the record is removed, and the
     // retry with the same key is forwarded, once.
     set_synchronous_standby_names(&pg, &admin, "").await;
-    eventually(Duration::from_secs(20), || async {
-        let left: i64 = admin
-            .query_one(
-                "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'pay-1'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (left == 0).then_some(())
-    })
+    eventually(
+        Duration::from_secs(20),
+        "pay-1's record removed",
+        || async {
+            let left: i64 = admin
+                .query_one(
+                    "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'pay-1'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (left == 0).then_some(())
+        },
+    )
     .await;
     let retried = proxy
         .post(
@@ -289,15 +287,19 @@ async fn set_synchronous_standby_names(pg: &Pg, admin: &tokio_postgres::Client, 
         .batch_execute("SELECT pg_reload_conf()")
         .await
         .unwrap();
-    eventually(Duration::from_secs(10), || async {
-        let fresh = pg.client().await;
-        let now: String = fresh
-            .query_one("SELECT current_setting('synchronous_standby_names')", &[])
-            .await
-            .unwrap()
-            .get(0);
-        (now == value).then_some(())
-    })
+    eventually(
+        Duration::from_secs(10),
+        "synchronous_standby_names reloaded",
+        || async {
+            let fresh = pg.client().await;
+            let now: String = fresh
+                .query_one("SELECT current_setting('synchronous_standby_names')", &[])
+                .await
+                .unwrap()
+                .get(0);
+            (now == value).then_some(())
+        },
+    )
     .await;
     // The checkpointer tells waiting commits (or the next ones) after its own reload.
     tokio::time::sleep(Duration::from_millis(500)).await;

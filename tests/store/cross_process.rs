@@ -118,9 +118,11 @@ async fn a_settled_entry_of_another_process_is_removed_after_the_handover() {
     assert_eq!(forwarders("acct-p").await, [a_id]);
     let paid = b.http().pay_with(&b, 5, "acct-p").await;
     assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
-    eventually(Duration::from_secs(5), || async {
-        (forwarders("acct-p").await == [b_id]).then_some(())
-    })
+    eventually(
+        Duration::from_secs(5),
+        "B the only forwarder of acct-p",
+        || async { (forwarders("acct-p").await == [b_id]).then_some(()) },
+    )
     .await;
     assert_eq!(rail.tokens(), [3, 4, 5]);
 }
@@ -146,19 +148,28 @@ async fn the_database_goes_back_with_a_forward_on_its_way(order: &str) -> (Vec<i
     let copy = pg.copy_data().await.expect("copy of the data directory");
     slow_path.set_delay(Duration::from_millis(8000));
     let older = a.pay_in_background(5, "acct-r");
-    eventually(Duration::from_secs(5), || async {
+    eventually(Duration::from_secs(5), "acct-r's mark at 5", || async {
         (pg.mark("acct-r").await == Some(5)).then_some(())
     })
     .await;
     pg.rewind_to(&copy).await.expect("rewind");
     // B's next database connection meets the new server and raises the floor: an old grant is
     // refused.
-    eventually(Duration::from_secs(10), || async {
-        let reply = b.http().pay_with(&b, 6, "acct-r").await;
-        (reply.status == StatusCode::CONFLICT).then_some(())
-    })
+    eventually(
+        Duration::from_secs(10),
+        "token 6 on acct-r refused through B (409)",
+        || async {
+            let reply = b.http().pay_with(&b, 6, "acct-r").await;
+            (reply.status == StatusCode::CONFLICT).then_some(())
+        },
+    )
     .await;
-    let floor = eventually(Duration::from_secs(5), || pg.floor()).await;
+    let floor = eventually(
+        Duration::from_secs(5),
+        "the floor raised by the change of server",
+        || pg.floor(),
+    )
+    .await;
     let newer = b.http().pay_with(&b, floor + 1, "acct-r").await;
     assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
     let older = older.await.unwrap();

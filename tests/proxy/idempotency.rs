@@ -5,83 +5,28 @@ use railguard_testkit as support;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Http, Pg, Rail, Railguard, Reply, eventually, init_tracing, signal};
-
-async fn pay(
-    http: &Http,
-    rg: &Railguard,
-    token: i64,
-    account: &str,
-    key: &str,
-    body: &str,
-) -> Reply {
-    let token = token.to_string();
-    http.pay(
-        &rg.proxy_url("/payments"),
-        &[
-            ("Fencing-Token", &token),
-            ("Fencing-Account", account),
-            ("Idempotency-Key", key),
-        ],
-        body,
-    )
-    .await
-}
-
-/// [`pay`] with an empty JSON body, in a task of its own: a payment left running while the
-/// test acts on what it finds at the rail.
-fn spawn_pay(
-    http: &Http,
-    rg: &Railguard,
-    token: i64,
-    account: &str,
-    key: &str,
-) -> tokio::task::JoinHandle<Reply> {
-    let (http, url) = (http.clone(), rg.proxy_url("/payments"));
-    let (token, account, key) = (token.to_string(), account.to_string(), key.to_string());
-    tokio::spawn(async move {
-        http.pay(
-            &url,
-            &[
-                ("Fencing-Token", &token),
-                ("Fencing-Account", &account),
-                ("Idempotency-Key", &key),
-            ],
-            "{}",
-        )
-        .await
-    })
-}
-
-/// Waits (up to 2 s) until the rail has received `payments`.
-async fn wait_for_ledger(rail: &Rail, payments: usize) {
-    for _ in 0..200 {
-        if rail.ledger().len() >= payments {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
+use support::{Pg, Rail, Railguard, World, eventually, init_tracing, signal, until};
 
 /// Waits (up to 5 s) until the owner has stored its declaration that `key`'s record is in
 /// doubt (it does so after answering the client).
 async fn wait_until_in_doubt(pg: &Pg, key: &str) {
     let client = pg.client().await;
-    for _ in 0..250 {
-        let state: Option<String> = client
-            .query_opt(
-                "SELECT state FROM idempotency_record WHERE idempotency_key = $1",
-                &[&key],
-            )
-            .await
-            .unwrap()
-            .map(|row| row.get(0));
-        if state.as_deref() == Some("in_doubt") {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("{key}'s record was never declared in doubt");
+    until(
+        Duration::from_secs(5),
+        format!("{key}'s record declared in doubt"),
+        || async {
+            let state: Option<String> = client
+                .query_opt(
+                    "SELECT state FROM idempotency_record WHERE idempotency_key = $1",
+                    &[&key],
+                )
+                .await
+                .unwrap()
+                .map(|row| row.get(0));
+            state.as_deref() == Some("in_doubt")
+        },
+    )
+    .await
 }
 
 /// The clean stops the railguard of `instance` recorded (`railguard_audit`).
@@ -108,18 +53,22 @@ async fn forget_when_due(
     more: &[&str],
 ) -> std::process::Output {
     let dry: Vec<&str> = more.iter().copied().chain(["--dry-run"]).collect();
-    eventually(Duration::from_secs(15), || async {
-        let asked = rg.forget_with(account, key, &dry).await;
-        if asked.status.success() {
-            return Some(());
-        }
-        let why = String::from_utf8_lossy(&asked.stderr);
-        assert!(
-            why.contains("may still be on its way to the rail until"),
-            "refused for another reason: {why}"
-        );
-        None
-    })
+    eventually(
+        Duration::from_secs(15),
+        format!("idempotency-forget --dry-run of {key} on {account} allowed"),
+        || async {
+            let asked = rg.forget_with(account, key, &dry).await;
+            if asked.status.success() {
+                return Some(());
+            }
+            let why = String::from_utf8_lossy(&asked.stderr);
+            assert!(
+                why.contains("may still be on its way to the rail until"),
+                "refused for another reason: {why}"
+            );
+            None
+        },
+    )
     .await;
     rg.forget_with(account, key, more).await
 }
@@ -135,15 +84,21 @@ async fn records(pg: &Pg) -> i64 {
 
 #[tokio::test]
 async fn a_completed_request_is_replayed_without_touching_the_rail() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = rg.http();
-    let first = pay(&http, &rg, 7, "acct", "pay-1", "{\"amount\":5}").await;
+    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
+    let first = rg
+        .payment("acct", 7)
+        .key("pay-1")
+        .body("{\"amount\":5}")
+        .send()
+        .await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(!first.headers.contains_key("idempotency-replayed"));
-    let again = pay(&http, &rg, 7, "acct", "pay-1", "{\"amount\":5}").await;
+    let again = rg
+        .payment("acct", 7)
+        .key("pay-1")
+        .body("{\"amount\":5}")
+        .send()
+        .await;
     assert_eq!(again.status, first.status);
     assert_eq!(again.body, first.body, "the stored response, byte for byte");
     assert_eq!(
@@ -152,12 +107,20 @@ async fn a_completed_request_is_replayed_without_touching_the_rail() {
     );
     assert_eq!(again.headers.get("idempotency-replayed").unwrap(), "true");
     // A newer grant retrying the same payment gets the same answer too.
-    let newer = pay(&http, &rg, 8, "acct", "pay-1", "{\"amount\":5}").await;
+    let newer = rg
+        .payment("acct", 8)
+        .key("pay-1")
+        .body("{\"amount\":5}")
+        .send()
+        .await;
     assert_eq!(newer.body, first.body);
     assert_eq!(rail.ledger().len(), 1, "the rail saw the payment once");
     // Keys are scoped per account: the same key on another account is another payment.
     assert_eq!(
-        pay(&http, &rg, 8, "other", "pay-1", "{\"amount\":5}")
+        rg.payment("other", 8)
+            .key("pay-1")
+            .body("{\"amount\":5}")
+            .send()
             .await
             .status,
         StatusCode::CREATED
@@ -166,7 +129,7 @@ async fn a_completed_request_is_replayed_without_touching_the_rail() {
     let m = rg.metrics().await;
     assert_eq!(m.get("railguard_requests_total{outcome=\"replayed\"}"), 2.0);
     // A stale token is fenced before its key is looked at, and leaves no record.
-    let stale = pay(&http, &rg, 1, "acct", "pay-2", "{}").await;
+    let stale = rg.payment("acct", 1).key("pay-2").body("{}").send().await;
     assert_eq!(stale.status, StatusCode::CONFLICT);
     assert_eq!(stale.json()["error"], "fenced_out");
     assert_eq!(records(&pg).await, 2);
@@ -178,23 +141,9 @@ async fn concurrent_duplicates_are_forwarded_once() {
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_millis(500)).await;
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = rg.http();
     let mut tasks = Vec::new();
     for _ in 0..20 {
-        let http = http.clone();
-        let url = rg.proxy_url("/payments");
-        tasks.push(tokio::spawn(async move {
-            http.pay(
-                &url,
-                &[
-                    ("Fencing-Token", "3"),
-                    ("Fencing-Account", "a"),
-                    ("Idempotency-Key", "dup"),
-                ],
-                "{}",
-            )
-            .await
-        }));
+        tasks.push(rg.payment("a", 3).key("dup").body("{}").spawn());
     }
     let (mut created, mut in_flight) = (0, 0);
     for task in tasks {
@@ -218,21 +167,25 @@ async fn concurrent_duplicates_are_forwarded_once() {
 
 #[tokio::test]
 async fn the_same_key_with_another_request_is_422() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(
-        &pg.url(),
-        &rail.url(),
-        &[("RAILGUARD__IDEMPOTENCY__REQUIRED", "true")],
-    )
-    .await;
+    let World {
+        pg: _pg, rail, rg, ..
+    } = World::postgres(&[("RAILGUARD__IDEMPOTENCY__REQUIRED", "true")]).await;
     let http = rg.http();
     assert_eq!(
-        pay(&http, &rg, 1, "a", "k", "{\"amount\":5}").await.status,
+        rg.payment("a", 1)
+            .key("k")
+            .body("{\"amount\":5}")
+            .send()
+            .await
+            .status,
         StatusCode::CREATED
     );
-    let other = pay(&http, &rg, 1, "a", "k", "{\"amount\":6}").await;
+    let other = rg
+        .payment("a", 1)
+        .key("k")
+        .body("{\"amount\":6}")
+        .send()
+        .await;
     assert_eq!(
         other.status,
         StatusCode::UNPROCESSABLE_ENTITY,
@@ -261,7 +214,7 @@ async fn the_same_key_with_another_request_is_422() {
             .unwrap()
             .contains("idempotency-key")
     );
-    let bad = pay(&http, &rg, 1, "a", "has space", "{}").await;
+    let bad = rg.payment("a", 1).key("has space").body("{}").send().await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
     assert_eq!(rail.ledger().len(), 1);
 }
@@ -297,7 +250,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
             .await
         })
     };
-    wait_for_ledger(&rail, 1).await;
+    rail.until_paid(1).await;
     assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
     let killed_owner = rg
         .instance()
@@ -309,7 +262,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     );
     rg.start_again().await;
 
-    let soon = pay(&http, &rg, 4, "a", "crash", "{}").await;
+    let soon = rg.payment("a", 4).key("crash").body("{}").send().await;
     assert_eq!(soon.status, StatusCode::CONFLICT, "{}", soon.body);
     assert_eq!(soon.json()["error"], "in_flight");
     // While its forward may still be running, the operator cannot forget it.
@@ -319,7 +272,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     // Past the longest a forward and its record's completion can take (the harness's 3 s
     // deadline + 1 s database timeout + 1 s), it is in doubt.
     tokio::time::sleep(Duration::from_millis(5200)).await;
-    let later = pay(&http, &rg, 4, "a", "crash", "{}").await;
+    let later = rg.payment("a", 4).key("crash").body("{}").send().await;
     assert_eq!(later.status, StatusCode::CONFLICT);
     assert_eq!(later.json()["error"], "in_doubt", "{}", later.body);
     assert!(
@@ -348,7 +301,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     );
     let retried = tokio::time::timeout(
         Duration::from_secs(5),
-        pay(&http, &rg, 4, "a", "crash", "{}"),
+        rg.payment("a", 4).key("crash").body("{}").send(),
     )
     .await
     .unwrap();
@@ -368,24 +321,12 @@ async fn a_superseded_request_leaves_no_record_behind() {
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_millis(600)).await;
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = rg.http();
-    let send = |token: i64, key: Option<&'static str>| {
-        let http = http.clone();
-        let url = rg.proxy_url("/payments");
-        tokio::spawn(async move {
-            let token = token.to_string();
-            let mut headers = vec![("Fencing-Token", token.as_str()), ("Fencing-Account", "a")];
-            if let Some(key) = key {
-                headers.push(("Idempotency-Key", key));
-            }
-            http.pay(&url, &headers, "{}").await
-        })
-    };
-    let first = send(42, None); // in flight at the rail
+    let first = rg.payment("a", 42).body("{}").spawn(); // in flight at the rail
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let waiting = send(43, Some("k")); // accepted, recorded, waits for its turn
+    // Accepted, recorded, waits for its turn.
+    let waiting = rg.payment("a", 43).key("k").body("{}").spawn();
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let newer = send(44, None); // accepted: 43 is superseded before it starts
+    let newer = rg.payment("a", 44).body("{}").spawn(); // accepted: 43 is superseded before it starts
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     let superseded = waiting.await.unwrap();
     assert_eq!(
@@ -397,16 +338,13 @@ async fn a_superseded_request_leaves_no_record_behind() {
     assert_eq!(superseded.json()["error"], "fenced_out");
     assert_eq!(newer.await.unwrap().status, StatusCode::CREATED);
     // Removed in the background; the retry of the key (by the newer grant) is forwarded.
-    let mut left = 1;
-    for _ in 0..50 {
-        left = records(&pg).await;
-        if left == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(left, 0, "the superseded request's record was removed");
-    let retry = pay(&http, &rg, 44, "a", "k", "{}").await;
+    until(
+        Duration::from_secs(3),
+        "the superseded request's record removed",
+        || async { records(&pg).await == 0 },
+    )
+    .await;
+    let retry = rg.payment("a", 44).key("k").body("{}").send().await;
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
     let tokens: Vec<_> = rail
         .ledger()
@@ -418,33 +356,22 @@ async fn a_superseded_request_leaves_no_record_behind() {
 
 #[tokio::test]
 async fn retention_removes_old_records() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(
-        &pg.url(),
-        &rail.url(),
-        &[
-            ("RAILGUARD__IDEMPOTENCY__RETENTION_SECS", "1"),
-            ("RAILGUARD__IDEMPOTENCY__SWEEP_INTERVAL_SECS", "1"),
-        ],
-    )
+    let World { pg, rail, rg, .. } = World::postgres(&[
+        ("RAILGUARD__IDEMPOTENCY__RETENTION_SECS", "1"),
+        ("RAILGUARD__IDEMPOTENCY__SWEEP_INTERVAL_SECS", "1"),
+    ])
     .await;
-    let http = rg.http();
     assert_eq!(
-        pay(&http, &rg, 1, "a", "old", "{}").await.status,
+        rg.payment("a", 1).key("old").body("{}").send().await.status,
         StatusCode::CREATED
     );
     assert_eq!(records(&pg).await, 1);
-    let mut gone = false;
-    for _ in 0..50 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        if records(&pg).await == 0 {
-            gone = true;
-            break;
-        }
-    }
-    assert!(gone, "the record was removed after its retention");
+    until(
+        Duration::from_secs(5),
+        "the record removed after its retention",
+        || async { records(&pg).await == 0 },
+    )
+    .await;
     // A record in flight (here: left by a crashed proxy long ago) is never swept: only an
     // operator decides about a payment in doubt.
     pg.client()
@@ -464,7 +391,7 @@ async fn retention_removes_old_records() {
     );
     // After retention a repeat is a new payment: that is what retention means.
     assert_eq!(
-        pay(&http, &rg, 1, "a", "old", "{}").await.status,
+        rg.payment("a", 1).key("old").body("{}").send().await.status,
         StatusCode::CREATED
     );
     assert_eq!(rail.ledger().len(), 2);
@@ -472,24 +399,16 @@ async fn retention_removes_old_records() {
 
 #[tokio::test]
 async fn large_responses_are_replayed_without_their_body_and_unreached_rails_leave_no_record() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(
-        &pg.url(),
-        &rail.url(),
-        &[("RAILGUARD__IDEMPOTENCY__MAX_RESPONSE_BYTES", "10")],
-    )
-    .await;
-    let http = rg.http();
-    let first = pay(&http, &rg, 1, "a", "big", "{}").await;
+    let World { pg, rail, rg, .. } =
+        World::postgres(&[("RAILGUARD__IDEMPOTENCY__MAX_RESPONSE_BYTES", "10")]).await;
+    let first = rg.payment("a", 1).key("big").body("{}").send().await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(
         first.body.len() > 10,
         "the client got the whole body: {}",
         first.body
     );
-    let again = pay(&http, &rg, 1, "a", "big", "{}").await;
+    let again = rg.payment("a", 1).key("big").body("{}").send().await;
     assert_eq!(again.status, StatusCode::CREATED);
     assert_eq!(again.body, "");
     assert_eq!(
@@ -500,57 +419,45 @@ async fn large_responses_are_replayed_without_their_body_and_unreached_rails_lea
 
     let dead = format!("http://127.0.0.1:{}", support::free_loopback_port());
     let rg2 = Railguard::start(&pg.url(), &dead, &[]).await;
-    let reply = pay(&http, &rg2, 1, "b", "never-sent", "{}").await;
+    let reply = rg2
+        .payment("b", 1)
+        .key("never-sent")
+        .body("{}")
+        .send()
+        .await;
     assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
     // Removed in the background, after the answer (`delete_unsent`): waited for, bounded.
     let client = pg.client().await;
-    let mut left: i64 = -1;
-    for _ in 0..100 {
-        left = client
-            .query_one(
-                "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'never-sent'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if left == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(
-        left, 0,
-        "the rail cannot have seen it, so a retry may go through"
-    );
+    // The rail cannot have seen it, so a retry may go through.
+    until(
+        Duration::from_secs(5),
+        "never-sent's record removed",
+        || async {
+            let left: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'never-sent'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            left == 0
+        },
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn concurrent_accounts_share_commits() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = rg.http();
+    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
     let mut tasks = Vec::new();
     for i in 0..200 {
-        let http = http.clone();
-        let url = rg.proxy_url("/payments");
-        tasks.push(tokio::spawn(async move {
-            let account = format!("acct-{}", i % 50);
-            let token = (1 + i / 50).to_string();
-            http.pay(
-                &url,
-                &[("Fencing-Token", &token), ("Fencing-Account", &account)],
-                "{}",
-            )
-            .await
-            .status
-        }));
+        let account = format!("acct-{}", i % 50);
+        tasks.push(rg.payment(&account, 1 + i / 50).body("{}").spawn());
     }
     let mut statuses = Vec::new();
     for t in tasks {
-        statuses.push(t.await.unwrap());
+        statuses.push(t.await.unwrap().status);
     }
     assert!(
         statuses
@@ -592,34 +499,19 @@ async fn concurrent_accounts_share_commits() {
 /// `done` and every key replays its own answer.
 #[tokio::test]
 async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = rg.http();
+    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
     let mut tasks = Vec::new();
     for i in 0..200 {
-        let (http, rg_url) = (http.clone(), rg.proxy_url("/payments"));
-        tasks.push(tokio::spawn(async move {
-            let account = format!("acct-{}", i % 20);
-            let key = format!("pay-{i}");
-            let reply = http
-                .pay(
-                    &rg_url,
-                    &[
-                        ("Fencing-Token", "3"),
-                        ("Fencing-Account", &account),
-                        ("Idempotency-Key", &key),
-                    ],
-                    &format!("{{\"n\":{i}}}"),
-                )
-                .await;
-            (account, key, i, reply)
-        }));
+        let (account, key) = (format!("acct-{}", i % 20), format!("pay-{i}"));
+        let paying = rg
+            .payment(&account, 3)
+            .key(&key)
+            .body(&format!("{{\"n\":{i}}}"));
+        tasks.push((account, key, i, paying.spawn()));
     }
     let mut answers = Vec::new();
-    for t in tasks {
-        let (account, key, i, reply) = t.await.unwrap();
+    for (account, key, i, t) in tasks {
+        let reply = t.await.unwrap();
         assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
         answers.push((account, key, i, reply.body));
     }
@@ -641,7 +533,12 @@ async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
     assert_eq!(completions, 200.0, "every completion went through a batch");
     assert!((1.0..=200.0).contains(&statements), "{statements}");
     for (account, key, i, body) in answers {
-        let again = pay(&http, &rg, 3, &account, &key, &format!("{{\"n\":{i}}}")).await;
+        let again = rg
+            .payment(&account, 3)
+            .key(&key)
+            .body(&format!("{{\"n\":{i}}}"))
+            .send()
+            .await;
         assert_eq!(again.status, StatusCode::CREATED);
         assert_eq!(again.headers.get("idempotency-replayed").unwrap(), "true");
         assert_eq!(again.body, body, "{key} replays its own answer");
@@ -658,11 +555,10 @@ async fn a_completion_whose_record_was_forgotten_does_not_resurrect_it() {
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_millis(600)).await;
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let http = rg.http();
-    let paying = spawn_pay(&http, &rg, 2, "a", "forgotten");
+    let paying = rg.payment("a", 2).key("forgotten").body("{}").spawn();
     // Its neighbour in the same account completes normally, in the same window.
-    let neighbour = spawn_pay(&http, &rg, 2, "a", "kept");
-    wait_for_ledger(&rail, 2).await;
+    let neighbour = rg.payment("a", 2).key("kept").body("{}").spawn();
+    rail.until_paid(2).await;
     assert_eq!(rail.ledger().len(), 2, "both reached the rail");
     let client = pg.client().await;
     let deleted = client
@@ -683,7 +579,7 @@ async fn a_completion_whose_record_was_forgotten_does_not_resurrect_it() {
         [("kept".to_string(), "done".to_string())],
         "the forgotten record was not made again"
     );
-    let retried = pay(&http, &rg, 2, "a", "forgotten", "{}").await;
+    let retried = rg.payment("a", 2).key("forgotten").body("{}").send().await;
     assert_eq!(retried.status, StatusCode::CREATED);
     assert!(!retried.headers.contains_key("idempotency-replayed"));
     assert_eq!(
@@ -709,13 +605,12 @@ async fn instance_lock_held(pg: &Pg, instance: i64) -> bool {
 }
 
 async fn wait_for_lock(pg: &Pg, instance: i64, held: bool) {
-    for _ in 0..200 {
-        if instance_lock_held(pg, instance).await == held {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("instance {instance}'s lock never became held = {held}");
+    until(
+        Duration::from_secs(10),
+        format!("instance {instance}'s lock held = {held}"),
+        || async { instance_lock_held(pg, instance).await == held },
+    )
+    .await
 }
 
 /// A missing instance lock is no proof that a record's owner has stopped: a paused owner whose
@@ -735,8 +630,12 @@ async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
     let owner = owner_rg
         .instance()
         .expect("railguard logs its instance when it starts");
-    let http = owner_rg.http();
-    let first = pay(&http, &owner_rg, 4, "a", "paused", "{}").await;
+    let first = owner_rg
+        .payment("a", 4)
+        .key("paused")
+        .body("{}")
+        .send()
+        .await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
     wait_until_in_doubt(&pg, "paused").await;
     assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
@@ -819,11 +718,10 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
         &[("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "500")],
     )
     .await;
-    let http = rg.http();
     let owner = rg
         .instance()
         .expect("railguard logs its instance when it starts");
-    let first = pay(&http, &rg, 4, "a", "gone", "{}").await;
+    let first = rg.payment("a", 4).key("gone").body("{}").send().await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
     wait_until_in_doubt(&pg, "gone").await;
     rg.kill().await;
@@ -846,7 +744,7 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
     assert!(!other.status.success());
     let why = String::from_utf8_lossy(&other.stderr);
     assert!(why.contains("not the record's owner"), "{why}");
-    let retry = pay(&http, &rg, 4, "a", "gone", "{}").await;
+    let retry = rg.payment("a", 4).key("gone").body("{}").send().await;
     assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
     assert_eq!(retry.json()["error"], "in_doubt");
     assert_eq!(rail.ledger().len(), 1, "never forwarded again on its own");
@@ -875,13 +773,13 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
     assert_eq!(named, owner);
     // The grant from before the PostgreSQL restart is fenced once (store::epoch); the key is
     // free again for the payment under a grant from after it.
-    let stale = pay(&http, &rg, 4, "a", "gone", "{}").await;
+    let stale = rg.payment("a", 4).key("gone").body("{}").send().await;
     assert_eq!(stale.json()["error"], "fenced_out", "{}", stale.body);
     let floor = pg
         .floor()
         .await
         .expect("railguard met the restarted server");
-    let again = pay(&http, &rg, floor, "a", "gone", "{}").await;
+    let again = rg.payment("a", floor).key("gone").body("{}").send().await;
     assert_eq!(again.status, StatusCode::GATEWAY_TIMEOUT, "{}", again.body);
     assert_eq!(
         rail.ledger().len(),
@@ -901,8 +799,7 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     // Its answer never comes within the test: a late answer would complete the record.
     let rail = Rail::with_latency(Duration::from_secs(60)).await;
     let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
-    let http = rg.http();
-    let first = pay(&http, &rg, 4, "a", "old", "{}").await;
+    let first = rg.payment("a", 4).key("old").body("{}").send().await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
     wait_until_in_doubt(&pg, "old").await;
     // As a binary from before migration 0004 left it: no owner instance.
@@ -939,7 +836,7 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     assert!(!nonsense.status.success());
     let why = String::from_utf8_lossy(&nonsense.stderr);
     assert!(why.contains("neither an instance number"), "{why}");
-    let retry = pay(&http, &rg, 4, "a", "old", "{}").await;
+    let retry = rg.payment("a", 4).key("old").body("{}").send().await;
     assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
     assert_eq!(retry.json()["error"], "in_doubt");
     assert_eq!(rail.ledger().len(), 1, "kept, and never forwarded again");
@@ -967,7 +864,7 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     assert!(dated, "the audit names when the record was made");
     assert_eq!(because, "no_owner");
     assert_eq!(named, None);
-    let again = pay(&http, &rg, 4, "a", "old", "{}").await;
+    let again = rg.payment("a", 4).key("old").body("{}").send().await;
     assert_eq!(again.status, StatusCode::GATEWAY_TIMEOUT, "{}", again.body);
     assert_eq!(
         rail.ledger().len(),
@@ -996,9 +893,8 @@ async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word
         ],
     )
     .await;
-    let http = rg.http();
     let owner = rg.instance().unwrap();
-    let first = pay(&http, &rg, 4, "a", "stopped", "{}").await;
+    let first = rg.payment("a", 4).key("stopped").body("{}").send().await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
     wait_until_in_doubt(&pg, "stopped").await;
     rg.restart().await;
@@ -1036,9 +932,8 @@ async fn a_graceful_stop_waits_for_a_completion_still_retried_in_the_background(
         &[("RAILGUARD__SHUTDOWN__GRACE_MS", "15000")],
     )
     .await;
-    let http = rg.http();
-    let paying = spawn_pay(&http, &rg, 4, "a", "late-store");
-    wait_for_ledger(&rail, 1).await;
+    let paying = rg.payment("a", 4).key("late-store").body("{}").spawn();
+    rail.until_paid(1).await;
     assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
     // PostgreSQL goes away before the rail answers: the answer cannot be stored.
     pg.server.stop().await;
@@ -1084,21 +979,10 @@ async fn no_clean_stop_is_recorded_while_a_keyed_request_waits_for_its_turn() {
     )
     .await;
     let owner = rg.instance().unwrap();
-    let http = rg.http();
     // A keyless forward holds the account's turn at the rail; the keyed one waits behind it.
-    let first = {
-        let (http, url) = (http.clone(), rg.proxy_url("/payments"));
-        tokio::spawn(async move {
-            http.pay(
-                &url,
-                &[("Fencing-Token", "100"), ("Fencing-Account", "turn")],
-                "{}",
-            )
-            .await
-        })
-    };
-    wait_for_ledger(&rail, 1).await;
-    let waiting = spawn_pay(&http, &rg, 101, "turn", "waits");
+    let first = rg.payment("turn", 100).body("{}").spawn();
+    rail.until_paid(1).await;
+    let waiting = rg.payment("turn", 101).key("waits").body("{}").spawn();
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(records(&pg).await, 1, "the keyed request's record is made");
     let status = rg.stop().await;
@@ -1119,38 +1003,41 @@ async fn a_retry_after_its_grant_was_superseded_gets_its_own_answer() {
     let pg = Pg::start().await;
     let rail = Rail::start().await;
     let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
-    let http = rg.http();
-    let first = pay(&http, &rg, 10, "a", "p", "{\"n\":1}").await;
+    let first = rg.payment("a", 10).key("p").body("{\"n\":1}").send().await;
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
-    let newer = pay(&http, &rg, 11, "a", "q", "{\"n\":2}").await;
+    let newer = rg.payment("a", 11).key("q").body("{\"n\":2}").send().await;
     assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
 
-    let retry = support::eventually(Duration::from_secs(10), || async {
-        let reply = pay(&http, &rg, 10, "a", "p", "{\"n\":1}").await;
-        // The completion may still be on its way: in_flight until it is stored.
-        (reply.status != StatusCode::CONFLICT || reply.json()["error"] != "in_flight")
-            .then_some(reply)
-    })
+    let retry = support::eventually(
+        Duration::from_secs(10),
+        "the retry of p answered other than in_flight",
+        || async {
+            let reply = rg.payment("a", 10).key("p").body("{\"n\":1}").send().await;
+            // The completion may still be on its way: in_flight until it is stored.
+            (reply.status != StatusCode::CONFLICT || reply.json()["error"] != "in_flight")
+                .then_some(reply)
+        },
+    )
     .await;
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
     assert_eq!(retry.headers.get("idempotency-replayed").unwrap(), "true");
     assert_eq!(retry.body, first.body);
 
-    let changed = pay(&http, &rg, 10, "a", "p", "{\"n\":9}").await;
+    let changed = rg.payment("a", 10).key("p").body("{\"n\":9}").send().await;
     assert_eq!(
         changed.status,
         StatusCode::UNPROCESSABLE_ENTITY,
         "{}",
         changed.body
     );
-    let new_payment = pay(&http, &rg, 10, "a", "r", "{\"n\":3}").await;
+    let new_payment = rg.payment("a", 10).key("r").body("{\"n\":3}").send().await;
     assert_eq!(
         new_payment.json()["error"],
         "fenced_out",
         "{}",
         new_payment.body
     );
-    let others = pay(&http, &rg, 10, "a", "q", "{\"n\":2}").await;
+    let others = rg.payment("a", 10).key("q").body("{\"n\":2}").send().await;
     assert_eq!(others.json()["error"], "fenced_out", "{}", others.body);
     assert_eq!(rail.ledger().len(), 2, "the rail saw P and Q once each");
 }

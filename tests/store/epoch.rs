@@ -8,7 +8,7 @@
 
 use railguard_testkit as support;
 
-use support::payment::{pay, pay_after_the_hold};
+use support::payment::{grant, paid, pay, pay_after_the_hold};
 
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use std::time::Duration;
 const HOLD: Duration = Duration::from_secs(30);
 
 use http::StatusCode;
-use railguard::sdk::{RailClient, SdkError};
+use railguard::sdk::{LockHandle, RailClient, SdkError};
 use support::{Pg, Rail, Railguard, init_tracing};
 
 struct Run {
@@ -32,40 +32,34 @@ struct Run {
     pg: Pg,
 }
 
-/// W1 pays, the copy is taken, W1's lease runs out, W2 takes the key and pays; the database
-/// is put back to the copy and railguard restarted; W1 and W2 try again, and W3 acquires.
+/// W1 (lease `ttl`) pays p1, the copy is taken, W1's lease runs out, W2 takes the key and pays
+/// p2; the database is put back to the copy and railguard restarted (a railguard that did not
+/// run through the rewind remembers no mark of its own). W1's grant and W2's.
+async fn superseded_across_a_rewind(
+    pg: &mut Pg,
+    rg: &mut Railguard,
+    ttl: Duration,
+) -> (LockHandle, LockHandle) {
+    let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
+    let w1 = grant(&lock, "acct", "w1", ttl, Duration::ZERO).await;
+    paid(&proxy, &w1, "acct", "p1").await;
+    let copy = pg.copy_data().await.unwrap();
+    let w2 = grant(&lock, "acct", "w2", Duration::from_secs(60), ttl * 20).await;
+    assert!(w2.token().get() > w1.token().get());
+    paid(&proxy, &w2, "acct", "p2").await;
+    pg.rewind_to(&copy).await.unwrap();
+    rg.restart().await;
+    (w1, w2)
+}
+
+/// [`superseded_across_a_rewind`], then W1 and W2 try again, and W3 acquires.
 async fn rewind_under(env: &[(&str, &str)]) -> Run {
     init_tracing();
     let mut pg = Pg::start().await;
     let rail = Rail::start().await;
     let mut rg = Railguard::start_process(&pg.url(), &rail.url(), env).await;
-    let lock = rg.lock_client();
-    let proxy = RailClient::new(rg.proxy_url(""));
-    let ttl = Duration::from_millis(300);
-
-    let w1 = lock
-        .acquire("acct", "w1", ttl, Duration::ZERO)
-        .await
-        .unwrap();
-    assert_eq!(
-        pay(&proxy, &w1, "acct", "p1").await.unwrap(),
-        StatusCode::CREATED
-    );
-    let copy = pg.copy_data().await.unwrap();
-    let w2 = lock
-        .acquire("acct", "w2", Duration::from_secs(60), ttl * 20)
-        .await
-        .unwrap();
-    assert!(w2.token().get() > w1.token().get());
-    assert_eq!(
-        pay(&proxy, &w2, "acct", "p2").await.unwrap(),
-        StatusCode::CREATED
-    );
-
-    pg.rewind_to(&copy).await.unwrap();
-    // A railguard that did not run through the rewind remembers no mark of its own.
-    rg.restart().await;
-
+    let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
+    let (w1, w2) = superseded_across_a_rewind(&mut pg, &mut rg, Duration::from_millis(300)).await;
     let old = pay(&proxy, &w1, "acct", "p3").await;
     let newer = pay(&proxy, &w2, "acct", "p4").await;
     // Without the detection the token-source guard may find the source behind a mark and
@@ -170,27 +164,27 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
     let lock = rg.lock_client();
     let proxy = RailClient::new(rg.proxy_url(""));
 
-    let w1 = lock
-        .acquire("acct", "w1", Duration::from_millis(300), Duration::ZERO)
-        .await
-        .unwrap();
+    let w1 = grant(
+        &lock,
+        "acct",
+        "w1",
+        Duration::from_millis(300),
+        Duration::ZERO,
+    )
+    .await;
     let copy = pg.copy_data().await.unwrap();
-    assert_eq!(
-        pay(&proxy, &w1, "acct", "p").await.unwrap(),
-        StatusCode::CREATED
-    );
+    paid(&proxy, &w1, "acct", "p").await;
     pg.rewind_to(&copy).await.unwrap();
     rg.restart().await;
 
-    let w2 = lock
-        .acquire(
-            "acct",
-            "w2",
-            Duration::from_secs(60),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+    let w2 = grant(
+        &lock,
+        "acct",
+        "w2",
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+    )
+    .await;
     let body = "{\"id\":\"p\"}";
     let retry = proxy
         .retry(&w2, "acct", "/payments", body.into(), "p", w1.token())
@@ -202,7 +196,7 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
     assert_eq!(rail.ledger().len(), 1, "P was paid once");
 
     // A new payment waits out the hold after the change of server (503, nothing sent).
-    let fresh = support::eventually(HOLD, || async {
+    let fresh = support::eventually(HOLD, "a new payment past the hold (not 503)", || async {
         let fresh = proxy
             .retry(
                 &w2,
@@ -233,27 +227,27 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
     let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
     let lock = rg.lock_client();
     let proxy = RailClient::new(rg.proxy_url(""));
-    let w0 = lock
-        .acquire("acct", "w0", Duration::from_millis(300), Duration::ZERO)
-        .await
-        .unwrap();
-    assert_eq!(
-        pay(&proxy, &w0, "acct", "p0").await.unwrap(),
-        StatusCode::CREATED
-    );
+    let w0 = grant(
+        &lock,
+        "acct",
+        "w0",
+        Duration::from_millis(300),
+        Duration::ZERO,
+    )
+    .await;
+    paid(&proxy, &w0, "acct", "p0").await;
     let backup = pg.copy_data().await.unwrap();
 
     pg.kill().await;
     pg.server.start().await.unwrap();
-    let w1 = lock
-        .acquire(
-            "acct",
-            "w1",
-            Duration::from_millis(400),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+    let w1 = grant(
+        &lock,
+        "acct",
+        "w1",
+        Duration::from_millis(400),
+        Duration::from_secs(5),
+    )
+    .await;
     assert_eq!(
         pay_after_the_hold(&proxy, &w1, "acct", "p1", HOLD)
             .await
@@ -264,15 +258,14 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
     rg.kill().await;
     pg.rewind_to(&backup).await.unwrap();
     rg.start_again().await;
-    let w2 = lock
-        .acquire(
-            "acct",
-            "w2",
-            Duration::from_secs(60),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+    let w2 = grant(
+        &lock,
+        "acct",
+        "w2",
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+    )
+    .await;
     assert!(
         w2.token().get() > w1.token().get(),
         "W2 {} after W1 {}",
@@ -306,14 +299,8 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
     let lock = rg.lock_client();
     let proxy = RailClient::new(rg.proxy_url(""));
     let ttl = Duration::from_millis(300);
-    let w1 = lock
-        .acquire("acct", "w1", ttl, Duration::ZERO)
-        .await
-        .unwrap();
-    assert_eq!(
-        pay(&proxy, &w1, "acct", "p1").await.unwrap(),
-        StatusCode::CREATED
-    );
+    let w1 = grant(&lock, "acct", "w1", ttl, Duration::ZERO).await;
+    paid(&proxy, &w1, "acct", "p1").await;
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("railguard.dump");
     let out = tokio::process::Command::new(pg.server.bin_dir().join("pg_dump"))
@@ -323,14 +310,8 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
         .await
         .unwrap();
     assert!(out.status.success(), "pg_dump: {out:?}");
-    let w2 = lock
-        .acquire("acct", "w2", Duration::from_secs(60), ttl * 20)
-        .await
-        .unwrap();
-    assert_eq!(
-        pay(&proxy, &w2, "acct", "p2").await.unwrap(),
-        StatusCode::CREATED
-    );
+    let w2 = grant(&lock, "acct", "w2", Duration::from_secs(60), ttl * 20).await;
+    paid(&proxy, &w2, "acct", "p2").await;
 
     rg.stop().await;
     let out = tokio::process::Command::new(pg.server.bin_dir().join("pg_restore"))
@@ -355,15 +336,14 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
             "{refused:?}"
         );
     }
-    let w3 = lock
-        .acquire(
-            "acct",
-            "w3",
-            Duration::from_secs(60),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+    let w3 = grant(
+        &lock,
+        "acct",
+        "w3",
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+    )
+    .await;
     assert!(w3.token().get() > w2.token().get());
     let retry = proxy
         .retry(
@@ -402,28 +382,8 @@ async fn etcd_backend_rewind(detect: bool) -> (bool, Vec<i64>, i64, i64) {
         ("RAILGUARD__GUARD__DETECT_STORE_CHANGES", detect.as_str()),
     ];
     let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
-    let lock = rg.lock_client();
     let proxy = RailClient::new(rg.proxy_url(""));
-    let ttl = Duration::from_secs(1);
-    let w1 = lock
-        .acquire("acct", "w1", ttl, Duration::ZERO)
-        .await
-        .unwrap();
-    assert_eq!(
-        pay(&proxy, &w1, "acct", "p1").await.unwrap(),
-        StatusCode::CREATED
-    );
-    let copy = pg.copy_data().await.unwrap();
-    let w2 = lock
-        .acquire("acct", "w2", Duration::from_secs(60), ttl * 20)
-        .await
-        .unwrap();
-    assert_eq!(
-        pay(&proxy, &w2, "acct", "p2").await.unwrap(),
-        StatusCode::CREATED
-    );
-    pg.rewind_to(&copy).await.unwrap();
-    rg.restart().await;
+    let (w1, w2) = superseded_across_a_rewind(&mut pg, &mut rg, Duration::from_secs(1)).await;
     let again = pay(&proxy, &w1, "acct", "p3").await;
     let tokens = rail.tokens();
     (

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use support::relay::Relay;
-use support::{Http, Pg, Rail, Railguard, Reply, eventually, init_tracing};
+use support::{Http, Pg, Rail, Railguard, World, eventually, init_tracing, until};
 
 /// A grant from the lock API, as a worker in another language would read it.
 struct WireGrant {
@@ -38,74 +38,36 @@ async fn acquire(http: &Http, rg: &Railguard, key: &str) -> WireGrant {
     }
 }
 
-async fn pay_raw(
-    http: &Http,
-    rg: &Railguard,
-    account: &str,
-    token: i64,
-    proof: Option<&str>,
-    key: Option<&str>,
-) -> Reply {
-    let token = token.to_string();
-    let mut headers = vec![
-        ("Fencing-Token", token.as_str()),
-        ("Fencing-Account", account),
-    ];
-    if let Some(proof) = proof {
-        headers.push(("Fencing-Proof", proof));
-    }
-    if let Some(key) = key {
-        headers.push(("Idempotency-Key", key));
-    }
-    http.pay(&rg.proxy_url("/payments"), &headers, "{\"amount\":1}")
-        .await
-}
-
-/// Sends a payment for `account` under `grant` (with its proof, if any) in a task of its own.
-fn spawn_pay(
-    http: &Http,
-    rg: &Railguard,
-    account: &'static str,
-    grant: &WireGrant,
-    key: &'static str,
-) -> tokio::task::JoinHandle<Reply> {
-    let (http, url) = (http.clone(), rg.proxy_url("/payments"));
-    let token = grant.token.to_string();
-    let proof = grant.proof.clone();
-    tokio::spawn(async move {
-        let mut headers = vec![
-            ("Fencing-Token", token.as_str()),
-            ("Fencing-Account", account),
-            ("Idempotency-Key", key),
-        ];
-        if let Some(proof) = proof.as_deref() {
-            headers.push(("Fencing-Proof", proof));
-        }
-        http.pay(&url, &headers, "{\"amount\":1}").await
-    })
-}
-
 /// A token is only good for the account whose lock key it was granted on, and a
 /// token nobody was granted is good for nothing.
 #[tokio::test]
 async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_token() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
     let http = Http::new();
     let b = acquire(&http, &rg, "acct-B").await;
-    let paid = pay_raw(&http, &rg, "acct-B", b.token, b.proof.as_deref(), None).await;
+    let paid = rg
+        .payment("acct-B", b.token)
+        .with_proof(b.proof.as_deref())
+        .send()
+        .await;
     assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
     // A later grant on another key has a larger token: it must not pass for acct-B.
     let a = acquire(&http, &rg, "acct-A").await;
     assert!(a.token > b.token);
-    let wrong = pay_raw(&http, &rg, "acct-B", a.token, a.proof.as_deref(), None).await;
+    let wrong = rg
+        .payment("acct-B", a.token)
+        .with_proof(a.proof.as_deref())
+        .send()
+        .await;
     assert_eq!(wrong.status, StatusCode::BAD_REQUEST, "{}", wrong.body);
     assert_eq!(pg.mark("acct-B").await, Some(b.token), "mark unchanged");
     // Never issued: the largest token there is, with no proof and with a made-up one.
     for proof in [None, Some("v1.".to_string() + &"0".repeat(64))] {
-        let invented = pay_raw(&http, &rg, "acct-B", i64::MAX, proof.as_deref(), None).await;
+        let invented = rg
+            .payment("acct-B", i64::MAX)
+            .with_proof(proof.as_deref())
+            .send()
+            .await;
         assert_eq!(
             invented.status,
             StatusCode::BAD_REQUEST,
@@ -116,7 +78,11 @@ async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_to
     assert_eq!(pg.mark("acct-B").await, Some(b.token), "mark unchanged");
     assert_eq!(pg.mark("acct-A").await, None, "no mark made");
     // The right grant still passes.
-    let again = pay_raw(&http, &rg, "acct-B", b.token, b.proof.as_deref(), None).await;
+    let again = rg
+        .payment("acct-B", b.token)
+        .with_proof(b.proof.as_deref())
+        .send()
+        .await;
     assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
     assert_eq!(
         rail.ledger().len(),
@@ -149,7 +115,11 @@ async fn mixed_request_timeouts_across_two_processes_never_pay_twice() {
     let http = Http::new();
     let grant = acquire(&http, &owner, "acct-mixed").await;
     slow_path.set_delay(Duration::from_millis(5000));
-    let original = spawn_pay(&http, &owner, "acct-mixed", &grant, "pay-1");
+    let original = owner
+        .payment("acct-mixed", grant.token)
+        .with_proof(grant.proof.as_deref())
+        .key("pay-1")
+        .spawn();
     // The request is on the slow path; the answer will come back at once.
     tokio::time::sleep(Duration::from_millis(1000)).await;
     slow_path.set_delay(Duration::ZERO);
@@ -159,15 +129,12 @@ async fn mixed_request_timeouts_across_two_processes_never_pay_twice() {
     // The operator follows the procedure through the other process: the rail shows nothing.
     let forgot = other.forget("acct-mixed", "pay-1").await;
     if forgot.status.success() {
-        let retry = pay_raw(
-            &http,
-            &other,
-            "acct-mixed",
-            grant.token,
-            grant.proof.as_deref(),
-            Some("pay-1"),
-        )
-        .await;
+        let retry = other
+            .payment("acct-mixed", grant.token)
+            .with_proof(grant.proof.as_deref())
+            .key("pay-1")
+            .send()
+            .await;
         assert!(retry.status.is_success(), "{}", retry.body);
     }
     let first = original.await.unwrap();
@@ -202,30 +169,29 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
     let http = Http::new();
     let grant = acquire(&http, &rg, "acct-net").await;
     let grant = (grant.token, grant.proof);
-    let first = pay_raw(
-        &http,
-        &rg,
-        "acct-net",
-        grant.0,
-        grant.1.as_deref(),
-        Some("pay-n"),
-    )
-    .await;
+    let first = rg
+        .payment("acct-net", grant.0)
+        .with_proof(grant.1.as_deref())
+        .key("pay-n")
+        .send()
+        .await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
     assert!(slow_path.has_stalled(), "the request is held on its way");
     // Its owner said at once that the forward ended without an answer: repeats are in doubt.
-    eventually(Duration::from_secs(2), || async {
-        let reply = pay_raw(
-            &http,
-            &rg,
-            "acct-net",
-            grant.0,
-            grant.1.as_deref(),
-            Some("pay-n"),
-        )
-        .await;
-        (reply.status == StatusCode::CONFLICT && reply.json()["error"] == "in_doubt").then_some(())
-    })
+    eventually(
+        Duration::from_secs(2),
+        "repeats of pay-n answered in doubt",
+        || async {
+            let reply = rg
+                .payment("acct-net", grant.0)
+                .with_proof(grant.1.as_deref())
+                .key("pay-n")
+                .send()
+                .await;
+            (reply.status == StatusCode::CONFLICT && reply.json()["error"] == "in_doubt")
+                .then_some(())
+        },
+    )
     .await;
     // While the owning process runs it may still be writing the request out: refused.
     let early = rg.forget("acct-net", "pay-n").await;
@@ -236,13 +202,17 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
     slow_path.reset_sources();
     rg.restart().await;
     // The procedure: wait for the time forget names, ask the rail (nothing there), forget.
-    eventually(Duration::from_secs(15), || async {
-        rg.forget_with("acct-net", "pay-n", &["--dry-run"])
-            .await
-            .status
-            .success()
-            .then_some(())
-    })
+    eventually(
+        Duration::from_secs(15),
+        "idempotency-forget --dry-run of pay-n allowed",
+        || async {
+            rg.forget_with("acct-net", "pay-n", &["--dry-run"])
+                .await
+                .status
+                .success()
+                .then_some(())
+        },
+    )
     .await;
     assert!(
         rail.ledger().is_empty(),
@@ -254,21 +224,20 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
         "{}",
         String::from_utf8_lossy(&forgot.stderr)
     );
-    let retry = pay_raw(
-        &http,
-        &rg,
-        "acct-net",
-        grant.0,
-        grant.1.as_deref(),
-        Some("pay-n"),
-    )
-    .await;
+    let retry = rg
+        .payment("acct-net", grant.0)
+        .with_proof(grant.1.as_deref())
+        .key("pay-n")
+        .send()
+        .await;
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
     // The original arrives after all, and the rail recognises its key.
     slow_path.release_stalled();
-    eventually(Duration::from_secs(6), || async {
-        (rail.absorbed() > 0).then_some(())
-    })
+    eventually(
+        Duration::from_secs(6),
+        "the delayed original absorbed by the rail",
+        || async { (rail.absorbed() > 0).then_some(()) },
+    )
     .await;
     assert_eq!(rail.absorbed(), 1, "the delayed original reached the rail");
     let ledger = rail.ledger();
@@ -350,26 +319,25 @@ async fn an_acquire_slower_than_the_database_timeout_leaves_no_grant_behind() {
     tokio::time::sleep(Duration::from_millis(2500)).await;
     // Whatever the slow statement committed is undone: the key is free again within a few
     // seconds, not after the 60 s lease.
-    let mut free = false;
-    for _ in 0..50 {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let held: bool = pg
-            .client()
-            .await
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM lock_entry WHERE key = 'slow'
+    until(
+        Duration::from_secs(10),
+        "the key freed of a grant nobody received",
+        || async {
+            let held: bool = pg
+                .client()
+                .await
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM lock_entry WHERE key = 'slow'
                      AND ended_at IS NULL AND expires_at > clock_timestamp())",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if !held {
-            free = true;
-            break;
-        }
-    }
-    assert!(free, "a grant nobody received still holds the key");
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            !held
+        },
+    )
+    .await;
     let second = http
         .send(
             http::Request::post(&url)
@@ -394,13 +362,12 @@ async fn a_completion_lost_to_a_database_crash_is_stored_when_it_returns() {
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
     let http = Http::new();
     let grant = acquire(&http, &rg, "acct-c").await;
-    let original = spawn_pay(&http, &rg, "acct-c", &grant, "pay-c");
-    for _ in 0..100 {
-        if !rail.ledger().is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let original = rg
+        .payment("acct-c", grant.token)
+        .with_proof(grant.proof.as_deref())
+        .key("pay-c")
+        .spawn();
+    rail.until_paid(1).await;
     assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
     tokio::time::sleep(Duration::from_millis(300)).await; // let the record's commit reach disk
     pg.kill().await;
@@ -411,24 +378,20 @@ async fn a_completion_lost_to_a_database_crash_is_stored_when_it_returns() {
         "the client hears the rail's answer"
     );
     pg.server.start().await.expect("postgres restarts");
-    let mut replayed = None;
-    for _ in 0..50 {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let again = pay_raw(
-            &http,
-            &rg,
-            "acct-c",
-            grant.token,
-            grant.proof.as_deref(),
-            Some("pay-c"),
-        )
-        .await;
-        if again.status == StatusCode::CREATED {
-            replayed = Some(again);
-            break;
-        }
-    }
-    let replayed = replayed.expect("the completion was stored once the database was back");
+    let replayed = eventually(
+        Duration::from_secs(10),
+        "the completion stored once the database was back",
+        || async {
+            let again = rg
+                .payment("acct-c", grant.token)
+                .with_proof(grant.proof.as_deref())
+                .key("pay-c")
+                .send()
+                .await;
+            (again.status == StatusCode::CREATED).then_some(again)
+        },
+    )
+    .await;
     assert_eq!(
         replayed.headers.get("idempotency-replayed").unwrap(),
         "true"
@@ -454,12 +417,24 @@ async fn a_token_superseded_in_another_process_before_its_forward_starts_is_refu
     let t2 = acquire(&http, &a, "acct-x").await;
     // t0's forward is at the (slow) rail; t1 passes its compare-and-set in A and waits there
     // for t0's forward to end.
-    let first = spawn_pay(&http, &a, "acct-x", &t0, "p0");
+    let first = a
+        .payment("acct-x", t0.token)
+        .with_proof(t0.proof.as_deref())
+        .key("p0")
+        .spawn();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let second = spawn_pay(&http, &a, "acct-x", &t1, "p1");
+    let second = a
+        .payment("acct-x", t1.token)
+        .with_proof(t1.proof.as_deref())
+        .key("p1")
+        .spawn();
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Meanwhile t2 is accepted by B and sent at once.
-    let third = spawn_pay(&http, &b, "acct-x", &t2, "p2");
+    let third = b
+        .payment("acct-x", t2.token)
+        .with_proof(t2.proof.as_deref())
+        .key("p2")
+        .spawn();
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     let second = second.await.unwrap();
     assert_eq!(third.await.unwrap().status, StatusCode::CREATED);
@@ -516,14 +491,10 @@ async fn a_keyed_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_fo
     // The old holder's client gives up after 300 ms (its own timeout, a crash, a cut path).
     let gave_up = tokio::time::timeout(
         Duration::from_millis(300),
-        pay_raw(
-            &http,
-            &rg,
-            "acct-hang",
-            old.token,
-            old.proof.as_deref(),
-            Some("pay-old"),
-        ),
+        rg.payment("acct-hang", old.token)
+            .with_proof(old.proof.as_deref())
+            .key("pay-old")
+            .send(),
     )
     .await;
     assert!(gave_up.is_err(), "the client hung up before any answer");
@@ -531,15 +502,12 @@ async fn a_keyed_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_fo
     release(&http, &rg, "acct-hang", &old).await;
     let new = acquire(&http, &rg, "acct-hang").await;
     assert!(new.token > old.token);
-    let reply = pay_raw(
-        &http,
-        &rg,
-        "acct-hang",
-        new.token,
-        new.proof.as_deref(),
-        Some("pay-new"),
-    )
-    .await;
+    let reply = rg
+        .payment("acct-hang", new.token)
+        .with_proof(new.proof.as_deref())
+        .key("pay-new")
+        .send()
+        .await;
     // Whatever the proxy answers the new holder, wait for the old request to land.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let tokens: Vec<i64> = rail
@@ -578,15 +546,12 @@ async fn a_graceful_restart_waits_for_a_late_forward_before_a_newer_grant_is_sen
     let http = Http::new();
     let old = acquire(&http, &rg, "acct-roll").await;
     slow_path.set_delay(Duration::from_millis(2500));
-    let first = pay_raw(
-        &http,
-        &rg,
-        "acct-roll",
-        old.token,
-        old.proof.as_deref(),
-        Some("pay-old"),
-    )
-    .await;
+    let first = rg
+        .payment("acct-roll", old.token)
+        .with_proof(old.proof.as_deref())
+        .key("pay-old")
+        .send()
+        .await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
     slow_path.set_delay(Duration::ZERO);
     let stopping = std::time::Instant::now();
@@ -594,15 +559,12 @@ async fn a_graceful_restart_waits_for_a_late_forward_before_a_newer_grant_is_sen
     let restart_took = stopping.elapsed();
     release(&http, &rg, "acct-roll", &old).await;
     let new = acquire(&http, &rg, "acct-roll").await;
-    let reply = pay_raw(
-        &http,
-        &rg,
-        "acct-roll",
-        new.token,
-        new.proof.as_deref(),
-        Some("pay-new"),
-    )
-    .await;
+    let reply = rg
+        .payment("acct-roll", new.token)
+        .with_proof(new.proof.as_deref())
+        .key("pay-new")
+        .send()
+        .await;
     tokio::time::sleep(Duration::from_millis(4000)).await;
     let tokens: Vec<i64> = rail
         .ledger()

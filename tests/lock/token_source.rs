@@ -757,9 +757,11 @@ async fn an_etcd_restore_between_checks_is_caught_by_the_first_grant_it_would_re
     // With no operator: the floor is raised above every token granted before the restore (each
     // was recorded in PostgreSQL before it was handed out), etcd's revision is moved past it,
     // and grants resume.
-    support::eventually(Duration::from_secs(30), || async {
-        (readyz(&rg).await.0 == StatusCode::OK).then_some(())
-    })
+    support::eventually(
+        Duration::from_secs(30),
+        "railguard ready again after the restore",
+        || async { (readyz(&rg).await.0 == StatusCode::OK).then_some(()) },
+    )
     .await;
     let stale = rg.http().pay_with(&rg, t1, "acct-x").await;
     assert_eq!(

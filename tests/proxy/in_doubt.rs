@@ -113,9 +113,11 @@ async fn record(pg: &Pg, key: &str) -> Option<(String, Option<i16>)> {
 
 /// Waits until the owner has declared `key`'s record in doubt.
 async fn declared_in_doubt(pg: &Pg, key: &str) {
-    eventually(Duration::from_secs(5), || async {
-        (record(pg, key).await?.0 == "in_doubt").then_some(())
-    })
+    eventually(
+        Duration::from_secs(5),
+        format!("{key}'s record declared in doubt"),
+        || async { (record(pg, key).await?.0 == "in_doubt").then_some(()) },
+    )
     .await;
 }
 
@@ -158,23 +160,29 @@ async fn follow_the_procedure(
     word: Option<i64>,
     stopped_at: Instant,
 ) -> Resolution {
-    eventually(Duration::from_secs(30), || async {
-        let asked = forget(rg, account, key, word, true).await;
-        if asked.status.success() {
-            return Some(());
-        }
-        let why = stderr(&asked);
-        assert!(
-            why.contains("may still be on its way to the rail until"),
-            "forget refused for another reason: {why}"
-        );
-        None
-    })
+    eventually(
+        Duration::from_secs(30),
+        format!("idempotency-forget --dry-run of {key} on {account} allowed"),
+        || async {
+            let asked = forget(rg, account, key, word, true).await;
+            if asked.status.success() {
+                return Some(());
+            }
+            let why = stderr(&asked);
+            assert!(
+                why.contains("may still be on its way to the rail until"),
+                "forget refused for another reason: {why}"
+            );
+            None
+        },
+    )
     .await;
     if word.is_some() {
-        eventually(Duration::from_secs(30), || async {
-            (Instant::now() >= stopped_at + TRANSIT).then_some(())
-        })
+        eventually(
+            Duration::from_secs(30),
+            "the transit time since the owner stopped",
+            || async { (Instant::now() >= stopped_at + TRANSIT).then_some(()) },
+        )
         .await;
     }
     if rail.times_paid(key) > 0 {
@@ -199,9 +207,11 @@ async fn a_request_that_lands_during_the_owners_graceful_stop_completes_its_reco
     let http = a.http();
 
     let first = spawn_pay(&http, &a, account, key);
-    eventually(Duration::from_secs(5), || async {
-        slow_path.has_stalled().then_some(())
-    })
+    eventually(
+        Duration::from_secs(5),
+        "the first forward held in the slow path",
+        || async { slow_path.has_stalled().then_some(()) },
+    )
     .await;
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
@@ -213,12 +223,16 @@ async fn a_request_that_lands_during_the_owners_graceful_stop_completes_its_reco
         let status = a.stop().await;
         (a, status)
     });
-    eventually(Duration::from_secs(5), || async {
-        std::fs::read_to_string(&log)
-            .unwrap_or_default()
-            .contains("waiting for the rail's answers to forwards still on their way")
-            .then_some(())
-    })
+    eventually(
+        Duration::from_secs(5),
+        "A's log saying it waits for forwards still on their way",
+        || async {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains("waiting for the rail's answers to forwards still on their way")
+                .then_some(())
+        },
+    )
     .await;
     // The request lands now, during the drain; the rail's 201 comes back to A.
     slow_path.release_stalled();
@@ -312,9 +326,11 @@ async fn a_request_that_lands_after_the_owner_exited_is_never_paid_twice() {
     // The request lands now, after A exited and within the transit time.
     assert_eq!(rail.times_paid(key), 0);
     slow_path.release_stalled();
-    eventually(Duration::from_secs(5), || async {
-        (rail.times_paid(key) == 1).then_some(())
-    })
+    eventually(
+        Duration::from_secs(5),
+        format!("{key} paid once at the rail"),
+        || async { (rail.times_paid(key) == 1).then_some(()) },
+    )
     .await;
 
     let resolution = follow_the_procedure(&b, &rail, account, key, Some(owner), stopped_at).await;
@@ -349,26 +365,34 @@ async fn a_request_delivered_after_its_connection_was_reset_is_never_paid_twice(
     } = stuck_in_doubt(account, key, "3000").await;
     // Well past the record's in-doubt deadline, the middlebox resets A's connection; it keeps
     // the request.
-    eventually(Duration::from_secs(15), || async {
-        pg.client()
-            .await
-            .query_one(
-                "SELECT now() > in_doubt_at + interval '2 seconds'
+    eventually(
+        Duration::from_secs(15),
+        format!("{key}'s record 2 s past its in-doubt deadline"),
+        || async {
+            pg.client()
+                .await
+                .query_one(
+                    "SELECT now() > in_doubt_at + interval '2 seconds'
                  FROM idempotency_record WHERE idempotency_key = $1",
-                &[&key],
-            )
-            .await
-            .unwrap()
-            .get::<_, bool>(0)
-            .then_some(())
-    })
+                    &[&key],
+                )
+                .await
+                .unwrap()
+                .get::<_, bool>(0)
+                .then_some(())
+        },
+    )
     .await;
     slow_path.reset_sources();
-    eventually(Duration::from_secs(5), || async {
-        a.log()
-            .contains("a forward left by its caller ended")
-            .then_some(())
-    })
+    eventually(
+        Duration::from_secs(5),
+        "A's log saying a forward left by its caller ended",
+        || async {
+            a.log()
+                .contains("a forward left by its caller ended")
+                .then_some(())
+        },
+    )
     .await;
 
     // Step 1: A stops cleanly (nothing is outstanding any more), and records when nothing it
@@ -417,9 +441,11 @@ async fn a_request_delivered_after_its_connection_was_reset_is_never_paid_twice(
     // The middlebox delivers the request now, within the transit time.
     assert_eq!(rail.times_paid(key), 0);
     slow_path.release_stalled();
-    eventually(Duration::from_secs(5), || async {
-        (rail.times_paid(key) == 1).then_some(())
-    })
+    eventually(
+        Duration::from_secs(5),
+        format!("{key} paid once at the rail"),
+        || async { (rail.times_paid(key) == 1).then_some(()) },
+    )
     .await;
 
     let resolution = follow_the_procedure(&b, &rail, account, key, None, stopped_at).await;

@@ -17,7 +17,7 @@ use http_body_util::{BodyExt, Full};
 use prometheus::IntCounterVec;
 use railguard::config::ListenerLimits;
 use railguard::http::{Listener, Refusal, serve};
-use support::{Http, Pg, Rail, Railguard, init_tracing};
+use support::{Http, Pg, Rail, Railguard, World, init_tracing};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore, oneshot};
@@ -79,20 +79,11 @@ impl Server {
     }
 
     fn refused(&self, reason: Refusal) -> u64 {
-        self.refusals
-            .with_label_values(&["proxy", reason.as_str()])
-            .get()
+        crate::refusals::refused(&self.refusals, reason)
     }
 
-    /// Waits (bounded) until `reason` has been counted `n` times.
     async fn wait_refused(&self, reason: Refusal, n: u64) {
-        for _ in 0..400 {
-            if self.refused(reason) >= n {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        assert_eq!(self.refused(reason), n, "{} refusals", reason.as_str());
+        crate::refusals::wait_refused(&self.refusals, reason, n).await
     }
 
     fn url(&self, path: &str) -> String {
@@ -201,15 +192,13 @@ async fn a_connection_past_max_connections_is_closed_at_once_and_the_listener_re
 
     // One leaves: there is room again.
     drop(open.pop());
-    let mut served = None;
-    for _ in 0..100 {
-        if let Ok(reply) = Http::new().get(&server.url("/")).await {
-            served = Some(reply);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    assert_eq!(served.expect("served again").0, StatusCode::OK);
+    let served = support::eventually(
+        Duration::from_secs(3),
+        "a connection served again",
+        || async { Http::new().get(&server.url("/")).await.ok() },
+    )
+    .await;
+    assert_eq!(served.0, StatusCode::OK);
 }
 
 /// A burst of 60 connections at a listener just started with `max_connections = 50`: exactly
@@ -397,15 +386,9 @@ async fn idle_keep_alive_connections_are_closed_but_a_long_request_is_not() {
 
 #[tokio::test]
 async fn railguard_answers_oversized_headers_431_and_counts_it_per_listener() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start(
-        &pg.url(),
-        &rail.url(),
-        &[("RAILGUARD__PROXY__MAX_HEADER_BYTES", "8192")],
-    )
-    .await;
+    let World {
+        pg: _pg, rail, rg, ..
+    } = World::postgres(&[("RAILGUARD__PROXY__MAX_HEADER_BYTES", "8192")]).await;
     let big = format!(
         "POST /pay HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
         "a".repeat(10_000)
@@ -413,15 +396,7 @@ async fn railguard_answers_oversized_headers_431_and_counts_it_per_listener() {
     let answer = raw(rg.proxy, big.as_bytes()).await;
     assert!(answer.starts_with("HTTP/1.1 431"), "{answer:?}");
     let key = "railguard_listener_refusals_total{listener=\"proxy\",reason=\"headers_too_large\"}";
-    let mut counted = 0.0;
-    for _ in 0..100 {
-        counted = rg.metrics().await.get(key);
-        if counted >= 1.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    assert_eq!(counted, 1.0);
+    assert_eq!(rg.metric_reaches(key, 1.0).await, 1.0);
     assert!(rail.ledger().is_empty(), "nothing was forwarded");
     // The lock listener has its own limits and counts.
     assert_eq!(

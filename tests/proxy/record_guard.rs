@@ -11,7 +11,7 @@ use railguard_testkit as support;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Http, Pg, Rail, Railguard, Reply, init_tracing};
+use support::{Pg, Rail, Railguard, World, init_tracing, until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -36,29 +36,6 @@ async fn pay_empty_then_hang_up(
     drop(s); // the client is gone; the rail has (or has not) the payment already
 }
 
-async fn pay_empty(http: &Http, rg: &Railguard, token: i64, account: &str, key: &str) -> Reply {
-    let token = token.to_string();
-    http.pay(
-        &rg.proxy_url("/payments"),
-        &[
-            ("Fencing-Token", &token),
-            ("Fencing-Account", account),
-            ("Idempotency-Key", key),
-        ],
-        "",
-    )
-    .await
-}
-
-async fn wait_for_ledger(rail: &Rail, n: usize) {
-    for _ in 0..200 {
-        if rail.ledger().len() >= n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 async fn record_state(pg: &Pg, account: &str, key: &str) -> Option<String> {
     pg.client()
         .await
@@ -78,19 +55,15 @@ async fn empty_body_client_gone_mid_forward(env: &[(&str, &str)]) {
     let pg = Pg::start().await;
     let rail = Rail::with_latency(Duration::from_millis(1500)).await;
     let rg = Railguard::start(&pg.url(), &rail.url(), env).await;
-    let http = rg.http();
-    let rail_probe = async {
-        wait_for_ledger(&rail, 1).await;
-    };
     tokio::join!(
         pay_empty_then_hang_up(&rg, 5, "acct-e", "pay-e", Duration::from_millis(500)),
-        rail_probe
+        rail.until_paid(1)
     );
     assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
     // Let the rail answer (or not), and the proxy do what it does with the record.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let state = record_state(&pg, "acct-e", "pay-e").await;
-    let retry = pay_empty(&http, &rg, 5, "acct-e", "pay-e").await;
+    let retry = rg.payment("acct-e", 5).key("pay-e").body("").send().await;
     assert_eq!(
         rail.ledger().len(),
         1,
@@ -121,10 +94,12 @@ async fn kill_switch_empty_body_client_gone_mid_forward_is_not_paid_twice() {
 /// keep-alive connection opened before the stop no longer gets answers.
 #[tokio::test]
 async fn in_process_stop_refuses_connections() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let mut rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        pg,
+        rail: _rail,
+        mut rg,
+        ..
+    } = World::postgres(&[]).await;
     let (proxy, admin, lock) = (rg.proxy, rg.admin, rg.lock);
     // An idle keep-alive connection open across the stop.
     let mut kept = TcpStream::connect(admin).await.unwrap();
@@ -155,27 +130,24 @@ async fn in_process_stop_refuses_connections() {
         String::from_utf8_lossy(&buf[..n])
     );
     // Its instance lock is gone with it, as a process's would be.
-    let mut held = 1;
-    for _ in 0..50 {
-        held = pg
-            .client()
-            .await
-            .query_one(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0);
-        if held == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(
-        held, 0,
-        "the stopped in-process railguard still holds its instance lock"
-    );
+    until(
+        Duration::from_secs(1),
+        "the stopped railguard's instance lock released",
+        || async {
+            let held: i64 = pg
+                .client()
+                .await
+                .query_one(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            held == 0
+        },
+    )
+    .await;
     rg.start_again().await;
     assert_eq!(
         rg.http().pay_with(&rg, 3, "after").await.status,
@@ -327,7 +299,8 @@ fn every_key_has_a_working_environment_override() {
         }
     }
     // Every key has a default and an override, and the sample file documents each of them.
-    let documented: toml::Table = toml::from_str(include_str!("../config/railguard.toml")).unwrap();
+    let documented: toml::Table =
+        toml::from_str(include_str!("../../config/railguard.toml")).unwrap();
     let documented: usize = documented
         .values()
         .map(|keys| keys.as_table().map_or(0, |t| t.len()))
@@ -378,16 +351,10 @@ async fn a_rail_that_reads_the_head_and_resets_leaves_the_record_in_doubt() {
     let pg = Pg::start().await;
     let (rail, seen) = resetting_rail().await;
     let rg = Railguard::start(&pg.url(), &format!("http://{rail}"), &[]).await;
-    let http = rg.http();
     for (key, body) in [("reset-empty", ""), ("reset-body", "{\"amount\":1}")] {
         let before = seen.load(Ordering::SeqCst);
-        let token = "9".to_string();
-        let headers = [
-            ("Fencing-Token", token.as_str()),
-            ("Fencing-Account", "acct-r"),
-            ("Idempotency-Key", key),
-        ];
-        let first = http.pay(&rg.proxy_url("/payments"), &headers, body).await;
+        let pay = || rg.payment("acct-r", 9).key(key).body(body).send();
+        let first = pay().await;
         assert_eq!(
             first.status,
             StatusCode::BAD_GATEWAY,
@@ -398,17 +365,14 @@ async fn a_rail_that_reads_the_head_and_resets_leaves_the_record_in_doubt() {
             seen.load(Ordering::SeqCst) > before,
             "{key}: the rail saw the head"
         );
-        let mut state = None;
-        for _ in 0..50 {
-            state = record_state(&pg, "acct-r", key).await;
-            if state.as_deref() == Some("in_doubt") {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert_eq!(state.as_deref(), Some("in_doubt"), "{key}");
+        until(
+            Duration::from_secs(1),
+            format!("{key}'s record in doubt"),
+            || async { record_state(&pg, "acct-r", key).await.as_deref() == Some("in_doubt") },
+        )
+        .await;
         let seen_now = seen.load(Ordering::SeqCst);
-        let retry = http.pay(&rg.proxy_url("/payments"), &headers, body).await;
+        let retry = pay().await;
         assert_eq!(retry.status, StatusCode::CONFLICT, "{key}: {}", retry.body);
         assert_eq!(retry.json()["error"], "in_doubt");
         assert_eq!(
@@ -429,27 +393,24 @@ async fn http2_client_reset_mid_forward_with_an_empty_body_is_not_paid_twice() {
     let rail = Rail::with_latency(Duration::from_millis(1500)).await;
     let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
     let h2 = rg.http2();
-    let task = {
-        let (h2, url) = (h2.clone(), rg.proxy_url("/payments"));
-        tokio::spawn(async move {
-            h2.pay(
-                &url,
-                &[
-                    ("Fencing-Token", "5"),
-                    ("Fencing-Account", "acct-h2"),
-                    ("Idempotency-Key", "pay-h2"),
-                ],
-                "",
-            )
-            .await
-        })
-    };
-    wait_for_ledger(&rail, 1).await;
+    let task = rg
+        .payment("acct-h2", 5)
+        .key("pay-h2")
+        .body("")
+        .over(&h2)
+        .spawn();
+    rail.until_paid(1).await;
     assert_eq!(rail.ledger().len(), 1);
     task.abort();
     drop(h2);
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    let retry = pay_empty(&rg.http2(), &rg, 5, "acct-h2", "pay-h2").await;
+    let retry = rg
+        .payment("acct-h2", 5)
+        .key("pay-h2")
+        .body("")
+        .over(&rg.http2())
+        .send()
+        .await;
     assert_eq!(
         rail.ledger().len(),
         1,
@@ -478,28 +439,31 @@ async fn an_empty_body_payment_to_a_rail_that_refuses_connections_leaves_no_reco
     let port = support::free_loopback_port();
     let upstream = format!("http://127.0.0.1:{port}");
     let rg = Railguard::start(&pg.url(), &upstream, &[]).await;
-    let http = rg.http();
 
-    let refused = pay_empty(&http, &rg, 5, "acct-refused", "k-empty").await;
+    let refused = rg
+        .payment("acct-refused", 5)
+        .key("k-empty")
+        .body("")
+        .send()
+        .await;
     assert_eq!(refused.status, StatusCode::BAD_GATEWAY, "{}", refused.body);
     // The guard forgets in the background; give it a moment, then look.
-    let mut state = record_state(&pg, "acct-refused", "k-empty").await;
-    for _ in 0..100 {
-        if state.is_none() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        state = record_state(&pg, "acct-refused", "k-empty").await;
-    }
-    assert_eq!(
-        state, None,
-        "the record of a never-connected forward is forgotten"
-    );
+    until(
+        Duration::from_secs(2),
+        "the record of a never-connected forward forgotten",
+        || async { record_state(&pg, "acct-refused", "k-empty").await.is_none() },
+    )
+    .await;
 
     // The same key again, now against a rail that listens: forwarded, once.
     let rail = Rail::start().await;
     let rg2 = Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let retried = pay_empty(&rg2.http(), &rg2, 5, "acct-refused", "k-empty").await;
+    let retried = rg2
+        .payment("acct-refused", 5)
+        .key("k-empty")
+        .body("")
+        .send()
+        .await;
     assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.body);
     assert_eq!(rail.ledger().len(), 1);
 }
@@ -552,37 +516,19 @@ async fn unsent_record_after_an_outage(
         ],
     )
     .await;
-    let paying = {
-        let (http, url, proof) = (
-            rg.http(),
-            rg.proxy_url("/payments"),
-            rg.proof("acct-unsent", 5),
-        );
-        tokio::spawn(async move {
-            http.pay(
-                &url,
-                &[
-                    ("Fencing-Token", "5"),
-                    ("Fencing-Account", "acct-unsent"),
-                    ("Fencing-Proof", &proof),
-                    ("Idempotency-Key", "k-unsent"),
-                ],
-                "{}",
-            )
-            .await
-        })
-    };
+    let paying = rg
+        .payment("acct-unsent", 5)
+        .key("k-unsent")
+        .body("{}")
+        .spawn();
     // The record is made with the compare-and-set; once the forward is connecting, the
     // database stops (a clean stop: a statement sent to it later is never run).
-    let mut made = false;
-    for _ in 0..250 {
-        if record_state(&pg, "acct-unsent", "k-unsent").await.is_some() {
-            made = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(made, "the compare-and-set made the record");
+    until(
+        Duration::from_secs(5),
+        "the record made by the compare-and-set",
+        || async { record_state(&pg, "acct-unsent", "k-unsent").await.is_some() },
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     pg.server.stop().await;
     assert!(
@@ -595,14 +541,16 @@ async fn unsent_record_after_an_outage(
     tokio::time::sleep(outage).await;
     pg.server.start().await.unwrap();
     // Background retries back off to at most 5 s between attempts.
-    let mut state = record_state(&pg, "acct-unsent", "k-unsent").await;
-    for _ in 0..140 {
-        if state.is_none() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        state = record_state(&pg, "acct-unsent", "k-unsent").await;
-    }
+    let removed = support::within(Duration::from_secs(7), || async {
+        record_state(&pg, "acct-unsent", "k-unsent")
+            .await
+            .is_none()
+            .then_some(())
+    })
+    .await;
     drop(rail);
-    state
+    match removed {
+        Ok(()) => None,
+        Err(_) => record_state(&pg, "acct-unsent", "k-unsent").await,
+    }
 }

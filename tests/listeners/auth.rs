@@ -8,83 +8,21 @@
 
 use railguard_testkit as support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Method, Request, StatusCode};
-use http_body_util::Full;
+use http::{Method, StatusCode};
 use railguard::auth::secret;
 use railguard::sdk::{LockClient, RailClient, SdkError};
 
-const EU: &str = "rgs_eu_0000000000000000000000000000000000000000000000000000000000000001";
-const EU2: &str = "rgs_eu2_000000000000000000000000000000000000000000000000000000000000002";
-const US: &str = "rgs_us_0000000000000000000000000000000000000000000000000000000000000003";
-const READER: &str = "rgs_reader_0000000000000000000000000000000000000000000000000000000004";
-const ONCALL: &str = "rgs_oncall_0000000000000000000000000000000000000000000000000000000005";
-const SLOW: &str = "rgs_slow_000000000000000000000000000000000000000000000000000000000006";
+use crate::identities::{EU, EU2, ONCALL, READER, SLOW, US, call, credentials, mark, setup};
+use support::until;
+
+/// How long a change of the credentials file (reloaded every 100 ms) may take to be in force.
+const RELOADED: Duration = Duration::from_secs(5);
+
 const LATE: &str = "rgs_late_000000000000000000000000000000000000000000000000000000000007";
-
-fn credentials(extra: &str) -> String {
-    let d = secret::digest_text;
-    format!(
-        "[[worker]]\nname = \"eu\"\nsecrets = [\"{}\"]\naccounts = [\"acct-eu-*\"]\n\
-         [[worker]]\nname = \"eu2\"\nsecrets = [\"{}\"]\naccounts = [\"acct-eu-*\"]\n\
-         [[worker]]\nname = \"us\"\nsecrets = [\"{}\"]\naccounts = [\"acct-us-*\"]\n\
-         [[worker]]\nname = \"slow\"\nsecrets = [\"{}\"]\naccounts = [\"acct-slow-*\"]\n\
-         lock_requests_per_s = 2\n\
-         [[operator]]\nname = \"reader\"\nsecrets = [\"{}\"]\nmay = [\"read\"]\n\
-         [[operator]]\nname = \"oncall\"\nsecrets = [\"{}\"]\nmay = [\"read\", \"write\"]\n{extra}",
-        d(EU),
-        d(EU2),
-        d(US),
-        d(SLOW),
-        d(READER),
-        d(ONCALL)
-    )
-}
-
-struct Setup {
-    _pg: support::Pg,
-    rail: support::Rail,
-    rg: support::Railguard,
-    _dir: tempfile::TempDir,
-    file: PathBuf,
-}
-
-async fn setup() -> Setup {
-    setup_with(&[]).await
-}
-
-/// `setup` with more environment overrides for railguard.
-async fn setup_with(env: &[(&str, &str)]) -> Setup {
-    support::init_tracing();
-    let pg = support::Pg::start().await;
-    let rail = support::Rail::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("credentials.toml");
-    std::fs::write(&file, credentials("")).unwrap();
-    let rg = support::Railguard::start(
-        &pg.url(),
-        &rail.url(),
-        &[
-            &[
-                ("RAILGUARD__AUTH__CREDENTIALS_FILE", file.to_str().unwrap()),
-                ("RAILGUARD__AUTH__RELOAD_INTERVAL_MS", "100"),
-            ],
-            env,
-        ]
-        .concat(),
-    )
-    .await;
-    Setup {
-        _pg: pg,
-        rail,
-        rg,
-        _dir: dir,
-        file,
-    }
-}
 
 fn locks(rg: &support::Railguard, secret: Option<&str>) -> LockClient {
     let client = rg.lock_client();
@@ -100,30 +38,6 @@ fn rail(rg: &support::Railguard, secret: Option<&str>) -> RailClient {
         Some(secret) => client.with_bearer(secret).unwrap(),
         None => client,
     }
-}
-
-/// A raw request to one of railguard's listeners, with an optional bearer secret.
-async fn call(
-    method: Method,
-    url: &str,
-    secret: Option<&str>,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> support::Reply {
-    let mut request = Request::builder().method(method).uri(url);
-    if let Some(secret) = secret {
-        request = request.header("authorization", format!("Bearer {secret}"));
-    }
-    for (name, value) in headers {
-        request = request.header(*name, *value);
-    }
-    let request = request
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
-    support::Http::new()
-        .send(request)
-        .await
-        .expect("railguard answers")
 }
 
 async fn metrics(rg: &support::Railguard) -> String {
@@ -151,22 +65,9 @@ fn refusals(metrics: &str, listener: &str, reason: &str) -> u64 {
         .unwrap()
 }
 
-async fn mark(rg: &support::Railguard, account: &str) -> i64 {
-    let reply = call(
-        Method::POST,
-        &format!("http://{}/marks", rg.admin),
-        Some(READER),
-        &[("content-type", "application/json")],
-        &format!("{{\"account\":\"{account}\"}}"),
-    )
-    .await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
-    reply.json()["mark"].as_i64().unwrap_or(0)
-}
-
 #[tokio::test]
 async fn the_lock_api_grants_only_to_identities_on_their_keys_and_holds_them_as_holder() {
-    let s = setup().await;
+    let s = setup(&[], false).await;
     let rg = &s.rg;
     let ttl = Duration::from_secs(5);
 
@@ -248,7 +149,7 @@ async fn the_lock_api_grants_only_to_identities_on_their_keys_and_holds_them_as_
 
 #[tokio::test]
 async fn the_proxy_forwards_only_an_identitys_own_grant_on_its_own_accounts() {
-    let s = setup().await;
+    let s = setup(&[], false).await;
     let rg = &s.rg;
     let ttl = Duration::from_secs(5);
     let body = || Bytes::from_static(br#"{"amount":100}"#);
@@ -326,7 +227,7 @@ async fn audit_rows(pg: &support::Pg) -> i64 {
 
 #[tokio::test]
 async fn the_admin_listener_needs_an_operator_and_write_for_actions() {
-    let s = setup().await;
+    let s = setup(&[], false).await;
     let rg = &s.rg;
     let admin = |path: &str| format!("http://{}{path}", rg.admin);
     let forget = r#"{"account":"acct-eu-1","key":"k-1"}"#;
@@ -376,7 +277,7 @@ async fn the_admin_listener_needs_an_operator_and_write_for_actions() {
         );
     }
     assert_eq!(
-        audit_rows(&s._pg).await,
+        audit_rows(&s.pg).await,
         0,
         "nothing was attempted, so nothing audited"
     );
@@ -398,7 +299,7 @@ async fn the_admin_listener_needs_an_operator_and_write_for_actions() {
 
 #[tokio::test]
 async fn a_changed_credentials_file_is_in_force_without_a_restart_and_a_broken_one_is_not() {
-    let s = setup().await;
+    let s = setup(&[], false).await;
     let rg = &s.rg;
     let inspect =
         |secret: &'static str| async move { locks(rg, Some(secret)).inspect("acct-late-1").await };
@@ -413,11 +314,14 @@ async fn a_changed_credentials_file_is_in_force_without_a_restart_and_a_broken_o
         secret::digest_text(LATE)
     );
     write_atomically(&s.file, &credentials(&late));
-    wait_for(|| async { inspect(LATE).await.is_ok() }).await;
+    until(RELOADED, "the late identity in force", || async {
+        inspect(LATE).await.is_ok()
+    })
+    .await;
 
     // A broken version is refused; the last good one stays.
     write_atomically(&s.file, "[[worker]]\nname = \"late\"\n");
-    wait_for(|| async {
+    until(RELOADED, "a failed reload counted", || async {
         let m = metrics(rg).await;
         m.contains("railguard_credentials_reloads_total{outcome=\"failed\"} 1")
     })
@@ -430,7 +334,7 @@ async fn a_changed_credentials_file_is_in_force_without_a_restart_and_a_broken_o
 
     // Rotation's last step: the old secret removed, refused at once after the reload.
     write_atomically(&s.file, &late);
-    wait_for(|| async {
+    until(RELOADED, "eu's old secret refused", || async {
         matches!(
             locks(rg, Some(EU)).inspect("acct-eu-1").await,
             Err(SdkError::Unauthenticated(_))
@@ -445,7 +349,7 @@ async fn a_changed_credentials_file_is_in_force_without_a_restart_and_a_broken_o
 /// 401 on the lock API and on the proxy, while the other identities are unaffected.
 #[tokio::test]
 async fn removing_the_only_secret_of_a_worker_revokes_it_on_the_lock_api_and_the_proxy() {
-    let s = setup().await;
+    let s = setup(&[], false).await;
     let rg = &s.rg;
     let body = || Bytes::from_static(br#"{"amount":100}"#);
     let grant = locks(rg, Some(EU))
@@ -462,7 +366,7 @@ async fn removing_the_only_secret_of_a_worker_revokes_it_on_the_lock_api_and_the
     let revoked = credentials("").replacen(&with_eu, "secrets = []", 1);
     assert_ne!(revoked, credentials(""), "the test removed eu's digest");
     write_atomically(&s.file, &revoked);
-    wait_for(|| async {
+    until(RELOADED, "eu's revoked secret refused", || async {
         matches!(
             locks(rg, Some(EU)).inspect("acct-eu-9").await,
             Err(SdkError::Unauthenticated(_))
@@ -490,7 +394,7 @@ async fn removing_the_only_secret_of_a_worker_revokes_it_on_the_lock_api_and_the
 
 #[tokio::test]
 async fn an_identity_over_its_lock_rate_gets_429_and_others_are_not_slowed() {
-    let s = setup().await;
+    let s = setup(&[], false).await;
     let rg = &s.rg;
     let slow = locks(rg, Some(SLOW));
     let mut limited = 0;
@@ -550,7 +454,7 @@ async fn lock_action(
 /// ends nothing: 403, counted; the holder's own renew and release still work.
 #[tokio::test]
 async fn renew_and_release_of_another_identitys_grant_are_forbidden() {
-    let s = setup().await;
+    let s = setup(&[], false).await;
     another_identitys_grant_is_forbidden(&s.rg).await;
 }
 
@@ -560,10 +464,13 @@ async fn renew_and_release_of_another_identitys_grant_are_forbidden() {
 async fn etcd_renew_and_release_of_another_identitys_grant_are_forbidden() {
     let etcd = support::EtcdCluster::single().await;
     let endpoints = etcd.endpoints_csv();
-    let s = setup_with(&[
-        ("RAILGUARD__LOCK__BACKEND", "etcd"),
-        ("RAILGUARD__ETCD__ENDPOINTS", &endpoints),
-    ])
+    let s = setup(
+        &[
+            ("RAILGUARD__LOCK__BACKEND", "etcd"),
+            ("RAILGUARD__ETCD__ENDPOINTS", &endpoints),
+        ],
+        false,
+    )
     .await;
     another_identitys_grant_is_forbidden(&s.rg).await;
     drop(s);
@@ -616,10 +523,13 @@ async fn another_identitys_grant_is_forbidden(rg: &support::Railguard) {
 /// lock listener's `max_in_flight` and starve the others.
 #[tokio::test]
 async fn one_identitys_waiting_acquires_do_not_starve_other_identities() {
-    let s = setup_with(&[
-        ("RAILGUARD__LOCK__MAX_IN_FLIGHT", "4"),
-        ("RAILGUARD__AUTH__LOCK_IN_FLIGHT_PER_IDENTITY", "3"),
-    ])
+    let s = setup(
+        &[
+            ("RAILGUARD__LOCK__MAX_IN_FLIGHT", "4"),
+            ("RAILGUARD__AUTH__LOCK_IN_FLIGHT_PER_IDENTITY", "3"),
+        ],
+        false,
+    )
     .await;
     let rg = &s.rg;
     raw_acquire(rg, EU, "acct-eu-w").await;
@@ -688,10 +598,13 @@ async fn one_identitys_waiting_acquires_do_not_starve_other_identities() {
 /// payment on another.
 #[tokio::test]
 async fn the_path_must_name_the_fenced_account_when_account_in_path_is_set() {
-    let s = setup_with(&[(
-        "RAILGUARD__FENCING__ACCOUNT_IN_PATH",
-        "/accounts/{account}/",
-    )])
+    let s = setup(
+        &[(
+            "RAILGUARD__FENCING__ACCOUNT_IN_PATH",
+            "/accounts/{account}/",
+        )],
+        false,
+    )
     .await;
     let rg = &s.rg;
     let body = || Bytes::from_static(br#"{"amount":100}"#);
@@ -748,20 +661,6 @@ fn write_atomically(path: &Path, text: &str) {
     let next = path.with_extension("next");
     std::fs::write(&next, text).unwrap();
     std::fs::rename(&next, path).unwrap();
-}
-
-async fn wait_for<F, Fut>(mut done: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    for _ in 0..100 {
-        if done().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("not within 5 s");
 }
 
 #[test]
@@ -877,7 +776,11 @@ async fn a_grant_taken_before_authentication_was_on_is_renewed_by_nobody_and_run
 #[tokio::test]
 async fn waiting_acquires_whose_clients_hang_up_give_their_slots_back() {
     use tokio::io::AsyncWriteExt as _;
-    let s = setup_with(&[("RAILGUARD__AUTH__LOCK_IN_FLIGHT_PER_IDENTITY", "2")]).await;
+    let s = setup(
+        &[("RAILGUARD__AUTH__LOCK_IN_FLIGHT_PER_IDENTITY", "2")],
+        false,
+    )
+    .await;
     let rg = &s.rg;
     raw_acquire(rg, EU, "acct-eu-h").await;
     let body = r#"{"ttl_ms":1000,"wait_ms":20000}"#;
@@ -902,11 +805,12 @@ async fn waiting_acquires_whose_clients_hang_up_give_their_slots_back() {
     );
     drop(waiters);
     let started = std::time::Instant::now();
-    let mut status = StatusCode::TOO_MANY_REQUESTS;
-    while status == StatusCode::TOO_MANY_REQUESTS && started.elapsed() < Duration::from_secs(8) {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        status = inspect().await.status;
-    }
+    let status = support::within(Duration::from_secs(8), || async {
+        let status = inspect().await.status;
+        (status != StatusCode::TOO_MANY_REQUESTS).then_some(status)
+    })
+    .await
+    .unwrap_or(StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(
         status,
         StatusCode::OK,

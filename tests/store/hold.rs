@@ -15,12 +15,21 @@ use tokio::time::Instant;
 /// Has `rg` meet the new server (an old grant is refused: the change is fenced) and returns
 /// the floor the change raised.
 async fn fence_through(rg: &Railguard, pg: &Pg, account: &str, old: i64) -> i64 {
-    eventually(Duration::from_secs(15), || async {
-        let reply = rg.http().pay_with(rg, old, account).await;
-        (reply.status == StatusCode::CONFLICT).then_some(())
-    })
+    eventually(
+        Duration::from_secs(15),
+        format!("token {old} on {account} refused (409)"),
+        || async {
+            let reply = rg.http().pay_with(rg, old, account).await;
+            (reply.status == StatusCode::CONFLICT).then_some(())
+        },
+    )
     .await;
-    eventually(Duration::from_secs(5), || pg.floor()).await
+    eventually(
+        Duration::from_secs(5),
+        "the floor raised by the change of server",
+        || pg.floor(),
+    )
+    .await
 }
 
 /// A restart of PostgreSQL (nothing lost, a change all the same) under railguards A and B;
@@ -102,7 +111,7 @@ async fn two_changes_in_a_row_under_a_forward_on_its_way_keep_the_older_forward_
     let copy = pg.copy_data().await.expect("copy of the data directory");
     slow_path.set_delay(Duration::from_millis(8000));
     let older = a.pay_in_background(5, "acct-2");
-    eventually(Duration::from_secs(5), || async {
+    eventually(Duration::from_secs(5), "acct-2's mark at 5", || async {
         (pg.mark("acct-2").await == Some(5)).then_some(())
     })
     .await;

@@ -6,7 +6,7 @@
 
 use railguard_testkit as support;
 
-use support::payment::{pay, pay_after_the_hold};
+use support::payment::{grant, paid, pay, pay_after_the_hold};
 
 use std::time::Duration;
 
@@ -21,16 +21,20 @@ const HOLD: Duration = Duration::from_secs(30);
 
 /// A grant once the lock service answers again (it may be reconnecting).
 async fn acquire(lock: &LockClient, holder: &str) -> LockHandle {
-    support::eventually(FAILOVER, || async {
-        lock.acquire(
-            "acct",
-            holder,
-            Duration::from_secs(60),
-            Duration::from_secs(1),
-        )
-        .await
-        .ok()
-    })
+    support::eventually(
+        FAILOVER,
+        "a grant of acct from the lock service",
+        || async {
+            lock.acquire(
+                "acct",
+                holder,
+                Duration::from_secs(60),
+                Duration::from_secs(1),
+            )
+            .await
+            .ok()
+        },
+    )
     .await
 }
 
@@ -62,10 +66,7 @@ async fn a_failover_fences_the_grants_from_before_it_and_payments_go_on_after_it
     let proxy = RailClient::new(rg.proxy_url(""));
 
     let before = acquire(&lock, "w1").await;
-    assert_eq!(
-        pay(&proxy, &before, "acct", "p1").await.unwrap(),
-        StatusCode::CREATED
-    );
+    paid(&proxy, &before, "acct", "p1").await;
     let timeline = cluster.timeline().await;
 
     let old = cluster.kill_primary().await;
@@ -73,12 +74,16 @@ async fn a_failover_fences_the_grants_from_before_it_and_payments_go_on_after_it
     assert!(cluster.timeline().await > timeline);
 
     // The grant from before is fenced out once, whatever the mark says…
-    support::eventually(FAILOVER, || async {
-        match pay(&proxy, &before, "acct", "p2").await {
-            Err(SdkError::FencedOut { .. }) => Some(()),
-            _ => None,
-        }
-    })
+    support::eventually(
+        FAILOVER,
+        "the grant from before the failover fenced out",
+        || async {
+            match pay(&proxy, &before, "acct", "p2").await {
+                Err(SdkError::FencedOut { .. }) => Some(()),
+                _ => None,
+            }
+        },
+    )
     .await;
     // …and payments go on under a new grant, from the floor up.
     let after = acquire(&lock, "w2").await;
@@ -127,25 +132,13 @@ async fn an_asynchronous_failover_that_lost_commits_is_fenced() {
     let proxy = RailClient::new(rg.proxy_url(""));
     let ttl = Duration::from_millis(300);
 
-    let w1 = lock
-        .acquire("acct", "w1", ttl, Duration::ZERO)
-        .await
-        .unwrap();
-    assert_eq!(
-        pay(&proxy, &w1, "acct", "p1").await.unwrap(),
-        StatusCode::CREATED
-    );
+    let w1 = grant(&lock, "acct", "w1", ttl, Duration::ZERO).await;
+    paid(&proxy, &w1, "acct", "p1").await;
     cluster.wait_caught_up(FAILOVER).await;
     cluster.pause_replication().await;
-    let w2 = lock
-        .acquire("acct", "w2", Duration::from_secs(60), ttl * 20)
-        .await
-        .unwrap();
+    let w2 = grant(&lock, "acct", "w2", Duration::from_secs(60), ttl * 20).await;
     assert!(w2.token().get() > w1.token().get());
-    assert_eq!(
-        pay(&proxy, &w2, "acct", "p2").await.unwrap(),
-        StatusCode::CREATED
-    );
+    paid(&proxy, &w2, "acct", "p2").await;
 
     let old = cluster.kill_primary().await;
     cluster.wait_for_new_primary(old, FAILOVER).await;

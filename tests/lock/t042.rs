@@ -13,6 +13,7 @@ use std::time::Duration;
 use http::StatusCode;
 use railguard::sdk::SdkError;
 use railguard::sdk::paydb::{FencedUpdate, PayDbError};
+use support::payment::grant;
 use support::{EtcdCluster, Pg, Rail, Railguard, init_tracing};
 
 async fn t042(etcd: Option<EtcdCluster>) {
@@ -50,13 +51,10 @@ async fn t042(etcd: Option<EtcdCluster>) {
     let fenced_before = rg.metrics().await.get("lock_fenced_out_total");
 
     // W1 acquires k and stalls (no keep-alive) past its lease.
-    let w1 = lock.acquire("k", "w1", ttl, Duration::ZERO).await.unwrap();
+    let w1 = grant(&lock, "k", "w1", ttl, Duration::ZERO).await;
     let t1 = w1.token().get();
     // W2 waits for k and takes it once W1's lease has expired.
-    let w2 = lock
-        .acquire("k", "w2", Duration::from_secs(30), ttl * 10)
-        .await
-        .unwrap();
+    let w2 = grant(&lock, "k", "w2", Duration::from_secs(30), ttl * 10).await;
     let t2 = w2.token().get();
     assert!(
         t2 > t1,

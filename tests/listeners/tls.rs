@@ -81,21 +81,11 @@ impl Echo {
     }
 
     fn refused(&self, reason: Refusal) -> u64 {
-        self.refusals
-            .with_label_values(&["proxy", reason.as_str()])
-            .get()
+        crate::refusals::refused(&self.refusals, reason)
     }
 
-    /// Waits (bounded) until `reason` has been counted `n` times: the server counts after
-    /// the client has seen the refusal.
     async fn wait_refused(&self, reason: Refusal, n: u64) {
-        for _ in 0..200 {
-            if self.refused(reason) >= n {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        assert_eq!(self.refused(reason), n, "{} refusals", reason.as_str());
+        crate::refusals::wait_refused(&self.refusals, reason, n).await
     }
 }
 
@@ -298,6 +288,16 @@ impl Rotation {
     }
 }
 
+/// Replaces the `live` files with `from`'s the way a rotation does: write aside, then rename
+/// over.
+fn install(from: &Issued, live: &Issued) {
+    for (src, dst) in [(&from.cert, &live.cert), (&from.key, &live.key)] {
+        let aside = dst.with_extension("new");
+        std::fs::copy(src, &aside).unwrap();
+        std::fs::rename(&aside, dst).unwrap();
+    }
+}
+
 #[tokio::test]
 async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one_is_not() {
     let Rotation {
@@ -307,15 +307,7 @@ async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one
         dir: _dir,
         live,
     } = Rotation::new();
-    // Replace the files the way a rotation does: write aside, then rename over.
-    let install = |from: &Issued| {
-        for (src, dst) in [(&from.cert, &live.cert), (&from.key, &live.key)] {
-            let aside = dst.with_extension("new");
-            std::fs::copy(src, &aside).unwrap();
-            std::fs::rename(&aside, dst).unwrap();
-        }
-    };
-    install(&first);
+    install(&first, &live);
     let echo = Echo::start(
         files(&live, None, ClientAuth::None),
         ListenerLimits::default(),
@@ -327,7 +319,7 @@ async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one
 
     // The first handshake a second or more after the last check waits for the check it
     // starts, and gets the new certificate.
-    install(&second);
+    install(&second, &live);
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(
         served().await,
@@ -339,13 +331,11 @@ async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one
 
     // A key that does not parse: the error is counted, the second certificate stays.
     std::fs::write(&live.key, "-----BEGIN PRIVATE KEY-----\nnot a key\n").unwrap();
-    for _ in 0..100 {
+    let _ = support::within(Duration::from_secs(5), || async {
         assert_eq!(served().await, second.fingerprint_sha256());
-        if ok(&echo.reloads, "error") >= 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        (ok(&echo.reloads, "error") >= 1).then_some(())
+    })
+    .await;
     assert_eq!(ok(&echo.reloads, "error"), 1);
     assert_eq!(served().await, second.fingerprint_sha256());
 }
@@ -362,14 +352,7 @@ async fn a_check_on_demand_puts_a_replaced_certificate_in_force_at_once() {
         dir: _dir,
         live,
     } = Rotation::new();
-    let install = |from: &Issued| {
-        for (src, dst) in [(&from.cert, &live.cert), (&from.key, &live.key)] {
-            let aside = dst.with_extension("new");
-            std::fs::copy(src, &aside).unwrap();
-            std::fs::rename(&aside, dst).unwrap();
-        }
-    };
-    install(&first);
+    install(&first, &live);
     let echo = Echo::start(
         files(&live, None, ClientAuth::None),
         ListenerLimits::default(),
@@ -380,7 +363,7 @@ async fn a_check_on_demand_puts_a_replaced_certificate_in_force_at_once() {
     assert_eq!(served().await, first.fingerprint_sha256());
     assert_eq!(echo.tls.check_now().await, Checked::Unchanged);
 
-    install(&second);
+    install(&second, &live);
     assert_eq!(echo.tls.check_now().await, Checked::Reloaded);
     // Within the second after a check, handshakes start none of their own: what they get is
     // what the check on demand loaded.
@@ -594,15 +577,7 @@ async fn railguard_serves_its_lock_api_over_mutual_tls_from_its_config() {
         .await;
     assert!(refused.is_err(), "{refused:?}");
     let key = "railguard_listener_refusals_total{listener=\"lock\",reason=\"tls_handshake\"}";
-    let mut refusals = 0.0;
-    for _ in 0..100 {
-        refusals = rg.metrics().await.get(key);
-        if refusals >= 1.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    assert_eq!(refusals, 1.0);
+    assert_eq!(rg.metric_reaches(key, 1.0).await, 1.0);
     // The other listeners stay plain: the admin listener answered the metrics over HTTP.
     assert_eq!(
         rg.metrics()

@@ -2,7 +2,7 @@
 //! sockets: each test is one way a hostile client, a careless operator command or an
 //! unauthenticated probe could get past them, and checks that it does not. (Renew and release
 //! by another identity, one identity's waits, the account in the path and credential reloads
-//! are tested in `tests/auth.rs` and `auth`'s unit tests.)
+//! are tested in the `auth` module beside this one and `auth`'s unit tests.)
 
 use railguard_testkit as support;
 
@@ -15,78 +15,7 @@ use railguard::auth::secret;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-const EU: &str = "rgs_eu_0000000000000000000000000000000000000000000000000000000000000001";
-const EU2: &str = "rgs_eu2_000000000000000000000000000000000000000000000000000000000000002";
-const READER: &str = "rgs_reader_0000000000000000000000000000000000000000000000000000000004";
-
-fn credentials() -> String {
-    let d = secret::digest_text;
-    format!(
-        "[[worker]]\nname = \"eu\"\nsecrets = [\"{}\"]\naccounts = [\"acct-eu-*\"]\n\
-         [[worker]]\nname = \"eu2\"\nsecrets = [\"{}\"]\naccounts = [\"acct-eu-*\"]\n\
-         [[operator]]\nname = \"reader\"\nsecrets = [\"{}\"]\nmay = [\"read\"]\n",
-        d(EU),
-        d(EU2),
-        d(READER),
-    )
-}
-
-struct Setup {
-    _pg: support::Pg,
-    rail: support::Rail,
-    rg: support::Railguard,
-    _dir: tempfile::TempDir,
-}
-
-async fn setup(env: &[(&str, &str)], process: bool) -> Setup {
-    support::init_tracing();
-    let pg = support::Pg::start().await;
-    let rail = support::Rail::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("credentials.toml");
-    std::fs::write(&file, credentials()).unwrap();
-    let mut all = vec![
-        ("RAILGUARD__AUTH__CREDENTIALS_FILE", file.to_str().unwrap()),
-        ("RAILGUARD__AUTH__RELOAD_INTERVAL_MS", "100"),
-    ];
-    all.extend_from_slice(env);
-    let rg = if process {
-        support::Railguard::start_process(&pg.url(), &rail.url(), &all).await
-    } else {
-        support::Railguard::start(&pg.url(), &rail.url(), &all).await
-    };
-    Setup {
-        _pg: pg,
-        rail,
-        rg,
-        _dir: dir,
-    }
-}
-
-async fn call(
-    method: Method,
-    url: &str,
-    secret: Option<&str>,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> support::Reply {
-    let mut request = Request::builder().method(method).uri(url);
-    if let Some(secret) = secret {
-        request = request.header("authorization", format!("Bearer {secret}"));
-    }
-    for (name, value) in headers {
-        request = request.header(*name, *value);
-    }
-    let request = request
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
-    tokio::time::timeout(Duration::from_secs(10), support::Http::new().send(request))
-        .await
-        .expect("answered within 10 s")
-        .expect("railguard answers")
-}
-
-const JSON: [(&str, &str); 1] = [("content-type", "application/json")];
+use crate::identities::{EU, EU2, JSON, READER, call, mark, setup};
 
 async fn acquire(rg: &support::Railguard, secret: &str, key: &str) -> serde_json::Value {
     let reply = call(
@@ -123,19 +52,6 @@ async fn pay(
         r#"{"amount":1}"#,
     )
     .await
-}
-
-async fn mark(rg: &support::Railguard, account: &str) -> i64 {
-    let reply = call(
-        Method::POST,
-        &format!("http://{}/marks", rg.admin),
-        Some(READER),
-        &JSON,
-        &format!("{{\"account\":\"{account}\"}}"),
-    )
-    .await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
-    reply.json()["mark"].as_i64().unwrap_or(0)
 }
 
 /// A grant for key K is no grant for account A (the proof binds the key), another
@@ -205,14 +121,13 @@ async fn grants_are_bound_to_key_and_identity_and_403s_confirm_no_token() {
     }
     assert!(s.rail.ledger().is_empty(), "nothing forwarded");
     assert_eq!(mark(rg, "acct-eu-1").await, 0, "no mark moved");
-    let records: i64 = s
-        ._pg
-        .client()
-        .await
-        .query_one("SELECT count(*) FROM idempotency_record", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let records: i64 =
+        s.pg.client()
+            .await
+            .query_one("SELECT count(*) FROM idempotency_record", &[])
+            .await
+            .unwrap()
+            .get(0);
     assert_eq!(records, 0, "a 401 or 403 created an idempotency record");
     let ok = pay(rg, EU, "acct-eu-1", &token, &proof, "k6").await;
     assert_eq!(ok.status, StatusCode::CREATED, "{}", ok.body);
@@ -653,8 +568,7 @@ async fn readyz_without_credentials_does_not_reveal_a_mark() {
     let s = setup(&[("RAILGUARD__GUARD__INTERVAL_MS", "200")], false).await;
     let rg = &s.rg;
     const POISON: i64 = 987_654_321_012;
-    s._pg
-        .client()
+    s.pg.client()
         .await
         .execute(
             "INSERT INTO rail_high_water (account_id, highest_token) VALUES ('acct-x', $1)",
@@ -662,26 +576,22 @@ async fn readyz_without_credentials_does_not_reveal_a_mark() {
         )
         .await
         .unwrap();
-    let mut body = String::new();
-    for _ in 0..50 {
-        let r = call(
-            Method::GET,
-            &format!("http://{}/readyz", rg.admin),
-            None,
-            &[],
-            "",
-        )
-        .await;
-        if r.status == StatusCode::SERVICE_UNAVAILABLE {
-            body = r.body;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(
-        !body.is_empty(),
-        "the guard never noticed the poisoned mark"
-    );
+    let body = support::eventually(
+        Duration::from_secs(5),
+        "the guard noticing the poisoned mark",
+        || async {
+            let r = call(
+                Method::GET,
+                &format!("http://{}/readyz", rg.admin),
+                None,
+                &[],
+                "",
+            )
+            .await;
+            (r.status == StatusCode::SERVICE_UNAVAILABLE).then_some(r.body)
+        },
+    )
+    .await;
     assert!(
         !body.contains(&POISON.to_string()),
         "an unauthenticated /readyz revealed the highest mark: {body}"
