@@ -62,14 +62,15 @@ async fn inv04_tokens_strictly_increase_across_cycles_restarts_and_recreation(mu
 
 /// Acquires, retrying while the backend is coming back.
 async fn retry_acquire(lock: &LockClient, key: &str, ttl: Duration) -> railguard::sdk::LockHandle {
-    for _ in 0..100 {
+    let back = "a grant once the backend is back";
+    support::eventually(Duration::from_secs(10), back, || async {
         match lock.acquire(key, "w", ttl, NOW).await {
-            Ok(handle) => return handle,
-            Err(SdkError::Unavailable(_)) => tokio::time::sleep(Duration::from_millis(100)).await,
+            Ok(handle) => Some(handle),
+            Err(SdkError::Unavailable(_)) => None,
             Err(e) => panic!("acquire failed: {e}"),
         }
-    }
-    panic!("the backend did not come back");
+    })
+    .await
 }
 
 /// One grant's life, in the backend's clock: from `granted` to when it ended.

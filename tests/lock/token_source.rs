@@ -5,6 +5,7 @@
 //! grants are above every mark and the proxy fences as before.
 
 use railguard_testkit as support;
+use support::until;
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -54,45 +55,41 @@ async fn readyz(rg: &support::Railguard) -> (StatusCode, String) {
 /// Polls until the guard has refused: /readyz 503 naming fast-forward, acquire 503
 /// `token_source_behind` (nothing granted, no mark in the message), the gauge at 1.
 async fn wait_until_refusing(rg: &support::Railguard, key: &str) {
-    let mut last = None;
-    for _ in 0..100 {
-        let (status, body) = readyz(rg).await;
-        if status == StatusCode::SERVICE_UNAVAILABLE && body.contains("fast-forward") {
-            let refused = acquire(rg, key).await;
-            assert_eq!(
-                refused.status,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "{}",
-                refused.body
-            );
-            let body = refused.json();
-            assert_eq!(body["error"], "token_source_behind", "{body}");
-            assert_eq!(body["outcome"], "none", "{body}");
-            assert!(
-                body["message"]
-                    .as_str()
-                    .unwrap()
-                    .contains("railguard fast-forward")
-            );
-            assert!(body.get("token").is_none(), "{body}");
-            let metrics = rg.metrics().await;
-            assert_eq!(metrics.get("railguard_token_source_behind"), 1.0);
-            return;
-        }
-        last = Some((status, body));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("the guard never refused: last /readyz {last:?}");
+    until(
+        Duration::from_secs(10),
+        "/readyz saying the token source is behind (fast-forward)",
+        || async {
+            let (status, body) = readyz(rg).await;
+            status == StatusCode::SERVICE_UNAVAILABLE && body.contains("fast-forward")
+        },
+    )
+    .await;
+    let refused = acquire(rg, key).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.body
+    );
+    let body = refused.json();
+    assert_eq!(body["error"], "token_source_behind", "{body}");
+    assert_eq!(body["outcome"], "none", "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .contains("railguard fast-forward")
+    );
+    assert!(body.get("token").is_none(), "{body}");
+    let metrics = rg.metrics().await;
+    assert_eq!(metrics.get("railguard_token_source_behind"), 1.0);
 }
 
 async fn wait_until_ready(rg: &support::Railguard) {
-    for _ in 0..100 {
-        if readyz(rg).await.0 == StatusCode::OK {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("not ready again: {:?}", readyz(rg).await);
+    until(Duration::from_secs(10), "/readyz ready again", || async {
+        readyz(rg).await.0 == StatusCode::OK
+    })
+    .await
 }
 
 /// After fast-forward: a new grant is above every mark, pays, and fences the old grant out.
@@ -385,15 +382,12 @@ async fn etcd_fast_forward_over_a_large_gap_shows_progress_survives_interruption
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut moved = false;
-    for _ in 0..300 {
-        if etcd.revision().await > start + 5_000 {
-            moved = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(moved, "fast-forward writes");
+    until(
+        Duration::from_secs(15),
+        "fast-forward writing to etcd",
+        || async { etcd.revision().await > start + 5_000 },
+    )
+    .await;
     let pid = child.id().unwrap().to_string();
     Command::new("kill").args(["-INT", &pid]).status().unwrap();
     let interrupted = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
@@ -732,35 +726,34 @@ async fn an_etcd_restore_between_checks_is_caught_by_the_first_grant_it_would_re
     copy(&backup, &data_dir);
     etcd.start(0).await;
     assert!(etcd.revision().await < t1);
-    let mut refused = None;
-    for _ in 0..50 {
-        while etcd.revision().await < t1 - 1 {
-            etcd.put_raw("/other/app", "x").await;
-        }
-        let reply = acquire(&rg, "acct-x").await;
-        assert_ne!(
-            reply.status,
-            StatusCode::OK,
-            "a grant at or below the mark: {}",
-            reply.body
-        );
-        if reply.json()["error"] == "token_source_behind" {
-            refused = Some(reply);
-            break;
-        }
-        // The client may still be reconnecting (503 unavailable).
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    refused.expect("the grant that would repeat t1 is refused");
+    // The client may still be reconnecting (503 unavailable) before the refusal.
+    until(
+        Duration::from_secs(10),
+        "the grant that would repeat t1 refused",
+        || async {
+            while etcd.revision().await < t1 - 1 {
+                etcd.put_raw("/other/app", "x").await;
+            }
+            let reply = acquire(&rg, "acct-x").await;
+            assert_ne!(
+                reply.status,
+                StatusCode::OK,
+                "a grant at or below the mark: {}",
+                reply.body
+            );
+            reply.json()["error"] == "token_source_behind"
+        },
+    )
+    .await;
     assert_eq!(rail.ledger().len(), 1, "only W1 paid");
 
     // With no operator: the floor is raised above every token granted before the restore (each
     // was recorded in PostgreSQL before it was handed out), etcd's revision is moved past it,
     // and grants resume.
-    support::eventually(
+    until(
         Duration::from_secs(30),
         "railguard ready again after the restore",
-        || async { (readyz(&rg).await.0 == StatusCode::OK).then_some(()) },
+        || async { readyz(&rg).await.0 == StatusCode::OK },
     )
     .await;
     let stale = rg.http().pay_with(&rg, t1, "acct-x").await;

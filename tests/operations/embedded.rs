@@ -219,16 +219,7 @@ async fn sighup_reloads_credentials_and_log_level_and_leaves_railguard_and_postg
     let before = rg.log().len();
     assert!(support::signal(pid, "HUP").await, "SIGHUP delivered");
 
-    let mut reloaded = false;
-    for _ in 0..100 {
-        reloaded = rg.log()[before..].contains("SIGHUP: reload done");
-        if reloaded {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let log = rg.log()[before..].to_string();
-    assert!(reloaded, "the reload is logged:\n{log}");
+    let log = rg.logged_since(before, "SIGHUP: reload done").await;
     assert!(log.contains("SIGHUP received"), "{log}");
     assert!(
         log.contains("credentials file read again (SIGHUP); the new version is in force"),
@@ -275,16 +266,9 @@ async fn sighup_reloads_credentials_and_log_level_and_leaves_railguard_and_postg
     std::fs::write(&credentials, "[[worker]]\nname = \"nobody\"\n").unwrap();
     let before = rg.log().len();
     assert!(support::signal(pid, "HUP").await, "SIGHUP delivered");
-    let mut reloaded = false;
-    for _ in 0..100 {
-        reloaded = rg.log()[before..].contains("SIGHUP: reload done with errors");
-        if reloaded {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let log = rg.log()[before..].to_string();
-    assert!(reloaded, "the refused reload is logged as an error:\n{log}");
+    let log = rg
+        .logged_since(before, "SIGHUP: reload done with errors")
+        .await;
     assert!(
         log.contains("the configuration cannot be used, nothing in it was applied")
             && log.contains("railguard.toml: key `proxy.request_timeout_ms`"),

@@ -12,8 +12,8 @@ use railguard_testkit as support;
 use railguard::db::maintenance::{Maintenance, run_once};
 use railguard::db::migrate;
 use railguard::proxy::idempotency::COMPLETE_SQL;
-use support::Pg;
 use support::records::{Completions, idempotency_store, insert_in_flight};
+use support::{Pg, until};
 use tokio_postgres::Client;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -222,9 +222,9 @@ async fn records_are_written_while_the_index_is_built() {
         let url = pg.url();
         tokio::spawn(async move { run_once(&url, TIMEOUT).await })
     };
-    let mut waiting = false;
-    for _ in 0..200 {
-        waiting = client
+    let waits = "the build waiting for the open transaction";
+    until(Duration::from_secs(5), waits, || async {
+        client
             .query_one(
                 "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
                      WHERE query LIKE 'CREATE INDEX CONCURRENTLY%' AND wait_event_type = 'Lock')",
@@ -232,13 +232,9 @@ async fn records_are_written_while_the_index_is_built() {
             )
             .await
             .unwrap()
-            .get(0);
-        if waiting {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    assert!(waiting, "the build waits for the open transaction");
+            .get(0)
+    })
+    .await;
 
     // A second railguard: skips.
     assert_eq!(maintain(&pg).await, Maintenance::Busy);
@@ -282,15 +278,12 @@ async fn serve_brings_the_retention_index_up_to_date() {
     assert!(retention_indexes(&client).await.1.is_some());
     let rail = support::Rail::start().await;
     let _rg = support::Railguard::start(&pg.url(), &rail.url(), &[]).await;
-    let mut indexes = retention_indexes(&client).await;
-    for _ in 0..200 {
-        if indexes.1.is_none() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        indexes = retention_indexes(&client).await;
-    }
-    let (created, completed) = indexes;
+    let (created, completed) =
+        support::eventually(Duration::from_secs(10), "the old index dropped", || async {
+            let indexes = retention_indexes(&client).await;
+            indexes.1.is_none().then_some(indexes)
+        })
+        .await;
     assert!(created.expect("built").1, "valid");
     assert_eq!(completed, None, "the old index dropped");
 }

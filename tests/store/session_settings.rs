@@ -184,23 +184,12 @@ async fn a_reload_does_not_make_a_checked_session_non_durable() {
         admin.batch_execute(statement).await.unwrap();
     }
     let setting = |row: tokio_postgres::Row| row.get::<_, String>(0);
-    let mut unpinned_value = String::new();
-    for _ in 0..50 {
-        unpinned_value = setting(
-            unpinned
-                .query_one("SELECT current_setting('synchronous_commit')", &[])
-                .await
-                .unwrap(),
-        );
-        if unpinned_value == "off" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(
-        unpinned_value, "off",
-        "the reload reached an ordinary session"
-    );
+    let reached = "the reload reaching an ordinary session";
+    support::until(Duration::from_secs(5), reached, || async {
+        let sql = "SELECT current_setting('synchronous_commit')";
+        setting(unpinned.query_one(sql, &[]).await.unwrap()) == "off"
+    })
+    .await;
     let value = setting(
         checked
             .query_one("SELECT current_setting('synchronous_commit')", &[])

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use support::relay::Relay;
-use support::{Http, Pg, Rail, Railguard, Reply, init_tracing};
+use support::{Http, Pg, Rail, Railguard, Reply, eventually, init_tracing, until};
 
 /// The account whose statement stalls.
 const STALLED: &str = "acct-stalled";
@@ -80,20 +80,11 @@ impl Setup {
     }
 
     fn spawn_pay(&self, account: &str, key: Option<&str>) -> tokio::task::JoinHandle<Reply> {
-        let (http, url) = (self.http.clone(), self.rg.proxy_url("/payments"));
-        let (account, key) = (account.to_string(), key.map(str::to_string));
-        let proof = self.rg.proof(&account, 1);
-        tokio::spawn(async move {
-            let mut headers = vec![
-                ("Fencing-Token", "1"),
-                ("Fencing-Account", account.as_str()),
-                ("Fencing-Proof", proof.as_str()),
-            ];
-            if let Some(key) = key.as_deref() {
-                headers.push(("Idempotency-Key", key));
-            }
-            http.pay(&url, &headers, "{\"amount\":1}").await
-        })
+        let payment = self.rg.payment(account, 1);
+        match key {
+            Some(key) => payment.key(key).spawn(),
+            None => payment.spawn(),
+        }
     }
 
     /// Stalls the connection of the `nth` chunk (from 1) sent to PostgreSQL that names
@@ -110,13 +101,8 @@ impl Setup {
     }
 
     async fn until_stalled(&self) {
-        for _ in 0..200 {
-            if self.relay.has_stalled() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("no statement stalled");
+        let stalled = || async { self.relay.has_stalled() };
+        until(Duration::from_secs(2), "a statement stalled", stalled).await
     }
 
     async fn stalled(&self, statement: &str) -> f64 {
@@ -164,21 +150,23 @@ impl Setup {
     /// The stalled account's payment under `key`, repeated until it is answered 201 (a key
     /// whose statement has just answered may still be in flight for a moment).
     async fn created_soon(&self, key: &str) -> Reply {
-        for _ in 0..100 {
-            let reply = self.pay(STALLED, Some(key)).await;
-            if reply.status == StatusCode::CREATED {
-                return reply;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("{key} was not answered 201 within 5 s");
+        eventually(
+            Duration::from_secs(5),
+            format!("{key} answered 201"),
+            || async {
+                let reply = self.pay(STALLED, Some(key)).await;
+                (reply.status == StatusCode::CREATED).then_some(reply)
+            },
+        )
+        .await
     }
 
     /// Stops (SIGSTOP) railguard's backend that waits for a lock in a statement starting
     /// with `statement`, once there is one; returns its pid.
     async fn stop_backend_waiting(&self, statement: &str) -> u32 {
         let client = self.pg.client().await;
-        for _ in 0..300 {
+        let waits = format!("a railguard statement starting with {statement:?} waiting for a lock");
+        let backend = eventually(Duration::from_secs(3), waits, || async {
             let row = client
                 .query_opt(
                     "SELECT pid FROM pg_stat_activity
@@ -188,14 +176,11 @@ impl Setup {
                 )
                 .await
                 .unwrap();
-            if let Some(row) = row {
-                let backend = row.get::<_, i32>(0) as u32;
-                self.pg.pause_backend(backend).await;
-                return backend;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("no railguard statement starting with {statement:?} waits for a lock");
+            row.map(|row| row.get::<_, i32>(0) as u32)
+        })
+        .await;
+        self.pg.pause_backend(backend).await;
+        backend
     }
 
     /// The stalled account's worker keeps paying (with `key(n)` on its n-th try) while four
@@ -242,22 +227,23 @@ impl Setup {
     }
 
     async fn until_nothing_stalls(&self) {
-        for _ in 0..300 {
-            let m = self.rg.metrics().await;
-            let stalled: f64 = ["fence", "completion", "look"]
-                .iter()
-                .map(|s| {
-                    m.get(&format!(
-                        "railguard_db_statements_stalled{{statement=\"{s}\"}}"
-                    ))
-                })
-                .sum();
-            if stalled == 0.0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("a released statement is still counted as stalled");
+        until(
+            Duration::from_secs(3),
+            "released statements no longer counted as stalled",
+            || async {
+                let m = self.rg.metrics().await;
+                let stalled: f64 = ["fence", "completion", "look"]
+                    .iter()
+                    .map(|s| {
+                        m.get(&format!(
+                            "railguard_db_statements_stalled{{statement=\"{s}\"}}"
+                        ))
+                    })
+                    .sum();
+                stalled == 0.0
+            },
+        )
+        .await
     }
 }
 
@@ -433,16 +419,12 @@ async fn a_batcher_jammed_by_stalled_statements_is_not_ready() {
         stalled.push(s.spawn_pay(account, None));
         s.until_stalled().await;
     }
-    let mut jammed = None;
-    for _ in 0..100 {
+    let jammed = "/readyz saying not ready while every fence place is stalled";
+    let why = eventually(Duration::from_secs(2), jammed, || async {
         let (status, body) = s.http.get(&readyz).await.unwrap();
-        if status == StatusCode::SERVICE_UNAVAILABLE {
-            jammed = Some(body);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let why = jammed.expect("/readyz says not ready while every fence place is stalled");
+        (status == StatusCode::SERVICE_UNAVAILABLE).then_some(body)
+    })
+    .await;
     assert!(why.contains("3 fence statements stalled"), "{why}");
     s.relay.release_stalled();
     s.until_nothing_stalls().await;
@@ -485,9 +467,8 @@ async fn a_backend_stopped_holding_a_record_in_its_completion_holds_up_that_reco
     // key-a's row from then on.
     let mut blocker = s.pg.client().await;
     let tx = blocker.transaction().await.unwrap();
-    let mut locked = 0;
-    for _ in 0..100 {
-        locked = tx
+    until(Duration::from_secs(1), "the record made", || async {
+        let locked = tx
             .execute(
                 "SELECT 1 FROM idempotency_record
                  WHERE account_id = $1 AND idempotency_key = 'key-z' FOR UPDATE",
@@ -495,12 +476,9 @@ async fn a_backend_stopped_holding_a_record_in_its_completion_holds_up_that_reco
             )
             .await
             .unwrap();
-        if locked == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(locked, 1, "the record was made");
+        locked == 1
+    })
+    .await;
     let backend = s.stop_backend_waiting("UPDATE idempotency_record r").await;
     tx.rollback().await.unwrap();
     // The rail's answers reach the first clients even though they are not stored yet.

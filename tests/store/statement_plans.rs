@@ -8,6 +8,8 @@
 
 use railguard_testkit as support;
 
+use std::time::Duration;
+
 use railguard::proxy::fence::LAST_LOOK_SQL;
 use railguard::proxy::idempotency::COMPLETE_SQL;
 use support::Pg;
@@ -400,22 +402,22 @@ async fn a_passed_over_completion_that_cannot_be_settled_is_retried() {
     tx.commit().await.unwrap();
     completing.await.unwrap();
     drop(held);
-    let mut state = String::new();
-    for _ in 0..200 {
-        state = client
-            .query_one(
-                "SELECT state FROM idempotency_record WHERE idempotency_key = 'key-2'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if state == "done" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(state, "done", "the completion was dropped");
+    support::until(
+        Duration::from_secs(10),
+        "key-2's completion stored",
+        || async {
+            let state: String = client
+                .query_one(
+                    "SELECT state FROM idempotency_record WHERE idempotency_key = 'key-2'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            state == "done"
+        },
+    )
+    .await;
 }
 
 /// The completion's generic plan, as its sessions make it, for a batch of `rows` records.
@@ -709,8 +711,9 @@ async fn the_last_look_never_reads_from_a_server_that_takes_no_writes() {
         .batch_execute("SELECT pg_reload_conf()")
         .await
         .unwrap();
-    let mut refused = None;
-    for _ in 0..50 {
+    // The reload reaches new sessions within moments.
+    let refused = "a look session refused on a server that takes no writes";
+    let refused = support::eventually(Duration::from_secs(5), refused, || async {
         let url = pg.url();
         let separator = if url.contains('?') { '&' } else { '?' };
         let fresh = railguard::db::build_look_pool(
@@ -719,16 +722,12 @@ async fn the_last_look_never_reads_from_a_server_that_takes_no_writes() {
             std::time::Duration::from_secs(10),
         )
         .unwrap();
-        match fresh.get().await {
-            Err(e) => {
-                refused = Some(railguard::db::DbError::from(e).to_string());
-                break;
-            }
-            // The reload reaches new sessions within moments.
-            Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
-        }
-    }
-    let refused = refused.expect("no look session on a server that takes no writes");
+        let opened = fresh.get().await;
+        opened
+            .err()
+            .map(|e| railguard::db::DbError::from(e).to_string())
+    })
+    .await;
     assert!(refused.contains("does not allow writes"), "{refused}");
     // The main pool's statements would fail there on their own; a plain session still opens.
     let plain =

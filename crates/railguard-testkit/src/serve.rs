@@ -310,6 +310,25 @@ impl Railguard {
         std::fs::read_to_string(self.log_path()).unwrap_or_default()
     }
 
+    /// Waits (10 s at most) until the child process's log, from byte `from` on (an earlier
+    /// `log().len()`), holds `text`; that part of the log. Fails the test, showing it, if not.
+    pub async fn logged_since(&self, from: usize, text: &str) -> String {
+        let found = crate::within(Duration::from_secs(10), || async {
+            let log = self.log();
+            log.get(from..)
+                .filter(|since| since.contains(text))
+                .map(str::to_string)
+        })
+        .await;
+        found.unwrap_or_else(|_| {
+            let log = self.log();
+            panic!(
+                "railguard did not log {text:?}:\n{}",
+                log.get(from..).unwrap_or(&log)
+            )
+        })
+    }
+
     async fn spawn(&mut self) {
         let log = std::fs::OpenOptions::new()
             .create(true)
