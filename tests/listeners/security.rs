@@ -5,6 +5,7 @@
 //! are tested in the `auth` module beside this one and `auth`'s unit tests.)
 
 use railguard_testkit as support;
+use support::World;
 
 use std::time::Duration;
 
@@ -522,12 +523,13 @@ async fn an_oversized_http2_head_is_refused_and_counted() {
 /// again (no permanent 503).
 #[tokio::test]
 async fn clients_that_hang_up_mid_payment_do_not_leak_in_flight_slots() {
-    support::init_tracing();
-    let pg = support::Pg::start().await;
-    let rail = support::Rail::with_latency(Duration::from_millis(1500)).await;
-    let rg = support::Railguard::start(
-        &pg.url(),
-        &rail.url(),
+    let World {
+        pg: _pg,
+        rail: _rail,
+        rg,
+        ..
+    } = World::postgres_on(
+        support::Rail::with_latency(Duration::from_millis(1500)).await,
         &[("RAILGUARD__PROXY__MAX_IN_FLIGHT", "2")],
     )
     .await;

@@ -5,6 +5,7 @@
 //! grants are above every mark and the proxy fences as before.
 
 use railguard_testkit as support;
+use support::World;
 use support::until;
 
 use std::path::Path;
@@ -105,10 +106,8 @@ async fn fences_again(rg: &support::Railguard, account: &str, old: i64, mark: i6
 
 #[tokio::test]
 async fn a_restored_lockdb_grants_nothing_until_fast_forward_then_fences_correctly() {
-    support::init_tracing();
-    let pg = support::Pg::start().await;
-    let rail = support::Rail::start().await;
-    let rg = support::Railguard::start_process(&pg.url(), &rail.url(), &[FAST_GUARD]).await;
+    let World { pg, rail, rg, .. } =
+        World::postgres_process(support::Rail::start().await, &[FAST_GUARD]).await;
 
     // Normal traffic: grants, payments, marks.
     let first = token_of(&acquire(&rg, "acct-r1").await);
@@ -169,21 +168,19 @@ async fn a_restored_lockdb_grants_nothing_until_fast_forward_then_fences_correct
     assert_eq!(rg.metrics().await.get("railguard_token_source_behind"), 0.0);
     fences_again(&rg, "acct-r2", mark, mark).await;
     fences_again(&rg, "acct-r1", first, mark).await;
-    assert_eq!(
-        rail.ledger().len(),
-        ledger_before + 2,
-        "only the new grants paid"
-    );
+    rail.assert_paid(ledger_before + 2, "only the new grants paid");
 }
 
 /// A railguard that starts on a source already behind (restored while it was down) is not
 /// ready and grants nothing from its first request.
 #[tokio::test]
 async fn a_railguard_started_on_a_restored_lockdb_is_never_ready_until_fast_forward() {
-    support::init_tracing();
-    let pg = support::Pg::start().await;
-    let rail = support::Rail::start().await;
-    let mut rg = support::Railguard::start_process(&pg.url(), &rail.url(), &[FAST_GUARD]).await;
+    let World {
+        pg,
+        rail: _rail,
+        mut rg,
+        ..
+    } = World::postgres_process(support::Rail::start().await, &[FAST_GUARD]).await;
     let mark = token_of(&acquire(&rg, "acct-s1").await);
     assert_eq!(
         rg.http().pay_with(&rg, mark, "acct-s1").await.status,
@@ -425,10 +422,12 @@ async fn etcd_fast_forward_over_a_large_gap_shows_progress_survives_interruption
 /// lowered.
 #[tokio::test]
 async fn a_poisoned_account_is_recovered_without_lowering_any_mark() {
-    support::init_tracing();
-    let pg = support::Pg::start().await;
-    let rail = support::Rail::start().await;
-    let rg = support::Railguard::start_process(&pg.url(), &rail.url(), &[FAST_GUARD]).await;
+    let World {
+        pg,
+        rail: _rail,
+        rg,
+        ..
+    } = World::postgres_process(support::Rail::start().await, &[FAST_GUARD]).await;
     let healthy = token_of(&acquire(&rg, "acct-ok").await);
     assert_eq!(
         rg.http().pay_with(&rg, healthy, "acct-ok").await.status,
@@ -544,12 +543,8 @@ async fn a_poisoned_account_is_recovered_without_lowering_any_mark() {
 /// poison the account. A token the source did issue still passes without a proof.
 #[tokio::test]
 async fn without_proofs_a_token_the_source_never_issued_is_refused() {
-    support::init_tracing();
-    let pg = support::Pg::start().await;
-    let rail = support::Rail::start().await;
-    let rg = support::Railguard::start_process(
-        &pg.url(),
-        &rail.url(),
+    let World { pg, rail, rg, .. } = World::postgres_process(
+        support::Rail::start().await,
         &[("RAILGUARD__FENCING__REQUIRE_PROOF", "false")],
     )
     .await;
@@ -582,7 +577,7 @@ async fn without_proofs_a_token_the_source_never_issued_is_refused() {
         ["error", "message", "origin", "request_id"],
         "no hint of the source"
     );
-    assert_eq!(rail.ledger().len(), 0, "never forwarded");
+    rail.assert_paid(0, "never forwarded");
     let huge = unproven(i64::MAX).await;
     assert_eq!(huge.status, StatusCode::BAD_REQUEST, "{}", huge.body);
     let marks: i64 = pg
@@ -745,7 +740,7 @@ async fn an_etcd_restore_between_checks_is_caught_by_the_first_grant_it_would_re
         },
     )
     .await;
-    assert_eq!(rail.ledger().len(), 1, "only W1 paid");
+    rail.assert_paid(1, "only W1 paid");
 
     // With no operator: the floor is raised above every token granted before the restore (each
     // was recorded in PostgreSQL before it was handed out), etcd's revision is moved past it,
@@ -768,7 +763,7 @@ async fn an_etcd_restore_between_checks_is_caught_by_the_first_grant_it_would_re
         rg.http().pay_with(&rg, t2, "acct-x").await.status,
         StatusCode::CREATED
     );
-    assert_eq!(rail.ledger().len(), 2);
+    rail.assert_paid(2, "payments at the rail");
     let audit: i64 = pg
         .client()
         .await

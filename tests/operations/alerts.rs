@@ -21,7 +21,7 @@ use http::StatusCode;
 use railguard::sdk::SdkError;
 use serde_json::Value;
 use support::payment::grant;
-use support::{Pg, Prometheus, Rail, Railguard, init_tracing};
+use support::{Pg, Prometheus, Rail, Railguard, World, init_tracing};
 use tokio::time::{Instant, sleep};
 
 const RULES: &str = concat!(
@@ -121,7 +121,7 @@ async fn a_stale_token_fires_the_fenced_out_alert_and_nothing_fires_before() {
         matches!(stale, Err(SdkError::FencedOut { .. })),
         "W1's stale submit must be fenced out: {stale:?}"
     );
-    assert_eq!(rail.ledger().len(), 1, "the rail saw W2's payment only");
+    rail.assert_paid(1, "the rail saw W2's payment only");
 
     let sent = Instant::now();
     let alert =
@@ -185,10 +185,12 @@ async fn a_stale_token_fires_the_fenced_out_alert_and_nothing_fires_before() {
 
 #[tokio::test]
 async fn every_metric_the_rules_and_the_dashboard_name_is_one_railguard_exports() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        pg: _pg,
+        rail: _rail,
+        rg,
+        ..
+    } = World::postgres_process(Rail::start().await, &[]).await;
     // Sample names as exposed: a histogram's are its _bucket, _sum and _count.
     let exported: BTreeSet<String> = rg
         .metrics()

@@ -130,7 +130,7 @@ async fn embedded_postgres_is_private_survives_restarts_and_is_stopped_cleanly()
         .unwrap();
     assert_eq!(paid.status, StatusCode::CREATED);
     assert!(rg.stop().await.success());
-    assert_eq!(rail.ledger().len(), 3);
+    rail.assert_paid(3, "payments at the rail");
 }
 
 /// Whether `pid` is a live process (not gone, not a zombie waiting for its parent).
@@ -293,5 +293,5 @@ async fn sighup_reloads_credentials_and_log_level_and_leaves_railguard_and_postg
         "a stop after the reload still stops PostgreSQL:\n{}",
         rg.log()
     );
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
 }

@@ -84,11 +84,7 @@ async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_to
         .send()
         .await;
     assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
-    assert_eq!(
-        rail.ledger().len(),
-        2,
-        "only the two good payments reached the rail"
-    );
+    rail.assert_paid(2, "only the two good payments reached the rail");
 }
 
 /// Two railguards on one database with different request timeouts (a rolling
@@ -253,10 +249,12 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
 /// the proxy's own layer, never at ERROR by the trace layer.
 #[tokio::test]
 async fn a_database_outage_logs_no_error_lines() {
-    init_tracing();
-    let mut pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        mut pg,
+        rail: _rail,
+        rg,
+        ..
+    } = World::postgres_process(Rail::start().await, &[]).await;
     let http = rg.http();
     assert_eq!(
         http.pay_with(&rg, 3, "acct-o").await.status,
@@ -356,10 +354,9 @@ async fn an_acquire_slower_than_the_database_timeout_leaves_no_grant_behind() {
 /// not in flight (and later in doubt) for a payment that succeeded.
 #[tokio::test]
 async fn a_completion_lost_to_a_database_crash_is_stored_when_it_returns() {
-    init_tracing();
-    let mut pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        mut pg, rail, rg, ..
+    } = World::postgres_on(Rail::with_latency(Duration::from_millis(1500)).await, &[]).await;
     let http = Http::new();
     let grant = acquire(&http, &rg, "acct-c").await;
     let original = rg
@@ -368,7 +365,7 @@ async fn a_completion_lost_to_a_database_crash_is_stored_when_it_returns() {
         .key("pay-c")
         .spawn();
     rail.until_paid(1).await;
-    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+    rail.assert_paid(1, "the payment reached the rail");
     tokio::time::sleep(Duration::from_millis(300)).await; // let the record's commit reach disk
     pg.kill().await;
     let first = original.await.unwrap();
@@ -397,7 +394,7 @@ async fn a_completion_lost_to_a_database_crash_is_stored_when_it_returns() {
         "true"
     );
     assert_eq!(replayed.body, first.body);
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
 }
 
 /// Across two railguard processes, a token superseded in the database before its

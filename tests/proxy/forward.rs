@@ -37,7 +37,7 @@ async fn tokens_at_or_above_the_mark_pass_and_stale_tokens_are_fenced_out() {
         StatusCode::CREATED
     );
     assert_eq!(pg.mark("acct-1").await, Some(57));
-    assert_eq!(rail.ledger().len(), 3);
+    rail.assert_paid(3, "payments at the rail");
     let before = rg.metrics().await;
 
     // T-042's last step: the stalled survivor comes back with 42.
@@ -72,11 +72,7 @@ async fn tokens_at_or_above_the_mark_pass_and_stale_tokens_are_fenced_out() {
             reply.body
         );
     }
-    assert_eq!(
-        rail.ledger().len(),
-        3,
-        "the rail never saw the stale request"
-    );
+    rail.assert_paid(3, "the rail never saw the stale request");
     assert_eq!(pg.mark("acct-1").await, Some(57));
 
     let after = rg.metrics().await;
@@ -116,7 +112,7 @@ async fn a_stale_token_is_fenced_even_when_the_mark_was_never_cached() {
         http.pay_with(&rg2, 42, "shared").await.status,
         StatusCode::CONFLICT
     );
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
     let m = rg2.metrics().await;
     assert_eq!(m.get(FENCED), 1.0);
     assert_eq!(
@@ -581,12 +577,13 @@ async fn fifty_concurrent_random_tokens(
 
 #[tokio::test]
 async fn fifty_concurrent_requests_reach_the_rail_in_token_order() {
-    init_tracing();
-    let pg = Pg::start().await;
     // A slow rail behind a jittery path: requests overlap, and without the proxy's ordering
     // they would arrive out of order. Four accounts' bursts run at once to widen the net.
-    let rail = Rail::with_jitter(Duration::from_millis(5), Duration::from_millis(15)).await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World { pg, rail, rg, .. } = World::postgres_on(
+        Rail::with_jitter(Duration::from_millis(5), Duration::from_millis(15)).await,
+        &[],
+    )
+    .await;
     let bursts = ["hot-0", "hot-1", "hot-2", "hot-3"]
         .map(|a| fifty_concurrent_random_tokens(&pg, &rail, &rg, a));
     let fenced: usize = futures_join_all(bursts).await.into_iter().sum();
@@ -683,11 +680,7 @@ async fn postgres_down_means_503_and_nothing_forwarded_then_recovery() {
         .await
         .unwrap();
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(
-        rail.ledger().len(),
-        1,
-        "nothing was forwarded without a fence check"
-    );
+    rail.assert_paid(1, "nothing was forwarded without a fence check");
 
     // The same railguard recovers on its own; the restart raised the fencing floor, and a
     // token above it pays.
@@ -708,7 +701,7 @@ async fn postgres_down_means_503_and_nothing_forwarded_then_recovery() {
         http.pay_with(&rg, 9, "k").await.status,
         StatusCode::CONFLICT
     );
-    assert_eq!(rail.ledger().len(), 2);
+    rail.assert_paid(2, "payments at the rail");
     assert!(
         rg.metrics()
             .await
@@ -734,7 +727,7 @@ async fn postgres_that_stops_answering_gets_503_within_the_database_timeout() {
         "{}",
         reply.body
     );
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
     // The compare-and-set that timed out may have committed once PostgreSQL resumed: the
     // mark is 10 or 11, never anything else, and 11 is accepted either way.
     let mark = pg.mark("k").await;
@@ -747,12 +740,8 @@ async fn postgres_that_stops_answering_gets_503_within_the_database_timeout() {
 
 #[tokio::test]
 async fn kill_switch_forwards_stale_tokens_and_counts_them() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start_process(
-        &pg.url(),
-        &rail.url(),
+    let World { pg, rail, rg, .. } = World::postgres_process(
+        Rail::start().await,
         &[("RAILGUARD__FENCING__ENFORCE", "false")],
     )
     .await;
@@ -882,10 +871,12 @@ async fn http2_clients_are_proxied_and_hop_by_hop_headers_dropped() {
 
 #[tokio::test]
 async fn sigterm_drains_in_flight_requests() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_millis(500)).await;
-    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        pg: _pg,
+        rail,
+        mut rg,
+        ..
+    } = World::postgres_process(Rail::with_latency(Duration::from_millis(500)).await, &[]).await;
     let in_flight = rg.payment("d", 1).body("{}").spawn();
     tokio::time::sleep(Duration::from_millis(150)).await;
     let status = rg.stop().await;
@@ -895,7 +886,7 @@ async fn sigterm_drains_in_flight_requests() {
         StatusCode::CREATED,
         "the in-flight request finished"
     );
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
 }
 
 #[tokio::test]
@@ -1059,11 +1050,7 @@ async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
             .contains("\r\nallow: get, head, post, put, delete, options, trace, patch\r\n"),
         "a 405 names the methods forwarded: {answer}"
     );
-    assert_eq!(
-        rail.ledger().len(),
-        3,
-        "only the valid Hosts reached the rail"
-    );
+    rail.assert_paid(3, "only the valid Hosts reached the rail");
     assert_eq!(pg.mark("acct-h").await, None, "no mark moved");
 
     // HTTP/2 arrives at the rail as HTTP/1.1, and Via says what railguard received.

@@ -114,7 +114,7 @@ async fn a_completed_request_is_replayed_without_touching_the_rail() {
         .send()
         .await;
     assert_eq!(newer.body, first.body);
-    assert_eq!(rail.ledger().len(), 1, "the rail saw the payment once");
+    rail.assert_paid(1, "the rail saw the payment once");
     // Keys are scoped per account: the same key on another account is another payment.
     assert_eq!(
         rg.payment("other", 8)
@@ -125,7 +125,7 @@ async fn a_completed_request_is_replayed_without_touching_the_rail() {
             .status,
         StatusCode::CREATED
     );
-    assert_eq!(rail.ledger().len(), 2);
+    rail.assert_paid(2, "payments at the rail");
     let m = rg.metrics().await;
     assert_eq!(m.get("railguard_requests_total{outcome=\"replayed\"}"), 2.0);
     // A stale token is fenced before its key is looked at, and leaves no record.
@@ -137,10 +137,9 @@ async fn a_completed_request_is_replayed_without_touching_the_rail() {
 
 #[tokio::test]
 async fn concurrent_duplicates_are_forwarded_once() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_millis(500)).await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        pg: _pg, rail, rg, ..
+    } = World::postgres_on(Rail::with_latency(Duration::from_millis(500)).await, &[]).await;
     let mut tasks = Vec::new();
     for _ in 0..20 {
         tasks.push(rg.payment("a", 3).key("dup").body("{}").spawn());
@@ -162,7 +161,7 @@ async fn concurrent_duplicates_are_forwarded_once() {
         }
     }
     assert_eq!((created, in_flight), (1, 19));
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
 }
 
 #[tokio::test]
@@ -216,7 +215,7 @@ async fn the_same_key_with_another_request_is_422() {
     );
     let bad = rg.payment("a", 1).key("has space").body("{}").send().await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
 }
 
 #[tokio::test]
@@ -251,7 +250,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
         })
     };
     rail.until_paid(1).await;
-    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+    rail.assert_paid(1, "the payment reached the rail");
     let killed_owner = rg
         .instance()
         .expect("railguard logs its instance when it starts");
@@ -281,7 +280,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
             .unwrap()
             .contains("idempotency-forget")
     );
-    assert_eq!(rail.ledger().len(), 1, "never forwarded twice");
+    rail.assert_paid(1, "never forwarded twice");
 
     // The operator's way out, after checking the rail: asks the running railguard. The owner
     // crashed, so nothing recorded its stop: forget asks for the operator's word, naming it.
@@ -306,21 +305,15 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     .await
     .unwrap();
     assert_eq!(retried.status, StatusCode::CREATED);
-    assert_eq!(
-        rail.ledger().len(),
-        2,
-        "forwarded again only after the operator said so"
-    );
+    rail.assert_paid(2, "forwarded again only after the operator said so");
 }
 
 /// A request whose record was made but which was superseded before its turn never reached the
 /// rail: its record is removed, so a retry of the key goes through.
 #[tokio::test]
 async fn a_superseded_request_leaves_no_record_behind() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_millis(600)).await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World { pg, rail, rg, .. } =
+        World::postgres_on(Rail::with_latency(Duration::from_millis(600)).await, &[]).await;
     let first = rg.payment("a", 42).body("{}").spawn(); // in flight at the rail
     tokio::time::sleep(Duration::from_millis(150)).await;
     // Accepted, recorded, waits for its turn.
@@ -394,7 +387,7 @@ async fn retention_removes_old_records() {
         rg.payment("a", 1).key("old").body("{}").send().await.status,
         StatusCode::CREATED
     );
-    assert_eq!(rail.ledger().len(), 2);
+    rail.assert_paid(2, "payments at the rail");
 }
 
 #[tokio::test]
@@ -415,7 +408,7 @@ async fn large_responses_are_replayed_without_their_body_and_unreached_rails_lea
         again.headers.get("idempotency-replay-body").unwrap(),
         "omitted"
     );
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
 
     let dead = format!("http://127.0.0.1:{}", support::free_loopback_port());
     let rg2 = Railguard::start(&pg.url(), &dead, &[]).await;
@@ -515,7 +508,7 @@ async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
         assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
         answers.push((account, key, i, reply.body));
     }
-    assert_eq!(rail.ledger().len(), 200);
+    rail.assert_paid(200, "payments at the rail");
     let done: i64 = pg
         .client()
         .await
@@ -543,7 +536,7 @@ async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
         assert_eq!(again.headers.get("idempotency-replayed").unwrap(), "true");
         assert_eq!(again.body, body, "{key} replays its own answer");
     }
-    assert_eq!(rail.ledger().len(), 200, "no replay reached the rail");
+    rail.assert_paid(200, "no replay reached the rail");
 }
 
 /// A record removed while its request is at the rail (an operator forgot it; here deleted
@@ -551,15 +544,13 @@ async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
 /// hears the rail's answer. A retry of the key is then a new payment, as forgetting means.
 #[tokio::test]
 async fn a_completion_whose_record_was_forgotten_does_not_resurrect_it() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_millis(600)).await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World { pg, rail, rg, .. } =
+        World::postgres_on(Rail::with_latency(Duration::from_millis(600)).await, &[]).await;
     let paying = rg.payment("a", 2).key("forgotten").body("{}").spawn();
     // Its neighbour in the same account completes normally, in the same window.
     let neighbour = rg.payment("a", 2).key("kept").body("{}").spawn();
     rail.until_paid(2).await;
-    assert_eq!(rail.ledger().len(), 2, "both reached the rail");
+    rail.assert_paid(2, "both reached the rail");
     let client = pg.client().await;
     let deleted = client
         .execute(
@@ -582,11 +573,7 @@ async fn a_completion_whose_record_was_forgotten_does_not_resurrect_it() {
     let retried = rg.payment("a", 2).key("forgotten").body("{}").send().await;
     assert_eq!(retried.status, StatusCode::CREATED);
     assert!(!retried.headers.contains_key("idempotency-replayed"));
-    assert_eq!(
-        rail.ledger().len(),
-        3,
-        "forgotten means a retry is a new payment"
-    );
+    rail.assert_paid(3, "forgotten means a retry is a new payment");
 }
 
 /// Whether the railguard of `instance` holds its instance lock, as forget looks it up.
@@ -638,7 +625,7 @@ async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
         .await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
     wait_until_in_doubt(&pg, "paused").await;
-    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+    rail.assert_paid(1, "the payment reached the rail");
 
     // Running, it is refused even on the operator's word.
     let owner_text = owner.to_string();
@@ -699,7 +686,7 @@ async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
         .forget_with("a", "paused", &["--owner-stopped", &owner_text])
         .await;
     assert!(!again.status.success());
-    assert_eq!(rail.ledger().len(), 1, "never forwarded again on its own");
+    rail.assert_paid(1, "never forwarded again on its own");
 }
 
 /// A crashed owner records no stop: forget names it, refuses another instance's name, and
@@ -747,7 +734,7 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
     let retry = rg.payment("a", 4).key("gone").body("{}").send().await;
     assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
     assert_eq!(retry.json()["error"], "in_doubt");
-    assert_eq!(rail.ledger().len(), 1, "never forwarded again on its own");
+    rail.assert_paid(1, "never forwarded again on its own");
 
     let owner_text = owner.to_string();
     let forgot = forget_when_due(&rg, "a", "gone", &["--owner-stopped", &owner_text]).await;
@@ -781,11 +768,7 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
         .expect("railguard met the restarted server");
     let again = rg.payment("a", floor).key("gone").body("{}").send().await;
     assert_eq!(again.status, StatusCode::GATEWAY_TIMEOUT, "{}", again.body);
-    assert_eq!(
-        rail.ledger().len(),
-        2,
-        "forwarded again only after the operator said so"
-    );
+    rail.assert_paid(2, "forwarded again only after the operator said so");
 }
 
 /// A record that names no owner (made by a railguard older than migration 0004) has nothing in
@@ -794,11 +777,9 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
 /// running when it was made has stopped (`--owner-stopped unrecorded`), and audits that word.
 #[tokio::test]
 async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
-    init_tracing();
-    let pg = Pg::start().await;
     // Its answer never comes within the test: a late answer would complete the record.
-    let rail = Rail::with_latency(Duration::from_secs(60)).await;
-    let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let World { pg, rail, rg, .. } =
+        World::postgres_process(Rail::with_latency(Duration::from_secs(60)).await, &[]).await;
     let first = rg.payment("a", 4).key("old").body("{}").send().await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
     wait_until_in_doubt(&pg, "old").await;
@@ -839,7 +820,7 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     let retry = rg.payment("a", 4).key("old").body("{}").send().await;
     assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
     assert_eq!(retry.json()["error"], "in_doubt");
-    assert_eq!(rail.ledger().len(), 1, "kept, and never forwarded again");
+    rail.assert_paid(1, "kept, and never forwarded again");
 
     let forgot = forget_when_due(&rg, "a", "old", &["--owner-stopped", "unrecorded"]).await;
     assert!(
@@ -866,11 +847,7 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     assert_eq!(named, None);
     let again = rg.payment("a", 4).key("old").body("{}").send().await;
     assert_eq!(again.status, StatusCode::GATEWAY_TIMEOUT, "{}", again.body);
-    assert_eq!(
-        rail.ledger().len(),
-        2,
-        "forwarded again only after the word"
-    );
+    rail.assert_paid(2, "forwarded again only after the word");
 }
 
 /// An owner that stops cleanly, with every forward ended, says so: its records in doubt are
@@ -881,12 +858,13 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
 /// transit time.
 #[tokio::test]
 async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_secs(6)).await;
-    let mut rg = Railguard::start_process(
-        &pg.url(),
-        &rail.url(),
+    let World {
+        pg,
+        rail: _rail,
+        mut rg,
+        ..
+    } = World::postgres_process(
+        Rail::with_latency(Duration::from_secs(6)).await,
         &[
             ("RAILGUARD__PROXY__LATE_ANSWER_WAIT_MS", "500"),
             ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "5000"),
@@ -934,7 +912,7 @@ async fn a_graceful_stop_waits_for_a_completion_still_retried_in_the_background(
     .await;
     let paying = rg.payment("a", 4).key("late-store").body("{}").spawn();
     rail.until_paid(1).await;
-    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+    rail.assert_paid(1, "the payment reached the rail");
     // PostgreSQL goes away before the rail answers: the answer cannot be stored.
     pg.server.stop().await;
     let answered = paying.await.unwrap();
@@ -969,12 +947,10 @@ async fn a_graceful_stop_waits_for_a_completion_still_retried_in_the_background(
 /// reach the rail afterwards.
 #[tokio::test]
 async fn no_clean_stop_is_recorded_while_a_keyed_request_waits_for_its_turn() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
-    let mut rg = Railguard::start_process(
-        &pg.url(),
-        &rail.url(),
+    let World {
+        pg, rail, mut rg, ..
+    } = World::postgres_process(
+        Rail::with_latency(Duration::from_millis(1500)).await,
         &[("RAILGUARD__SHUTDOWN__GRACE_MS", "1000")],
     )
     .await;
@@ -999,10 +975,9 @@ async fn no_clean_stop_is_recorded_while_a_keyed_request_waits_for_its_turn() {
 /// W1's token is refused too).
 #[tokio::test]
 async fn a_retry_after_its_grant_was_superseded_gets_its_own_answer() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        pg: _pg, rail, rg, ..
+    } = World::postgres_process(Rail::start().await, &[]).await;
     let first = rg.payment("a", 10).key("p").body("{\"n\":1}").send().await;
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
     let newer = rg.payment("a", 11).key("q").body("{\"n\":2}").send().await;
@@ -1039,5 +1014,5 @@ async fn a_retry_after_its_grant_was_superseded_gets_its_own_answer() {
     );
     let others = rg.payment("a", 10).key("q").body("{\"n\":2}").send().await;
     assert_eq!(others.json()["error"], "fenced_out", "{}", others.body);
-    assert_eq!(rail.ledger().len(), 2, "the rail saw P and Q once each");
+    rail.assert_paid(2, "the rail saw P and Q once each");
 }

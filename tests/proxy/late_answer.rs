@@ -128,11 +128,7 @@ async fn a_graceful_stop_waits_for_a_late_answer_within_its_grace() {
     // answer (grace 3 s) before it exits.
     let status = rg.stop().await;
     assert!(status.success(), "{status}");
-    assert_eq!(
-        rail.ledger().len(),
-        1,
-        "the late request arrived before the exit"
-    );
+    rail.assert_paid(1, "the late request arrived before the exit");
     assert!(
         rg.log()
             .contains("waiting for the rail's answers to forwards still on their way"),
@@ -202,11 +198,7 @@ async fn a_graceful_stop_waits_for_a_keyed_forward_still_on_its_way() {
         "the stop did not wait for the keyed forward: {}",
         rg.log()
     );
-    assert_eq!(
-        rail.ledger().len(),
-        1,
-        "the keyed request reached the rail before the exit"
-    );
+    rail.assert_paid(1, "the keyed request reached the rail before the exit");
 }
 
 /// A request without a body is marked "may have been sent" as soon as it is handed on (nothing

@@ -34,7 +34,7 @@ async fn the_proxy_forwards_to_an_https_rail_with_a_private_ca() {
         let reply = rg.http().pay_with(&rg, token, "acct-tls").await;
         assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
     }
-    assert_eq!(rail.ledger().len(), 2, "both payments reached the rail");
+    rail.assert_paid(2, "both payments reached the rail");
     assert_eq!(front.failed_handshakes(), 0);
     assert_eq!(pg.mark("acct-tls").await, Some(43));
 }
@@ -87,7 +87,7 @@ async fn a_client_certificate_is_presented_to_a_rail_that_requires_one() {
     let reply = rg.http().pay_with(&rg, 5, "acct-mtls").await;
     assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
     assert_eq!(front.client_certs(), [ours.fingerprint_sha256()]);
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
 
     // Without a certificate the rail refuses the connection: no payment reaches it.
     let anonymous = Railguard::start(
@@ -99,11 +99,7 @@ async fn a_client_certificate_is_presented_to_a_rail_that_requires_one() {
     let reply = anonymous.http().pay_with(&anonymous, 6, "acct-mtls").await;
     assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.body);
     assert_eq!(reply.json()["error"], "upstream_unavailable");
-    assert_eq!(
-        rail.ledger().len(),
-        1,
-        "the anonymous request never reached the rail"
-    );
+    rail.assert_paid(1, "the anonymous request never reached the rail");
     assert!(front.failed_handshakes() >= 1);
 }
 
@@ -208,7 +204,7 @@ async fn postgresql_over_tls_when_the_url_asks_for_it() {
     let rg = Railguard::start(&url, &rail.url(), &[]).await;
     let reply = rg.http().pay_with(&rg, 42, "acct-pg-tls").await;
     assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
     let client = pg.client_with(&url).await.unwrap();
     let mine: bool = client
         .query_one(

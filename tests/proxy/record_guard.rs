@@ -51,15 +51,13 @@ async fn record_state(pg: &Pg, account: &str, key: &str) -> Option<String> {
 /// The scenario for both modes: an empty-body payment reaches a slow rail, its client hangs up
 /// while the rail is still working on it, and the client retries with the same key later.
 async fn empty_body_client_gone_mid_forward(env: &[(&str, &str)]) {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), env).await;
+    let World { pg, rail, rg, .. } =
+        World::postgres_on(Rail::with_latency(Duration::from_millis(1500)).await, env).await;
     tokio::join!(
         pay_empty_then_hang_up(&rg, 5, "acct-e", "pay-e", Duration::from_millis(500)),
         rail.until_paid(1)
     );
-    assert_eq!(rail.ledger().len(), 1, "the payment reached the rail");
+    rail.assert_paid(1, "the payment reached the rail");
     // Let the rail answer (or not), and the proxy do what it does with the record.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let state = record_state(&pg, "acct-e", "pay-e").await;
@@ -388,10 +386,9 @@ async fn a_rail_that_reads_the_head_and_resets_leaves_the_record_in_doubt() {
 /// is replayed.
 #[tokio::test]
 async fn http2_client_reset_mid_forward_with_an_empty_body_is_not_paid_twice() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
-    let rg = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        pg: _pg, rail, rg, ..
+    } = World::postgres_on(Rail::with_latency(Duration::from_millis(1500)).await, &[]).await;
     let h2 = rg.http2();
     let task = rg
         .payment("acct-h2", 5)
@@ -400,7 +397,7 @@ async fn http2_client_reset_mid_forward_with_an_empty_body_is_not_paid_twice() {
         .over(&h2)
         .spawn();
     rail.until_paid(1).await;
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
     task.abort();
     drop(h2);
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -465,7 +462,7 @@ async fn an_empty_body_payment_to_a_rail_that_refuses_connections_leaves_no_reco
         .send()
         .await;
     assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.body);
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
 }
 
 /// The record of a request that never reached the rail is deleted, and the delete is retried

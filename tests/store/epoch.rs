@@ -18,7 +18,7 @@ const HOLD: Duration = Duration::from_secs(30);
 
 use http::StatusCode;
 use railguard::sdk::{LockHandle, RailClient, SdkError};
-use support::{Pg, Rail, Railguard, init_tracing};
+use support::{Pg, Rail, Railguard, World, init_tracing};
 
 struct Run {
     /// The superseded grant's payment after the rewind: refused?
@@ -54,10 +54,12 @@ async fn superseded_across_a_rewind(
 
 /// [`superseded_across_a_rewind`], then W1 and W2 try again, and W3 acquires.
 async fn rewind_under(env: &[(&str, &str)]) -> Run {
-    init_tracing();
-    let mut pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), env).await;
+    let World {
+        mut pg,
+        rail,
+        mut rg,
+        ..
+    } = World::postgres_process(Rail::start().await, env).await;
     let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
     let (w1, w2) = superseded_across_a_rewind(&mut pg, &mut rg, Duration::from_millis(300)).await;
     let old = pay(&proxy, &w1, "acct", "p3").await;
@@ -157,10 +159,12 @@ async fn without_the_detection_a_rewound_database_lets_a_superseded_grant_pay_ag
 /// doubt, not paid twice. A payment first sent under W2's own grant goes through.
 #[tokio::test]
 async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
-    init_tracing();
-    let mut pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        mut pg,
+        rail,
+        mut rg,
+        ..
+    } = World::postgres_process(Rail::start().await, &[]).await;
     let lock = rg.lock_client();
     let proxy = RailClient::new(rg.proxy_url(""));
 
@@ -193,7 +197,7 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
     assert_eq!(retry.status, StatusCode::CONFLICT);
     let answer: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
     assert_eq!(answer["error"], "in_doubt", "{answer}");
-    assert_eq!(rail.ledger().len(), 1, "P was paid once");
+    rail.assert_paid(1, "P was paid once");
 
     // A new payment waits out the hold after the change of server (503, nothing sent).
     let fresh = support::eventually(HOLD, "a new payment past the hold (not 503)", || async {
@@ -212,7 +216,7 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
     })
     .await;
     assert_eq!(fresh.status, StatusCode::CREATED);
-    assert_eq!(rail.ledger().len(), 2);
+    rail.assert_paid(2, "payments at the rail");
 }
 
 /// A copy from before an earlier floor was raised: PostgreSQL restarts (floor one), W1 is
@@ -221,10 +225,12 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
 /// token, or W2 is handed W1's token again and W1's grant pays again.
 #[tokio::test]
 async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
-    init_tracing();
-    let mut pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        mut pg,
+        rail,
+        mut rg,
+        ..
+    } = World::postgres_process(Rail::start().await, &[]).await;
     let lock = rg.lock_client();
     let proxy = RailClient::new(rg.proxy_url(""));
     let w0 = grant(
@@ -292,10 +298,9 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
 /// all the same, and nothing is paid twice.
 #[tokio::test]
 async fn a_dump_restored_into_the_running_server_is_fenced() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let World {
+        pg, rail, mut rg, ..
+    } = World::postgres_process(Rail::start().await, &[]).await;
     let lock = rg.lock_client();
     let proxy = RailClient::new(rg.proxy_url(""));
     let ttl = Duration::from_millis(300);

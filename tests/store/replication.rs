@@ -266,7 +266,7 @@ async fn a_compare_and_set_not_replicated_is_not_accepted_and_nothing_is_forward
         .await
         .unwrap();
     assert_eq!(retried.status, StatusCode::CREATED);
-    assert_eq!(rail.ledger().len(), 1);
+    rail.assert_paid(1, "payments at the rail");
     assert!(
         rg.metrics()
             .await

@@ -132,6 +132,14 @@ impl Rail {
         .await
     }
 
+    /// Fails the test, showing the ledger, unless the rail has received exactly `payments`;
+    /// `why` says what that number means.
+    #[track_caller]
+    pub fn assert_paid(&self, payments: usize, why: &str) {
+        let ledger = self.ledger();
+        assert_eq!(ledger.len(), payments, "{why}: {ledger:#?}");
+    }
+
     /// How many arrivals carried idempotency key `key`.
     pub fn times_paid(&self, key: &str) -> usize {
         self.ledger()

@@ -43,6 +43,34 @@ impl World {
         Self::start(Backend::Postgres, env).await
     }
 
+    /// [`World::postgres`] with `rail` (a slow one, say) as the rail.
+    pub async fn postgres_on(rail: Rail, env: &[(&str, &str)]) -> World {
+        Self::postgres_with(rail, env, false).await
+    }
+
+    /// [`World::postgres_on`] with railguard as a child process: for a test that stops,
+    /// kills or signals it, or reads its log.
+    pub async fn postgres_process(rail: Rail, env: &[(&str, &str)]) -> World {
+        Self::postgres_with(rail, env, true).await
+    }
+
+    async fn postgres_with(rail: Rail, env: &[(&str, &str)], process: bool) -> World {
+        init_tracing();
+        let pg = Pg::start().await;
+        let rg = if process {
+            Railguard::start_process(&pg.url(), &rail.url(), env).await
+        } else {
+            Railguard::start(&pg.url(), &rail.url(), env).await
+        };
+        World {
+            backend: Backend::Postgres,
+            pg,
+            etcd: None,
+            rail,
+            rg,
+        }
+    }
+
     pub async fn start_with(
         backend: Backend,
         etcd: Option<EtcdCluster>,
