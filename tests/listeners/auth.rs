@@ -49,7 +49,7 @@ async fn metrics(rg: &support::Railguard) -> String {
         "",
     )
     .await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     reply.body
 }
 
@@ -87,7 +87,7 @@ async fn the_lock_api_grants_only_to_identities_on_their_keys_and_holds_them_as_
         r#"{"ttl_ms":1000}"#,
     )
     .await;
-    assert_eq!(raw.status, StatusCode::UNAUTHORIZED, "{}", raw.body);
+    raw.assert_status(StatusCode::UNAUTHORIZED);
     assert_eq!(raw.json()["error"], "unauthenticated");
     assert!(
         raw.headers["www-authenticate"]
@@ -138,7 +138,7 @@ async fn the_lock_api_grants_only_to_identities_on_their_keys_and_holds_them_as_
         r#"{"ttl_ms":1000}"#,
     )
     .await;
-    assert_eq!(raw.status, StatusCode::OK, "{}", raw.body);
+    raw.assert_status(StatusCode::OK);
     assert_eq!(raw.json()["holder"], "eu");
     locks(rg, Some(EU)).release(grant).await.unwrap();
 
@@ -290,7 +290,7 @@ async fn the_admin_listener_needs_an_operator_and_write_for_actions() {
         forget,
     )
     .await;
-    assert_eq!(reply.status, StatusCode::NOT_FOUND, "{}", reply.body);
+    reply.assert_status(StatusCode::NOT_FOUND);
 
     let m = metrics(rg).await;
     assert_eq!(refusals(&m, "admin", "unauthenticated"), 6, "{m}");
@@ -424,7 +424,7 @@ async fn raw_acquire(rg: &support::Railguard, secret: &str, key: &str) -> (i64, 
         r#"{"ttl_ms":10000}"#,
     )
     .await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     let grant = reply.json();
     (
         grant["token"].as_i64().unwrap(),
@@ -514,7 +514,7 @@ async fn another_identitys_grant_is_forbidden(rg: &support::Railguard) {
     let wrong = format!(r#"{{"token":{token},"lease_secret":"{}"}}"#, "0".repeat(64));
     for who in [EU, EU2] {
         let reply = lock_action(rg, who, "acct-eu-8", "renew", &wrong).await;
-        assert_eq!(reply.status, StatusCode::GONE, "{}", reply.body);
+        reply.assert_status(StatusCode::GONE);
     }
 }
 
@@ -559,12 +559,7 @@ async fn one_identitys_waiting_acquires_do_not_starve_other_identities() {
         r#"{"ttl_ms":1000,"wait_ms":3000}"#,
     )
     .await;
-    assert_eq!(
-        fourth.status,
-        StatusCode::TOO_MANY_REQUESTS,
-        "{}",
-        fourth.body
-    );
+    fourth.assert_status(StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(fourth.json()["error"], "rate_limited");
     // ...and eu2 is served from the listener's last slot.
     let other = call(
@@ -575,10 +570,10 @@ async fn one_identitys_waiting_acquires_do_not_starve_other_identities() {
         "",
     )
     .await;
-    assert_eq!(other.status, StatusCode::OK, "{}", other.body);
+    other.assert_status(StatusCode::OK);
     for wait in waits {
         let reply = wait.await.unwrap();
-        assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.body);
+        reply.assert_status(StatusCode::CONFLICT);
     }
     // The waits' slots came back.
     let again = call(
@@ -589,7 +584,7 @@ async fn one_identitys_waiting_acquires_do_not_starve_other_identities() {
         "",
     )
     .await;
-    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    again.assert_status(StatusCode::OK);
 }
 
 /// Account patterns are checked against `Fencing-Account`, which by itself says nothing of the
@@ -740,7 +735,7 @@ async fn a_grant_taken_before_authentication_was_on_is_renewed_by_nobody_and_run
         r#"{"holder":"worker-7","ttl_ms":4000}"#,
     )
     .await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     let grant = reply.json();
     let body = format!(
         r#"{{"token":{},"lease_secret":"{}"}}"#,
@@ -767,7 +762,7 @@ async fn a_grant_taken_before_authentication_was_on_is_renewed_by_nobody_and_run
         r#"{"ttl_ms":1000,"wait_ms":10000}"#,
     )
     .await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     assert_eq!(reply.json()["holder"], "eu");
 }
 

@@ -122,6 +122,6 @@ pub(crate) async fn mark(rg: &support::Railguard, account: &str) -> i64 {
         &format!("{{\"account\":\"{account}\"}}"),
     )
     .await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     reply.json()["mark"].as_i64().unwrap_or(0)
 }

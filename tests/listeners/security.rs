@@ -27,7 +27,7 @@ async fn acquire(rg: &support::Railguard, secret: &str, key: &str) -> serde_json
         r#"{"ttl_ms":10000}"#,
     )
     .await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     reply.json()
 }
 
@@ -69,10 +69,10 @@ async fn grants_are_bound_to_key_and_identity_and_403s_confirm_no_token() {
 
     // Key/account mismatch: eu's own grant of acct-eu-1, presented for acct-eu-2.
     let r = pay(rg, EU, "acct-eu-2", &token, &proof, "k1").await;
-    assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
+    r.assert_status(StatusCode::FORBIDDEN);
     // eu2 may pay on acct-eu-*, but the grant is eu's.
     let r = pay(rg, EU2, "acct-eu-1", &token, &proof, "k2").await;
-    assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
+    r.assert_status(StatusCode::FORBIDDEN);
     // Guessing: the live token and a made-up one, with a made-up proof, answer alike.
     let fake = format!("v2.{}", "0".repeat(64));
     let live = pay(rg, EU2, "acct-eu-1", &token, &fake, "k3").await;
@@ -114,11 +114,11 @@ async fn grants_are_bound_to_key_and_identity_and_403s_confirm_no_token() {
         "",
     )
     .await;
-    assert_eq!(denied.status, StatusCode::BAD_REQUEST, "{}", denied.body);
+    denied.assert_status(StatusCode::BAD_REQUEST);
     // No credentials, unknown credentials: 401.
     for secret in ["rgs_nobody"] {
         let r = pay(rg, secret, "acct-eu-1", &token, &proof, "k7").await;
-        assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{}", r.body);
+        r.assert_status(StatusCode::UNAUTHORIZED);
     }
     assert!(s.rail.ledger().is_empty(), "nothing forwarded");
     assert_eq!(mark(rg, "acct-eu-1").await, 0, "no mark moved");
@@ -131,7 +131,7 @@ async fn grants_are_bound_to_key_and_identity_and_403s_confirm_no_token() {
             .get(0);
     assert_eq!(records, 0, "a 401 or 403 created an idempotency record");
     let ok = pay(rg, EU, "acct-eu-1", &token, &proof, "k6").await;
-    assert_eq!(ok.status, StatusCode::CREATED, "{}", ok.body);
+    ok.assert_status(StatusCode::CREATED);
 }
 
 /// While a request is in flight neither the header-read nor the idle timeout applies
@@ -341,7 +341,7 @@ async fn an_https_rail_whose_certificate_names_another_host_is_refused() {
     )
     .await;
     let reply = rg.http().pay_with(&rg, 7, "acct-wrong-host").await;
-    assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.body);
+    reply.assert_status(StatusCode::BAD_GATEWAY);
     assert!(
         reply.json()["message"]
             .as_str()
@@ -556,7 +556,7 @@ async fn clients_that_hang_up_mid_payment_do_not_leak_in_flight_slots() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     for token in [20, 21, 22] {
         let reply = rg.http().pay_with(&rg, token, "acct-after").await;
-        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+        reply.assert_status(StatusCode::CREATED);
     }
 }
 

@@ -288,6 +288,17 @@ impl Rotation {
     }
 }
 
+impl Rotation {
+    /// The first certificate installed and served by an [`Echo`] listener: it, and a client
+    /// that trusts the CA.
+    async fn serving_first(&self) -> (Echo, TlsClient) {
+        install(&self.first, &self.live);
+        let tls = files(&self.live, None, ClientAuth::None);
+        let echo = Echo::start(tls, ListenerLimits::default()).await;
+        (echo, TlsClient::new(&self.pki.ca, None))
+    }
+}
+
 /// Replaces the `live` files with `from`'s the way a rotation does: write aside, then rename
 /// over.
 fn install(from: &Issued, live: &Issued) {
@@ -300,26 +311,15 @@ fn install(from: &Issued, live: &Issued) {
 
 #[tokio::test]
 async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one_is_not() {
-    let Rotation {
-        pki,
-        first,
-        second,
-        dir: _dir,
-        live,
-    } = Rotation::new();
-    install(&first, &live);
-    let echo = Echo::start(
-        files(&live, None, ClientAuth::None),
-        ListenerLimits::default(),
-    )
-    .await;
-    let client = TlsClient::new(&pki.ca, None);
+    let rotation = Rotation::new();
+    let (first, second, live) = (&rotation.first, &rotation.second, &rotation.live);
+    let (echo, client) = rotation.serving_first().await;
     let served = || async { client.get(echo.addr, "/").await.unwrap().server_cert_sha256 };
     assert_eq!(served().await, first.fingerprint_sha256());
 
     // The first handshake a second or more after the last check waits for the check it
     // starts, and gets the new certificate.
-    install(&second, &live);
+    install(second, live);
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(
         served().await,
@@ -345,25 +345,14 @@ async fn a_replaced_certificate_is_served_to_the_next_handshake_and_a_broken_one
 /// broken key is reported and the certificate in use stays.
 #[tokio::test]
 async fn a_check_on_demand_puts_a_replaced_certificate_in_force_at_once() {
-    let Rotation {
-        pki,
-        first,
-        second,
-        dir: _dir,
-        live,
-    } = Rotation::new();
-    install(&first, &live);
-    let echo = Echo::start(
-        files(&live, None, ClientAuth::None),
-        ListenerLimits::default(),
-    )
-    .await;
-    let client = TlsClient::new(&pki.ca, None);
+    let rotation = Rotation::new();
+    let (first, second, live) = (&rotation.first, &rotation.second, &rotation.live);
+    let (echo, client) = rotation.serving_first().await;
     let served = || async { client.get(echo.addr, "/").await.unwrap().server_cert_sha256 };
     assert_eq!(served().await, first.fingerprint_sha256());
     assert_eq!(echo.tls.check_now().await, Checked::Unchanged);
 
-    install(&second, &live);
+    install(second, live);
     assert_eq!(echo.tls.check_now().await, Checked::Reloaded);
     // Within the second after a check, handshakes start none of their own: what they get is
     // what the check on demand loaded.
@@ -495,14 +484,14 @@ async fn serve_exits_on_sigterm_while_a_certificate_check_hangs() {
     .await;
     let client = TlsClient::new(&pki.ca, None);
     let reply = client.get(rg.lock, "/v1/locks/acct-1").await.unwrap();
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
 
     // The certificate's path hangs; a handshake a second later starts a check, which hangs
     // opening it.
     let _unhang = HangingFile::install(&cert, None);
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let reply = client.get(rg.lock, "/v1/locks/acct-1").await.unwrap();
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let reply = client.get(rg.lock, "/v1/locks/acct-1").await.unwrap();
     assert_eq!(reply.status, StatusCode::OK, "served while the check hangs");
@@ -569,7 +558,7 @@ async fn railguard_serves_its_lock_api_over_mutual_tls_from_its_config() {
         .get(rg.lock, "/v1/locks/acct-1")
         .await
         .expect("the lock API over mutual TLS");
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     assert_eq!(reply.server_cert_sha256, server.fingerprint_sha256());
 
     let refused = TlsClient::new(&pki.ca, None)

@@ -119,7 +119,7 @@ async fn inv06_concurrent_acquirers_never_overlap(w: World) {
                     }
                     break reply;
                 };
-                assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+                reply.assert_status(StatusCode::OK);
                 let grant = reply.json();
                 let token = grant["token"].as_i64().unwrap();
                 let secret = grant["lease_secret"].as_str().unwrap().to_string();
@@ -143,7 +143,7 @@ async fn inv06_concurrent_acquirers_never_overlap(w: World) {
                     &format!("{{\"token\":{token},\"lease_secret\":\"{secret}\"}}"),
                 )
                 .await;
-                assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+                reply.assert_status(StatusCode::OK);
                 let released = reply.json();
                 let ended_us = released["released_at_us"].as_i64().unwrap();
                 let revision = released["released_revision"].as_i64();
@@ -282,7 +282,7 @@ async fn a_hundred_renewals_keep_the_token(w: World) {
             &format!("{{\"token\":{token},\"lease_secret\":\"{secret}\"}}"),
         )
         .await;
-        assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+        reply.assert_status(StatusCode::OK);
         let renewed = reply.json();
         assert_eq!(renewed["token"], token);
         let expiry = renewed["expires_at_us"].as_i64().unwrap();
@@ -357,6 +357,8 @@ async fn waiters_are_served_in_arrival_order(w: World) {
 /// The world for these cases polls rarely, so only a notification or the expiry timer can
 /// wake a waiter in time.
 const SLOW_POLL: &[(&str, &str)] = &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "30000")];
+/// A waiter's retry at least every 100 ms while the key is held.
+const FAST_POLL: &[(&str, &str)] = &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")];
 
 async fn a_waiter_is_woken_by_release(w: World) {
     let lock = w.client();
@@ -799,7 +801,7 @@ async fn a_superseded_holder_can_neither_learn_nor_end_the_current_grant(w: Worl
         &acquire("w1", w.short_ttl(), NOW),
     )
     .await;
-    assert_eq!(old.status, StatusCode::OK, "{}", old.body);
+    old.assert_status(StatusCode::OK);
     let old = old.json();
     let old_token = old["token"].as_i64().unwrap();
     // W1 stalls past its lease; W2 waits for the key and takes it.
@@ -809,7 +811,7 @@ async fn a_superseded_holder_can_neither_learn_nor_end_the_current_grant(w: Worl
         &acquire("w2", TTL, w.short_ttl() * 10),
     )
     .await;
-    assert_eq!(new.status, StatusCode::OK, "{}", new.body);
+    new.assert_status(StatusCode::OK);
     let new = new.json();
     let new_token = new["token"].as_i64().unwrap();
     assert!(new_token > old_token);
@@ -873,7 +875,7 @@ async fn a_superseded_holder_can_neither_learn_nor_end_the_current_grant(w: Worl
         &own.to_string(),
     )
     .await;
-    assert_eq!(renewed.status, StatusCode::OK, "{}", renewed.body);
+    renewed.assert_status(StatusCode::OK);
     // Probing is visible to operators.
     let probes = w.rg.metrics().await.get(&format!(
         "lock_rejected_secrets_total{{backend=\"{}\"}}",
@@ -886,7 +888,7 @@ async fn a_superseded_holder_can_neither_learn_nor_end_the_current_grant(w: Worl
         &own.to_string(),
     )
     .await;
-    assert_eq!(released.status, StatusCode::OK, "{}", released.body);
+    released.assert_status(StatusCode::OK);
 }
 
 support::suite!([postgres => Backend::Postgres, etcd => Backend::Etcd] {
@@ -1156,19 +1158,11 @@ async fn leases_seen(etcd: &EtcdCluster, period: Duration) -> BTreeSet<i64> {
 #[tokio::test]
 async fn etcd_a_waiting_acquire_uses_one_lease_and_its_grant_has_the_full_ttl() {
     // A retry at least every 100 ms while the key is held.
-    let w = World::start(
-        Backend::Etcd,
-        &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
-    )
-    .await;
+    let w = World::start(Backend::Etcd, FAST_POLL).await;
     let etcd = w.etcd();
     let lock = w.client();
     let path = "/railguard/locks/session";
-    let holder = lock
-        .acquire("session", "holder", Duration::from_secs(60), NOW)
-        .await
-        .unwrap();
-    let holder_lease = etcd.get(path).await.unwrap().3;
+    let (holder, holder_lease) = held(&w, "session").await;
     assert_eq!(etcd.leases().await, [holder_lease]);
     let before = etcd.lease_counts(0).await;
 
@@ -1176,15 +1170,9 @@ async fn etcd_a_waiting_acquire_uses_one_lease_and_its_grant_has_the_full_ttl() 
     let ttl = Duration::from_secs(3);
     let waiter = spawn_waiter(&w, "session", ttl, Duration::from_secs(20));
     let spawned = Instant::now();
-    let mut seen = leases_seen(etcd, Duration::from_secs(4)).await;
+    // One lease for the whole wait, not one per retry.
+    let session_lease = waiters_lease(etcd, holder_lease, Duration::from_secs(4)).await;
     assert!(!waiter.is_finished(), "the key is still held");
-    seen.remove(&holder_lease);
-    assert_eq!(
-        seen.len(),
-        1,
-        "one lease for the whole wait, not one per retry: {seen:?}"
-    );
-    let session_lease = *seen.first().unwrap();
     let during = etcd.lease_counts(0).await;
     assert_eq!(
         during.granted - before.granted,
@@ -1207,12 +1195,7 @@ async fn etcd_a_waiting_acquire_uses_one_lease_and_its_grant_has_the_full_ttl() 
     // The winning attempt starts after this instant, so its lease must last until at least
     // `released_us` + ttl, and the reported expiry must not be earlier than that either.
     let released_us = wall_us();
-    lock.release(holder).await.unwrap();
-    let reply = tokio::time::timeout(Duration::from_secs(10), waiter)
-        .await
-        .expect("the release wakes the waiter")
-        .unwrap();
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let reply = released_to_the_waiter(&lock, holder, waiter).await;
     let grant = reply.json();
     assert_eq!(grant["ttl_ms"], 3000);
     let token = grant["token"].as_i64().unwrap();
@@ -1272,18 +1255,9 @@ async fn etcd_a_waiting_acquire_uses_one_lease_and_its_grant_has_the_full_ttl() 
 /// back at once — long before it would have expired.
 #[tokio::test]
 async fn etcd_a_waiter_that_gives_up_leaves_no_lease_behind() {
-    let w = World::start(
-        Backend::Etcd,
-        &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
-    )
-    .await;
+    let w = World::start(Backend::Etcd, FAST_POLL).await;
     let etcd = w.etcd();
-    let lock = w.client();
-    let _holder = lock
-        .acquire("giveup", "holder", Duration::from_secs(60), NOW)
-        .await
-        .unwrap();
-    let holder_lease = etcd.get("/railguard/locks/giveup").await.unwrap().3;
+    let (_holder, holder_lease) = held(&w, "giveup").await;
     let before = etcd.lease_counts(0).await;
 
     // A 30 s lease: gone within a few seconds means revoked, not expired.
@@ -1291,7 +1265,7 @@ async fn etcd_a_waiter_that_gives_up_leaves_no_lease_behind() {
     let reply = spawn_waiter(&w, "giveup", ttl, Duration::from_millis(1500))
         .await
         .unwrap();
-    assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.body);
+    reply.assert_status(StatusCode::CONFLICT);
     let left = wait_for_leases(etcd, &[holder_lease]).await;
     assert_eq!(left, [holder_lease], "the waiter's lease was given back");
     let after = etcd.lease_counts(0).await;
@@ -1330,6 +1304,40 @@ async fn etcd_a_waiter_that_gives_up_leaves_no_lease_behind() {
     );
 }
 
+/// `key` held (60 s) by "holder" on etcd: its grant and its lease.
+async fn held(w: &World, key: &str) -> (railguard::sdk::LockHandle, i64) {
+    let holder = w
+        .client()
+        .acquire(key, "holder", Duration::from_secs(60), NOW)
+        .await;
+    let holder = holder.unwrap();
+    let path = format!("/railguard/locks/{key}");
+    (holder, w.etcd().get(&path).await.unwrap().3)
+}
+
+/// The one lease other than the holder's seen in etcd within `period`: the waiter's session.
+async fn waiters_lease(etcd: &EtcdCluster, holder_lease: i64, period: Duration) -> i64 {
+    let mut seen = leases_seen(etcd, period).await;
+    seen.remove(&holder_lease);
+    assert_eq!(seen.len(), 1, "one lease besides the holder's: {seen:?}");
+    *seen.first().unwrap()
+}
+
+/// Releases `holder`; the waiter's answer (200), once the release has woken it.
+async fn released_to_the_waiter(
+    lock: &LockClient,
+    holder: railguard::sdk::LockHandle,
+    waiter: tokio::task::JoinHandle<support::Reply>,
+) -> support::Reply {
+    lock.release(holder).await.unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the release wakes the waiter")
+        .unwrap();
+    reply.assert_status(StatusCode::OK);
+    reply
+}
+
 /// Polls etcd's leases for up to 3 s until they are exactly `expected`; returns the last seen.
 async fn wait_for_leases(etcd: &EtcdCluster, expected: &[i64]) -> Vec<i64> {
     let until = Instant::now() + Duration::from_secs(3);
@@ -1351,11 +1359,7 @@ async fn etcd_a_waiter_waiting_longer_than_its_ttl_gets_a_live_lease() {
     let etcd = w.etcd();
     let lock = w.client();
     let path = "/railguard/locks/long-wait";
-    let holder = lock
-        .acquire("long-wait", "holder", Duration::from_secs(60), NOW)
-        .await
-        .unwrap();
-    let holder_lease = etcd.get(path).await.unwrap().3;
+    let (holder, holder_lease) = held(&w, "long-wait").await;
     let before = etcd.lease_counts(0).await;
 
     let waiter = spawn_waiter(
@@ -1364,21 +1368,13 @@ async fn etcd_a_waiter_waiting_longer_than_its_ttl_gets_a_live_lease() {
         Duration::from_secs(1),
         Duration::from_secs(20),
     );
-    let mut seen = leases_seen(etcd, Duration::from_secs(4)).await;
-    seen.remove(&holder_lease);
-    assert_eq!(seen.len(), 1, "{seen:?}");
-    let session_lease = *seen.first().unwrap();
+    let session_lease = waiters_lease(etcd, holder_lease, Duration::from_secs(4)).await;
     assert!(
         etcd.lease_ttl(session_lease).await.is_some(),
         "alive after 4 s, four times its ttl"
     );
 
-    lock.release(holder).await.unwrap();
-    let reply = tokio::time::timeout(Duration::from_secs(10), waiter)
-        .await
-        .expect("the release wakes the waiter")
-        .unwrap();
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let reply = released_to_the_waiter(&lock, holder, waiter).await;
     let (_, mod_revision, _, lease) = etcd.get(path).await.expect("the waiter holds the key");
     assert_eq!(mod_revision, reply.json()["token"].as_i64().unwrap());
     assert_eq!(lease, session_lease, "the lease the keeper kept alive");
@@ -1395,40 +1391,22 @@ async fn etcd_a_waiter_waiting_longer_than_its_ttl_gets_a_live_lease() {
 /// as an expiry during a long stall would end it) is replaced, never put with.
 #[tokio::test]
 async fn etcd_a_waiter_whose_lease_is_gone_takes_a_new_one() {
-    let w = World::start(
-        Backend::Etcd,
-        &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
-    )
-    .await;
+    let w = World::start(Backend::Etcd, FAST_POLL).await;
     let etcd = w.etcd();
     let lock = w.client();
     let path = "/railguard/locks/gone";
-    let holder = lock
-        .acquire("gone", "holder", Duration::from_secs(60), NOW)
-        .await
-        .unwrap();
-    let holder_lease = etcd.get(path).await.unwrap().3;
+    let (holder, holder_lease) = held(&w, "gone").await;
     let before = etcd.lease_counts(0).await;
 
     let waiter = spawn_waiter(&w, "gone", Duration::from_secs(10), Duration::from_secs(20));
-    let mut first = leases_seen(etcd, Duration::from_millis(500)).await;
-    first.remove(&holder_lease);
-    assert_eq!(first.len(), 1, "{first:?}");
-    let lost = *first.first().unwrap();
+    let lost = waiters_lease(etcd, holder_lease, Duration::from_millis(500)).await;
     assert!(etcd.revoke_lease(lost).await);
 
-    let mut next = leases_seen(etcd, Duration::from_secs(1)).await;
-    next.remove(&holder_lease);
-    assert_eq!(next.len(), 1, "a new lease replaced the lost one: {next:?}");
-    let replacement = *next.first().unwrap();
+    // A new lease replaces the lost one.
+    let replacement = waiters_lease(etcd, holder_lease, Duration::from_secs(1)).await;
     assert_ne!(replacement, lost);
 
-    lock.release(holder).await.unwrap();
-    let reply = tokio::time::timeout(Duration::from_secs(10), waiter)
-        .await
-        .expect("the release wakes the waiter")
-        .unwrap();
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let _reply = released_to_the_waiter(&lock, holder, waiter).await;
     let (_, _, _, lease) = etcd.get(path).await.expect("the waiter holds the key");
     assert_eq!(
         lease, replacement,
@@ -1446,24 +1424,12 @@ async fn etcd_a_waiter_whose_lease_is_gone_takes_a_new_one() {
 /// with a new one.
 #[tokio::test]
 async fn etcd_a_waiter_finding_its_own_lost_put_revokes_it_and_starts_over() {
-    let w = World::start(
-        Backend::Etcd,
-        &[("RAILGUARD__LOCK__POLL_INTERVAL_MS", "100")],
-    )
-    .await;
+    let w = World::start(Backend::Etcd, FAST_POLL).await;
     let etcd = w.etcd();
-    let lock = w.client();
     let path = "/railguard/locks/lost-put";
-    let _holder = lock
-        .acquire("lost-put", "holder", Duration::from_secs(60), NOW)
-        .await
-        .unwrap();
-    let holder_lease = etcd.get(path).await.unwrap().3;
+    let (_holder, holder_lease) = held(&w, "lost-put").await;
     let waiter = spawn_waiter(&w, "lost-put", TTL, Duration::from_secs(20));
-    let mut seen = leases_seen(etcd, Duration::from_millis(500)).await;
-    seen.remove(&holder_lease);
-    assert_eq!(seen.len(), 1, "{seen:?}");
-    let session_lease = *seen.first().unwrap();
+    let session_lease = waiters_lease(etcd, holder_lease, Duration::from_millis(500)).await;
 
     // An overwrite, not a delete: no release notification, only the next poll finds it.
     let lost = etcd
@@ -1477,7 +1443,7 @@ async fn etcd_a_waiter_finding_its_own_lost_put_revokes_it_and_starts_over() {
         .await
         .expect("the waiter does not wait on its own grant")
         .unwrap();
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     let token = reply.json()["token"].as_i64().unwrap();
     assert!(token > lost, "a new grant, not the lost one");
     let (_, mod_revision, _, lease) = etcd.get(path).await.expect("the waiter holds the key");

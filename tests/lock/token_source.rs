@@ -42,7 +42,7 @@ async fn acquire(rg: &support::Railguard, key: &str) -> support::Reply {
 }
 
 fn token_of(reply: &support::Reply) -> i64 {
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     reply.json()["token"].as_i64().expect("a token")
 }
 
@@ -66,12 +66,7 @@ async fn wait_until_refusing(rg: &support::Railguard, key: &str) {
     )
     .await;
     let refused = acquire(rg, key).await;
-    assert_eq!(
-        refused.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        refused.body
-    );
+    refused.assert_status(StatusCode::SERVICE_UNAVAILABLE);
     let body = refused.json();
     assert_eq!(body["error"], "token_source_behind", "{body}");
     assert_eq!(body["outcome"], "none", "{body}");
@@ -98,9 +93,9 @@ async fn fences_again(rg: &support::Railguard, account: &str, old: i64, mark: i6
     let new = token_of(&acquire(rg, account).await);
     assert!(new > mark, "a new grant ({new}) is above the mark ({mark})");
     let paid = rg.http().pay_with(rg, new, account).await;
-    assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
+    paid.assert_status(StatusCode::CREATED);
     let stale = rg.http().pay_with(rg, old, account).await;
-    assert_eq!(stale.status, StatusCode::CONFLICT, "{}", stale.body);
+    stale.assert_status(StatusCode::CONFLICT);
     assert_eq!(stale.json()["error"], "fenced_out");
 }
 
@@ -563,7 +558,7 @@ async fn without_proofs_a_token_the_source_never_issued_is_refused() {
         }
     };
     let made_up = unproven(issued + 1_000).await;
-    assert_eq!(made_up.status, StatusCode::BAD_REQUEST, "{}", made_up.body);
+    made_up.assert_status(StatusCode::BAD_REQUEST);
     assert_eq!(made_up.json()["error"], "implausible_token");
     let keys: Vec<String> = made_up
         .json()
@@ -579,7 +574,7 @@ async fn without_proofs_a_token_the_source_never_issued_is_refused() {
     );
     rail.assert_paid(0, "never forwarded");
     let huge = unproven(i64::MAX).await;
-    assert_eq!(huge.status, StatusCode::BAD_REQUEST, "{}", huge.body);
+    huge.assert_status(StatusCode::BAD_REQUEST);
     let marks: i64 = pg
         .client()
         .await
@@ -594,7 +589,7 @@ async fn without_proofs_a_token_the_source_never_issued_is_refused() {
     );
 
     let paid = unproven(issued).await;
-    assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
+    paid.assert_status(StatusCode::CREATED);
     // A fresh grant drawn after the proxy last looked passes too (the proxy re-reads).
     let next = token_of(&acquire(&rg, "acct-u2").await);
     let url = rg.proxy_url("/payments");
@@ -606,7 +601,7 @@ async fn without_proofs_a_token_the_source_never_issued_is_refused() {
             "{}",
         )
         .await;
-    assert_eq!(fresh.status, StatusCode::CREATED, "{}", fresh.body);
+    fresh.assert_status(StatusCode::CREATED);
 }
 
 /// A source that cannot be checked is never trusted: railguard started while etcd is down
@@ -624,12 +619,7 @@ async fn an_unchecked_source_grants_nothing_until_a_check_succeeds() {
     etcd.stop(0).await;
     rg.start_again_unready().await;
     let refused = acquire(&rg, "acct-u").await;
-    assert_eq!(
-        refused.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        refused.body
-    );
+    refused.assert_status(StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(
         refused.json()["error"],
         "token_source_behind",

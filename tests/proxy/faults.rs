@@ -29,7 +29,7 @@ async fn acquire(http: &Http, rg: &Railguard, key: &str) -> WireGrant {
         )
         .await
         .unwrap();
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
     let grant = reply.json();
     WireGrant {
         token: grant["token"].as_i64().unwrap(),
@@ -50,7 +50,7 @@ async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_to
         .with_proof(b.proof.as_deref())
         .send()
         .await;
-    assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
+    paid.assert_status(StatusCode::CREATED);
     // A later grant on another key has a larger token: it must not pass for acct-B.
     let a = acquire(&http, &rg, "acct-A").await;
     assert!(a.token > b.token);
@@ -59,7 +59,7 @@ async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_to
         .with_proof(a.proof.as_deref())
         .send()
         .await;
-    assert_eq!(wrong.status, StatusCode::BAD_REQUEST, "{}", wrong.body);
+    wrong.assert_status(StatusCode::BAD_REQUEST);
     assert_eq!(pg.mark("acct-B").await, Some(b.token), "mark unchanged");
     // Never issued: the largest token there is, with no proof and with a made-up one.
     for proof in [None, Some("v1.".to_string() + &"0".repeat(64))] {
@@ -68,12 +68,7 @@ async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_to
             .with_proof(proof.as_deref())
             .send()
             .await;
-        assert_eq!(
-            invented.status,
-            StatusCode::BAD_REQUEST,
-            "{}",
-            invented.body
-        );
+        invented.assert_status(StatusCode::BAD_REQUEST);
     }
     assert_eq!(pg.mark("acct-B").await, Some(b.token), "mark unchanged");
     assert_eq!(pg.mark("acct-A").await, None, "no mark made");
@@ -83,7 +78,7 @@ async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_to
         .with_proof(b.proof.as_deref())
         .send()
         .await;
-    assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
+    again.assert_status(StatusCode::CREATED);
     rail.assert_paid(2, "only the two good payments reached the rail");
 }
 
@@ -134,7 +129,7 @@ async fn mixed_request_timeouts_across_two_processes_never_pay_twice() {
         assert!(retry.status.is_success(), "{}", retry.body);
     }
     let first = original.await.unwrap();
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    first.assert_status(StatusCode::CREATED);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let paid: Vec<_> = rail
         .ledger()
@@ -171,7 +166,7 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
         .key("pay-n")
         .send()
         .await;
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    first.assert_status(StatusCode::GATEWAY_TIMEOUT);
     assert!(slow_path.has_stalled(), "the request is held on its way");
     // Its owner said at once that the forward ended without an answer: repeats are in doubt.
     eventually(
@@ -226,7 +221,7 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
         .key("pay-n")
         .send()
         .await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    retry.assert_status(StatusCode::CREATED);
     // The original arrives after all, and the rail recognises its key.
     slow_path.release_stalled();
     eventually(
@@ -263,12 +258,7 @@ async fn a_database_outage_logs_no_error_lines() {
     pg.kill().await;
     for _ in 0..20 {
         let reply = http.pay_with(&rg, 3, "acct-o").await;
-        assert_eq!(
-            reply.status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "{}",
-            reply.body
-        );
+        reply.assert_status(StatusCode::SERVICE_UNAVAILABLE);
     }
     pg.server.start().await.expect("postgres restarts");
     let errors: Vec<String> = rg
@@ -305,12 +295,7 @@ async fn an_acquire_slower_than_the_database_timeout_leaves_no_grant_behind() {
         )
         .await
         .unwrap();
-    assert_eq!(
-        reply.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        reply.body
-    );
+    reply.assert_status(StatusCode::SERVICE_UNAVAILABLE);
     assert!(reply.json().get("token").is_none());
     slow_db.set_delay(Duration::ZERO);
     // The slow statement reaches PostgreSQL 1.5 s after it was sent, and commits.
@@ -346,7 +331,7 @@ async fn an_acquire_slower_than_the_database_timeout_leaves_no_grant_behind() {
         )
         .await
         .unwrap();
-    assert_eq!(second.status, StatusCode::OK, "{}", second.body);
+    second.assert_status(StatusCode::OK);
 }
 
 /// PostgreSQL dies after the rail answered and before the response was stored. The
@@ -447,7 +432,7 @@ async fn a_token_superseded_in_another_process_before_its_forward_starts_is_refu
         second.status,
         second.body
     );
-    assert_eq!(second.status, StatusCode::CONFLICT, "{}", second.body);
+    second.assert_status(StatusCode::CONFLICT);
     assert_eq!(second.json()["error"], "fenced_out");
     let fenced = a.metrics().await.get("lock_fenced_out_total");
     assert_eq!(fenced, 1.0, "the page fires");
@@ -469,7 +454,7 @@ async fn release(http: &Http, rg: &Railguard, key: &str, grant: &WireGrant) {
         )
         .await
         .unwrap();
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    reply.assert_status(StatusCode::OK);
 }
 
 /// A keyed forward whose client hangs up while the request is still in the network keeps the
@@ -549,7 +534,7 @@ async fn a_graceful_restart_waits_for_a_late_forward_before_a_newer_grant_is_sen
         .key("pay-old")
         .send()
         .await;
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    first.assert_status(StatusCode::GATEWAY_TIMEOUT);
     slow_path.set_delay(Duration::ZERO);
     let stopping = std::time::Instant::now();
     rg.restart().await;

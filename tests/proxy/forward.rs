@@ -23,7 +23,7 @@ async fn tokens_at_or_above_the_mark_pass_and_stale_tokens_are_fenced_out() {
 
     // The first token for a new account is accepted and becomes its mark.
     let reply = http.pay_with(&rg, 42, "acct-1").await;
-    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    reply.assert_status(StatusCode::CREATED);
     assert_eq!(pg.mark("acct-1").await, Some(42));
 
     // An equal token is the same grant: accepted.
@@ -126,83 +126,29 @@ async fn malformed_fencing_headers_are_refused_and_never_forwarded() {
     let (_pg, rail, rg) = world().await;
     let http = rg.http();
     let url = rg.proxy_url("/payments");
+    // The fencing headers by short names, so that each case is one line.
+    const T: &str = "Fencing-Token";
+    const A: &str = "Fencing-Account";
     let cases: &[(&str, &[(&str, &str)])] = &[
-        ("missing token", &[("Fencing-Account", "a")]),
-        (
-            "empty token",
-            &[("Fencing-Token", ""), ("Fencing-Account", "a")],
-        ),
-        (
-            "non-numeric token",
-            &[("Fencing-Token", "abc"), ("Fencing-Account", "a")],
-        ),
-        (
-            "zero token",
-            &[("Fencing-Token", "0"), ("Fencing-Account", "a")],
-        ),
-        (
-            "negative token",
-            &[("Fencing-Token", "-5"), ("Fencing-Account", "a")],
-        ),
-        (
-            "plus sign",
-            &[("Fencing-Token", "+5"), ("Fencing-Account", "a")],
-        ),
-        (
-            "fraction",
-            &[("Fencing-Token", "4.2"), ("Fencing-Account", "a")],
-        ),
-        (
-            "overflowing token",
-            &[
-                ("Fencing-Token", "9223372036854775808"),
-                ("Fencing-Account", "a"),
-            ],
-        ),
+        ("missing token", &[(A, "a")]),
+        ("empty token", &[(T, ""), (A, "a")]),
+        ("non-numeric token", &[(T, "abc"), (A, "a")]),
+        ("zero token", &[(T, "0"), (A, "a")]),
+        ("negative token", &[(T, "-5"), (A, "a")]),
+        ("plus sign", &[(T, "+5"), (A, "a")]),
+        ("fraction", &[(T, "4.2"), (A, "a")]),
+        ("overflowing token", &[(T, "9223372036854775808"), (A, "a")]),
         (
             "huge token",
-            &[
-                ("Fencing-Token", "123456789012345678901234567890"),
-                ("Fencing-Account", "a"),
-            ],
+            &[(T, "123456789012345678901234567890"), (A, "a")],
         ),
-        (
-            "repeated token",
-            &[
-                ("Fencing-Token", "5"),
-                ("Fencing-Token", "6"),
-                ("Fencing-Account", "a"),
-            ],
-        ),
-        (
-            "repeated equal token",
-            &[
-                ("Fencing-Token", "5"),
-                ("Fencing-Token", "5"),
-                ("Fencing-Account", "a"),
-            ],
-        ),
-        (
-            "comma-joined tokens",
-            &[("Fencing-Token", "5, 6"), ("Fencing-Account", "a")],
-        ),
-        ("missing account", &[("Fencing-Token", "5")]),
-        (
-            "empty account",
-            &[("Fencing-Token", "5"), ("Fencing-Account", "")],
-        ),
-        (
-            "repeated account",
-            &[
-                ("Fencing-Token", "5"),
-                ("Fencing-Account", "a"),
-                ("Fencing-Account", "b"),
-            ],
-        ),
-        (
-            "account with a space",
-            &[("Fencing-Token", "5"), ("Fencing-Account", "a b")],
-        ),
+        ("repeated token", &[(T, "5"), (T, "6"), (A, "a")]),
+        ("repeated equal token", &[(T, "5"), (T, "5"), (A, "a")]),
+        ("comma-joined tokens", &[(T, "5, 6"), (A, "a")]),
+        ("missing account", &[(T, "5")]),
+        ("empty account", &[(T, "5"), (A, "")]),
+        ("repeated account", &[(T, "5"), (A, "a"), (A, "b")]),
+        ("account with a space", &[(T, "5"), (A, "a b")]),
     ];
     for (what, headers) in cases {
         let reply = http.pay(&url, headers, "{}").await;
@@ -255,12 +201,7 @@ async fn oversized_bodies_get_413_and_advance_nothing() {
     .await;
     let big = "x".repeat(4096);
     let reply = rg.payment("a", 9).body(&big).send().await;
-    assert_eq!(
-        reply.status,
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "{}",
-        reply.body
-    );
+    reply.assert_status(StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(
         pg.mark("a").await,
         None,
@@ -326,7 +267,7 @@ async fn an_account_no_lock_key_can_name_is_refused_while_proofs_are_required() 
             "{}",
         )
         .await;
-    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    reply.assert_status(StatusCode::CREATED);
     assert_eq!(pg.mark("a,b").await, Some(grant.token().get()));
 }
 
@@ -355,14 +296,14 @@ async fn encoded_keys_allow_headers_and_admin_errors_are_as_documented() {
 
     // `%3A` is `:`: the grant is of `acct:1`, which is then held under either spelling.
     let granted = send("POST", format!("{lock}/v1/locks/acct%3A1/acquire"), acquire).await;
-    assert_eq!(granted.status, StatusCode::OK, "{}", granted.body);
+    granted.assert_status(StatusCode::OK);
     assert_eq!(granted.json()["key"], "acct:1");
     let again = send("POST", format!("{lock}/v1/locks/acct:1/acquire"), acquire).await;
-    assert_eq!(again.status, StatusCode::CONFLICT, "{}", again.body);
+    again.assert_status(StatusCode::CONFLICT);
     assert_eq!(again.json()["error"], "held");
     // A key that decodes to a character no key may hold is refused as that character is.
     let slash = send("POST", format!("{lock}/v1/locks/a%2Fb/acquire"), acquire).await;
-    assert_eq!(slash.status, StatusCode::BAD_REQUEST, "{}", slash.body);
+    slash.assert_status(StatusCode::BAD_REQUEST);
     assert!(slash.body.contains("A-Z a-z 0-9"), "{}", slash.body);
 
     // 405 on the lock listener: `Allow` says which method the path takes.
@@ -643,7 +584,7 @@ async fn marks_survive_a_railguard_restart_and_a_postgres_restart() {
         },
     )
     .await;
-    assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
+    paid.assert_status(StatusCode::CREATED);
     assert_eq!(pg.mark("k").await, Some(floor));
     let tokens: Vec<_> = rail
         .ledger()
@@ -666,12 +607,7 @@ async fn postgres_down_means_503_and_nothing_forwarded_then_recovery() {
     pg.kill().await;
     for token in [11, 12] {
         let reply = http.pay_with(&rg, token, "k").await;
-        assert_eq!(
-            reply.status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "{}",
-            reply.body
-        );
+        reply.assert_status(StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(reply.json()["error"], "database_unavailable");
         assert_eq!(reply.headers.get("retry-after").unwrap(), "1");
     }
@@ -721,12 +657,7 @@ async fn postgres_that_stops_answering_gets_503_within_the_database_timeout() {
     pg.pause().await;
     let reply = http.pay_with(&rg, 11, "k").await;
     pg.resume().await;
-    assert_eq!(
-        reply.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        reply.body
-    );
+    reply.assert_status(StatusCode::SERVICE_UNAVAILABLE);
     rail.assert_paid(1, "payments at the rail");
     // The compare-and-set that timed out may have committed once PostgreSQL resumed: the
     // mark is 10 or 11, never anything else, and 11 is accepted either way.
@@ -787,7 +718,7 @@ async fn upstream_failures_are_502_and_504() {
     let dead = format!("http://127.0.0.1:{}", support::free_loopback_port());
     let rg = Railguard::start(&pg.url(), &dead, &[]).await;
     let reply = Http::new().pay_with(&rg, 5, "k").await;
-    assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.body);
+    reply.assert_status(StatusCode::BAD_GATEWAY);
     assert_eq!(reply.json()["error"], "upstream_unavailable");
     assert_eq!(reply.json()["origin"], "upstream");
 
@@ -799,7 +730,7 @@ async fn upstream_failures_are_502_and_504() {
     )
     .await;
     let reply = Http::new().pay_with(&rg, 6, "k").await;
-    assert_eq!(reply.status, StatusCode::GATEWAY_TIMEOUT, "{}", reply.body);
+    reply.assert_status(StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(reply.json()["error"], "upstream_timeout");
     let m = rg.metrics().await;
     assert_eq!(
@@ -812,7 +743,7 @@ async fn upstream_failures_are_502_and_504() {
 async fn http2_clients_are_proxied_and_hop_by_hop_headers_dropped() {
     let (_pg, rail, rg) = world().await;
     let reply = Http::http2().pay_with(&rg, 3, "h2").await;
-    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    reply.assert_status(StatusCode::CREATED);
     assert!(reply.headers.contains_key("x-request-id"));
 
     let reply = rg
@@ -1055,7 +986,7 @@ async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
 
     // HTTP/2 arrives at the rail as HTTP/1.1, and Via says what railguard received.
     let reply = Http::http2().pay_with(&rg, 5, "acct-h2").await;
-    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    reply.assert_status(StatusCode::CREATED);
     let via = rail.ledger()[3].header("via").map(str::to_string);
     assert_eq!(via.as_deref(), Some("2 railguard"));
 }

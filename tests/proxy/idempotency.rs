@@ -185,12 +185,7 @@ async fn the_same_key_with_another_request_is_422() {
         .body("{\"amount\":6}")
         .send()
         .await;
-    assert_eq!(
-        other.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "{}",
-        other.body
-    );
+    other.assert_status(StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(other.json()["error"], "idempotency_key_reused");
     let other_path = http
         .pay(
@@ -262,7 +257,7 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     rg.start_again().await;
 
     let soon = rg.payment("a", 4).key("crash").body("{}").send().await;
-    assert_eq!(soon.status, StatusCode::CONFLICT, "{}", soon.body);
+    soon.assert_status(StatusCode::CONFLICT);
     assert_eq!(soon.json()["error"], "in_flight");
     // While its forward may still be running, the operator cannot forget it.
     let early = rg.forget("a", "crash").await;
@@ -322,12 +317,7 @@ async fn a_superseded_request_leaves_no_record_behind() {
     let newer = rg.payment("a", 44).body("{}").spawn(); // accepted: 43 is superseded before it starts
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     let superseded = waiting.await.unwrap();
-    assert_eq!(
-        superseded.status,
-        StatusCode::CONFLICT,
-        "{}",
-        superseded.body
-    );
+    superseded.assert_status(StatusCode::CONFLICT);
     assert_eq!(superseded.json()["error"], "fenced_out");
     assert_eq!(newer.await.unwrap().status, StatusCode::CREATED);
     // Removed in the background; the retry of the key (by the newer grant) is forwarded.
@@ -338,7 +328,7 @@ async fn a_superseded_request_leaves_no_record_behind() {
     )
     .await;
     let retry = rg.payment("a", 44).key("k").body("{}").send().await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    retry.assert_status(StatusCode::CREATED);
     let tokens: Vec<_> = rail
         .ledger()
         .iter()
@@ -505,7 +495,7 @@ async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
     let mut answers = Vec::new();
     for (account, key, i, t) in tasks {
         let reply = t.await.unwrap();
-        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+        reply.assert_status(StatusCode::CREATED);
         answers.push((account, key, i, reply.body));
     }
     rail.assert_paid(200, "payments at the rail");
@@ -562,7 +552,7 @@ async fn a_completion_whose_record_was_forgotten_does_not_resurrect_it() {
     assert_eq!(deleted, 1, "the record was in flight");
 
     let reply = paying.await.unwrap();
-    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    reply.assert_status(StatusCode::CREATED);
     assert_eq!(neighbour.await.unwrap().status, StatusCode::CREATED);
     let states = support::records::record_states(&client).await;
     assert_eq!(
@@ -623,7 +613,7 @@ async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
         .body("{}")
         .send()
         .await;
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    first.assert_status(StatusCode::GATEWAY_TIMEOUT);
     wait_until_in_doubt(&pg, "paused").await;
     rail.assert_paid(1, "the payment reached the rail");
 
@@ -709,7 +699,7 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
         .instance()
         .expect("railguard logs its instance when it starts");
     let first = rg.payment("a", 4).key("gone").body("{}").send().await;
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    first.assert_status(StatusCode::GATEWAY_TIMEOUT);
     wait_until_in_doubt(&pg, "gone").await;
     rg.kill().await;
     // A PostgreSQL restart on top changes nothing of what follows.
@@ -732,7 +722,7 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
     let why = String::from_utf8_lossy(&other.stderr);
     assert!(why.contains("not the record's owner"), "{why}");
     let retry = rg.payment("a", 4).key("gone").body("{}").send().await;
-    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    retry.assert_status(StatusCode::CONFLICT);
     assert_eq!(retry.json()["error"], "in_doubt");
     rail.assert_paid(1, "never forwarded again on its own");
 
@@ -767,7 +757,7 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
         .await
         .expect("railguard met the restarted server");
     let again = rg.payment("a", floor).key("gone").body("{}").send().await;
-    assert_eq!(again.status, StatusCode::GATEWAY_TIMEOUT, "{}", again.body);
+    again.assert_status(StatusCode::GATEWAY_TIMEOUT);
     rail.assert_paid(2, "forwarded again only after the operator said so");
 }
 
@@ -781,7 +771,7 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     let World { pg, rail, rg, .. } =
         World::postgres_process(Rail::with_latency(Duration::from_secs(60)).await, &[]).await;
     let first = rg.payment("a", 4).key("old").body("{}").send().await;
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    first.assert_status(StatusCode::GATEWAY_TIMEOUT);
     wait_until_in_doubt(&pg, "old").await;
     // As a binary from before migration 0004 left it: no owner instance.
     let db = pg.client().await;
@@ -818,7 +808,7 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     let why = String::from_utf8_lossy(&nonsense.stderr);
     assert!(why.contains("neither an instance number"), "{why}");
     let retry = rg.payment("a", 4).key("old").body("{}").send().await;
-    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    retry.assert_status(StatusCode::CONFLICT);
     assert_eq!(retry.json()["error"], "in_doubt");
     rail.assert_paid(1, "kept, and never forwarded again");
 
@@ -846,7 +836,7 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     assert_eq!(because, "no_owner");
     assert_eq!(named, None);
     let again = rg.payment("a", 4).key("old").body("{}").send().await;
-    assert_eq!(again.status, StatusCode::GATEWAY_TIMEOUT, "{}", again.body);
+    again.assert_status(StatusCode::GATEWAY_TIMEOUT);
     rail.assert_paid(2, "forwarded again only after the word");
 }
 
@@ -873,7 +863,7 @@ async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word
     .await;
     let owner = rg.instance().unwrap();
     let first = rg.payment("a", 4).key("stopped").body("{}").send().await;
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    first.assert_status(StatusCode::GATEWAY_TIMEOUT);
     wait_until_in_doubt(&pg, "stopped").await;
     rg.restart().await;
     let stops = clean_stops(&pg, owner).await;
@@ -916,7 +906,7 @@ async fn a_graceful_stop_waits_for_a_completion_still_retried_in_the_background(
     // PostgreSQL goes away before the rail answers: the answer cannot be stored.
     pg.server.stop().await;
     let answered = paying.await.unwrap();
-    assert_eq!(answered.status, StatusCode::CREATED, "{}", answered.body);
+    answered.assert_status(StatusCode::CREATED);
 
     let stopping = tokio::spawn(async move {
         let status = rg.stop().await;
@@ -979,9 +969,9 @@ async fn a_retry_after_its_grant_was_superseded_gets_its_own_answer() {
         pg: _pg, rail, rg, ..
     } = World::postgres_process(Rail::start().await, &[]).await;
     let first = rg.payment("a", 10).key("p").body("{\"n\":1}").send().await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    first.assert_status(StatusCode::CREATED);
     let newer = rg.payment("a", 11).key("q").body("{\"n\":2}").send().await;
-    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    newer.assert_status(StatusCode::CREATED);
 
     let retry = support::eventually(
         Duration::from_secs(10),
@@ -994,17 +984,12 @@ async fn a_retry_after_its_grant_was_superseded_gets_its_own_answer() {
         },
     )
     .await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    retry.assert_status(StatusCode::CREATED);
     assert_eq!(retry.headers.get("idempotency-replayed").unwrap(), "true");
     assert_eq!(retry.body, first.body);
 
     let changed = rg.payment("a", 10).key("p").body("{\"n\":9}").send().await;
-    assert_eq!(
-        changed.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "{}",
-        changed.body
-    );
+    changed.assert_status(StatusCode::UNPROCESSABLE_ENTITY);
     let new_payment = rg.payment("a", 10).key("r").body("{\"n\":3}").send().await;
     assert_eq!(
         new_payment.json()["error"],

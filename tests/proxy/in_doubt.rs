@@ -18,8 +18,7 @@ use std::process::Output;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Http, Pg, Rail, Railguard, Relay, Reply, eventually, init_tracing};
-use tokio::task::JoinHandle;
+use support::{Pg, Rail, Railguard, Relay, eventually, init_tracing};
 use tokio::time::Instant;
 
 /// The network's longest transit in these tests (`proxy.rail_transit_ms`).
@@ -36,22 +35,8 @@ fn settings(grace_ms: &'static str) -> [(&'static str, &'static str); 3] {
 }
 
 /// A payment with idempotency key `key`, under token 5 of `account`, in a task of its own.
-fn spawn_pay(http: &Http, rg: &Railguard, account: &str, key: &str) -> JoinHandle<Reply> {
-    let (http, url) = (http.clone(), rg.proxy_url("/payments"));
-    let (account, key) = (account.to_string(), key.to_string());
-    tokio::spawn(async move {
-        http.pay(
-            &url,
-            &[
-                ("Fencing-Token", "5"),
-                ("Fencing-Account", &account),
-                ("Idempotency-Key", &key),
-            ],
-            r#"{"amount":100}"#,
-        )
-        .await
-    })
-}
+/// The body of every payment here.
+const AMOUNT: &str = r#"{"amount":100}"#;
 
 /// A slow path to `rail` that holds the request carrying `key` until released.
 async fn slow_path_holding(rail: &Rail, key: &str) -> Relay {
@@ -71,7 +56,6 @@ struct Stuck {
     a: Railguard,
     b: Railguard,
     owner: i64,
-    http: Http,
 }
 
 /// [`Stuck`], A stopping within `grace_ms`.
@@ -82,9 +66,14 @@ async fn stuck_in_doubt(account: &str, key: &str, grace_ms: &'static str) -> Stu
     let a = Railguard::start_process(&pg.url(), &slow_path.url(), &settings(grace_ms)).await;
     let b = Railguard::start(&pg.url(), &rail.url(), &settings("3000")).await;
     let owner = a.instance().unwrap();
-    let http = a.http();
-    let first = spawn_pay(&http, &a, account, key).await.unwrap();
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    let first = a
+        .payment(account, 5)
+        .key(key)
+        .body(AMOUNT)
+        .spawn()
+        .await
+        .unwrap();
+    first.assert_status(StatusCode::GATEWAY_TIMEOUT);
     assert!(slow_path.has_stalled(), "the request is on the slow path");
     declared_in_doubt(&pg, key).await;
     Stuck {
@@ -94,7 +83,6 @@ async fn stuck_in_doubt(account: &str, key: &str, grace_ms: &'static str) -> Stu
         a,
         b,
         owner,
-        http,
     }
 }
 
@@ -204,9 +192,8 @@ async fn a_request_that_lands_during_the_owners_graceful_stop_completes_its_reco
     let slow_path = slow_path_holding(&rail, key).await;
     let mut a = Railguard::start_process(&pg.url(), &slow_path.url(), &settings("10000")).await;
     let b = Railguard::start(&pg.url(), &rail.url(), &settings("3000")).await;
-    let http = a.http();
 
-    let first = spawn_pay(&http, &a, account, key);
+    let first = a.payment(account, 5).key(key).body(AMOUNT).spawn();
     eventually(
         Duration::from_secs(5),
         "the first forward held in the slow path",
@@ -214,7 +201,7 @@ async fn a_request_that_lands_during_the_owners_graceful_stop_completes_its_reco
     )
     .await;
     let first = first.await.unwrap();
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.body);
+    first.assert_status(StatusCode::GATEWAY_TIMEOUT);
     declared_in_doubt(&pg, key).await;
 
     // Step 1: the operator stops A. It drains, waiting for the forward still on its way.
@@ -255,8 +242,14 @@ async fn a_request_that_lands_during_the_owners_graceful_stop_completes_its_reco
         stderr(&asked)
     );
     // The worker's retry through B gets the rail's answer; the rail is not paid again.
-    let retry = spawn_pay(&http, &b, account, key).await.unwrap();
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    let retry = b
+        .payment(account, 5)
+        .key(key)
+        .body(AMOUNT)
+        .spawn()
+        .await
+        .unwrap();
+    retry.assert_status(StatusCode::CREATED);
     assert_eq!(retry.headers["idempotency-replayed"], "true");
     assert_eq!(rail.times_paid(key), 1, "paid once");
 }
@@ -269,6 +262,7 @@ async fn a_request_that_lands_during_the_owners_graceful_stop_completes_its_reco
 async fn a_request_that_lands_after_the_owner_exited_is_never_paid_twice() {
     init_tracing();
     let (account, key) = ("acct-exited", "lands-after-exit");
+    let stuck = stuck_in_doubt(account, key, "500").await;
     let Stuck {
         pg,
         rail,
@@ -276,8 +270,7 @@ async fn a_request_that_lands_after_the_owner_exited_is_never_paid_twice() {
         mut a,
         b,
         owner,
-        http,
-    } = stuck_in_doubt(account, key, "500").await;
+    } = stuck;
 
     // Step 1: A stops; its grace runs out with the forward still out, so it records no clean
     // stop, and forget asks for the operator's word.
@@ -340,8 +333,14 @@ async fn a_request_that_lands_after_the_owner_exited_is_never_paid_twice() {
         "the rail has the payment"
     );
     // A retry (a worker that did not wait for the operator) is refused, never forwarded.
-    let retry = spawn_pay(&http, &b, account, key).await.unwrap();
-    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    let retry = b
+        .payment(account, 5)
+        .key(key)
+        .body(AMOUNT)
+        .spawn()
+        .await
+        .unwrap();
+    retry.assert_status(StatusCode::CONFLICT);
     assert_eq!(retry.json()["error"], "in_doubt");
     assert_eq!(rail.times_paid(key), 1, "paid once");
 }
@@ -354,6 +353,7 @@ async fn a_request_that_lands_after_the_owner_exited_is_never_paid_twice() {
 async fn a_request_delivered_after_its_connection_was_reset_is_never_paid_twice() {
     init_tracing();
     let (account, key) = ("acct-reset", "delivered-after-reset");
+    let stuck = stuck_in_doubt(account, key, "3000").await;
     let Stuck {
         pg,
         rail,
@@ -361,8 +361,7 @@ async fn a_request_delivered_after_its_connection_was_reset_is_never_paid_twice(
         mut a,
         b,
         owner,
-        http,
-    } = stuck_in_doubt(account, key, "3000").await;
+    } = stuck;
     // Well past the record's in-doubt deadline, the middlebox resets A's connection; it keeps
     // the request.
     eventually(
@@ -454,8 +453,14 @@ async fn a_request_delivered_after_its_connection_was_reset_is_never_paid_twice(
         Resolution::LeftInDoubt,
         "the rail has the payment"
     );
-    let retry = spawn_pay(&http, &b, account, key).await.unwrap();
-    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    let retry = b
+        .payment(account, 5)
+        .key(key)
+        .body(AMOUNT)
+        .spawn()
+        .await
+        .unwrap();
+    retry.assert_status(StatusCode::CONFLICT);
     assert_eq!(retry.json()["error"], "in_doubt");
     assert_eq!(rail.times_paid(key), 1, "paid once");
 }

@@ -41,10 +41,10 @@ async fn arrival_order(late_answer_wait_ms: &str, delay: Duration) -> Vec<String
     let http = rg.http();
     slow_path.set_delay(delay);
     let late = http.pay_with(&rg, 5, "acct-late").await;
-    assert_eq!(late.status, StatusCode::GATEWAY_TIMEOUT, "{}", late.body);
+    late.assert_status(StatusCode::GATEWAY_TIMEOUT);
     slow_path.set_delay(Duration::ZERO);
     let newer = http.pay_with(&rg, 7, "acct-late").await;
-    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    newer.assert_status(StatusCode::CREATED);
     // Both have reached the rail before the ledger is read.
     tokio::time::sleep(delay).await;
     rail.ledger()
@@ -75,7 +75,7 @@ async fn a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward(
     assert!(hung_up.is_err(), "the client was to give up first");
     slow_path.set_delay(Duration::ZERO);
     let newer = http.pay_with(&rg, 7, "acct-hangup").await;
-    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    newer.assert_status(StatusCode::CREATED);
     tokio::time::sleep(delay).await;
     let order: Vec<String> = rail
         .ledger()
@@ -123,7 +123,7 @@ async fn a_graceful_stop_waits_for_a_late_answer_within_its_grace() {
     .await;
     slow_path.set_delay(Duration::from_millis(1200));
     let late = rg.http().pay_with(&rg, 5, "acct-stop").await;
-    assert_eq!(late.status, StatusCode::GATEWAY_TIMEOUT, "{}", late.body);
+    late.assert_status(StatusCode::GATEWAY_TIMEOUT);
     // SIGTERM while the forward is still in the network: railguard waits for the rail's
     // answer (grace 3 s) before it exits.
     let status = rg.stop().await;

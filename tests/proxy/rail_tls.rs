@@ -32,7 +32,7 @@ async fn the_proxy_forwards_to_an_https_rail_with_a_private_ca() {
     .await;
     for token in [42, 43] {
         let reply = rg.http().pay_with(&rg, token, "acct-tls").await;
-        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+        reply.assert_status(StatusCode::CREATED);
     }
     rail.assert_paid(2, "both payments reached the rail");
     assert_eq!(front.failed_handshakes(), 0);
@@ -53,7 +53,7 @@ async fn a_rail_with_a_certificate_from_another_ca_is_refused_and_nothing_is_sen
     )
     .await;
     let reply = rg.http().pay_with(&rg, 7, "acct-impostor").await;
-    assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.body);
+    reply.assert_status(StatusCode::BAD_GATEWAY);
     let body = reply.json();
     assert_eq!(body["error"], "upstream_unavailable");
     assert_eq!(body["origin"], "upstream");
@@ -85,7 +85,7 @@ async fn a_client_certificate_is_presented_to_a_rail_that_requires_one() {
     )
     .await;
     let reply = rg.http().pay_with(&rg, 5, "acct-mtls").await;
-    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    reply.assert_status(StatusCode::CREATED);
     assert_eq!(front.client_certs(), [ours.fingerprint_sha256()]);
     rail.assert_paid(1, "payments at the rail");
 
@@ -97,7 +97,7 @@ async fn a_client_certificate_is_presented_to_a_rail_that_requires_one() {
     )
     .await;
     let reply = anonymous.http().pay_with(&anonymous, 6, "acct-mtls").await;
-    assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.body);
+    reply.assert_status(StatusCode::BAD_GATEWAY);
     assert_eq!(reply.json()["error"], "upstream_unavailable");
     rail.assert_paid(1, "the anonymous request never reached the rail");
     assert!(front.failed_handshakes() >= 1);
@@ -203,7 +203,7 @@ async fn postgresql_over_tls_when_the_url_asks_for_it() {
     let rail = Rail::start().await;
     let rg = Railguard::start(&url, &rail.url(), &[]).await;
     let reply = rg.http().pay_with(&rg, 42, "acct-pg-tls").await;
-    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    reply.assert_status(StatusCode::CREATED);
     rail.assert_paid(1, "payments at the rail");
     let client = pg.client_with(&url).await.unwrap();
     let mine: bool = client
@@ -230,7 +230,7 @@ async fn postgresql_over_tls_when_the_url_asks_for_it() {
     )
     .await;
     let reply = rg2.http().pay_with(&rg2, 43, "acct-pg-tls").await;
-    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    reply.assert_status(StatusCode::CREATED);
     assert_eq!(pg.mark("acct-pg-tls").await, Some(43));
     let (all_tls, _) = sessions_over_tls(&client).await;
     assert!(all_tls);

@@ -443,7 +443,7 @@ async fn an_empty_body_payment_to_a_rail_that_refuses_connections_leaves_no_reco
         .body("")
         .send()
         .await;
-    assert_eq!(refused.status, StatusCode::BAD_GATEWAY, "{}", refused.body);
+    refused.assert_status(StatusCode::BAD_GATEWAY);
     // The guard forgets in the background; give it a moment, then look.
     until(
         Duration::from_secs(2),
@@ -461,7 +461,7 @@ async fn an_empty_body_payment_to_a_rail_that_refuses_connections_leaves_no_reco
         .body("")
         .send()
         .await;
-    assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.body);
+    retried.assert_status(StatusCode::CREATED);
     rail.assert_paid(1, "payments at the rail");
 }
 
@@ -533,7 +533,7 @@ async fn unsent_record_after_an_outage(
         "the forward was still connecting when the database stopped: the first delete meets it"
     );
     let refused = paying.await.unwrap();
-    assert_eq!(refused.status, StatusCode::BAD_GATEWAY, "{}", refused.body);
+    refused.assert_status(StatusCode::BAD_GATEWAY);
     assert!(refused.body.contains("not sent"), "{}", refused.body);
     tokio::time::sleep(outage).await;
     pg.server.start().await.unwrap();

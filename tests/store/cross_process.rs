@@ -28,9 +28,9 @@ async fn two_processes(order: &str) -> Vec<i64> {
     let older = a.pay_in_background(5, "acct-x");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let newer = b.http().pay_with(&b, 7, "acct-x").await;
-    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    newer.assert_status(StatusCode::CREATED);
     let older = older.await.unwrap();
-    assert_eq!(older.status, StatusCode::CREATED, "{}", older.body);
+    older.assert_status(StatusCode::CREATED);
     rail.tokens()
 }
 
@@ -77,7 +77,7 @@ async fn a_killed_railguards_forward_holds_newer_tokens_until_it_can_no_longer_a
     let _ = older.await;
     let started = tokio::time::Instant::now();
     let newer = b.http().pay_with(&b, 7, "acct-k").await;
-    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    newer.assert_status(StatusCode::CREATED);
     assert!(
         started.elapsed() >= Duration::from_millis(1500),
         "7 went after {:?}, before the killed process's forward could have arrived",
@@ -113,11 +113,11 @@ async fn a_settled_entry_of_another_process_is_removed_after_the_handover() {
     };
     for token in [3, 4] {
         let paid = a.http().pay_with(&a, token, "acct-p").await;
-        assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
+        paid.assert_status(StatusCode::CREATED);
     }
     assert_eq!(forwarders("acct-p").await, [a_id]);
     let paid = b.http().pay_with(&b, 5, "acct-p").await;
-    assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
+    paid.assert_status(StatusCode::CREATED);
     eventually(
         Duration::from_secs(5),
         "B the only forwarder of acct-p",
@@ -171,7 +171,7 @@ async fn the_database_goes_back_with_a_forward_on_its_way(order: &str) -> (Vec<i
     )
     .await;
     let newer = b.http().pay_with(&b, floor + 1, "acct-r").await;
-    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    newer.assert_status(StatusCode::CREATED);
     let older = older.await.unwrap();
     assert!(
         [StatusCode::CREATED, StatusCode::BAD_GATEWAY].contains(&older.status),

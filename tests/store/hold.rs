@@ -48,7 +48,7 @@ async fn during_the_hold_after_a_restart_every_process_answers_503_at_once_and_s
     let a = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
     let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
     let paid = a.http().pay_with(&a, 5, "acct-h").await;
-    assert_eq!(paid.status, StatusCode::CREATED, "{}", paid.body);
+    paid.assert_status(StatusCode::CREATED);
     pg.kill().await;
     pg.server.start().await.expect("PostgreSQL starts again");
     let changed = Instant::now();
@@ -89,7 +89,7 @@ async fn during_the_hold_after_a_restart_every_process_answers_503_at_once_and_s
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let after = after.expect("the hold ended within 45 s of the change");
-    assert_eq!(after.status, StatusCode::CREATED, "{}", after.body);
+    after.assert_status(StatusCode::CREATED);
     assert_eq!(rail.tokens(), [5, floor + 10]);
 }
 
@@ -122,7 +122,7 @@ async fn two_changes_in_a_row_under_a_forward_on_its_way_keep_the_older_forward_
     let second = fence_through(&b, &pg, "acct-2", first + 1).await;
     assert!(second > first);
     let newer = b.http().pay_with(&b, second + 1, "acct-2").await;
-    assert_eq!(newer.status, StatusCode::CREATED, "{}", newer.body);
+    newer.assert_status(StatusCode::CREATED);
     let older = older.await.unwrap();
     assert!(
         [StatusCode::CREATED, StatusCode::BAD_GATEWAY].contains(&older.status),

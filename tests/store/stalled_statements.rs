@@ -250,12 +250,7 @@ impl Setup {
 /// The stalled request's answer: 503, and nothing reached the rail.
 async fn refused_unpaid(rail: &Rail, stalled: tokio::task::JoinHandle<Reply>) {
     let refused = stalled.await.unwrap();
-    assert_eq!(
-        refused.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        refused.body
-    );
+    refused.assert_status(StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(
         paid_to(rail, STALLED),
         0,
@@ -284,7 +279,7 @@ async fn a_stalled_compare_and_set_holds_up_no_other_request() {
     s.relay.release_stalled();
     s.until_nothing_stalls().await;
     let retried = s.pay(STALLED, Some("key-stalled")).await;
-    assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.body);
+    retried.assert_status(StatusCode::CREATED);
     assert_eq!(s.paid_to(STALLED), 1, "paid once");
 }
 
@@ -309,19 +304,14 @@ async fn a_stalled_completion_holds_up_no_other_request() {
     s.stall_nth("key-stalled-completion", 2);
     let answered = s.pay(STALLED, Some("key-stalled-completion")).await;
     // The rail's answer reaches the client even though it could not be stored in time.
-    assert_eq!(answered.status, StatusCode::CREATED, "{}", answered.body);
+    answered.assert_status(StatusCode::CREATED);
     assert!(s.relay.has_stalled());
     s.others_are_answered("completion").await;
     assert_eq!(s.stalled("completion").await, 1.0);
     // A repeat meanwhile is not forwarded again: it waits for the stalled completion, which
     // may hold its record's row (proxy::held), and is refused when its time is up.
     let repeat = s.pay(STALLED, Some("key-stalled-completion")).await;
-    assert_eq!(
-        repeat.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        repeat.body
-    );
+    repeat.assert_status(StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(s.paid_to(STALLED), 1);
     s.relay.release_stalled();
     s.until_nothing_stalls().await;
@@ -402,7 +392,7 @@ async fn shutdown_waits_for_a_stalled_compare_and_set_so_its_key_stays_usable() 
     assert_eq!(s.pg.mark(STALLED).await, Some(1), "the statement committed");
     s.rg.start_again().await;
     let retried = s.pay(STALLED, Some("key-stalled-stop")).await;
-    assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.body);
+    retried.assert_status(StatusCode::CREATED);
     assert_eq!(s.paid_to(STALLED), 1, "paid once");
 }
 
