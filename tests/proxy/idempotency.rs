@@ -15,14 +15,7 @@ async fn wait_until_in_doubt(pg: &Pg, key: &str) {
         Duration::from_secs(5),
         format!("{key}'s record declared in doubt"),
         || async {
-            let state: Option<String> = client
-                .query_opt(
-                    "SELECT state FROM idempotency_record WHERE idempotency_key = $1",
-                    &[&key],
-                )
-                .await
-                .unwrap()
-                .map(|row| row.get(0));
+            let state = support::records::state_of(&client, key).await;
             state.as_deref() == Some("in_doubt")
         },
     )
@@ -416,14 +409,7 @@ async fn large_responses_are_replayed_without_their_body_and_unreached_rails_lea
         Duration::from_secs(5),
         "never-sent's record removed",
         || async {
-            let left: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'never-sent'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
+            let left = support::records::records_keyed(&client, "never-sent").await;
             left == 0
         },
     )

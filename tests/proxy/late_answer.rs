@@ -176,14 +176,7 @@ async fn a_graceful_stop_waits_for_a_keyed_forward_still_on_its_way() {
         Duration::from_secs(10),
         "keyed-stop-1's idempotency record made",
         || async {
-            let made: i64 = client
-            .query_one(
-                "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'keyed-stop-1'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
+            let made = support::records::records_keyed(&client, "keyed-stop-1").await;
             (made == 1).then_some(())
         },
     )

@@ -142,16 +142,7 @@ async fn an_asynchronous_failover_that_lost_commits_is_fenced() {
 
     let old = cluster.kill_primary().await;
     cluster.wait_for_new_primary(old, FAILOVER).await;
-    let lost: i64 = cluster
-        .client()
-        .await
-        .query_one(
-            "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'p2'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let lost = support::records::records_keyed(&cluster.client().await, "p2").await;
     assert_eq!(lost, 0, "the new primary never had W2's commit");
     rg.restart().await;
 

@@ -243,14 +243,7 @@ async fn a_compare_and_set_not_replicated_is_not_accepted_and_nothing_is_forward
         Duration::from_secs(20),
         "pay-1's record removed",
         || async {
-            let left: i64 = admin
-                .query_one(
-                    "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'pay-1'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
+            let left = support::records::records_keyed(&admin, "pay-1").await;
             (left == 0).then_some(())
         },
     )

@@ -406,15 +406,10 @@ async fn a_passed_over_completion_that_cannot_be_settled_is_retried() {
         Duration::from_secs(10),
         "key-2's completion stored",
         || async {
-            let state: String = client
-                .query_one(
-                    "SELECT state FROM idempotency_record WHERE idempotency_key = 'key-2'",
-                    &[],
-                )
+            support::records::state_of(&client, "key-2")
                 .await
-                .unwrap()
-                .get(0);
-            state == "done"
+                .as_deref()
+                == Some("done")
         },
     )
     .await;
