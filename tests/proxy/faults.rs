@@ -462,11 +462,12 @@ async fn release(http: &Http, rg: &Railguard, key: &str, grant: &WireGrant) {
 /// only after the older one.
 #[tokio::test]
 async fn a_keyed_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let slow_path = Relay::start(rail.addr).await;
-    let rg = Railguard::start(&pg.url(), &slow_path.url(), &[]).await; // 3 s request timeout
+    let (
+        World {
+            pg: _pg, rail, rg, ..
+        },
+        slow_path,
+    ) = World::postgres_via_relay(&[]).await; // 3 s request timeout
     let http = Http::new();
     let old = acquire(&http, &rg, "acct-hang").await;
     slow_path.set_delay(Duration::from_millis(2000));

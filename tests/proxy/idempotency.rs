@@ -208,14 +208,15 @@ async fn the_same_key_with_another_request_is_422() {
 
 #[tokio::test]
 async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwarded_twice() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_secs(2)).await;
     // The killed process's forward counts as on its way until its row is quiet
     // (`store::handover`): half a second of transit keeps that short.
-    let mut rg = Railguard::start_process(
-        &pg.url(),
-        &rail.url(),
+    let World {
+        pg: _pg,
+        rail,
+        mut rg,
+        ..
+    } = World::postgres_process(
+        Rail::with_latency(Duration::from_secs(2)).await,
         &[("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "500")],
     )
     .await;
@@ -670,14 +671,15 @@ async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
 /// transaction.
 #[tokio::test]
 async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() {
-    init_tracing();
-    let mut pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_secs(6)).await;
     // The killed owner's forward counts as on its way until its row is quiet
     // (`store::handover`): half a second of transit keeps that short.
-    let mut rg = Railguard::start_process(
-        &pg.url(),
-        &rail.url(),
+    let World {
+        mut pg,
+        rail,
+        mut rg,
+        ..
+    } = World::postgres_process(
+        Rail::with_latency(Duration::from_secs(6)).await,
         &[("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "500")],
     )
     .await;
@@ -876,13 +878,14 @@ async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word
 /// `shutdown.grace_ms`: PostgreSQL back during the stop, the record is completed.
 #[tokio::test]
 async fn a_graceful_stop_waits_for_a_completion_still_retried_in_the_background() {
-    init_tracing();
-    let mut pg = Pg::start().await;
-    let rail = Rail::with_latency(Duration::from_millis(1500)).await;
     // Longer than the retries' longest pause (5 s), so the test does not race the backoff.
-    let mut rg = Railguard::start_process(
-        &pg.url(),
-        &rail.url(),
+    let World {
+        mut pg,
+        rail,
+        mut rg,
+        ..
+    } = World::postgres_process(
+        Rail::with_latency(Duration::from_millis(1500)).await,
         &[("RAILGUARD__SHUTDOWN__GRACE_MS", "15000")],
     )
     .await;

@@ -9,7 +9,7 @@ use railguard_testkit as support;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Pg, Rail, Railguard, Relay, init_tracing};
+use support::{Pg, Railguard, World, init_tracing};
 
 /// A positive wait longer than the delay keeps the order too (a clock, but one the network did
 /// not beat here).
@@ -26,17 +26,15 @@ async fn a_newer_grant_never_overtakes_a_forward_that_is_late_in_the_network() {
 /// The order the rail sees when token 5's request spends `delay` on its way there (its client
 /// gets 504 at 1 s) and token 7 pays on the same account right after that 504.
 async fn arrival_order(late_answer_wait_ms: &str, delay: Duration) -> Vec<String> {
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let slow_path = Relay::start(rail.addr).await;
-    let rg = Railguard::start(
-        &pg.url(),
-        &slow_path.url(),
-        &[
-            ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "1000"),
-            ("RAILGUARD__PROXY__LATE_ANSWER_WAIT_MS", late_answer_wait_ms),
-        ],
-    )
+    let (
+        World {
+            pg: _pg, rail, rg, ..
+        },
+        slow_path,
+    ) = World::postgres_via_relay(&[
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "1000"),
+        ("RAILGUARD__PROXY__LATE_ANSWER_WAIT_MS", late_answer_wait_ms),
+    ])
     .await;
     let http = rg.http();
     slow_path.set_delay(delay);
@@ -59,11 +57,12 @@ async fn arrival_order(late_answer_wait_ms: &str, delay: Duration) -> Vec<String
 /// holding the turn.
 #[tokio::test]
 async fn a_client_that_hangs_up_does_not_let_a_newer_grant_overtake_its_forward() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let slow_path = Relay::start(rail.addr).await;
-    let rg = Railguard::start(&pg.url(), &slow_path.url(), &[]).await;
+    let (
+        World {
+            pg: _pg, rail, rg, ..
+        },
+        slow_path,
+    ) = World::postgres_via_relay(&[]).await;
     let http = rg.http();
     let delay = Duration::from_millis(1600);
     slow_path.set_delay(delay);
@@ -111,16 +110,15 @@ async fn with_no_limit_on_the_late_answer_wait_no_delay_reorders_the_rail() {
 
 #[tokio::test]
 async fn a_graceful_stop_waits_for_a_late_answer_within_its_grace() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let slow_path = Relay::start(rail.addr).await;
-    let mut rg = Railguard::start_process(
-        &pg.url(),
-        &slow_path.url(),
-        &[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "500")],
-    )
-    .await;
+    let (
+        World {
+            pg: _pg,
+            rail,
+            mut rg,
+            ..
+        },
+        slow_path,
+    ) = World::postgres_process_via_relay(&[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "500")]).await;
     slow_path.set_delay(Duration::from_millis(1200));
     let late = rg.http().pay_with(&rg, 5, "acct-stop").await;
     late.assert_status(StatusCode::GATEWAY_TIMEOUT);
@@ -142,16 +140,12 @@ async fn a_graceful_stop_waits_for_a_late_answer_within_its_grace() {
 /// that the process does not exit under it.
 #[tokio::test]
 async fn a_graceful_stop_waits_for_a_keyed_forward_still_on_its_way() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let slow_path = Relay::start(rail.addr).await;
-    let mut rg = Railguard::start_process(
-        &pg.url(),
-        &slow_path.url(),
-        &[("RAILGUARD__SHUTDOWN__GRACE_MS", "1000")],
-    )
-    .await;
+    let (
+        World {
+            pg, rail, mut rg, ..
+        },
+        slow_path,
+    ) = World::postgres_process_via_relay(&[("RAILGUARD__SHUTDOWN__GRACE_MS", "1000")]).await;
     slow_path.set_delay(Duration::from_millis(1500));
     let proof = rg.proof("acct-keyed-stop", 5);
     let url = rg.proxy_url("/payments");

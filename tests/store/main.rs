@@ -12,6 +12,7 @@ mod hold;
 mod pg_harness;
 mod replication;
 mod schema_maintenance;
+mod serve;
 mod session_settings;
 mod stalled_statements;
 mod statement_plans;

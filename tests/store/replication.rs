@@ -14,40 +14,18 @@
 
 use railguard_testkit as support;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use http::StatusCode;
-use railguard::config::Config;
 use railguard::sdk::RailClient;
-use railguard::server::{Listeners, ServeError, run};
+use railguard::server::ServeError;
 use support::{Metrics, Pg, Rail, Railguard, World, eventually, init_tracing};
-use tokio::net::TcpListener;
+
+/// `database.replication_risk = "refuse"`.
+const REFUSE: &str = "replication_risk = \"refuse\"\n";
 
 fn risk(metrics: &Metrics, risk: &str) -> f64 {
     metrics.get(&format!("railguard_db_replication_risk{{risk=\"{risk}\"}}"))
-}
-
-/// `railguard serve` in this process with `database.replication_risk = "refuse"`, until it
-/// stops on its own (bounded by a minute).
-async fn serve_refusing(url: &str) -> Result<(), ServeError> {
-    let text = format!(
-        "[proxy]\nlisten = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n\
-         [database]\nurl = \"{url}\"\ntimeout_ms = 2000\nreplication_risk = \"refuse\"\n"
-    );
-    let config = Config::parse(&text, "railguard.toml", &BTreeMap::new()).unwrap();
-    let bind = || TcpListener::bind("127.0.0.1:0");
-    let listeners = Listeners {
-        proxy: bind().await.unwrap(),
-        admin: bind().await.unwrap(),
-        lock: bind().await.unwrap(),
-    };
-    tokio::time::timeout(
-        Duration::from_secs(60),
-        run(listeners, config, std::future::pending()),
-    )
-    .await
-    .expect("a refused start ends within a minute")
 }
 
 #[tokio::test]
@@ -66,7 +44,9 @@ async fn a_server_without_fsync_shows_the_risk_and_refuse_stops_the_start() {
         .unwrap();
     assert_eq!(status, StatusCode::OK);
 
-    let refused = serve_refusing(&pg.url()).await.expect_err("refused");
+    let refused = crate::serve::serve(&pg.url(), REFUSE, std::future::pending())
+        .await
+        .expect_err("refused");
     let why = refused.to_string();
     assert!(matches!(refused, ServeError::Replication(_)), "{why}");
     assert!(

@@ -6,16 +6,13 @@
 
 use railguard_testkit as support;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use railguard::config::Config;
 use railguard::db::{build_completion_pool, build_look_pool, build_pool};
-use railguard::server::{Listeners, run};
+
 use support::relay::Relay;
 use support::{Pg, init_tracing, without_startup_settings};
-use tokio::net::TcpListener;
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -34,27 +31,6 @@ async fn refusal(pool: &Pool) -> Option<String> {
         Ok(_) => None,
         Err(e) => Some(railguard::db::DbError::from(e).to_string()),
     }
-}
-
-/// `railguard serve` in this process against `url` until `shutdown`, bounded by a minute.
-async fn serve(
-    url: &str,
-    shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), railguard::server::ServeError> {
-    let text = format!(
-        "[proxy]\nlisten = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n\
-         [database]\nurl = \"{url}\"\ntimeout_ms = 2000\n"
-    );
-    let config = Config::parse(&text, "railguard.toml", &BTreeMap::new()).unwrap();
-    let bind = || TcpListener::bind("127.0.0.1:0");
-    let listeners = Listeners {
-        proxy: bind().await.unwrap(),
-        admin: bind().await.unwrap(),
-        lock: bind().await.unwrap(),
-    };
-    tokio::time::timeout(Duration::from_secs(60), run(listeners, config, shutdown))
-        .await
-        .expect("serve ended within a minute")
 }
 
 #[tokio::test]
@@ -215,8 +191,9 @@ async fn a_settings_check_without_an_answer_does_not_stop_the_start() {
     let relay = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
     relay.stall_first(|chunk| chunk.windows(11).any(|w| w == b"pg_settings"));
     // Serves for 8 s, then shuts down: a start that was stopped ends at once, with an error.
-    let ran = serve(
+    let ran = crate::serve::serve(
         &relay.postgres_url(&pg.url()),
+        "",
         tokio::time::sleep(Duration::from_secs(8)),
     )
     .await;
@@ -244,7 +221,8 @@ async fn serve_does_not_start_through_a_pooler_that_drops_a_setting() {
     ] {
         let relay = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
         relay.rewrite_towards_target(move |chunk| without_startup_settings(chunk, dropped));
-        let started = serve(&relay.postgres_url(&pg.url()), std::future::pending()).await;
+        let started =
+            crate::serve::serve(&relay.postgres_url(&pg.url()), "", std::future::pending()).await;
         let why = started.expect_err("serve must not start").to_string();
         assert!(
             why.starts_with(sessions) && why.contains(&format!("the session's {}", dropped[0])),

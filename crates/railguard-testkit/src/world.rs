@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use railguard_sdk::LockClient;
 
-use crate::{EtcdCluster, Pg, Rail, Railguard, init_tracing};
+use crate::{EtcdCluster, Pg, Rail, Railguard, Relay, init_tracing};
 
 /// Which backend a world runs.
 #[derive(Debug, Clone, Copy)]
@@ -54,13 +54,46 @@ impl World {
         Self::postgres_with(rail, env, true).await
     }
 
+    /// [`World::postgres`] whose railguard reaches the rail through a [`Relay`]: the slow
+    /// network path a test delays or stalls.
+    pub async fn postgres_via_relay(env: &[(&str, &str)]) -> (World, Relay) {
+        let rail = Rail::start().await;
+        let relay = Relay::start(rail.addr).await;
+        let url = relay.url();
+        (
+            Self::postgres_with_upstream(rail, &url, env, false).await,
+            relay,
+        )
+    }
+
+    /// [`World::postgres_via_relay`] with railguard as a child process.
+    pub async fn postgres_process_via_relay(env: &[(&str, &str)]) -> (World, Relay) {
+        let rail = Rail::start().await;
+        let relay = Relay::start(rail.addr).await;
+        let url = relay.url();
+        (
+            Self::postgres_with_upstream(rail, &url, env, true).await,
+            relay,
+        )
+    }
+
     async fn postgres_with(rail: Rail, env: &[(&str, &str)], process: bool) -> World {
+        let url = rail.url();
+        Self::postgres_with_upstream(rail, &url, env, process).await
+    }
+
+    async fn postgres_with_upstream(
+        rail: Rail,
+        upstream: &str,
+        env: &[(&str, &str)],
+        process: bool,
+    ) -> World {
         init_tracing();
         let pg = Pg::start().await;
         let rg = if process {
-            Railguard::start_process(&pg.url(), &rail.url(), env).await
+            Railguard::start_process(&pg.url(), upstream, env).await
         } else {
-            Railguard::start(&pg.url(), &rail.url(), env).await
+            Railguard::start(&pg.url(), upstream, env).await
         };
         World {
             backend: Backend::Postgres,
