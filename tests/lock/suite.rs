@@ -1340,14 +1340,11 @@ async fn released_to_the_waiter(
 
 /// Polls etcd's leases for up to 3 s until they are exactly `expected`; returns the last seen.
 async fn wait_for_leases(etcd: &EtcdCluster, expected: &[i64]) -> Vec<i64> {
-    let until = Instant::now() + Duration::from_secs(3);
-    loop {
-        let leases = etcd.leases().await;
-        if leases == expected || Instant::now() >= until {
-            return leases;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let _ = support::within(Duration::from_secs(3), || async {
+        (etcd.leases().await == expected).then_some(())
+    })
+    .await;
+    etcd.leases().await
 }
 
 /// No attempt is made while waiting (the fallback poll is 30 s, the holder's lease 60 s), for

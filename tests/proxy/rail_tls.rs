@@ -340,19 +340,22 @@ async fn scram_over_tls_uses_channel_binding() {
         pg.server.port(),
         path(&pki.ca)
     );
-    let mut attempt = 0;
-    let client = loop {
-        // The reload is asynchronous: until it lands, trust still answers (and would not
-        // bind the channel, which channel_binding=require refuses).
-        match pg.client_with(&url).await {
-            Ok(client) => break client,
-            Err(e) if attempt < 50 => {
-                attempt += 1;
-                tracing::debug!(error = %e, "waiting for the reload");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("SCRAM with channel binding failed: {e}"),
+    // The reload is asynchronous: until it lands, trust still answers (and would not
+    // bind the channel, which channel_binding=require refuses).
+    let connected = support::within(Duration::from_secs(5), || async {
+        let connected = pg.client_with(&url).await;
+        if let Err(e) = &connected {
+            tracing::debug!(error = %e, "waiting for the reload");
         }
+        connected.ok()
+    })
+    .await;
+    let client = match connected {
+        Ok(client) => client,
+        Err(_) => match pg.client_with(&url).await {
+            Ok(client) => client,
+            Err(e) => panic!("SCRAM with channel binding failed: {e}"),
+        },
     };
     let ssl: bool = client
         .query_one(
