@@ -386,9 +386,9 @@ async fn idle_keep_alive_connections_are_closed_but_a_long_request_is_not() {
 
 #[tokio::test]
 async fn railguard_answers_oversized_headers_431_and_counts_it_per_listener() {
-    let World {
-        pg: _pg, rail, rg, ..
-    } = World::postgres(&[("RAILGUARD__PROXY__MAX_HEADER_BYTES", "8192")]).await;
+    let (_pg, rail, rg) = World::postgres(&[("RAILGUARD__PROXY__MAX_HEADER_BYTES", "8192")])
+        .await
+        .parts();
     let big = format!(
         "POST /pay HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
         "a".repeat(10_000)

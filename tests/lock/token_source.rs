@@ -101,8 +101,9 @@ async fn fences_again(rg: &support::Railguard, account: &str, old: i64, mark: i6
 
 #[tokio::test]
 async fn a_restored_lockdb_grants_nothing_until_fast_forward_then_fences_correctly() {
-    let World { pg, rail, rg, .. } =
-        World::postgres_process(support::Rail::start().await, &[FAST_GUARD]).await;
+    let (pg, rail, rg) = World::postgres_process(support::Rail::start().await, &[FAST_GUARD])
+        .await
+        .parts();
 
     // Normal traffic: grants, payments, marks.
     let first = token_of(&acquire(&rg, "acct-r1").await);
@@ -170,12 +171,9 @@ async fn a_restored_lockdb_grants_nothing_until_fast_forward_then_fences_correct
 /// ready and grants nothing from its first request.
 #[tokio::test]
 async fn a_railguard_started_on_a_restored_lockdb_is_never_ready_until_fast_forward() {
-    let World {
-        pg,
-        rail: _rail,
-        mut rg,
-        ..
-    } = World::postgres_process(support::Rail::start().await, &[FAST_GUARD]).await;
+    let (pg, _rail, mut rg) = World::postgres_process(support::Rail::start().await, &[FAST_GUARD])
+        .await
+        .parts();
     let mark = token_of(&acquire(&rg, "acct-s1").await);
     assert_eq!(
         rg.http().pay_with(&rg, mark, "acct-s1").await.status,
@@ -417,12 +415,9 @@ async fn etcd_fast_forward_over_a_large_gap_shows_progress_survives_interruption
 /// lowered.
 #[tokio::test]
 async fn a_poisoned_account_is_recovered_without_lowering_any_mark() {
-    let World {
-        pg,
-        rail: _rail,
-        rg,
-        ..
-    } = World::postgres_process(support::Rail::start().await, &[FAST_GUARD]).await;
+    let (pg, _rail, rg) = World::postgres_process(support::Rail::start().await, &[FAST_GUARD])
+        .await
+        .parts();
     let healthy = token_of(&acquire(&rg, "acct-ok").await);
     assert_eq!(
         rg.http().pay_with(&rg, healthy, "acct-ok").await.status,

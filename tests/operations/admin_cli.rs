@@ -143,12 +143,9 @@ fn a_bad_key_or_value_names_the_key_and_where_it_came_from() {
 /// lease, never the token (FR-07).
 #[tokio::test]
 async fn inspect_shows_the_holder_and_never_the_token() {
-    let World {
-        pg: _pg,
-        rail: _rail,
-        rg,
-        ..
-    } = World::postgres_process(support::Rail::start().await, &[]).await;
+    let (_pg, _rail, rg) = World::postgres_process(support::Rail::start().await, &[])
+        .await
+        .parts();
     let inspect = |key: &str| railguard(&["inspect", key], &rg.config_path(), &[]);
     let free = inspect("acct-inspect");
     assert!(free.status.success(), "{free:?}");
@@ -255,12 +252,9 @@ async fn migrate_status_lists_pending_then_applied_and_changes_nothing() {
 /// present it, ADR-002 §A2.3).
 #[tokio::test]
 async fn marks_reads_a_mark_through_the_admin_listener_only() {
-    let World {
-        pg: _pg,
-        rail: _rail,
-        rg,
-        ..
-    } = World::postgres_process(support::Rail::start().await, &[]).await;
+    let (_pg, _rail, rg) = World::postgres_process(support::Rail::start().await, &[])
+        .await
+        .parts();
     let marks = |account: &str| railguard(&["marks", account], &rg.config_path(), &[]);
     let none = marks("acct-m");
     assert!(none.status.success(), "{none:?}");

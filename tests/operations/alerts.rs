@@ -185,12 +185,9 @@ async fn a_stale_token_fires_the_fenced_out_alert_and_nothing_fires_before() {
 
 #[tokio::test]
 async fn every_metric_the_rules_and_the_dashboard_name_is_one_railguard_exports() {
-    let World {
-        pg: _pg,
-        rail: _rail,
-        rg,
-        ..
-    } = World::postgres_process(Rail::start().await, &[]).await;
+    let (_pg, _rail, rg) = World::postgres_process(Rail::start().await, &[])
+        .await
+        .parts();
     // Sample names as exposed: a histogram's are its _bucket, _sum and _count.
     let exported: BTreeSet<String> = rg
         .metrics()

@@ -42,7 +42,7 @@ async fn acquire(http: &Http, rg: &Railguard, key: &str) -> WireGrant {
 /// token nobody was granted is good for nothing.
 #[tokio::test]
 async fn a_grant_of_one_key_does_not_pass_for_another_account_nor_an_invented_token() {
-    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
+    let (pg, rail, rg) = World::postgres(&[]).await.parts();
     let http = Http::new();
     let b = acquire(&http, &rg, "acct-B").await;
     let paid = rg
@@ -244,12 +244,9 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
 /// the proxy's own layer, never at ERROR by the trace layer.
 #[tokio::test]
 async fn a_database_outage_logs_no_error_lines() {
-    let World {
-        mut pg,
-        rail: _rail,
-        rg,
-        ..
-    } = World::postgres_process(Rail::start().await, &[]).await;
+    let (mut pg, _rail, rg) = World::postgres_process(Rail::start().await, &[])
+        .await
+        .parts();
     let http = rg.http();
     assert_eq!(
         http.pay_with(&rg, 3, "acct-o").await.status,
@@ -339,9 +336,10 @@ async fn an_acquire_slower_than_the_database_timeout_leaves_no_grant_behind() {
 /// not in flight (and later in doubt) for a payment that succeeded.
 #[tokio::test]
 async fn a_completion_lost_to_a_database_crash_is_stored_when_it_returns() {
-    let World {
-        mut pg, rail, rg, ..
-    } = World::postgres_on(Rail::with_latency(Duration::from_millis(1500)).await, &[]).await;
+    let (mut pg, rail, rg) =
+        World::postgres_on(Rail::with_latency(Duration::from_millis(1500)).await, &[])
+            .await
+            .parts();
     let http = Http::new();
     let grant = acquire(&http, &rg, "acct-c").await;
     let original = rg

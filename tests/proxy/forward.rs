@@ -12,7 +12,7 @@ const FENCED: &str = "lock_fenced_out_total";
 const FORWARDED: &str = "railguard_requests_total{outcome=\"forwarded\"}";
 
 async fn world() -> (Pg, Rail, Railguard) {
-    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
+    let (pg, rail, rg) = World::postgres(&[]).await.parts();
     (pg, rail, rg)
 }
 
@@ -392,8 +392,9 @@ async fn encoded_keys_allow_headers_and_admin_errors_are_as_documented() {
 #[tokio::test]
 async fn an_oversized_chunked_body_gets_413_at_once_and_advances_nothing() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let World { pg, rail, rg, .. } =
-        World::postgres(&[("RAILGUARD__PROXY__MAX_BODY_BYTES", "1024")]).await;
+    let (pg, rail, rg) = World::postgres(&[("RAILGUARD__PROXY__MAX_BODY_BYTES", "1024")])
+        .await
+        .parts();
     let over = "x".repeat(1025);
     let half = "y".repeat(512);
     let cases: [(&str, String); 4] = [
@@ -802,12 +803,10 @@ async fn http2_clients_are_proxied_and_hop_by_hop_headers_dropped() {
 
 #[tokio::test]
 async fn sigterm_drains_in_flight_requests() {
-    let World {
-        pg: _pg,
-        rail,
-        mut rg,
-        ..
-    } = World::postgres_process(Rail::with_latency(Duration::from_millis(500)).await, &[]).await;
+    let (_pg, rail, mut rg) =
+        World::postgres_process(Rail::with_latency(Duration::from_millis(500)).await, &[])
+            .await
+            .parts();
     let in_flight = rg.payment("d", 1).body("{}").spawn();
     tokio::time::sleep(Duration::from_millis(150)).await;
     let status = rg.stop().await;
@@ -899,7 +898,7 @@ async fn unreachable_database_url_fails_start_up_clearly() {
 /// `Via` names the protocol.
 #[tokio::test]
 async fn connect_and_bad_host_headers_are_refused_and_via_names_the_protocol() {
-    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
+    let (pg, rail, rg) = World::postgres(&[]).await.parts();
     // Raw HTTP/1.1, so that Host can be left out or repeated.
     async fn raw(addr: std::net::SocketAddr, head: &str) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};

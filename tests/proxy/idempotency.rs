@@ -77,7 +77,7 @@ async fn records(pg: &Pg) -> i64 {
 
 #[tokio::test]
 async fn a_completed_request_is_replayed_without_touching_the_rail() {
-    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
+    let (pg, rail, rg) = World::postgres(&[]).await.parts();
     let first = rg
         .payment("acct", 7)
         .key("pay-1")
@@ -130,9 +130,10 @@ async fn a_completed_request_is_replayed_without_touching_the_rail() {
 
 #[tokio::test]
 async fn concurrent_duplicates_are_forwarded_once() {
-    let World {
-        pg: _pg, rail, rg, ..
-    } = World::postgres_on(Rail::with_latency(Duration::from_millis(500)).await, &[]).await;
+    let (_pg, rail, rg) =
+        World::postgres_on(Rail::with_latency(Duration::from_millis(500)).await, &[])
+            .await
+            .parts();
     let mut tasks = Vec::new();
     for _ in 0..20 {
         tasks.push(rg.payment("a", 3).key("dup").body("{}").spawn());
@@ -159,9 +160,9 @@ async fn concurrent_duplicates_are_forwarded_once() {
 
 #[tokio::test]
 async fn the_same_key_with_another_request_is_422() {
-    let World {
-        pg: _pg, rail, rg, ..
-    } = World::postgres(&[("RAILGUARD__IDEMPOTENCY__REQUIRED", "true")]).await;
+    let (_pg, rail, rg) = World::postgres(&[("RAILGUARD__IDEMPOTENCY__REQUIRED", "true")])
+        .await
+        .parts();
     let http = rg.http();
     assert_eq!(
         rg.payment("a", 1)
@@ -301,8 +302,10 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
 /// rail: its record is removed, so a retry of the key goes through.
 #[tokio::test]
 async fn a_superseded_request_leaves_no_record_behind() {
-    let World { pg, rail, rg, .. } =
-        World::postgres_on(Rail::with_latency(Duration::from_millis(600)).await, &[]).await;
+    let (pg, rail, rg) =
+        World::postgres_on(Rail::with_latency(Duration::from_millis(600)).await, &[])
+            .await
+            .parts();
     let first = rg.payment("a", 42).body("{}").spawn(); // in flight at the rail
     tokio::time::sleep(Duration::from_millis(150)).await;
     // Accepted, recorded, waits for its turn.
@@ -376,8 +379,9 @@ async fn retention_removes_old_records() {
 
 #[tokio::test]
 async fn large_responses_are_replayed_without_their_body_and_unreached_rails_leave_no_record() {
-    let World { pg, rail, rg, .. } =
-        World::postgres(&[("RAILGUARD__IDEMPOTENCY__MAX_RESPONSE_BYTES", "10")]).await;
+    let (pg, rail, rg) = World::postgres(&[("RAILGUARD__IDEMPOTENCY__MAX_RESPONSE_BYTES", "10")])
+        .await
+        .parts();
     let first = rg.payment("a", 1).key("big").body("{}").send().await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(
@@ -419,7 +423,7 @@ async fn large_responses_are_replayed_without_their_body_and_unreached_rails_lea
 
 #[tokio::test]
 async fn concurrent_accounts_share_commits() {
-    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
+    let (pg, rail, rg) = World::postgres(&[]).await.parts();
     let mut tasks = Vec::new();
     for i in 0..200 {
         let account = format!("acct-{}", i % 50);
@@ -469,7 +473,7 @@ async fn concurrent_accounts_share_commits() {
 /// `done` and every key replays its own answer.
 #[tokio::test]
 async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
-    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
+    let (pg, rail, rg) = World::postgres(&[]).await.parts();
     let mut tasks = Vec::new();
     for i in 0..200 {
         let (account, key) = (format!("acct-{}", i % 20), format!("pay-{i}"));
@@ -521,8 +525,10 @@ async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
 /// hears the rail's answer. A retry of the key is then a new payment, as forgetting means.
 #[tokio::test]
 async fn a_completion_whose_record_was_forgotten_does_not_resurrect_it() {
-    let World { pg, rail, rg, .. } =
-        World::postgres_on(Rail::with_latency(Duration::from_millis(600)).await, &[]).await;
+    let (pg, rail, rg) =
+        World::postgres_on(Rail::with_latency(Duration::from_millis(600)).await, &[])
+            .await
+            .parts();
     let paying = rg.payment("a", 2).key("forgotten").body("{}").spawn();
     // Its neighbour in the same account completes normally, in the same window.
     let neighbour = rg.payment("a", 2).key("kept").body("{}").spawn();
@@ -756,8 +762,10 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
 #[tokio::test]
 async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
     // Its answer never comes within the test: a late answer would complete the record.
-    let World { pg, rail, rg, .. } =
-        World::postgres_process(Rail::with_latency(Duration::from_secs(60)).await, &[]).await;
+    let (pg, rail, rg) =
+        World::postgres_process(Rail::with_latency(Duration::from_secs(60)).await, &[])
+            .await
+            .parts();
     let first = rg.payment("a", 4).key("old").body("{}").send().await;
     first.assert_status(StatusCode::GATEWAY_TIMEOUT);
     wait_until_in_doubt(&pg, "old").await;
@@ -954,9 +962,9 @@ async fn no_clean_stop_is_recorded_while_a_keyed_request_waits_for_its_turn() {
 /// W1's token is refused too).
 #[tokio::test]
 async fn a_retry_after_its_grant_was_superseded_gets_its_own_answer() {
-    let World {
-        pg: _pg, rail, rg, ..
-    } = World::postgres_process(Rail::start().await, &[]).await;
+    let (_pg, rail, rg) = World::postgres_process(Rail::start().await, &[])
+        .await
+        .parts();
     let first = rg.payment("a", 10).key("p").body("{\"n\":1}").send().await;
     first.assert_status(StatusCode::CREATED);
     let newer = rg.payment("a", 11).key("q").body("{\"n\":2}").send().await;

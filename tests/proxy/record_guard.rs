@@ -51,8 +51,10 @@ async fn record_state(pg: &Pg, account: &str, key: &str) -> Option<String> {
 /// The scenario for both modes: an empty-body payment reaches a slow rail, its client hangs up
 /// while the rail is still working on it, and the client retries with the same key later.
 async fn empty_body_client_gone_mid_forward(env: &[(&str, &str)]) {
-    let World { pg, rail, rg, .. } =
-        World::postgres_on(Rail::with_latency(Duration::from_millis(1500)).await, env).await;
+    let (pg, rail, rg) =
+        World::postgres_on(Rail::with_latency(Duration::from_millis(1500)).await, env)
+            .await
+            .parts();
     tokio::join!(
         pay_empty_then_hang_up(&rg, 5, "acct-e", "pay-e", Duration::from_millis(500)),
         rail.until_paid(1)
@@ -92,12 +94,7 @@ async fn kill_switch_empty_body_client_gone_mid_forward_is_not_paid_twice() {
 /// keep-alive connection opened before the stop no longer gets answers.
 #[tokio::test]
 async fn in_process_stop_refuses_connections() {
-    let World {
-        pg,
-        rail: _rail,
-        mut rg,
-        ..
-    } = World::postgres(&[]).await;
+    let (pg, _rail, mut rg) = World::postgres(&[]).await.parts();
     let (proxy, admin, lock) = (rg.proxy, rg.admin, rg.lock);
     // An idle keep-alive connection open across the stop.
     let mut kept = TcpStream::connect(admin).await.unwrap();
@@ -386,9 +383,10 @@ async fn a_rail_that_reads_the_head_and_resets_leaves_the_record_in_doubt() {
 /// is replayed.
 #[tokio::test]
 async fn http2_client_reset_mid_forward_with_an_empty_body_is_not_paid_twice() {
-    let World {
-        pg: _pg, rail, rg, ..
-    } = World::postgres_on(Rail::with_latency(Duration::from_millis(1500)).await, &[]).await;
+    let (_pg, rail, rg) =
+        World::postgres_on(Rail::with_latency(Duration::from_millis(1500)).await, &[])
+            .await
+            .parts();
     let h2 = rg.http2();
     let task = rg
         .payment("acct-h2", 5)

@@ -16,6 +16,12 @@ use std::time::Duration;
 /// `proxy.rail_transit_ms`), with room for a loaded machine.
 const HOLD: Duration = Duration::from_secs(30);
 
+/// A superseded grant's lease, a newer grant's, and how long a newer grant waits for its key.
+const SHORT: Duration = Duration::from_millis(300);
+const LONG: Duration = Duration::from_secs(60);
+const WAIT: Duration = Duration::from_secs(5);
+const NOW: Duration = Duration::ZERO;
+
 use http::StatusCode;
 use railguard::sdk::{LockHandle, RailClient, SdkError};
 use support::{Pg, Rail, Railguard, World, init_tracing};
@@ -41,10 +47,10 @@ async fn superseded_across_a_rewind(
     ttl: Duration,
 ) -> (LockHandle, LockHandle) {
     let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
-    let w1 = grant(&lock, "acct", "w1", ttl, Duration::ZERO).await;
+    let w1 = grant(&lock, "acct", "w1", ttl, NOW).await;
     paid(&proxy, &w1, "acct", "p1").await;
     let copy = pg.copy_data().await.unwrap();
-    let w2 = grant(&lock, "acct", "w2", Duration::from_secs(60), ttl * 20).await;
+    let w2 = grant(&lock, "acct", "w2", LONG, ttl * 20).await;
     assert!(w2.token().get() > w1.token().get());
     paid(&proxy, &w2, "acct", "p2").await;
     pg.rewind_to(&copy).await.unwrap();
@@ -54,12 +60,9 @@ async fn superseded_across_a_rewind(
 
 /// [`superseded_across_a_rewind`], then W1 and W2 try again, and W3 acquires.
 async fn rewind_under(env: &[(&str, &str)]) -> Run {
-    let World {
-        mut pg,
-        rail,
-        mut rg,
-        ..
-    } = World::postgres_process(Rail::start().await, env).await;
+    let (mut pg, rail, mut rg) = World::postgres_process(Rail::start().await, env)
+        .await
+        .parts();
     let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
     let (w1, w2) = superseded_across_a_rewind(&mut pg, &mut rg, Duration::from_millis(300)).await;
     let old = pay(&proxy, &w1, "acct", "p3").await;
@@ -159,36 +162,18 @@ async fn without_the_detection_a_rewound_database_lets_a_superseded_grant_pay_ag
 /// doubt, not paid twice. A payment first sent under W2's own grant goes through.
 #[tokio::test]
 async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
-    let World {
-        mut pg,
-        rail,
-        mut rg,
-        ..
-    } = World::postgres_process(Rail::start().await, &[]).await;
-    let lock = rg.lock_client();
-    let proxy = RailClient::new(rg.proxy_url(""));
+    let (mut pg, rail, mut rg) = World::postgres_process(Rail::start().await, &[])
+        .await
+        .parts();
+    let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
 
-    let w1 = grant(
-        &lock,
-        "acct",
-        "w1",
-        Duration::from_millis(300),
-        Duration::ZERO,
-    )
-    .await;
+    let w1 = grant(&lock, "acct", "w1", SHORT, NOW).await;
     let copy = pg.copy_data().await.unwrap();
     paid(&proxy, &w1, "acct", "p").await;
     pg.rewind_to(&copy).await.unwrap();
     rg.restart().await;
 
-    let w2 = grant(
-        &lock,
-        "acct",
-        "w2",
-        Duration::from_secs(60),
-        Duration::from_secs(5),
-    )
-    .await;
+    let w2 = grant(&lock, "acct", "w2", LONG, WAIT).await;
     let body = "{\"id\":\"p\"}";
     let retry = proxy
         .retry(&w2, "acct", "/payments", body.into(), "p", w1.token())
@@ -225,35 +210,17 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
 /// token, or W2 is handed W1's token again and W1's grant pays again.
 #[tokio::test]
 async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
-    let World {
-        mut pg,
-        rail,
-        mut rg,
-        ..
-    } = World::postgres_process(Rail::start().await, &[]).await;
-    let lock = rg.lock_client();
-    let proxy = RailClient::new(rg.proxy_url(""));
-    let w0 = grant(
-        &lock,
-        "acct",
-        "w0",
-        Duration::from_millis(300),
-        Duration::ZERO,
-    )
-    .await;
+    let (mut pg, rail, mut rg) = World::postgres_process(Rail::start().await, &[])
+        .await
+        .parts();
+    let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
+    let w0 = grant(&lock, "acct", "w0", SHORT, NOW).await;
     paid(&proxy, &w0, "acct", "p0").await;
     let backup = pg.copy_data().await.unwrap();
 
     pg.kill().await;
     pg.server.start().await.unwrap();
-    let w1 = grant(
-        &lock,
-        "acct",
-        "w1",
-        Duration::from_millis(400),
-        Duration::from_secs(5),
-    )
-    .await;
+    let w1 = grant(&lock, "acct", "w1", Duration::from_millis(400), WAIT).await;
     assert_eq!(
         pay_after_the_hold(&proxy, &w1, "acct", "p1", HOLD)
             .await
@@ -264,14 +231,7 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
     rg.kill().await;
     pg.rewind_to(&backup).await.unwrap();
     rg.start_again().await;
-    let w2 = grant(
-        &lock,
-        "acct",
-        "w2",
-        Duration::from_secs(60),
-        Duration::from_secs(5),
-    )
-    .await;
+    let w2 = grant(&lock, "acct", "w2", LONG, WAIT).await;
     assert!(
         w2.token().get() > w1.token().get(),
         "W2 {} after W1 {}",
@@ -298,13 +258,12 @@ async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
 /// all the same, and nothing is paid twice.
 #[tokio::test]
 async fn a_dump_restored_into_the_running_server_is_fenced() {
-    let World {
-        pg, rail, mut rg, ..
-    } = World::postgres_process(Rail::start().await, &[]).await;
-    let lock = rg.lock_client();
-    let proxy = RailClient::new(rg.proxy_url(""));
+    let (pg, rail, mut rg) = World::postgres_process(Rail::start().await, &[])
+        .await
+        .parts();
+    let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
     let ttl = Duration::from_millis(300);
-    let w1 = grant(&lock, "acct", "w1", ttl, Duration::ZERO).await;
+    let w1 = grant(&lock, "acct", "w1", ttl, NOW).await;
     paid(&proxy, &w1, "acct", "p1").await;
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("railguard.dump");
@@ -315,7 +274,7 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
         .await
         .unwrap();
     assert!(out.status.success(), "pg_dump: {out:?}");
-    let w2 = grant(&lock, "acct", "w2", Duration::from_secs(60), ttl * 20).await;
+    let w2 = grant(&lock, "acct", "w2", LONG, ttl * 20).await;
     paid(&proxy, &w2, "acct", "p2").await;
 
     rg.stop().await;
@@ -341,14 +300,7 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
             "{refused:?}"
         );
     }
-    let w3 = grant(
-        &lock,
-        "acct",
-        "w3",
-        Duration::from_secs(60),
-        Duration::from_secs(5),
-    )
-    .await;
+    let w3 = grant(&lock, "acct", "w3", LONG, WAIT).await;
     assert!(w3.token().get() > w2.token().get());
     let retry = proxy
         .retry(

@@ -30,7 +30,7 @@ fn risk(metrics: &Metrics, risk: &str) -> f64 {
 
 #[tokio::test]
 async fn a_server_without_fsync_shows_the_risk_and_refuse_stops_the_start() {
-    let World { pg, rail, rg, .. } = World::postgres(&[]).await;
+    let (pg, rail, rg) = World::postgres(&[]).await.parts();
     let metrics = rg.metrics().await;
     assert_eq!(risk(&metrics, "fsync_off"), 1.0);
     assert_eq!(risk(&metrics, "full_page_writes_off"), 1.0);

@@ -130,6 +130,15 @@ impl World {
         }
     }
 
+    /// A PostgreSQL world's parts, for a test that names them (`let (pg, rail, rg) = …`).
+    pub fn parts(self) -> (Pg, Rail, Railguard) {
+        assert!(
+            self.etcd.is_none(),
+            "an etcd world's etcd would stop with its parts"
+        );
+        (self.pg, self.rail, self.rg)
+    }
+
     pub fn client(&self) -> LockClient {
         self.rg.lock_client()
     }
