@@ -10,7 +10,7 @@
 #   patroni, python3-etcd               throwaway high-availability PostgreSQL clusters for the
 #                                       failover tests (only with --test)
 #   prometheus                          promtool for the alert rules' tests, and a throwaway
-#                                       Prometheus for tests/alerts.rs (only with --test)
+#                                       Prometheus for tests/operations/alerts.rs (only with --test)
 #   openssl                             the test kit's private CA for the TLS tests (only with --test)
 #   cargo-fuzz (crates.io)              builds and runs the fuzz targets in fuzz/ (only with --test)
 set -euo pipefail

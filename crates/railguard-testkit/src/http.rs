@@ -31,6 +31,12 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Fails the test, showing the body, unless the status is `status`.
+    #[track_caller]
+    pub fn assert_status(&self, status: StatusCode) {
+        assert_eq!(self.status, status, "{}", self.body);
+    }
+
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
     }

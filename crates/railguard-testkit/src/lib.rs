@@ -16,6 +16,8 @@
 //!   [`TlsClient`]: HTTP/1.1 over TLS to a listener, with or without a client certificate.
 //! - [`TlsFront`]: a TLS-terminating front that makes the rail simulator an `https://` rail.
 //! - [`Relay`]: a TCP relay whose delay a test turns up, to make a slow network.
+//! - [`eventually`] and [`until`]: the one way a test waits, bounded, failing with what it
+//!   waited for; [`Payment`]: a payment over HTTP whose every header a test chooses.
 //! - [`World`]: all of the above for one lock backend, and [`suite!`] to run the same
 //!   behavioural cases on every backend.
 //!
@@ -46,6 +48,7 @@ pub use etcd::{EtcdBuilder, EtcdCluster, EtcdSnapshot};
 pub use full_rail::FullRail;
 pub use http::{Http, Reply};
 pub use patroni::{PatroniBuilder, PatroniCluster};
+pub use payment::Payment;
 pub use pg::{DataCopy, Pg, PgBuilder, without_startup_settings};
 pub use pki::{Issued, Pki};
 pub use process::{children_of, signal};
@@ -56,7 +59,7 @@ pub use relay::Relay;
 pub use serve::{Railguard, binary as railguard_binary, run_command as railguard_command};
 pub use tls::{TlsClient, TlsReply, hex};
 pub use tls_front::TlsFront;
-pub use wait::eventually;
+pub use wait::{eventually, until, within};
 pub use world::{Backend, World};
 
 /// Why a launcher could not start what it launches.

@@ -122,6 +122,24 @@ impl Rail {
             .collect()
     }
 
+    /// Waits until the rail has received at least `payments` (fails the test after 10 s).
+    pub async fn until_paid(&self, payments: usize) {
+        crate::until(
+            Duration::from_secs(10),
+            format!("{payments} payments at the rail"),
+            || async move { self.ledger().len() >= payments },
+        )
+        .await
+    }
+
+    /// Fails the test, showing the ledger, unless the rail has received exactly `payments`;
+    /// `why` says what that number means.
+    #[track_caller]
+    pub fn assert_paid(&self, payments: usize, why: &str) {
+        let ledger = self.ledger();
+        assert_eq!(ledger.len(), payments, "{why}: {ledger:#?}");
+    }
+
     /// How many arrivals carried idempotency key `key`.
     pub fn times_paid(&self, key: &str) -> usize {
         self.ledger()

@@ -111,3 +111,27 @@ pub fn idempotency_store(
         },
     )
 }
+
+/// How many idempotency records carry `key`, on any account.
+pub async fn records_keyed(client: &tokio_postgres::Client, key: &str) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM idempotency_record WHERE idempotency_key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// The state of the idempotency record carrying `key` (one account's), if there is one.
+pub async fn state_of(client: &tokio_postgres::Client, key: &str) -> Option<String> {
+    client
+        .query_opt(
+            "SELECT state FROM idempotency_record WHERE idempotency_key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .map(|row| row.get(0))
+}

@@ -254,24 +254,20 @@ impl Railguard {
     /// Pays `token` on `account` through this railguard, with its grant's proof, in a task of
     /// its own: a request the test lets travel (held in a relay, say) while it goes on.
     pub fn pay_in_background(&self, token: i64, account: &str) -> JoinHandle<crate::Reply> {
-        let (http, url, proof) = (
-            self.http(),
-            self.proxy_url("/payments"),
-            self.proof(account, token),
-        );
-        let (token, account) = (token.to_string(), account.to_string());
-        tokio::spawn(async move {
-            http.pay(
-                &url,
-                &[
-                    ("Fencing-Token", &token),
-                    ("Fencing-Account", &account),
-                    ("Fencing-Proof", &proof),
-                ],
-                "{}",
-            )
-            .await
-        })
+        self.payment(account, token).body("{}").spawn()
+    }
+
+    /// A payment of `token` on `account` through this railguard's proxy, with the grant's
+    /// proof: a builder the test adds a key, a body, headers and the status it must get to.
+    pub fn payment(&self, account: &str, token: i64) -> crate::payment::Payment {
+        crate::payment::Payment::new(self, account, token)
+    }
+
+    /// [`proof`](Self::proof), or none when the test cannot read railguard's proof key (an
+    /// embedded database it does not reach).
+    pub(crate) fn proof_if_known(&self, account: &str, token: i64) -> Option<String> {
+        let token = railguard::token::FencingToken::new(token)?;
+        Some(self.proofs.as_ref()?.sign(account, token))
     }
 
     /// The proof a grant of lock key `account` (the default mapping) with `token` carries.
@@ -312,6 +308,25 @@ impl Railguard {
                 .into();
         }
         std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// Waits (10 s at most) until the child process's log, from byte `from` on (an earlier
+    /// `log().len()`), holds `text`; that part of the log. Fails the test, showing it, if not.
+    pub async fn logged_since(&self, from: usize, text: &str) -> String {
+        let found = crate::within(Duration::from_secs(10), || async {
+            let log = self.log();
+            log.get(from..)
+                .filter(|since| since.contains(text))
+                .map(str::to_string)
+        })
+        .await;
+        found.unwrap_or_else(|_| {
+            let log = self.log();
+            panic!(
+                "railguard did not log {text:?}:\n{}",
+                log.get(from..).unwrap_or(&log)
+            )
+        })
     }
 
     async fn spawn(&mut self) {
@@ -485,6 +500,16 @@ impl Railguard {
 
     pub fn proxy_url(&self, path: &str) -> String {
         format!("http://{}{path}", self.proxy)
+    }
+
+    /// Waits (10 s at most) until the series `series` of the admin listener's metrics is at
+    /// least `value`, and returns what it is then (a test checks it did not pass `value`).
+    pub async fn metric_reaches(&self, series: &str, value: f64) -> f64 {
+        let _ = crate::within(Duration::from_secs(10), || async {
+            (self.metrics().await.get(series) >= value).then_some(())
+        })
+        .await;
+        self.metrics().await.get(series)
     }
 
     pub async fn metrics(&self) -> Metrics {

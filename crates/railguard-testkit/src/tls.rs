@@ -28,6 +28,14 @@ pub struct TlsReply {
     pub alpn: Option<Vec<u8>>,
 }
 
+impl TlsReply {
+    /// Fails the test, showing the body, unless the status is `status`.
+    #[track_caller]
+    pub fn assert_status(&self, status: StatusCode) {
+        assert_eq!(self.status, status, "{}", self.body);
+    }
+}
+
 /// A client trusting `ca` only.
 #[derive(Clone)]
 pub struct TlsClient {

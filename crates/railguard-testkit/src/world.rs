@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use railguard_sdk::LockClient;
 
-use crate::{EtcdCluster, Pg, Rail, Railguard, init_tracing};
+use crate::{EtcdCluster, Pg, Rail, Railguard, Relay, init_tracing};
 
 /// Which backend a world runs.
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +37,73 @@ impl World {
         Self::start_with(backend, etcd, env).await
     }
 
+    /// PostgreSQL, the rail simulator and a railguard in this process with `env`: the
+    /// proxy's everyday world, on the PostgreSQL lock backend.
+    pub async fn postgres(env: &[(&str, &str)]) -> World {
+        Self::start(Backend::Postgres, env).await
+    }
+
+    /// [`World::postgres`] with `rail` (a slow one, say) as the rail.
+    pub async fn postgres_on(rail: Rail, env: &[(&str, &str)]) -> World {
+        Self::postgres_with(rail, env, false).await
+    }
+
+    /// [`World::postgres_on`] with railguard as a child process: for a test that stops,
+    /// kills or signals it, or reads its log.
+    pub async fn postgres_process(rail: Rail, env: &[(&str, &str)]) -> World {
+        Self::postgres_with(rail, env, true).await
+    }
+
+    /// [`World::postgres`] whose railguard reaches the rail through a [`Relay`]: the slow
+    /// network path a test delays or stalls.
+    pub async fn postgres_via_relay(env: &[(&str, &str)]) -> (World, Relay) {
+        let rail = Rail::start().await;
+        let relay = Relay::start(rail.addr).await;
+        let url = relay.url();
+        (
+            Self::postgres_with_upstream(rail, &url, env, false).await,
+            relay,
+        )
+    }
+
+    /// [`World::postgres_via_relay`] with railguard as a child process.
+    pub async fn postgres_process_via_relay(env: &[(&str, &str)]) -> (World, Relay) {
+        let rail = Rail::start().await;
+        let relay = Relay::start(rail.addr).await;
+        let url = relay.url();
+        (
+            Self::postgres_with_upstream(rail, &url, env, true).await,
+            relay,
+        )
+    }
+
+    async fn postgres_with(rail: Rail, env: &[(&str, &str)], process: bool) -> World {
+        let url = rail.url();
+        Self::postgres_with_upstream(rail, &url, env, process).await
+    }
+
+    async fn postgres_with_upstream(
+        rail: Rail,
+        upstream: &str,
+        env: &[(&str, &str)],
+        process: bool,
+    ) -> World {
+        init_tracing();
+        let pg = Pg::start().await;
+        let rg = if process {
+            Railguard::start_process(&pg.url(), upstream, env).await
+        } else {
+            Railguard::start(&pg.url(), upstream, env).await
+        };
+        World {
+            backend: Backend::Postgres,
+            pg,
+            etcd: None,
+            rail,
+            rg,
+        }
+    }
+
     pub async fn start_with(
         backend: Backend,
         etcd: Option<EtcdCluster>,
@@ -61,6 +128,15 @@ impl World {
             rail,
             rg,
         }
+    }
+
+    /// A PostgreSQL world's parts, for a test that names them (`let (pg, rail, rg) = …`).
+    pub fn parts(self) -> (Pg, Rail, Railguard) {
+        assert!(
+            self.etcd.is_none(),
+            "an etcd world's etcd would stop with its parts"
+        );
+        (self.pg, self.rail, self.rg)
     }
 
     pub fn client(&self) -> LockClient {

@@ -1,0 +1,204 @@
+//! Several railguard processes on one database, each request of an account sent to either:
+//! the rail receives the account's tokens in order whichever process each went through
+//! (`store::handover`). A forward one process has on its way to the rail — held in the network,
+//! or sent by a process killed since — holds back a newer token's forward in another until it
+//! can no longer arrive. With the order switched off (`fencing.order_across_processes = false`,
+//! the negative control) the same runs deliver the newer token first.
+
+use railguard_testkit as support;
+
+use std::time::Duration;
+
+use http::StatusCode;
+use support::{Pg, Rail, Railguard, Relay, eventually, init_tracing};
+
+/// Token 5 through railguard A, whose path to the rail holds each chunk 1.5 s; token 7 through
+/// railguard B, direct, 300 ms later. Returns the order the rail received them in.
+async fn two_processes(order: &str) -> Vec<i64> {
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let env = [
+        ("RAILGUARD__FENCING__ORDER_ACROSS_PROCESSES", order),
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000"),
+    ];
+    let a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    slow_path.set_delay(Duration::from_millis(1500));
+    let older = a.pay_in_background(5, "acct-x");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let newer = b.http().pay_with(&b, 7, "acct-x").await;
+    newer.assert_status(StatusCode::CREATED);
+    let older = older.await.unwrap();
+    older.assert_status(StatusCode::CREATED);
+    rail.tokens()
+}
+
+#[tokio::test]
+async fn a_newer_token_through_another_railguard_waits_for_a_forward_still_on_its_way() {
+    init_tracing();
+    assert_eq!(
+        two_processes("true").await,
+        [5, 7],
+        "the rail received the newer grant's request before the older one still on its way"
+    );
+}
+
+#[tokio::test]
+async fn without_the_cross_process_order_the_newer_token_overtakes() {
+    init_tracing();
+    assert_eq!(
+        two_processes("false").await,
+        [7, 5],
+        "the negative control: without the order the newer request arrives first"
+    );
+}
+
+/// Railguard A is SIGKILLed while its forward of token 5 is held in the network; the relay
+/// still delivers it. B's newer token waits until A's row says nothing of A can still arrive
+/// (A's last write, plus the time A forwards without writing, plus `proxy.rail_transit_ms`),
+/// then goes: behind the killed process's request, not before it — and not for ever.
+#[tokio::test]
+async fn a_killed_railguards_forward_holds_newer_tokens_until_it_can_no_longer_arrive() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let env = [
+        ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "1500"),
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000"),
+    ];
+    let mut a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    slow_path.set_delay(Duration::from_millis(2500));
+    let older = a.pay_in_background(5, "acct-k");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.kill().await;
+    let _ = older.await;
+    let started = tokio::time::Instant::now();
+    let newer = b.http().pay_with(&b, 7, "acct-k").await;
+    newer.assert_status(StatusCode::CREATED);
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "7 went after {:?}, before the killed process's forward could have arrived",
+        started.elapsed()
+    );
+    assert_eq!(rail.tokens(), [5, 7]);
+}
+
+/// An account forwarded through one process keeps one entry in its row (the fast path: the
+/// compare-and-set answers nothing to wait for); after a handover the settled entry of the
+/// other process is removed, so the account pays for a handover once.
+#[tokio::test]
+async fn a_settled_entry_of_another_process_is_removed_after_the_handover() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let a = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let (a_id, b_id) = (a.instance().unwrap(), b.instance().unwrap());
+    let forwarders = |account: &'static str| {
+        let pg = &pg;
+        async move {
+            pg.client()
+                .await
+                .query_one(
+                    "SELECT forwarders FROM rail_high_water WHERE account_id = $1",
+                    &[&account],
+                )
+                .await
+                .unwrap()
+                .get::<_, Vec<i64>>(0)
+        }
+    };
+    for token in [3, 4] {
+        let paid = a.http().pay_with(&a, token, "acct-p").await;
+        paid.assert_status(StatusCode::CREATED);
+    }
+    assert_eq!(forwarders("acct-p").await, [a_id]);
+    let paid = b.http().pay_with(&b, 5, "acct-p").await;
+    paid.assert_status(StatusCode::CREATED);
+    eventually(
+        Duration::from_secs(5),
+        "B the only forwarder of acct-p",
+        || async { (forwarders("acct-p").await == [b_id]).then_some(()) },
+    )
+    .await;
+    assert_eq!(rail.tokens(), [3, 4, 5]);
+}
+
+/// Token 5 through railguard A, whose path to the rail holds each chunk 8 s (longer than the
+/// rewind takes, within `proxy.rail_transit_ms`); then the database goes back to a copy taken before 5's
+/// compare-and-set (a rewind: the entry that named A's forward is lost with it), and railguard
+/// B pays a grant above the floor the change raised. Returns the order the rail received them
+/// in, and that grant's token. A cannot write its row while the server restarts: if that takes
+/// longer than it may forward unheard, it closes its connection to the rail (502, "it may have
+/// received the request"), and the relay still delivers what it holds.
+async fn the_database_goes_back_with_a_forward_on_its_way(order: &str) -> (Vec<i64>, i64) {
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let env = [
+        ("RAILGUARD__FENCING__ORDER_ACROSS_PROCESSES", order),
+        ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "10000"),
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "40000"),
+    ];
+    let a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    let copy = pg.copy_data().await.expect("copy of the data directory");
+    slow_path.set_delay(Duration::from_millis(8000));
+    let older = a.pay_in_background(5, "acct-r");
+    eventually(Duration::from_secs(5), "acct-r's mark at 5", || async {
+        (pg.mark("acct-r").await == Some(5)).then_some(())
+    })
+    .await;
+    pg.rewind_to(&copy).await.expect("rewind");
+    // B's next database connection meets the new server and raises the floor: an old grant is
+    // refused.
+    eventually(
+        Duration::from_secs(10),
+        "token 6 on acct-r refused through B (409)",
+        || async {
+            let reply = b.http().pay_with(&b, 6, "acct-r").await;
+            (reply.status == StatusCode::CONFLICT).then_some(())
+        },
+    )
+    .await;
+    let floor = eventually(
+        Duration::from_secs(5),
+        "the floor raised by the change of server",
+        || pg.floor(),
+    )
+    .await;
+    let newer = b.http().pay_with(&b, floor + 1, "acct-r").await;
+    newer.assert_status(StatusCode::CREATED);
+    let older = older.await.unwrap();
+    assert!(
+        [StatusCode::CREATED, StatusCode::BAD_GATEWAY].contains(&older.status),
+        "{}",
+        older.body
+    );
+    (rail.tokens(), floor + 1)
+}
+
+#[tokio::test]
+async fn a_forward_on_its_way_when_the_database_goes_back_still_holds_newer_tokens() {
+    init_tracing();
+    let (tokens, newer) = the_database_goes_back_with_a_forward_on_its_way("true").await;
+    assert_eq!(
+        tokens,
+        [5, newer],
+        "the rail received a grant from after the rewind before a forward sent before it"
+    );
+}
+
+#[tokio::test]
+async fn without_the_cross_process_order_a_rewind_lets_the_newer_token_overtake() {
+    init_tracing();
+    let (tokens, newer) = the_database_goes_back_with_a_forward_on_its_way("false").await;
+    assert_eq!(
+        tokens,
+        [newer, 5],
+        "the negative control: without the order the newer request arrives first"
+    );
+}

@@ -1,0 +1,456 @@
+//! The store goes back: PostgreSQL's data directory put back to a copy taken seconds earlier —
+//! what promoting an asynchronous standby that missed the last commits does. Marks, lock rows
+//! and `fencing_token_seq` go back together; railguard notices the server changed before it
+//! uses a session, raises the fencing floor, and every grant from before is fenced out once:
+//! no token is handed out twice (INV-04) and no superseded grant pays again (INV-05).
+//! With the detection switched off (the negative control), the same rewind lets the
+//! superseded grant pay after the newer one: the rail pays twice.
+
+use railguard_testkit as support;
+
+use support::payment::{grant, paid, pay, pay_after_the_hold};
+
+use std::time::Duration;
+
+/// Longer than the hold after a change of server (3 s + the test config's
+/// `proxy.rail_transit_ms`), with room for a loaded machine.
+const HOLD: Duration = Duration::from_secs(30);
+
+/// A superseded grant's lease, a newer grant's, and how long a newer grant waits for its key.
+const SHORT: Duration = Duration::from_millis(300);
+const LONG: Duration = Duration::from_secs(60);
+const WAIT: Duration = Duration::from_secs(5);
+const NOW: Duration = Duration::ZERO;
+
+use http::StatusCode;
+use railguard::sdk::{LockHandle, RailClient, SdkError};
+use support::{Pg, Rail, Railguard, World, init_tracing};
+
+struct Run {
+    /// The superseded grant's payment after the rewind: refused?
+    old_refused: bool,
+    /// The newer grant's payment after the rewind: refused (it predates the rewind too)?
+    newer_refused: bool,
+    /// Tokens: the superseded grant's, the newer one's, the first after the rewind.
+    tokens: (i64, i64, Option<i64>),
+    rail_tokens: Vec<i64>,
+    rg: Railguard,
+    pg: Pg,
+}
+
+/// W1 (lease `ttl`) pays p1, the copy is taken, W1's lease runs out, W2 takes the key and pays
+/// p2; the database is put back to the copy and railguard restarted (a railguard that did not
+/// run through the rewind remembers no mark of its own). W1's grant and W2's.
+async fn superseded_across_a_rewind(
+    pg: &mut Pg,
+    rg: &mut Railguard,
+    ttl: Duration,
+) -> (LockHandle, LockHandle) {
+    let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
+    let w1 = grant(&lock, "acct", "w1", ttl, NOW).await;
+    paid(&proxy, &w1, "acct", "p1").await;
+    let copy = pg.copy_data().await.unwrap();
+    let w2 = grant(&lock, "acct", "w2", LONG, ttl * 20).await;
+    assert!(w2.token().get() > w1.token().get());
+    paid(&proxy, &w2, "acct", "p2").await;
+    pg.rewind_to(&copy).await.unwrap();
+    rg.restart().await;
+    (w1, w2)
+}
+
+/// [`superseded_across_a_rewind`], then W1 and W2 try again, and W3 acquires.
+async fn rewind_under(env: &[(&str, &str)]) -> Run {
+    let (mut pg, rail, mut rg) = World::postgres_process(Rail::start().await, env)
+        .await
+        .parts();
+    let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
+    let (w1, w2) = superseded_across_a_rewind(&mut pg, &mut rg, Duration::from_millis(300)).await;
+    let old = pay(&proxy, &w1, "acct", "p3").await;
+    let newer = pay(&proxy, &w2, "acct", "p4").await;
+    // Without the detection the token-source guard may find the source behind a mark and
+    // refuse every grant: then there is no third grant.
+    let w3 = lock
+        .acquire(
+            "acct",
+            "w3",
+            Duration::from_secs(60),
+            Duration::from_secs(5),
+        )
+        .await
+        .ok();
+    let rail_tokens = rail.tokens();
+    Run {
+        old_refused: matches!(old, Err(SdkError::FencedOut { .. })),
+        newer_refused: matches!(newer, Err(SdkError::FencedOut { .. })),
+        tokens: (
+            w1.token().get(),
+            w2.token().get(),
+            w3.map(|w3| w3.token().get()),
+        ),
+        rail_tokens,
+        rg,
+        pg,
+    }
+}
+
+#[tokio::test]
+async fn a_rewound_database_fences_every_grant_from_before_it() {
+    let run = rewind_under(&[]).await;
+    let (t1, t2, t3) = run.tokens;
+    let t3 = t3.expect("grants go on after the rewind");
+    assert!(run.old_refused, "the superseded grant must not pay again");
+    assert!(
+        run.newer_refused,
+        "a grant from before the rewind is fenced once"
+    );
+    assert!(
+        t3 > t2,
+        "a token is never handed out twice: {t3} after {t2}"
+    );
+    assert!(
+        t3 >= t2 + railguard::store::epoch::FLOOR_GAP,
+        "the first grant after the rewind starts at the new floor: {t3}"
+    );
+    // The rail saw each grant once, in order, and nothing after the rewind.
+    assert_eq!(run.rail_tokens, [t1, t2]);
+    // Whichever railguard met the new server first fenced it (here the one stopping, as it
+    // recorded its clean stop): one audit row, one error line, and every railguard reads the
+    // new epoch.
+    let audit = run
+        .pg
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*), min(outcome->>'floor')::bigint FROM railguard_audit \
+             WHERE action = 'store_changed'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(audit.get::<_, i64>(0), 1);
+    assert_eq!(audit.get::<_, i64>(1), t3);
+    let metrics = run.rg.metrics().await;
+    assert_eq!(metrics.get("railguard_store_epoch"), 1.0);
+    // W2's grant was superseded by nothing: it meets the floor. (W1's may meet the mark this
+    // process remembers first: it was superseded by W2's.)
+    assert!(metrics.get("railguard_requests_total{outcome=\"fenced_below_floor\"}") >= 1.0);
+    assert!(
+        run.rg.log().contains("CHANGED SERVER"),
+        "an error line names the change"
+    );
+}
+
+#[tokio::test]
+async fn without_the_detection_a_rewound_database_lets_a_superseded_grant_pay_again() {
+    let run = rewind_under(&[("RAILGUARD__GUARD__DETECT_STORE_CHANGES", "false")]).await;
+    let (t1, t2, _) = run.tokens;
+    assert!(!run.old_refused, "the negative control must show the bug");
+    // The rail received the superseded grant's payment after the newer grant's.
+    assert_eq!(run.rail_tokens[..3], [t1, t2, t1]);
+    assert_eq!(
+        run.rg
+            .metrics()
+            .await
+            .get("railguard_store_change_detection"),
+        0.0
+    );
+}
+
+/// A payment whose record went back with the store may already be on the rail. W1 pays P after
+/// the copy is taken; the database goes back to the copy, and P's record with it. W2, holding
+/// the account afterwards, retries P with P's key and the token P was first sent under: in
+/// doubt, not paid twice. A payment first sent under W2's own grant goes through.
+#[tokio::test]
+async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
+    let (mut pg, rail, mut rg) = World::postgres_process(Rail::start().await, &[])
+        .await
+        .parts();
+    let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
+
+    let w1 = grant(&lock, "acct", "w1", SHORT, NOW).await;
+    let copy = pg.copy_data().await.unwrap();
+    paid(&proxy, &w1, "acct", "p").await;
+    pg.rewind_to(&copy).await.unwrap();
+    rg.restart().await;
+
+    let w2 = grant(&lock, "acct", "w2", LONG, WAIT).await;
+    let body = "{\"id\":\"p\"}";
+    let retry = proxy
+        .retry(&w2, "acct", "/payments", body.into(), "p", w1.token())
+        .await
+        .unwrap();
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    let answer: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
+    assert_eq!(answer["error"], "in_doubt", "{answer}");
+    rail.assert_paid(1, "P was paid once");
+
+    // A new payment waits out the hold after the change of server (503, nothing sent).
+    let fresh = support::eventually(HOLD, "a new payment past the hold (not 503)", || async {
+        let fresh = proxy
+            .retry(
+                &w2,
+                "acct",
+                "/payments",
+                "{\"id\":\"q\"}".into(),
+                "q",
+                w2.token(),
+            )
+            .await
+            .unwrap();
+        (fresh.status != StatusCode::SERVICE_UNAVAILABLE).then_some(fresh)
+    })
+    .await;
+    assert_eq!(fresh.status, StatusCode::CREATED);
+    rail.assert_paid(2, "payments at the rail");
+}
+
+/// The same with the rail's lookup by idempotency key (`[rail_lookup]`): W2's retry of P asks
+/// the rail, which has P, and gets the rail's answer replayed — P is not paid twice. A retry of
+/// a payment whose first attempt also predates the change but that the rail does not have stays
+/// in doubt: the rail's "not found" does not say that nothing sent before the change can still
+/// land.
+#[tokio::test]
+async fn with_the_rails_lookup_a_retry_whose_first_attempt_went_back_gets_the_rails_answer() {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let lookup = [(
+        "RAILGUARD__RAIL_LOOKUP__PATH",
+        "/payments?account={account}&idempotency_key={key}",
+    )];
+    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &lookup).await;
+    let lock = rg.lock_client();
+    let proxy = RailClient::new(rg.proxy_url(""));
+
+    let w1 = lock
+        .acquire("acct", "w1", Duration::from_millis(300), Duration::ZERO)
+        .await
+        .unwrap();
+    let copy = pg.copy_data().await.unwrap();
+    assert_eq!(
+        pay(&proxy, &w1, "acct", "p").await.unwrap(),
+        StatusCode::CREATED
+    );
+    pg.rewind_to(&copy).await.unwrap();
+    rg.restart().await;
+
+    let w2 = lock
+        .acquire(
+            "acct",
+            "w2",
+            Duration::from_secs(60),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let retry = proxy
+        .retry(
+            &w2,
+            "acct",
+            "/payments",
+            "{\"id\":\"p\"}".into(),
+            "p",
+            w1.token(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        retry.status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&retry.body)
+    );
+    let answer: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
+    assert_eq!(answer["payment"], 1, "the rail's answer: {answer}");
+    assert_eq!(rail.ledger().len(), 1, "P was paid once");
+
+    let unknown = proxy
+        .retry(
+            &w2,
+            "acct",
+            "/payments",
+            "{\"id\":\"u\"}".into(),
+            "u",
+            w1.token(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(unknown.status, StatusCode::CONFLICT);
+    let answer: serde_json::Value = serde_json::from_slice(&unknown.body).unwrap();
+    assert_eq!(answer["error"], "in_doubt", "{answer}");
+    assert_eq!(rail.ledger().len(), 1, "nothing forwarded");
+    let metrics = rg.metrics().await;
+    assert_eq!(
+        metrics.get("railguard_in_doubt_resolved_total{outcome=\"paid\"}"),
+        1.0
+    );
+    assert_eq!(
+        metrics.get("railguard_in_doubt_resolved_total{outcome=\"unresolved\"}"),
+        1.0
+    );
+}
+
+/// A copy from before an earlier floor was raised: PostgreSQL restarts (floor one), W1 is
+/// granted from it and pays; railguard crashes, the data directory goes back to the copy (no
+/// floor in it), railguard starts again with no memory. The floor it raises must be above W1's
+/// token, or W2 is handed W1's token again and W1's grant pays again.
+#[tokio::test]
+async fn a_rewind_past_an_earlier_floor_hands_out_no_token_twice() {
+    let (mut pg, rail, mut rg) = World::postgres_process(Rail::start().await, &[])
+        .await
+        .parts();
+    let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
+    let w0 = grant(&lock, "acct", "w0", SHORT, NOW).await;
+    paid(&proxy, &w0, "acct", "p0").await;
+    let backup = pg.copy_data().await.unwrap();
+
+    pg.kill().await;
+    pg.server.start().await.unwrap();
+    let w1 = grant(&lock, "acct", "w1", Duration::from_millis(400), WAIT).await;
+    assert_eq!(
+        pay_after_the_hold(&proxy, &w1, "acct", "p1", HOLD)
+            .await
+            .unwrap(),
+        StatusCode::CREATED
+    );
+
+    rg.kill().await;
+    pg.rewind_to(&backup).await.unwrap();
+    rg.start_again().await;
+    let w2 = grant(&lock, "acct", "w2", LONG, WAIT).await;
+    assert!(
+        w2.token().get() > w1.token().get(),
+        "W2 {} after W1 {}",
+        w2.token().get(),
+        w1.token().get()
+    );
+    assert_eq!(
+        pay_after_the_hold(&proxy, &w2, "acct", "p2", HOLD)
+            .await
+            .unwrap(),
+        StatusCode::CREATED
+    );
+    let again = pay(&proxy, &w1, "acct", "p1").await;
+    assert!(
+        matches!(again, Err(SdkError::FencedOut { .. })),
+        "{again:?}"
+    );
+    let p1 = rail.times_paid("p1");
+    assert_eq!(p1, 1, "p1 paid once");
+}
+
+/// A dump restored into the running server (pg_restore --clean): the server is the same, but
+/// railguard's tables are new. Marks, records and the sequence went back; the change is fenced
+/// all the same, and nothing is paid twice.
+#[tokio::test]
+async fn a_dump_restored_into_the_running_server_is_fenced() {
+    let (pg, rail, mut rg) = World::postgres_process(Rail::start().await, &[])
+        .await
+        .parts();
+    let (lock, proxy) = (rg.lock_client(), RailClient::new(rg.proxy_url("")));
+    let ttl = Duration::from_millis(300);
+    let w1 = grant(&lock, "acct", "w1", ttl, NOW).await;
+    paid(&proxy, &w1, "acct", "p1").await;
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("railguard.dump");
+    let out = tokio::process::Command::new(pg.server.bin_dir().join("pg_dump"))
+        .args(["-Fc", "-d", &pg.url(), "-f"])
+        .arg(&dump)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "pg_dump: {out:?}");
+    let w2 = grant(&lock, "acct", "w2", LONG, ttl * 20).await;
+    paid(&proxy, &w2, "acct", "p2").await;
+
+    rg.stop().await;
+    let out = tokio::process::Command::new(pg.server.bin_dir().join("pg_restore"))
+        .args([
+            "--clean",
+            "--if-exists",
+            "--single-transaction",
+            "-d",
+            &pg.url(),
+        ])
+        .arg(&dump)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "pg_restore: {out:?}");
+    rg.start_again().await;
+
+    for (grant, id) in [(&w1, "p3"), (&w2, "p2")] {
+        let refused = pay(&proxy, grant, "acct", id).await;
+        assert!(
+            matches!(refused, Err(SdkError::FencedOut { .. })),
+            "{refused:?}"
+        );
+    }
+    let w3 = grant(&lock, "acct", "w3", LONG, WAIT).await;
+    assert!(w3.token().get() > w2.token().get());
+    let retry = proxy
+        .retry(
+            &w3,
+            "acct",
+            "/payments",
+            "{\"id\":\"p2\"}".into(),
+            "p2",
+            w2.token(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        retry.status,
+        StatusCode::CONFLICT,
+        "p2's record went back: in doubt"
+    );
+    let p2 = rail.times_paid("p2");
+    assert_eq!(p2, 1, "p2 paid once");
+}
+
+/// The etcd lock backend, PostgreSQL rewound under it: etcd's revision did not go back, but the
+/// marks and records did. W1 pays, is superseded by W2, who pays; PostgreSQL goes back to a
+/// copy from between the two. With the detection, every grant from before is fenced (the
+/// floor is one above etcd's revision); without it, W1's superseded grant pays again.
+async fn etcd_backend_rewind(detect: bool) -> (bool, Vec<i64>, i64, i64) {
+    init_tracing();
+    let etcd = support::EtcdCluster::single().await;
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let endpoints = etcd.endpoints_csv();
+    let detect = detect.to_string();
+    let env = [
+        ("RAILGUARD__LOCK__BACKEND", "etcd"),
+        ("RAILGUARD__ETCD__ENDPOINTS", endpoints.as_str()),
+        ("RAILGUARD__GUARD__DETECT_STORE_CHANGES", detect.as_str()),
+    ];
+    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    let proxy = RailClient::new(rg.proxy_url(""));
+    let (w1, w2) = superseded_across_a_rewind(&mut pg, &mut rg, Duration::from_secs(1)).await;
+    let again = pay(&proxy, &w1, "acct", "p3").await;
+    let tokens = rail.tokens();
+    (
+        matches!(again, Err(SdkError::FencedOut { .. })),
+        tokens,
+        w1.token().get(),
+        w2.token().get(),
+    )
+}
+
+#[tokio::test]
+async fn on_the_etcd_backend_a_rewound_database_fences_the_grants_from_before_it() {
+    let (refused, tokens, t1, t2) = etcd_backend_rewind(true).await;
+    assert!(refused, "W1's superseded grant must not pay again");
+    assert_eq!(tokens, [t1, t2]);
+}
+
+#[tokio::test]
+async fn on_the_etcd_backend_without_the_detection_a_superseded_grant_pays_again() {
+    let (refused, tokens, t1, t2) = etcd_backend_rewind(false).await;
+    assert!(!refused, "the negative control must show the bug");
+    assert_eq!(
+        tokens,
+        [t1, t2, t1],
+        "W1's token reached the rail after W2's"
+    );
+}
