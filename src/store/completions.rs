@@ -24,7 +24,7 @@
 ///   or, after an `ANALYZE` of the empty table, a walk over the whole index with the batch
 ///   inside (measured: 2,860 such scans in a minute of load, and 8.9 s for a 500-row
 ///   batch). Migration 0006's `railguard_complete_records` avoided that with one `UPDATE` per
-///   record in a loop, at an executor start per record. `tests/statement_plans.rs` checks the
+///   record in a loop, at an executor start per record. `tests/store/statement_plans.rs` checks the
 ///   one plan on a new table, on an analyzed empty one and with indexes an operator might add,
 ///   against a join by key as the negative control.
 /// - **Key order.** Records are updated, and so locked, in key order, as the fence's batch

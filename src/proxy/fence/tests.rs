@@ -1,5 +1,5 @@
 //! The fence layer with marks in memory and a `service_fn` rail: its decisions, not
-//! PostgreSQL's (the end-to-end tests in `tests/proxy.rs` run it on real PostgreSQL).
+//! PostgreSQL's (the end-to-end tests in `tests/proxy/forward.rs` run it on real PostgreSQL).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
