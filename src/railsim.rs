@@ -12,7 +12,7 @@
 //! `GET /payments?account=A&idempotency_key=K` is the rail's lookup by idempotency key (what
 //! railguard's `[rail_lookup]` asks, and an operator following the in-doubt procedure): `200`
 //! with the answer the rail gave the first payment of account `A` that carried key `K`, `404`
-//! when the ledger has none. Read from the ledger alone, so it answers the same until a payment
+//! when the ledger has none; either with `Idempotency-Key: K`, the key it looked up. Read from the ledger alone, so it answers the same until a payment
 //! with that key arrives.
 
 use std::collections::HashMap;
@@ -186,13 +186,18 @@ impl RailSim {
                 serde_json::json!({"error": "both account and idempotency_key are required"}),
             );
         };
-        match self.payment_with_key(&account, &key) {
+        let mut response = match self.payment_with_key(&account, &key) {
             Some(seq) => json_response(StatusCode::OK, accepted(seq)),
             None => json_response(
                 StatusCode::NOT_FOUND,
                 serde_json::json!({"error": "no payment with this idempotency key"}),
             ),
+        };
+        // The key it looked up, echoed: what makes this an answer about that payment.
+        if let Ok(value) = http::HeaderValue::from_str(&key) {
+            response.headers_mut().insert(LOOKUP_KEY_HEADER, value);
         }
+        response
     }
 
     async fn pay(self, request: Request<Incoming>) -> Response<ResponseBody> {
@@ -287,6 +292,10 @@ impl RailSim {
         json(StatusCode::CREATED, accepted(seq))
     }
 }
+
+/// The header in which a lookup's answer names the key it looked up (railguard acts only on an
+/// answer that does: `proxy::idempotency::resolve`).
+pub const LOOKUP_KEY_HEADER: &str = "idempotency-key";
 
 /// Where the rail answers its lookup by idempotency key.
 pub const LOOKUP_PATH: &str = "/payments";

@@ -104,17 +104,8 @@ impl DatabaseConfig {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
 
-    use super::super::{Config, ConfigError};
-
-    fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let env: BTreeMap<String, String> = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Config::parse(text, "test.toml", &env)
-    }
+    use crate::config::load::parse_for_test as parse;
 
     #[test]
     fn a_database_timeout_past_a_day_is_refused_with_the_key() {

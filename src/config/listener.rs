@@ -309,18 +309,9 @@ fn key(section: &'static str, name: &str) -> &'static str {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
-    use super::super::{Config, ConfigError};
     use super::*;
 
-    fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let env: BTreeMap<String, String> = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Config::parse(text, "test.toml", &env)
-    }
+    use crate::config::load::parse_for_test as parse;
 
     #[test]
     fn each_listener_section_has_its_own_keys_from_the_file_and_the_environment() {

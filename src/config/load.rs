@@ -192,6 +192,16 @@ pub struct ConfigError {
     pub message: String,
 }
 
+/// `text` as the file `test.toml`, with `env` as its environment: the config tests' reader.
+#[cfg(test)]
+pub(crate) fn parse_for_test(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    let env: BTreeMap<String, String> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    Config::parse(text, "test.toml", &env)
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -201,13 +211,7 @@ mod tests {
     use super::*;
     use crate::config::{DatabaseUrl, LockBackendKind};
 
-    fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let env: BTreeMap<String, String> = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Config::parse(text, "test.toml", &env)
-    }
+    use super::parse_for_test as parse;
 
     #[test]
     fn unknown_key_names_the_key_and_file() {

@@ -218,18 +218,11 @@ fn positive(key: &'static str, value: Duration) -> Result<(), Invalid> {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
     use std::path::PathBuf;
 
     use super::*;
 
-    fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let env: BTreeMap<String, String> = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Config::parse(text, "test.toml", &env)
-    }
+    use crate::config::load::parse_for_test as parse;
 
     #[test]
     fn changed_keys_names_each_changed_key_and_nothing_else() {

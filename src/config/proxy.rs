@@ -157,17 +157,8 @@ impl ProxyConfig {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
 
-    use super::super::{Config, ConfigError};
-
-    fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let env: BTreeMap<String, String> = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Config::parse(text, "test.toml", &env)
-    }
+    use crate::config::load::parse_for_test as parse;
 
     #[test]
     fn tls_to_the_rail_needs_an_https_upstream_and_a_ca() {

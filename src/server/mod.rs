@@ -414,8 +414,7 @@ pub async fn run_reloading(
             .counting_into(late_forwards.clone())
             .with_floor(epoch.clone())
             .ordered_across_processes(handover.clone())
-            .answering_own_repeats(records.clone())
-            .resolving_with(resolver.clone()),
+            .answering_own_repeats(records.clone()),
         )),
         IdempotencyLayer::new(
             records,

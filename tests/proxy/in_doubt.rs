@@ -872,3 +872,194 @@ async fn a_lookup_that_gets_no_answer_changes_nothing() {
     assert_eq!(rail.times_paid(key), 0);
     assert_eq!(resolved(&b, "failed").await, 2.0);
 }
+
+/// A "not found" the rail gave while A's request could still land is never acted on, even when
+/// it reaches B after the record's quiet time: B asks only after deciding, by the database's
+/// clock, that forget would forget the record. Here B's path to the rail takes 2 s each way;
+/// the lookup leaves 3.5 s before the quiet time, the rail answers 404 1.5 s before it, A's
+/// request lands 0.8 s before it, and B hears the 404 after it. The record stays in doubt, the
+/// next lookup finds the payment, and the rail is paid once.
+#[tokio::test]
+async fn a_not_found_given_while_the_request_could_still_land_is_never_acted_on() {
+    init_tracing();
+    let (account, key) = ("acct-stale-404", "stale-not-found");
+    let transit = Duration::from_secs(6);
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = slow_path_holding(&rail, key).await;
+    let b_path = Relay::start(rail.addr).await;
+    let a_env = [
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "1000"),
+        ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "6000"),
+        ("RAILGUARD__SHUTDOWN__GRACE_MS", "3000"),
+    ];
+    let mut a = Railguard::start_process(&pg.url(), &slow_path.url(), &a_env).await;
+    let b_env = [
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000"),
+        ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "6000"),
+        ("RAILGUARD__RAIL_LOOKUP__PATH", LOOKUP),
+        ("RAILGUARD__RAIL_LOOKUP__TIMEOUT_MS", "10000"),
+    ];
+    let b = Railguard::start(&pg.url(), &b_path.url(), &b_env).await;
+    let first = a
+        .payment(account, 5)
+        .key(key)
+        .body(AMOUNT)
+        .spawn()
+        .await
+        .unwrap();
+    first.assert_status(StatusCode::GATEWAY_TIMEOUT);
+    declared_in_doubt(&pg, key).await;
+    // The rail closes a connection whose request head has not arrived within 10 s: the
+    // whole scene stays within that of A's first byte.
+    past_its_deadline(&pg, key, 0).await;
+    slow_path.reset_sources();
+    eventually(
+        Duration::from_secs(5),
+        "A's forward left by its caller ended",
+        || async {
+            a.log()
+                .contains("a forward left by its caller ended")
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(a.stop().await.success());
+    // How long until forget would forget the record: the later of its in-doubt deadline plus
+    // the transit time and A's clean stop's `quiet_after`.
+    let until_quiet: f64 = pg
+        .client()
+        .await
+        .query_one(
+            "SELECT extract(epoch FROM GREATEST(
+                        r.in_doubt_at + $2::bigint * interval '1 millisecond',
+                        (SELECT max((outcome->>'quiet_after')::timestamptz) FROM railguard_audit
+                         WHERE action = 'instance_stopped')) - now())::float8 * 1000
+             FROM idempotency_record r WHERE idempotency_key = $1",
+            &[&key, &(transit.as_millis() as i64)],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        until_quiet > 3600.0,
+        "the scene needs 3.6 s before the quiet time; {until_quiet} ms were left"
+    );
+    let quiet = Instant::now() + Duration::from_millis(until_quiet as u64);
+    b_path.set_delay(Duration::from_millis(2000));
+    tokio::time::sleep_until(quiet - Duration::from_millis(3500)).await;
+    let retry = b.payment(account, 5).key(key).body(AMOUNT).spawn();
+    tokio::time::sleep_until(quiet - Duration::from_millis(800)).await;
+    slow_path.release_stalled();
+    rail.until_paid(1).await;
+    let retry = retry.await.unwrap();
+    retry.assert_status(StatusCode::CONFLICT);
+    assert_eq!(retry.json()["error"], "in_doubt", "{}", retry.body);
+    assert_eq!(record(&pg, key).await.unwrap().0, "in_doubt", "kept");
+    assert!(audited(&pg, "idempotency_forget", key).await.is_empty());
+
+    b_path.set_delay(Duration::ZERO);
+    let found = b
+        .payment(account, 5)
+        .key(key)
+        .body(AMOUNT)
+        .spawn()
+        .await
+        .unwrap();
+    found.assert_status(StatusCode::OK);
+    assert_eq!(found.headers["idempotency-replayed"], "true");
+    assert_eq!(rail.times_paid(key), 1, "paid once");
+}
+
+/// Only an answer that names the key it looked up is one: with a lookup path the rail does not
+/// serve (its `404` names no key, as a gateway's or an authentication layer's would not), a
+/// record whose payment the rail has is never forgotten, however long after the quiet time.
+#[tokio::test]
+async fn a_not_found_that_names_no_key_forgets_nothing() {
+    init_tracing();
+    let (account, key) = ("acct-wrong-path", "wrong-path");
+    let mut b_env = settings("3000").to_vec();
+    b_env.push((
+        "RAILGUARD__RAIL_LOOKUP__PATH",
+        "/payment?account={account}&idempotency_key={key}",
+    ));
+    let mut stuck = stuck_in_doubt_with(account, key, "3000", None, &b_env).await;
+    past_its_deadline(&stuck.pg, key, 2).await;
+    stuck.slow_path.reset_sources();
+    let a = &stuck.a;
+    eventually(
+        Duration::from_secs(5),
+        "A's forward left by its caller ended",
+        || async {
+            a.log()
+                .contains("a forward left by its caller ended")
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(stuck.a.stop().await.success());
+    // The request A wrote lands within the transit time: the rail has the payment.
+    stuck.slow_path.release_stalled();
+    stuck.rail.until_paid(1).await;
+    let (pg, rail, b) = (&stuck.pg, &stuck.rail, &stuck.b);
+    eventually(
+        Duration::from_secs(20),
+        "forget would forget the record",
+        || async {
+            forget(b, account, key, None, true)
+                .await
+                .status
+                .success()
+                .then_some(())
+        },
+    )
+    .await;
+    for attempt in 0..2 {
+        let retry = b
+            .payment(account, 5)
+            .key(key)
+            .body(AMOUNT)
+            .spawn()
+            .await
+            .unwrap();
+        retry.assert_status(StatusCode::CONFLICT);
+        assert_eq!(
+            retry.json()["error"],
+            "in_doubt",
+            "{attempt}: {}",
+            retry.body
+        );
+    }
+    assert_eq!(record(pg, key).await.unwrap().0, "in_doubt", "kept");
+    assert!(audited(pg, "idempotency_forget", key).await.is_empty());
+    assert_eq!(rail.times_paid(key), 1, "paid once");
+    assert_eq!(resolved(b, "failed").await, 2.0);
+}
+
+/// And a `200` that names no key (here the rail's ledger, a listing) is not the payment's
+/// answer: the record stays in doubt, nothing is replayed.
+#[tokio::test]
+async fn a_found_that_names_no_key_completes_nothing() {
+    init_tracing();
+    let (account, key) = ("acct-wrong-200", "wrong-200");
+    let mut b_env = settings("3000").to_vec();
+    b_env.push((
+        "RAILGUARD__RAIL_LOOKUP__PATH",
+        "/ledger?account={account}&idempotency_key={key}",
+    ));
+    let stuck = stuck_in_doubt_with(account, key, "3000", None, &b_env).await;
+    let retry = stuck
+        .b
+        .payment(account, 5)
+        .key(key)
+        .body(AMOUNT)
+        .spawn()
+        .await
+        .unwrap();
+    retry.assert_status(StatusCode::CONFLICT);
+    assert_eq!(retry.json()["error"], "in_doubt", "{}", retry.body);
+    assert!(!retry.headers.contains_key("idempotency-replayed"));
+    assert_eq!(record(&stuck.pg, key).await.unwrap().0, "in_doubt");
+    assert_eq!(stuck.rail.times_paid(key), 0);
+    assert_eq!(resolved(&stuck.b, "failed").await, 1.0);
+}

@@ -204,13 +204,13 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
     rail.assert_paid(2, "payments at the rail");
 }
 
-/// The same with the rail's lookup by idempotency key (`[rail_lookup]`): W2's retry of P asks
-/// the rail, which has P, and gets the rail's answer replayed — P is not paid twice. A retry of
-/// a payment whose first attempt also predates the change but that the rail does not have stays
-/// in doubt: the rail's "not found" does not say that nothing sent before the change can still
-/// land.
+/// The same with the rail's lookup by idempotency key (`[rail_lookup]`): W2's retry of P, whose
+/// record went back with the store, is not resolved by asking the rail — with no record,
+/// nothing says whether the retry is the request the rail has, nor whether anything sent before
+/// the change can still land. It stays in doubt whether the rail has P or not, and nothing is
+/// forwarded.
 #[tokio::test]
-async fn with_the_rails_lookup_a_retry_whose_first_attempt_went_back_gets_the_rails_answer() {
+async fn with_the_rails_lookup_a_retry_whose_first_attempt_went_back_stays_in_doubt() {
     init_tracing();
     let mut pg = Pg::start().await;
     let rail = Rail::start().await;
@@ -256,12 +256,12 @@ async fn with_the_rails_lookup_a_retry_whose_first_attempt_went_back_gets_the_ra
         .unwrap();
     assert_eq!(
         retry.status,
-        StatusCode::OK,
+        StatusCode::CONFLICT,
         "{}",
         String::from_utf8_lossy(&retry.body)
     );
     let answer: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
-    assert_eq!(answer["payment"], 1, "the rail's answer: {answer}");
+    assert_eq!(answer["error"], "in_doubt", "{answer}");
     assert_eq!(rail.ledger().len(), 1, "P was paid once");
 
     let unknown = proxy
@@ -280,14 +280,14 @@ async fn with_the_rails_lookup_a_retry_whose_first_attempt_went_back_gets_the_ra
     assert_eq!(answer["error"], "in_doubt", "{answer}");
     assert_eq!(rail.ledger().len(), 1, "nothing forwarded");
     let metrics = rg.metrics().await;
-    assert_eq!(
-        metrics.get("railguard_in_doubt_resolved_total{outcome=\"paid\"}"),
-        1.0
-    );
-    assert_eq!(
-        metrics.get("railguard_in_doubt_resolved_total{outcome=\"unresolved\"}"),
-        1.0
-    );
+    for outcome in ["paid", "not_paid", "unresolved", "failed"] {
+        let asked = format!("railguard_in_doubt_resolved_total{{outcome=\"{outcome}\"}}");
+        assert_eq!(
+            metrics.get(&asked),
+            0.0,
+            "the rail was not asked: {outcome}"
+        );
+    }
 }
 
 /// A copy from before an earlier floor was raised: PostgreSQL restarts (floor one), W1 is

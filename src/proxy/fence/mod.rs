@@ -60,7 +60,7 @@ use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
 use self::refusal_log::RefusalLog;
 use super::forward::{LateForwards, UpstreamTimeout};
-use super::idempotency::{NewRecord, Records, Resolver, lost_first_attempt, own_answer};
+use super::idempotency::{NewRecord, Records, lost_first_attempt, own_answer};
 use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::metrics::{FencePath, Metrics};
 use crate::store::epoch::StoreEpoch;
@@ -126,9 +126,6 @@ pub struct FencePoint<H = HighWaterStore> {
     /// Where a refused keyed request looks for the record of its own earlier attempt
     /// (`idempotency::own_answer`); `None`: refusals stand.
     records: Option<Arc<dyn Records>>,
-    /// Where a retry whose first attempt's record was lost with the store asks the rail
-    /// whether it has the payment (`idempotency::resolve`); `None`: no lookup.
-    resolver: Option<Arc<Resolver>>,
     /// This process's forwards as the other processes see them, and theirs as this one waits
     /// for them (`store::handover`); `None`: no waiting (one process, the tests of this
     /// module, or the negative control `fencing.order_across_processes = false`).
@@ -151,7 +148,6 @@ impl<H: HighWater> FencePoint<H> {
             outstanding: None,
             epoch: None,
             records: None,
-            resolver: None,
             handover: None,
         }
     }
@@ -167,13 +163,6 @@ impl<H: HighWater> FencePoint<H> {
     /// record's answer instead of the refusal (`idempotency::own_answer`).
     pub fn answering_own_repeats(mut self, records: Arc<dyn Records>) -> Self {
         self.records = Some(records);
-        self
-    }
-
-    /// A retry whose first attempt's record was lost with the store gets the rail's answer
-    /// when the rail has the payment (`idempotency::resolve`).
-    pub fn resolving_with(mut self, resolver: Option<Arc<Resolver>>) -> Self {
-        self.resolver = resolver;
         self
     }
 
@@ -390,8 +379,7 @@ where
     // A retry whose key was first sent before the store last went back, and whose record did
     // not survive it, may already be paid: in doubt, never forwarded on a guess.
     if let Some(records) = &point.records
-        && let Some(answer) =
-            lost_first_attempt(&**records, point.resolver.as_deref(), &request).await
+        && let Some(answer) = lost_first_attempt(&**records, &request).await
     {
         span.record("verdict", "first_attempt_lost");
         return answer;

@@ -225,14 +225,14 @@ pub async fn own_answer(
 }
 
 /// A retry whose key was first sent before the store last went back, and whose record is not
-/// there now, may be a payment the rail already has: `Some(in doubt)` then — or, with a rail
-/// lookup (`resolver`) that finds the payment, `Some` of the rail's answer replayed. `None`: go
-/// on (no first token, one from after the floor, a record that survived — the repeat's own
-/// answer comes from it). A store that cannot answer refuses the request: nothing is forwarded
-/// on a guess.
+/// there now, may be a payment the rail already has: `Some(in doubt)` then. `None`: go on (no
+/// first token, one from after the floor, a record that survived — the repeat's own answer
+/// comes from it). A store that cannot answer refuses the request: nothing is forwarded on a
+/// guess. The rail's lookup is not asked: with no record, nothing says whether this request is
+/// the one the rail has (another body under the key would be told it was paid), nor whether
+/// anything sent before the change can still land.
 pub async fn lost_first_attempt(
     records: &dyn Records,
-    resolver: Option<&Resolver>,
     request: &FencedRequest,
 ) -> Option<Result<ProxyResponse, BoxError>> {
     let key = request.idempotency.as_ref()?;
@@ -242,16 +242,7 @@ pub async fn lost_first_attempt(
         .await
     {
         Ok(false) => None,
-        Ok(true) => {
-            if let Some(resolver) = resolver
-                && let Some(stored) = resolver
-                    .found_on_the_rail(&request.account, &key.key, request.deadline)
-                    .await
-            {
-                return Some(Ok(replay::replay(stored)));
-            }
-            Some(Err(IdempotencyConflict::FirstAttemptLost.into()))
-        }
+        Ok(true) => Some(Err(IdempotencyConflict::FirstAttemptLost.into())),
         Err(e) => Some(Err(IdempotencyUnavailable(e).into())),
     }
 }

@@ -171,10 +171,12 @@ pub trait Records: Send + Sync + 'static {
 
     /// The rail's lookup found no payment with `key`: forgets its record in doubt only as
     /// `idempotency-forget` would without an operator's word (`resolve`).
+    /// With `dry_run`, only whether it would be forgotten now (`Forgot::WouldForget`).
     fn forget_not_on_the_rail<'a>(
         &'a self,
         account: &'a AccountId,
         key: &'a str,
+        dry_run: bool,
     ) -> BoxFuture<'a, Result<Forgot, DbError>>;
 }
 
@@ -338,8 +340,12 @@ pub(crate) mod tests {
             &'a self,
             _account: &'a AccountId,
             _key: &'a str,
+            dry_run: bool,
         ) -> BoxFuture<'a, Result<Forgot, DbError>> {
-            let verdict = self.forget_verdict.lock().unwrap().clone();
+            let verdict = match self.forget_verdict.lock().unwrap().clone() {
+                Forgot::Forgotten(because) if dry_run => Forgot::WouldForget(because),
+                verdict => verdict,
+            };
             if matches!(verdict, Forgot::Forgotten(_)) {
                 *self.found.lock().unwrap() = None;
             }

@@ -21,10 +21,16 @@
 //!   changes; the retry is answered `409 in_doubt` as without a lookup.
 //!
 //! A retry whose `Idempotency-First-Token` predates the last store change and whose record is
-//! gone ([`super::lost_first_attempt`]) gets the rail's answer replayed when the rail has the
-//! payment. When it does not, the retry stays `409 in_doubt`: nothing in the database says
-//! whether a request of the lost record can still reach the rail, so only the operator resolves
-//! it.
+//! gone ([`super::lost_first_attempt`]) does not ask: with no record, nothing says whether the
+//! retry is the request the rail has, nor whether a request sent before the change can still
+//! land. It stays `409 in_doubt`, the operator's.
+//!
+//! Only an answer that names the key it looked up (`Idempotency-Key: KEY`, echoed, on the `200`
+//! and on the `404`) is an answer about the payment: a `404` of a wrong path, a gateway or an
+//! authentication layer, or a `200` of a listing, is no answer and changes nothing. And a
+//! `404` counts only if the rail was asked once forget would forget the record — checked before
+//! the question is sent, so that a "not found" given while the request could still land is
+//! never acted on after.
 //!
 //! The lookup runs on the retry, not in the background: a record in doubt that nobody retries
 //! needs no answer, and the retry that needs it waits for it within its own deadline.
@@ -46,6 +52,7 @@ use super::replay;
 use super::store::{Forgot, StoredResponse};
 use crate::config::LookupTemplate;
 use crate::proxy::{BoxError, ProxyResponse};
+use crate::railsim::LOOKUP_KEY_HEADER;
 use crate::token::AccountId;
 
 /// Sends the lookup's `GET` to the rail (the forward's connections and TLS, in the server).
@@ -170,6 +177,13 @@ impl Resolver {
         deadline: Instant,
     ) -> Result<Answer, String> {
         let until = deadline.min(Instant::now() + self.timeout);
+        // In a path, `.` and `..` name another resource once a server normalises it.
+        if [account.as_str(), key]
+            .iter()
+            .any(|part| matches!(*part, "." | ".."))
+        {
+            return Err("an account or key of dots cannot be looked up".into());
+        }
         let path = self
             .template
             .fill(account.as_str(), key)
@@ -181,6 +195,20 @@ impl Resolver {
                 .await
                 .map_err(|_| "the lookups have stopped".to_string())?;
             let response = self.rail.get(path).await.map_err(|e| e.to_string())?;
+            // Only an answer that names the key it looked up is about this payment: a `404` of
+            // a wrong path, a gateway or an authentication layer, or a `200` of a listing,
+            // names none, and changes nothing.
+            let echoed = response
+                .headers()
+                .get(LOOKUP_KEY_HEADER)
+                .is_some_and(|value| value.as_bytes() == key.as_bytes());
+            if !echoed {
+                return Err(format!(
+                    "the rail answered {} without `{LOOKUP_KEY_HEADER}: {key}`: not an answer \
+                     about this payment",
+                    response.status()
+                ));
+            }
             match response.status() {
                 StatusCode::OK => {
                     let (_, stored) = replay::capture(response, self.max_response_bytes)
@@ -206,6 +234,13 @@ impl Resolver {
         key: &str,
         deadline: Instant,
     ) -> Resolved {
+        // A "not found" is the procedure's step 3 only if the rail was asked once nothing the
+        // owner sent could still reach it: that is decided, by the database's clock, before
+        // the question is sent, and checked again when the record is forgotten.
+        let asked_when_final = matches!(
+            records.forget_not_on_the_rail(account, key, true).await,
+            Ok(Forgot::WouldForget(_))
+        );
         match self.ask(account, key, deadline).await {
             Err(why) => {
                 self.count(Outcome::Failed);
@@ -234,7 +269,14 @@ impl Resolver {
                     }
                 }
             }
-            Ok(Answer::HasNot) => match records.forget_not_on_the_rail(account, key).await {
+            Ok(Answer::HasNot) if !asked_when_final => {
+                self.count(Outcome::Unresolved);
+                tracing::info!(%account, key,
+                    "the rail does not have the payment in doubt yet, but was asked while the \
+                     request could still reach it: it stays in doubt");
+                Resolved::InDoubt
+            }
+            Ok(Answer::HasNot) => match records.forget_not_on_the_rail(account, key, false).await {
                 Ok(Forgot::Forgotten(because)) => {
                     self.count(Outcome::NotPaid);
                     tracing::info!(%account, key, owner_stopped = because.as_str(),
@@ -261,36 +303,6 @@ impl Resolver {
                     Resolved::InDoubt
                 }
             },
-        }
-    }
-
-    /// A retry whose first attempt's record was lost with the store (`lost_first_attempt`):
-    /// the rail's answer when it has the payment; `None` otherwise (see the module docs).
-    pub async fn found_on_the_rail(
-        &self,
-        account: &AccountId,
-        key: &str,
-        deadline: Instant,
-    ) -> Option<StoredResponse> {
-        match self.ask(account, key, deadline).await {
-            Ok(Answer::Has(stored)) => {
-                self.count(Outcome::Paid);
-                tracing::info!(%account, key, status = stored.status,
-                    "the rail has the payment whose record was lost with the store: its \
-                     answer is replayed");
-                Some(stored)
-            }
-            Ok(Answer::HasNot) => {
-                self.count(Outcome::Unresolved);
-                None
-            }
-            Err(why) => {
-                self.count(Outcome::Failed);
-                tracing::warn!(%account, key, error = why,
-                    "could not ask the rail about a payment whose record was lost with the \
-                     store; it stays in doubt");
-                None
-            }
         }
     }
 }

@@ -400,8 +400,11 @@ impl Records for IdempotencyStore {
         &'a self,
         account: &'a AccountId,
         key: &'a str,
+        dry_run: bool,
     ) -> BoxFuture<'a, Result<Forgot, DbError>> {
-        Box::pin(IdempotencyStore::forget_not_on_the_rail(self, account, key))
+        Box::pin(IdempotencyStore::forget_not_on_the_rail(
+            self, account, key, dry_run,
+        ))
     }
 }
 

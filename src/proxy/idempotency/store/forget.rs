@@ -94,8 +94,9 @@ impl IdempotencyStore {
         &self,
         account: &AccountId,
         key: &str,
+        dry_run: bool,
     ) -> Result<Forgot, DbError> {
-        self.forget(account, key, None, false, Asked::RailLookup)
+        self.forget(account, key, None, dry_run, Asked::RailLookup)
             .await
     }
 
