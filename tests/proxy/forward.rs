@@ -1032,7 +1032,8 @@ async fn serve_runs_on_the_configured_worker_threads() {
 
 /// When the system refuses the worker threads `runtime.worker_threads` asks for (here an
 /// address-space limit too small for 256 thread stacks), `serve` says so and exits 1 — tokio
-/// panics in that case, and its unwinding used to wait forever for the threads it had started.
+/// panics in that case, and an unwinding that waited for the threads it had started would
+/// wait forever.
 #[tokio::test]
 async fn serve_refused_its_worker_threads_says_so_and_exits() {
     let dir = tempfile::tempdir().unwrap();

@@ -881,9 +881,9 @@ async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word
 }
 
 /// A completion the database did not take at once is retried in the background; a graceful
-/// stop used to end those retries with the process, leaving a paid request's record in flight,
-/// then in doubt (its repeats refused instead of replayed). Now the stop waits for them within
-/// `shutdown.grace_ms`: PostgreSQL back during the stop, the record is completed.
+/// stop that ended those retries with the process would leave a paid request's record in
+/// flight, then in doubt (its repeats refused instead of replayed). The stop waits for them
+/// within `shutdown.grace_ms`: PostgreSQL back during the stop, the record is completed.
 #[tokio::test]
 async fn a_graceful_stop_waits_for_a_completion_still_retried_in_the_background() {
     // Longer than the retries' longest pause (5 s), so the test does not race the backoff.
