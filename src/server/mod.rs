@@ -414,7 +414,8 @@ pub async fn run_reloading(
             .counting_into(late_forwards.clone())
             .with_floor(epoch.clone())
             .ordered_across_processes(handover.clone())
-            .answering_own_repeats(records.clone()),
+            .answering_own_repeats(records.clone())
+            .asking_the_rail(resolver.clone()),
         )),
         IdempotencyLayer::new(
             records,

@@ -276,6 +276,14 @@ impl Handover {
         (seq, entries)
     }
 
+    /// Whether this process has a forward for `account` that is not settled: about to be sent,
+    /// waiting for the rail's answer, or unanswered and within `proxy.rail_transit_ms`. (Two
+    /// accounts with one hash only make this say yes more often.)
+    pub fn has_pending(&self, account: &AccountId) -> bool {
+        let hash = account_hash(account.as_str());
+        self.state().pending.values().any(|(_, a, _)| *a == hash)
+    }
+
     /// How long this process says nothing of it can arrive after its last write.
     fn quiet(&self) -> Duration {
         ALIVE + self.transit

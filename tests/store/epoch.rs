@@ -24,7 +24,7 @@ const NOW: Duration = Duration::ZERO;
 
 use http::StatusCode;
 use railguard::sdk::{LockHandle, RailClient, SdkError};
-use support::{Pg, Rail, Railguard, World, init_tracing};
+use support::{Pg, Rail, Railguard, Relay, World, eventually, init_tracing};
 
 struct Run {
     /// The superseded grant's payment after the rewind: refused?
@@ -204,90 +204,108 @@ async fn a_retry_whose_first_attempt_went_back_with_the_store_is_in_doubt() {
     rail.assert_paid(2, "payments at the rail");
 }
 
-/// The same with the rail's lookup by idempotency key (`[rail_lookup]`): W2's retry of P, whose
-/// record went back with the store, is not resolved by asking the rail — with no record,
-/// nothing says whether the retry is the request the rail has, nor whether anything sent before
-/// the change can still land. It stays in doubt whether the rail has P or not, and nothing is
-/// forwarded.
+/// The same with the rail's lookup by idempotency key (`[rail_lookup]`), three accounts, one
+/// railguard that runs through the rewind: PAID reached the rail before it, HELD is still on
+/// its way (its path to the rail holds it), and UNSENT never left. Their records went back with
+/// the store. W2's retries, each with the first grant's token in `Idempotency-First-Token`:
+/// UNSENT's, once nothing sent before the change can still land, asks the rail, which has no
+/// such payment, and is forwarded — paid once; HELD's stays in doubt and asks nothing while
+/// railguard's own forward of it is on its way, and once that lands, the rail has it and the
+/// retry stays in doubt; PAID's stays in doubt (the rail has it, and with no record nothing says
+/// the retry is the request it has). Each is paid exactly once.
 #[tokio::test]
-async fn with_the_rails_lookup_a_retry_whose_first_attempt_went_back_stays_in_doubt() {
+async fn with_the_rails_lookup_a_retry_whose_record_went_back_is_forwarded_only_when_the_rail_has_none()
+ {
     init_tracing();
     let mut pg = Pg::start().await;
     let rail = Rail::start().await;
-    let lookup = [(
-        "RAILGUARD__RAIL_LOOKUP__PATH",
-        "/payments?account={account}&idempotency_key={key}",
-    )];
-    let mut rg = Railguard::start_process(&pg.url(), &rail.url(), &lookup).await;
+    let path = Relay::start(rail.addr).await;
+    path.stall_first(|chunk| chunk.windows(4).any(|w| w == b"held"));
+    let settings = [
+        (
+            "RAILGUARD__RAIL_LOOKUP__PATH",
+            "/payments?account={account}&idempotency_key={key}",
+        ),
+        // Longer than the rewind takes: railguard's own forward on the held path keeps its
+        // connection meanwhile.
+        ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "4000"),
+    ];
+    let rg = Railguard::start_process(&pg.url(), &path.url(), &settings).await;
     let lock = rg.lock_client();
     let proxy = RailClient::new(rg.proxy_url(""));
 
-    let w1 = lock
-        .acquire("acct", "w1", Duration::from_millis(300), Duration::ZERO)
-        .await
-        .unwrap();
-    let copy = pg.copy_data().await.unwrap();
-    assert_eq!(
-        pay(&proxy, &w1, "acct", "p").await.unwrap(),
-        StatusCode::CREATED
-    );
-    pg.rewind_to(&copy).await.unwrap();
-    rg.restart().await;
-
-    let w2 = lock
-        .acquire(
-            "acct",
-            "w2",
-            Duration::from_secs(60),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
-    let retry = proxy
-        .retry(
-            &w2,
-            "acct",
-            "/payments",
-            "{\"id\":\"p\"}".into(),
-            "p",
-            w1.token(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        retry.status,
-        StatusCode::CONFLICT,
-        "{}",
-        String::from_utf8_lossy(&retry.body)
-    );
-    let answer: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
-    assert_eq!(answer["error"], "in_doubt", "{answer}");
-    assert_eq!(rail.ledger().len(), 1, "P was paid once");
-
-    let unknown = proxy
-        .retry(
-            &w2,
-            "acct",
-            "/payments",
-            "{\"id\":\"u\"}".into(),
-            "u",
-            w1.token(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(unknown.status, StatusCode::CONFLICT);
-    let answer: serde_json::Value = serde_json::from_slice(&unknown.body).unwrap();
-    assert_eq!(answer["error"], "in_doubt", "{answer}");
-    assert_eq!(rail.ledger().len(), 1, "nothing forwarded");
-    let metrics = rg.metrics().await;
-    for outcome in ["paid", "not_paid", "unresolved", "failed"] {
-        let asked = format!("railguard_in_doubt_resolved_total{{outcome=\"{outcome}\"}}");
-        assert_eq!(
-            metrics.get(&asked),
-            0.0,
-            "the rail was not asked: {outcome}"
-        );
+    let mut first = Vec::new();
+    for account in ["acct-paid", "acct-held", "acct-unsent"] {
+        first.push(grant(&lock, account, "w1", SHORT, NOW).await);
     }
+    let copy = pg.copy_data().await.unwrap();
+    paid(&proxy, &first[0], "acct-paid", "paid").await;
+    let held = {
+        let (proxy, w1) = (proxy.clone(), first[1].clone());
+        tokio::spawn(async move { pay(&proxy, &w1, "acct-held", "held").await })
+    };
+    eventually(WAIT, "the held path holding HELD", || async {
+        path.has_stalled().then_some(())
+    })
+    .await;
+    pg.rewind_to(&copy).await.unwrap();
+
+    let mut second = Vec::new();
+    for account in ["acct-paid", "acct-held", "acct-unsent"] {
+        second.push(grant(&lock, account, "w2", LONG, WAIT).await);
+    }
+    let retry = |n: usize, account: &'static str, key: &'static str| {
+        let (proxy, w1, w2) = (&proxy, &first[n], &second[n]);
+        async move {
+            let body = format!("{{\"id\":\"{key}\"}}");
+            let reply = proxy
+                .retry(w2, account, "/payments", body.into(), key, w1.token())
+                .await
+                .unwrap();
+            let error = serde_json::from_slice::<serde_json::Value>(&reply.body)
+                .ok()
+                .and_then(|b| b["error"].as_str().map(str::to_string));
+            (reply.status, error)
+        }
+    };
+    // Past the hold after the change (503 while it lasts), UNSENT's retry is forwarded.
+    let unsent = eventually(HOLD, "UNSENT's retry forwarded", || async {
+        let answer = retry(2, "acct-unsent", "unsent").await;
+        (answer.0 != StatusCode::SERVICE_UNAVAILABLE && answer.1.as_deref() != Some("in_doubt"))
+            .then_some(answer)
+    })
+    .await;
+    assert_eq!(unsent.0, StatusCode::CREATED, "{unsent:?}");
+    assert_eq!(rail.times_paid("unsent"), 1);
+
+    // HELD's first attempt is still on its way: its retry is not forwarded, whatever the rail
+    // says now.
+    for _ in 0..3 {
+        let answer = retry(1, "acct-held", "held").await;
+        assert_eq!(answer.1.as_deref(), Some("in_doubt"), "{answer:?}");
+    }
+    assert_eq!(rail.times_paid("held"), 0, "HELD is still on its way");
+    path.release_stalled();
+    rail.until_paid(3).await;
+    let _ = held.await;
+    let answer = retry(1, "acct-held", "held").await;
+    assert_eq!(answer.1.as_deref(), Some("in_doubt"), "{answer:?}");
+
+    let answer = retry(0, "acct-paid", "paid").await;
+    assert_eq!(answer.1.as_deref(), Some("in_doubt"), "{answer:?}");
+
+    for key in ["paid", "held", "unsent"] {
+        assert_eq!(rail.times_paid(key), 1, "{key} paid once");
+    }
+    let metrics = rg.metrics().await;
+    let asked = |outcome: &str| {
+        metrics.get(&format!(
+            "railguard_in_doubt_resolved_total{{outcome=\"{outcome}\"}}"
+        ))
+    };
+    assert_eq!(asked("not_paid"), 1.0, "UNSENT: not on the rail");
+    assert!(asked("paid") >= 2.0, "HELD after it landed, and PAID");
+    assert!(asked("unresolved") >= 3.0, "HELD while on its way");
 }
 
 /// A copy from before an earlier floor was raised: PostgreSQL restarts (floor one), W1 is

@@ -61,11 +61,15 @@
 //! sessions are used whatever server they reach and nothing is recorded in `lock_issued`; the
 //! store going back goes unnoticed.
 //!
-//! **What it cannot give back.** An idempotency record the store lost is gone: a payment that
-//! reached the rail, whose record went with the lost commits and which paydb still shows in
-//! doubt, is paid again when a new grant retries it. Nothing railguard keeps still knows it was
-//! paid. The model shows it (`properties::LOST_RECORD_PAID_AGAIN`) and INV-02 is judged without
-//! that one case (see [`crate::properties`]).
+//! **What it cannot give back, and what stands in for it.** An idempotency record the store
+//! lost is gone: nothing railguard keeps still knows whether its payment reached the rail. The
+//! worker does: every submit carries the token of the grant that first claimed the payment
+//! (`Idempotency-First-Token`, kept in paydb), and a submit whose first token is below the floor
+//! and whose key has no record is answered `in_doubt` — unless the rail's lookup, asked once no
+//! request of the account from before the change is held by a process or in the network (the
+//! hold after a store change), finds no such payment: then it goes on as the key's first
+//! request. Without the header ([`crate::Variant::NoFirstToken`]), or with the rail asked at
+//! once ([`crate::Variant::LostLookupBeforeHold`]), the payment is paid again (INV-02).
 //!
 //! **Not modelled.** Both stores going back in one run, or one going back twice. An old
 //! PostgreSQL primary that still takes writes after the failover (two primaries at once: that

@@ -345,16 +345,23 @@ impl fmt::Display for Msg {
                 token,
                 grant,
                 payment,
-            } => write!(
-                f,
-                "submit {}→P{}: account {} payment {} token {} (grant g{})",
-                worker_name(worker),
-                proxy + 1,
-                account_name(account),
-                payment + 1,
-                token,
-                grant + 1
-            ),
+                first,
+            } => {
+                write!(
+                    f,
+                    "submit {}→P{}: account {} payment {} token {} (grant g{})",
+                    worker_name(worker),
+                    proxy + 1,
+                    account_name(account),
+                    payment + 1,
+                    token,
+                    grant + 1
+                )?;
+                if first != 0 && first != token {
+                    write!(f, ", first token {first}")?;
+                }
+                Ok(())
+            }
             Msg::Forward {
                 proxy,
                 account,
@@ -400,6 +407,7 @@ impl fmt::Display for Msg {
                     Reply::Paid => "200 paid",
                     Reply::FencedOut => "409 fenced_out",
                     Reply::InFlight => "409 in_flight",
+                    Reply::InDoubt => "409 in_doubt",
                     Reply::UpstreamTimeout => "504 upstream timeout",
                 }
             ),
@@ -524,6 +532,11 @@ impl FencingModel {
                 ..bounds
             },
             // PostgreSQL going back, and two instances (two processes, or one that restarts).
+            // PostgreSQL going back, taking a record with it.
+            Variant::NoFirstToken | Variant::LostLookupBeforeHold => Bounds {
+                postgres_goes_back: true,
+                ..bounds
+            },
             Variant::NoHoldAfterStoreChange => Bounds {
                 proxies: if bounds.restarts == 0 {
                     bounds.proxies.max(2)
@@ -853,6 +866,11 @@ impl FencingModel {
         };
         let account = worker.account;
         let presented = self.presented(s, account, token);
+        let first = if self.is(Variant::NoFirstToken) {
+            0
+        } else {
+            s.paydb.accounts[account as usize].first[payment as usize]
+        };
         s.network.send(Msg::Submit {
             worker: w,
             proxy,
@@ -860,12 +878,65 @@ impl FencingModel {
             token: presented,
             grant,
             payment,
+            first,
         });
         s.workers[w as usize].phase = Phase::Awaiting {
             grant,
             token,
             payment,
         };
+    }
+
+    /// `idempotency::lost_first_attempt`, after the floor and the cache let the submit through:
+    /// its first token is below the floor and its key has no record — made before the store
+    /// went back, the record may have gone with it.
+    fn first_attempt_lost(
+        &self,
+        s: &ProtocolState,
+        proxy: u8,
+        account: u8,
+        token: Token,
+        payment: u8,
+        first: Token,
+    ) -> bool {
+        let floor = s.epoch.floor;
+        self.rules().idempotency
+            && first != 0
+            && first < floor
+            && token >= floor
+            && token >= s.fence.processes[proxy as usize].cache[account as usize]
+            && s.fence.records[account as usize][payment as usize] == Record::Absent
+    }
+
+    /// The rail's lookup for a submit whose first attempt's record may have gone back
+    /// (`FencePoint::lost_attempt_not_on_the_rail`): asked only once nothing sent before the
+    /// change can still reach the rail — no request of the account below the floor is held by
+    /// a process (waiting to be sent, or sent and waiting for its answer: the processes' rows,
+    /// and the running one's own forwards) and none is in the network (the quiet bound) —
+    /// unless the variant asks at once. True if the rail has no such payment: the submit goes on
+    /// as the key's first request.
+    fn lost_attempt_not_on_the_rail(
+        &self,
+        s: &mut ProtocolState,
+        account: u8,
+        payment: u8,
+    ) -> bool {
+        let floor = s.epoch.floor;
+        let held = s
+            .fence
+            .tasks
+            .iter()
+            .any(|t| t.account == account && t.token < floor);
+        let on_its_way = s.network.in_flight.iter().any(|m| {
+            matches!(m, Msg::Forward { account: a, token, .. } if *a == account && *token < floor)
+        });
+        let after_the_hold = !held && !on_its_way;
+        if !(after_the_hold || self.is(Variant::LostLookupBeforeHold)) {
+            return false;
+        }
+        let not_on_the_rail = !s.rail.has(account, payment);
+        s.seen.lost_attempt_not_on_the_rail |= not_on_the_rail;
+        not_on_the_rail
     }
 
     fn deliver(&self, s: &mut ProtocolState, msg: Msg) {
@@ -878,9 +949,21 @@ impl FencingModel {
                 token,
                 grant,
                 payment,
+                first,
             } => {
                 self.session(s);
                 let floor = s.epoch.floor;
+                if self.first_attempt_lost(s, proxy, account, token, payment, first)
+                    && !self.lost_attempt_not_on_the_rail(s, account, payment)
+                {
+                    s.network.send(Msg::Reply {
+                        worker,
+                        grant,
+                        payment,
+                        reply: Reply::InDoubt,
+                    });
+                    return;
+                }
                 let reply = match s
                     .fence
                     .check(rules, floor, proxy, account, token, grant, payment, worker)
@@ -978,7 +1061,10 @@ impl FencingModel {
                             token,
                             payment,
                         },
-                        Reply::FencedOut | Reply::InFlight | Reply::UpstreamTimeout => Phase::Idle,
+                        Reply::FencedOut
+                        | Reply::InFlight
+                        | Reply::InDoubt
+                        | Reply::UpstreamTimeout => Phase::Idle,
                     };
                 }
             }

@@ -22,6 +22,9 @@ pub enum Reply {
     FencedOut,
     /// 409 in_flight: a request with the same idempotency key is on its way.
     InFlight,
+    /// 409 in_doubt: the submit's `Idempotency-First-Token` is below the floor and its key has
+    /// no record: the first attempt's record may have gone back with the store.
+    InDoubt,
     /// 504: the proxy gave up waiting for the rail; the payment is in doubt.
     UpstreamTimeout,
 }
@@ -30,7 +33,7 @@ pub enum Reply {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Msg {
     /// Worker → proxy: pay `payment` of `account`, `Fencing-Token: token`,
-    /// `Idempotency-Key: payment`.
+    /// `Idempotency-Key: payment`, `Idempotency-First-Token: first` (0: not sent).
     Submit {
         worker: u8,
         proxy: u8,
@@ -38,6 +41,7 @@ pub enum Msg {
         token: Token,
         grant: GrantId,
         payment: u8,
+        first: Token,
     },
     /// Proxy → rail: an accepted request on its way; `seq` its handover entry's.
     Forward {

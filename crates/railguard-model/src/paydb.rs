@@ -27,6 +27,10 @@ pub struct AccountRow {
     pub fence: Token,
     pub last_writer: Option<GrantId>,
     pub payments: Vec<PaymentState>,
+    /// Per payment, the token of the grant that first claimed it (0: never claimed): what the
+    /// harness keeps in `payment.first_token` and every submit of it sends as
+    /// `Idempotency-First-Token`.
+    pub first: Vec<Token>,
 }
 
 /// What a fenced UPDATE did.
@@ -52,6 +56,7 @@ impl PayDb {
                     fence: 0,
                     last_writer: None,
                     payments: vec![PaymentState::Pending; payments as usize],
+                    first: vec![0; payments as usize],
                 })
                 .collect(),
         }
@@ -90,6 +95,9 @@ impl PayDb {
         row.fence = token;
         row.last_writer = Some(grant);
         row.payments[payment as usize] = to;
+        if to == PaymentState::Submitting && row.first[payment as usize] == 0 {
+            row.first[payment as usize] = token;
+        }
         FencedWrite::Updated {
             stale,
             token_shared,

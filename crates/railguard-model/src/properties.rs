@@ -11,15 +11,17 @@
 //! with more than one proxy process, a request that waits for another process's forward.
 //!
 //! When a store may go back ([`crate::epoch`]) the same `always` properties are checked across
-//! the event, with one exception to INV-02 that no fencing can close: a payment whose
-//! idempotency record PostgreSQL lost after the rail took it, retried by a grant made after
-//! the store went back, reaches the rail again — nothing railguard still keeps knows it was
-//! paid. INV-02 is judged without that case, and [`LOST_RECORD_PAID_AGAIN`] shows that it is
-//! real. Three more `sometimes` show the event is not vacuous either: a grant from before it
-//! refused below the floor, a grant made after it reaching the rail, and (etcd restored) a
-//! grant withdrawn because its token was not above its key's `lock_issued`; with more than one
-//! proxy process instance and PostgreSQL going back, a fourth: a request held after the change
-//! that may go on once another process's forward from before reached the rail.
+//! the event, INV-02 with no exception: a payment whose idempotency record PostgreSQL lost is
+//! retried with the first grant's token (`Idempotency-First-Token`), which the proxy answers
+//! `in_doubt` — or, once nothing sent before the change can still reach the rail and the rail
+//! has no such payment, forwards as the key's first request ([`LOST_ATTEMPT_NOT_ON_THE_RAIL`]
+//! shows that it happens). Without the header, or with the rail asked before the hold, it is
+//! paid again (the variants `NoFirstToken` and `LostLookupBeforeHold`). More `sometimes` show
+//! the event is not vacuous either: a grant from before it refused below the floor, a grant
+//! made after it reaching the rail, and (etcd restored) a grant withdrawn because its token was
+//! not above its key's `lock_issued`; with more than one proxy process instance and PostgreSQL
+//! going back, a request held after the change that may go on once another process's forward
+//! from before reached the rail.
 
 use stateright::Property;
 
@@ -53,8 +55,8 @@ pub const PAID_AFTER_GOING_BACK: &str =
     "sometimes: a grant made after the store went back reaches the rail";
 pub const WITHDRAWN: &str =
     "sometimes: an etcd grant not above its key's lock_issued is withdrawn (etcd went back)";
-pub const LOST_RECORD_PAID_AGAIN: &str = "sometimes (the limit): a payment whose idempotency \
-     record PostgreSQL lost reaches the rail again, retried by a new grant";
+pub const LOST_ATTEMPT_NOT_ON_THE_RAIL: &str = "sometimes: a retry whose first token is below \
+     the floor and whose key has no record goes on, the rail having no such payment";
 
 /// Things seen happen that no component's state keeps: stale writes that matched, tokens
 /// shared by two grants at paydb, and refusals. They only ever go from false to true.
@@ -79,6 +81,10 @@ pub struct Observations {
     /// A forward from before the store change reaching the rail let a request held after the
     /// change go on.
     pub held_after_change: bool,
+    /// A retry whose first attempt's record may have gone back with the store went on as the
+    /// key's first request: the rail's lookup, asked once nothing sent before the change could
+    /// still reach it, found no such payment.
+    pub lost_attempt_not_on_the_rail: bool,
 }
 
 /// Every property the model checks (those about a store going back only when one may).
@@ -150,16 +156,10 @@ pub fn all(model: &FencingModel) -> Vec<Property<FencingModel>> {
             s.seen.withdrawn
         }));
     }
-    if model.bounds.postgres_goes_back {
+    if model.bounds.postgres_goes_back && model.rules().idempotency {
         properties.push(Property::sometimes(
-            LOST_RECORD_PAID_AGAIN,
-            |_, s: &ProtocolState| {
-                let arrivals = &s.rail.arrivals;
-                arrivals
-                    .iter()
-                    .enumerate()
-                    .any(|(i, a)| repeated(&arrivals[..i], a) && lost_record_retried(s, a))
-            },
+            LOST_ATTEMPT_NOT_ON_THE_RAIL,
+            |_, s: &ProtocolState| s.seen.lost_attempt_not_on_the_rail,
         ));
     }
     properties
@@ -172,20 +172,13 @@ fn repeated(earlier: &[Arrival], a: &Arrival) -> bool {
         .any(|b| (a.account, a.payment) == (b.account, b.payment))
 }
 
-/// Whether arrival `a` is a grant made after the store went back retrying a payment whose
-/// idempotency record the store lost: the case of INV-02 no fencing can close.
-fn lost_record_retried(s: &ProtocolState, a: &Arrival) -> bool {
-    s.past.after_going_back(a.grant) && s.past.lost_records.contains(&(a.account, a.payment))
-}
-
-/// INV-02: no (account, payment) arrives at the rail twice — except a new grant's retry of a
-/// payment whose idempotency record the store lost when it went back.
+/// INV-02: no (account, payment) arrives at the rail twice.
 fn no_payment_twice(s: &ProtocolState) -> bool {
     let arrivals = &s.rail.arrivals;
     arrivals
         .iter()
         .enumerate()
-        .all(|(i, a)| !repeated(&arrivals[..i], a) || lost_record_retried(s, a))
+        .all(|(i, a)| !repeated(&arrivals[..i], a))
 }
 
 /// INV-04: in the order grants were made, each key's tokens strictly increase.

@@ -72,11 +72,19 @@ pub enum Variant {
     /// can still reach the rail (`proxy.rail_transit_ms`). Checked with a proxy that restarts
     /// (its records left in doubt, its forwards still in the network).
     LookupBeforeTransit,
+    /// Retries without `Idempotency-First-Token`: a payment whose idempotency record went back
+    /// with the store (the rail has it) is taken as a new payment by its retry. Checked with
+    /// PostgreSQL going back.
+    NoFirstToken,
+    /// A retry whose first attempt's record may have gone back with the store asks the rail's
+    /// lookup at once, not once nothing sent before the change can still reach the rail, and
+    /// goes on when the rail has no such payment yet. Checked with PostgreSQL going back.
+    LostLookupBeforeHold,
 }
 
 impl Variant {
     /// Every variant, in the order of the docs' table.
-    pub const ALL: [Variant; 17] = [
+    pub const ALL: [Variant; 19] = [
         Variant::RereadTokenAtWrite,
         Variant::CreateRevisionToken,
         Variant::PerRowVersionToken,
@@ -94,6 +102,8 @@ impl Variant {
         Variant::NoStoreEpochCheckOnEtcd,
         Variant::NoHoldAfterStoreChange,
         Variant::LookupBeforeTransit,
+        Variant::NoFirstToken,
+        Variant::LostLookupBeforeHold,
     ];
 
     /// The backend whose semantics the variant changes (or the one it is checked with).
@@ -115,7 +125,9 @@ impl Variant {
             | Variant::NoIdempotencyKeys
             | Variant::NoStoreEpochCheck
             | Variant::NoHoldAfterStoreChange
-            | Variant::LookupBeforeTransit => Backend::Postgres,
+            | Variant::LookupBeforeTransit
+            | Variant::NoFirstToken
+            | Variant::LostLookupBeforeHold => Backend::Postgres,
         }
     }
 
@@ -151,6 +163,10 @@ impl Variant {
             Variant::LookupBeforeTransit => {
                 "the rail's lookup forgets a record in doubt before its forward can no longer arrive"
             }
+            Variant::NoFirstToken => "retries without Idempotency-First-Token",
+            Variant::LostLookupBeforeHold => {
+                "the rail's lookup for a record gone back with the store asked before the hold"
+            }
         }
     }
 
@@ -175,6 +191,8 @@ impl Variant {
             Variant::NoStoreEpochCheckOnEtcd => p::INV_04,
             Variant::NoHoldAfterStoreChange => p::INV_05_RAIL,
             Variant::LookupBeforeTransit => p::INV_02,
+            Variant::NoFirstToken => p::INV_02,
+            Variant::LostLookupBeforeHold => p::INV_02,
         }
     }
 
@@ -188,10 +206,6 @@ impl Variant {
             Variant::NoStoreEpochCheck | Variant::NoStoreEpochCheckOnEtcd => {
                 &[p::INV_02, p::INV_05_RAIL]
             }
-            // The payment whose record was lost, retried by the new grant, reaches the rail
-            // before the old grant's forward of it: the repeat is the old grant's, which no
-            // exception covers.
-            Variant::NoHoldAfterStoreChange => &[p::INV_02],
             _ => &[],
         }
     }

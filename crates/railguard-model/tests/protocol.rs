@@ -4,15 +4,15 @@
 //! nextest's output of a passing test with `--no-capture`).
 //!
 //! The same holds with a store that may go back once (PostgreSQL to an earlier copy; etcd to an
-//! older snapshot), with the one exception to INV-02 that `properties` states and
-//! `a_lost_idempotency_record_is_paid_again_on_both_backends` shows to be real.
+//! older snapshot), INV-02 included: a payment whose record went back is retried with its first
+//! token (`a_retry_whose_record_went_back_goes_on_only_when_the_rail_has_none_on_both_backends`).
 //!
 //! The bounds larger than CI can afford are behind `#[ignore]`:
 //! `cargo test --release -p railguard-model -- --ignored`.
 
 use railguard_model::network::{Msg, Reply};
 use railguard_model::properties::{
-    HANDED_OVER, HELD_AFTER_STORE_CHANGE, LOST_RECORD_PAID_AGAIN, T_042,
+    HANDED_OVER, HELD_AFTER_STORE_CHANGE, LOST_ATTEMPT_NOT_ON_THE_RAIL, T_042,
 };
 use railguard_model::{Action, Backend, Bounds, FencingModel, run};
 use stateright::Model;
@@ -287,11 +287,13 @@ fn etcd_restored_is_caught_by_lock_issued() {
     assert!(state.seen.fenced_by_floor && state.seen.withdrawn);
 }
 
-/// What no fencing gives back: a payment the rail took, whose idempotency record was among the
-/// commits PostgreSQL lost, is paid again when a new grant retries it. The checker reaches it on
-/// both backends, with the store epoch check on; the shortest way there is printed.
+/// A payment whose idempotency record went back with the store: its retry carries the first
+/// grant's token, and once nothing sent before the change can still reach the rail, the rail's
+/// lookup finding no such payment lets it go on as the key's first request — INV-02 holding
+/// throughout (the `NoFirstToken` and `LostLookupBeforeHold` variants show what each part
+/// prevents). The checker reaches it on both backends; the shortest way there is printed.
 #[test]
-fn a_lost_idempotency_record_is_paid_again_on_both_backends() {
+fn a_retry_whose_record_went_back_goes_on_only_when_the_rail_has_none_on_both_backends() {
     for backend in [Backend::Postgres, Backend::Etcd] {
         let bounds = Bounds {
             etcd_goes_back: false,
@@ -300,12 +302,17 @@ fn a_lost_idempotency_record_is_paid_again_on_both_backends() {
         let outcome = run(
             FencingModel::correct(backend, bounds),
             1,
-            Some(LOST_RECORD_PAID_AGAIN),
+            Some(LOST_ATTEMPT_NOT_ON_THE_RAIL),
+        );
+        assert!(
+            outcome.violations().is_empty(),
+            "{:?}",
+            outcome.violations()
         );
         let trace = outcome
-            .trace(LOST_RECORD_PAID_AGAIN)
-            .expect("the lost record's payment is paid again");
-        println!("{backend}: {LOST_RECORD_PAID_AGAIN}\n{trace}");
+            .trace(LOST_ATTEMPT_NOT_ON_THE_RAIL)
+            .expect("a retry whose record went back goes on");
+        println!("{backend}: {LOST_ATTEMPT_NOT_ON_THE_RAIL}\n{trace}");
     }
 }
 

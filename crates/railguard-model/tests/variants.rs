@@ -141,7 +141,6 @@ fn no_hold_after_store_change_breaks_inv05() {
     assert_caught_at(
         Variant::NoHoldAfterStoreChange,
         Bounds {
-            payments_per_account: 1,
             retries: 0,
             ..Bounds::VARIANTS
         },
@@ -156,7 +155,6 @@ fn no_hold_after_store_change_breaks_inv05_across_a_restart() {
     assert_caught_at(
         Variant::NoHoldAfterStoreChange,
         Bounds {
-            payments_per_account: 1,
             retries: 0,
             ..Bounds::RESTART
         },
@@ -183,4 +181,20 @@ fn symmetry_hides_no_violation() {
             "with symmetry, `{variant}` is not caught"
         );
     }
+}
+
+/// Retries without `Idempotency-First-Token`: W1's payment reaches the rail, PostgreSQL goes
+/// back with its record, and W2's retry, finding no record, is taken as a new payment — the
+/// payment twice.
+#[test]
+fn no_first_token_breaks_inv02() {
+    assert_caught(Variant::NoFirstToken);
+}
+
+/// The rail's lookup for a retry whose record went back asked at once: W1's forward is still
+/// in the network when PostgreSQL goes back with its record; W2's retry asks the rail, which
+/// has no such payment yet, and goes on; both reach the rail.
+#[test]
+fn lost_lookup_before_the_hold_breaks_inv02() {
+    assert_caught(Variant::LostLookupBeforeHold);
 }

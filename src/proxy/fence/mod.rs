@@ -60,7 +60,9 @@ use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
 use self::refusal_log::RefusalLog;
 use super::forward::{LateForwards, UpstreamTimeout};
-use super::idempotency::{NewRecord, Records, lost_first_attempt, own_answer};
+use super::idempotency::{
+    IdempotencyConflict, NewRecord, Records, Resolver, lost_first_attempt, own_answer,
+};
 use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::metrics::{FencePath, Metrics};
 use crate::store::epoch::StoreEpoch;
@@ -130,6 +132,9 @@ pub struct FencePoint<H = HighWaterStore> {
     /// for them (`store::handover`); `None`: no waiting (one process, the tests of this
     /// module, or the negative control `fencing.order_across_processes = false`).
     handover: Option<Arc<Handover>>,
+    /// The rail's lookup, for a retry whose first attempt's record went back with the store
+    /// (`[rail_lookup]`); `None`: such a retry stays in doubt.
+    resolver: Option<Arc<Resolver>>,
 }
 
 /// Accounts whose cache refusals' log lines are limited at once (see `refusal_log`).
@@ -149,6 +154,7 @@ impl<H: HighWater> FencePoint<H> {
             epoch: None,
             records: None,
             handover: None,
+            resolver: None,
         }
     }
 
@@ -178,6 +184,57 @@ impl<H: HighWater> FencePoint<H> {
             return answer;
         }
         Err(refusal())
+    }
+
+    /// A retry whose first attempt's record went back with the store asks the rail about its
+    /// key through `resolver` ([`Resolver::ask_about_lost`]); `None`: such a retry stays in
+    /// doubt.
+    pub fn asking_the_rail(mut self, resolver: Option<Arc<Resolver>>) -> Self {
+        self.resolver = resolver;
+        self
+    }
+
+    /// A keyed retry whose first attempt's record went back with the store
+    /// (`idempotency::lost_first_attempt`): true if the rail has no payment under its key,
+    /// asked only once nothing sent under it before the change can still reach the rail —
+    /// the hold after a store change has ended for the account (the quiet bound has passed,
+    /// and no other process names a forward of it below the floor: `Handover::wait_store_change`,
+    /// asked of the database every time, so a change this process has not met yet is met
+    /// here), and no forward of this process for the account is unsettled. A forward sent
+    /// after the change had a record, and a record that survived would have been found. So a
+    /// "not found" then is final, and the retry may go on as the key's first request: its
+    /// compare-and-set makes its record, and a concurrent retry finds that record.
+    async fn lost_attempt_not_on_the_rail(&self, request: &FencedRequest) -> bool {
+        let (Some(resolver), Some(handover), Some(epoch), Some(key)) = (
+            &self.resolver,
+            &self.handover,
+            &self.epoch,
+            request.idempotency.as_ref(),
+        ) else {
+            return false;
+        };
+        let account = &request.account;
+        match handover.wait_store_change(account, request.deadline).await {
+            Ok(Some(settled)) => epoch.change_settled(settled),
+            Ok(None) => {}
+            Err(e) => {
+                resolver.not_asked_yet();
+                tracing::info!(%account, key = key.key, error = %e,
+                    "a retry whose record went back with the store: a request sent before the \
+                     change may still reach the rail; the rail is not asked yet");
+                return false;
+            }
+        }
+        if handover.has_pending(account) {
+            resolver.not_asked_yet();
+            tracing::info!(%account, key = key.key,
+                "a retry whose record went back with the store: this railguard still has a \
+                 forward for the account on its way; the rail is not asked yet");
+            return false;
+        }
+        resolver
+            .ask_about_lost(account, &key.key, request.deadline)
+            .await
     }
 
     /// Refuses tokens below `epoch`'s floor before anything else.
@@ -377,12 +434,17 @@ where
     }
 
     // A retry whose key was first sent before the store last went back, and whose record did
-    // not survive it, may already be paid: in doubt, never forwarded on a guess.
+    // not survive it, may already be paid: in doubt, never forwarded on a guess — unless the
+    // rail, asked once nothing sent before the change can still reach it, has no payment
+    // under the key: then it goes on as the key's first request.
     if let Some(records) = &point.records
-        && let Some(answer) = lost_first_attempt(&**records, &request).await
+        && lost_first_attempt(&**records, &request).await?
     {
-        span.record("verdict", "first_attempt_lost");
-        return answer;
+        if !point.lost_attempt_not_on_the_rail(&request).await {
+            span.record("verdict", "first_attempt_lost");
+            return Err(IdempotencyConflict::FirstAttemptLost.into());
+        }
+        span.record("verdict", "first_attempt_not_on_the_rail");
     }
 
     // Counted before the compare-and-set: once it commits, a keyed request owns a record whose

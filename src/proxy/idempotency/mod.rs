@@ -80,9 +80,10 @@ pub enum IdempotencyConflict {
     #[error(
         "this idempotency key was first sent under a grant from before the fencing store last \
          went back (a failover, a restore), and its record did not survive it: whether the rail \
-         acted on the first attempt is unknown, so it will not be forwarded again. Ask the rail \
-         about this idempotency key; if it did not act, send the request again without \
-         Idempotency-First-Token"
+         acted on the first attempt is unknown, so it will not be forwarded again. With the \
+         rail's lookup configured, a retry once nothing sent before the change can still reach \
+         the rail is forwarded if the rail has no payment under the key; otherwise see \
+         docs/operations.md, \"When a store goes back\""
     )]
     FirstAttemptLost,
 }
@@ -225,26 +226,26 @@ pub async fn own_answer(
 }
 
 /// A retry whose key was first sent before the store last went back, and whose record is not
-/// there now, may be a payment the rail already has: `Some(in doubt)` then. `None`: go on (no
-/// first token, one from after the floor, a record that survived — the repeat's own answer
-/// comes from it). A store that cannot answer refuses the request: nothing is forwarded on a
-/// guess. The rail's lookup is not asked: with no record, nothing says whether this request is
-/// the one the rail has (another body under the key would be told it was paid), nor whether
-/// anything sent before the change can still land.
+/// there now, may be a payment the rail already has: `Ok(true)` then, and the fence answers it
+/// `409 in_doubt` ([`IdempotencyConflict::FirstAttemptLost`]) — unless, with `[rail_lookup]`,
+/// the rail says it has no payment under the key once nothing sent before the change can still
+/// reach it ([`Resolver::ask_about_lost`]). `Ok(false)`: go on (no key or no first token, one
+/// from after the floor, a record that survived — the repeat's own answer comes from it). A
+/// store that cannot answer refuses the request: nothing is forwarded on a guess.
 pub async fn lost_first_attempt(
     records: &dyn Records,
     request: &FencedRequest,
-) -> Option<Result<ProxyResponse, BoxError>> {
-    let key = request.idempotency.as_ref()?;
-    let first = key.first_token?;
-    match records
+) -> Result<bool, BoxError> {
+    let Some(key) = request.idempotency.as_ref() else {
+        return Ok(false);
+    };
+    let Some(first) = key.first_token else {
+        return Ok(false);
+    };
+    records
         .first_attempt_lost(&request.account, &key.key, first.get())
         .await
-    {
-        Ok(false) => None,
-        Ok(true) => Some(Err(IdempotencyConflict::FirstAttemptLost.into())),
-        Err(e) => Some(Err(IdempotencyUnavailable(e).into())),
-    }
+        .map_err(|e| IdempotencyUnavailable(e).into())
 }
 
 /// A repeat of a key whose record already exists. One in doubt asks the rail first, with a

@@ -21,9 +21,17 @@
 //!   changes; the retry is answered `409 in_doubt` as without a lookup.
 //!
 //! A retry whose `Idempotency-First-Token` predates the last store change and whose record is
-//! gone ([`super::lost_first_attempt`]) does not ask: with no record, nothing says whether the
-//! retry is the request the rail has, nor whether a request sent before the change can still
-//! land. It stays `409 in_doubt`, the operator's.
+//! gone ([`super::lost_first_attempt`]) has no record to complete or forget: the fence asks the
+//! rail about its key ([`Resolver::ask_about_lost`]) only once nothing sent before the change
+//! can still reach the rail (`proxy::fence`, the hold after a store change), and then:
+//!
+//! - **the rail does not have it**: nothing railguard sent under the key before the change can
+//!   still land, and nothing after it was sent without a record (a record that survived would
+//!   have been found). The retry goes on as the key's first request: its compare-and-set makes
+//!   its record, and it is forwarded.
+//! - **the rail has it**, or no answer: the retry stays `409 in_doubt`. With no record, nothing
+//!   says whether the retry is the request the rail has (another body under the key would be
+//!   told it was paid), so the rail's answer is not replayed.
 //!
 //! Only an answer that names the key it looked up (`Idempotency-Key: KEY`, echoed, on the `200`
 //! and on the `404`) is an answer about the payment: a `404` of a wrong path, a gateway or an
@@ -143,9 +151,11 @@ impl Resolver {
             Opts::new(
                 "railguard_in_doubt_resolved_total",
                 "Retries of a payment in doubt answered after asking the rail by idempotency key \
-                 (rail_lookup), by outcome: paid (the rail has it: its answer replayed), not_paid \
-                 (it has not, and nothing sent can still reach it: forgotten), unresolved (it has \
-                 not, but the owner may still send or it may still arrive), failed (no answer)",
+                 (rail_lookup), by outcome: paid (the rail has it: its answer replayed, or, for \
+                 a key whose record went back with the store, left in doubt), not_paid (it has \
+                 not, and nothing sent can still reach it: forgotten, or forwarded as the key's \
+                 first request), unresolved (it has not, or was not asked, while the request \
+                 may still arrive), failed (no answer)",
             ),
             &["outcome"],
         )
@@ -223,6 +233,42 @@ impl Resolver {
         tokio::time::timeout_at(until, asked)
             .await
             .unwrap_or_else(|_| Err("no answer in time".to_string()))
+    }
+
+    /// A retry of `key` on `account` whose first attempt's record went back with the store
+    /// (see the module docs), asked by the fence once nothing sent before the change can still
+    /// reach the rail: whether the rail has no payment under the key. `false`: it has one, or
+    /// there is no answer — the retry stays in doubt.
+    pub async fn ask_about_lost(&self, account: &AccountId, key: &str, deadline: Instant) -> bool {
+        match self.ask(account, key, deadline).await {
+            Err(why) => {
+                self.count(Outcome::Failed);
+                tracing::warn!(%account, key, error = why,
+                    "could not ask the rail about a payment whose record went back with the \
+                     store; it stays in doubt");
+                false
+            }
+            Ok(Answer::Has(_)) => {
+                self.count(Outcome::Paid);
+                tracing::info!(%account, key,
+                    "the rail has a payment under a key whose record went back with the store: \
+                     its retry stays in doubt");
+                false
+            }
+            Ok(Answer::HasNot) => {
+                self.count(Outcome::NotPaid);
+                tracing::info!(%account, key,
+                    "the rail has no payment under a key whose record went back with the store, \
+                     and nothing sent before the change can still reach it: the retry is \
+                     forwarded as the key's first request");
+                true
+            }
+        }
+    }
+
+    /// Counts a lookup not made because the request could still reach the rail.
+    pub fn not_asked_yet(&self) {
+        self.count(Outcome::Unresolved);
     }
 
     /// A retry of `key` on `account`, whose record is in doubt: asks the rail, and completes
