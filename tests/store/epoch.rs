@@ -304,6 +304,20 @@ async fn with_the_rails_lookup_a_retry_whose_record_went_back_is_forwarded_only_
         ))
     };
     assert_eq!(asked("not_paid"), 1.0, "UNSENT: not on the rail");
+    let audited: Vec<String> = pg
+        .client()
+        .await
+        .query(
+            "SELECT outcome->>'idempotency_key' FROM railguard_audit
+             WHERE action = 'idempotency_resolve' AND outcome->>'result' = $1",
+            &[&railguard::proxy::idempotency::FIRST_REQUEST_AFTER_STORE_CHANGE],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(audited, ["unsent"], "UNSENT's retry went on audited, and only it");
     assert!(asked("paid") >= 2.0, "HELD after it landed, and PAID");
     assert!(asked("unresolved") >= 3.0, "HELD while on its way");
 }

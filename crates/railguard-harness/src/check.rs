@@ -121,6 +121,13 @@ pub struct Counts {
     pub submits_ok: usize,
     pub fenced_out: usize,
     pub in_doubt: usize,
+    /// Submits answered `409 in_doubt`: each waits for the rail's lookup or an operator.
+    #[serde(default)]
+    pub in_doubt_answers: usize,
+    /// Payments left `submitting` at the end whose last submit was answered `409 in_doubt`:
+    /// left in doubt, for an operator.
+    #[serde(default)]
+    pub left_in_doubt: usize,
     pub retried_payments: usize,
     pub claims_fenced: usize,
     pub grants: usize,
@@ -164,6 +171,10 @@ pub struct InDoubtAtEnd {
     pub records: usize,
     pub paid_per_the_rail: usize,
     pub not_on_the_rail: usize,
+    /// Retries whose first attempt's record went back with the store, let through as the key's
+    /// first request once the rail's lookup found no such payment.
+    #[serde(default)]
+    pub first_requests_after_store_change: usize,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -203,6 +214,8 @@ impl Report {
         row("  answered by the rail", c.submits_ok.to_string());
         row("  fenced out (409 fenced_out)", c.fenced_out.to_string());
         row("  outcome unknown (in doubt)", c.in_doubt.to_string());
+        row("    of them 409 in_doubt", c.in_doubt_answers.to_string());
+        row("payments left 409 in_doubt", c.left_in_doubt.to_string());
         row("payments retried", c.retried_payments.to_string());
         row("paydb claims fenced out", c.claims_fenced.to_string());
         if let Some(m) = self.fenced_out_metric {
@@ -215,6 +228,10 @@ impl Report {
                 end.paid_per_the_rail.to_string(),
             );
             row("  lookup: not on the rail", end.not_on_the_rail.to_string());
+            row(
+                "  lookup: gone back, not on the rail",
+                end.first_requests_after_store_change.to_string(),
+            );
         }
         row("rail ledger entries", c.rail_entries.to_string());
         row(
@@ -653,6 +670,34 @@ fn counts(inputs: &Inputs, senders: &HashMap<String, Sender>, stale_arrivals: us
         }
     }
     let completed = inputs.payments.iter().filter(|p| p.state == "done").count();
+    let in_doubt_answer = |e: &Event| {
+        e.detail
+            .as_deref()
+            .is_some_and(|d| d.starts_with("409 in_doubt"))
+    };
+    // Each payment's last answered submit (a worker's notice that it pauses has no attempt).
+    let mut last_answer: HashMap<&str, &Event> = HashMap::new();
+    for e in h
+        .iter()
+        .filter(|e| e.op == Op::Submit && e.phase != Phase::Invoke && e.attempt.is_some())
+    {
+        if let Some(p) = e.payment.as_deref() {
+            let last = last_answer.entry(p).or_insert(e);
+            if e.t_us >= last.t_us {
+                *last = e;
+            }
+        }
+    }
+    let left_in_doubt = inputs
+        .payments
+        .iter()
+        .filter(|p| p.state == "submitting")
+        .filter(|p| {
+            last_answer
+                .get(p.id.as_str())
+                .is_some_and(|e| in_doubt_answer(e))
+        })
+        .count();
     Counts {
         payments: inputs.payments.len(),
         completed,
@@ -666,6 +711,10 @@ fn counts(inputs: &Inputs, senders: &HashMap<String, Sender>, stale_arrivals: us
         in_doubt: of(Op::Submit, Phase::Info)
             .filter(|e| e.attempt.is_some())
             .count(),
+        in_doubt_answers: of(Op::Submit, Phase::Info)
+            .filter(|e| in_doubt_answer(e))
+            .count(),
+        left_in_doubt,
         retried_payments: submits_per_payment.values().filter(|n| **n > 1).count(),
         claims_fenced: of(Op::Claim, Phase::Fail)
             .filter(|e| e.detail.as_deref() == Some("fenced_out"))

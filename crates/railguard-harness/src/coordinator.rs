@@ -565,13 +565,20 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
     // The payments railguard still holds in doubt (`409 in_doubt` to their retries), and what
     // the rail's lookup resolved (its audit records: counted across restarts).
     match paydb::connect(&lockdb.url()).await {
-        Ok(client) => match client.query_one(IN_DOUBT_AT_END_SQL, &[]).await {
+        Ok(client) => match client
+            .query_one(
+                IN_DOUBT_AT_END_SQL,
+                &[&railguard::proxy::idempotency::FIRST_REQUEST_AFTER_STORE_CHANGE],
+            )
+            .await
+        {
             Ok(row) => {
                 let count = |i: usize| usize::try_from(row.get::<_, i64>(i)).unwrap_or(0);
                 let end = InDoubtAtEnd {
                     records: count(0),
                     paid_per_the_rail: count(1),
                     not_on_the_rail: count(2),
+                    first_requests_after_store_change: count(3),
                 };
                 write_json(&out.join("in-doubt-at-end.json"), &end)?;
             }
@@ -736,14 +743,18 @@ pub fn check_dir(dir: &Path) -> Result<Report, String> {
 
 /// Idempotency records in doubt in railguard's PostgreSQL — declared so, or in flight past
 /// their owner's deadline: railguard answers `409 in_doubt` for both — and the records the rail's
-/// lookup completed or forgot (`idempotency::resolve`'s audit records).
+/// lookup completed or forgot, and the retries whose record went back with the store it let
+/// through (`idempotency::resolve`'s audit records; `$1`: the last ones' result).
 const IN_DOUBT_AT_END_SQL: &str = "\
 SELECT (SELECT count(*) FROM idempotency_record
         WHERE state = 'in_doubt'
            OR (state = 'in_flight' AND now() > COALESCE(in_doubt_at, created_at))),
-       (SELECT count(*) FROM railguard_audit WHERE action = 'idempotency_resolve'),
        (SELECT count(*) FROM railguard_audit
-        WHERE action = 'idempotency_forget' AND reason LIKE 'the rail''s lookup%')";
+        WHERE action = 'idempotency_resolve' AND outcome->>'result' = 'completed_from_the_rail'),
+       (SELECT count(*) FROM railguard_audit
+        WHERE action = 'idempotency_forget' AND reason LIKE 'the rail''s lookup%'),
+       (SELECT count(*) FROM railguard_audit
+        WHERE action = 'idempotency_resolve' AND outcome->>'result' = $1)";
 
 /// `lock_fenced_out_total` summed over the saved metrics of every railguard.
 fn fenced_out_metric(dir: &Path) -> Option<f64> {

@@ -1250,6 +1250,12 @@ impl Model for FencingModel {
                     unreachable!("only a holder claims")
                 };
                 if self.paydb_write(&mut s, w, grant, token, payment, PaymentState::Submitting) {
+                    // Only a floor makes it count: kept where a store may go back.
+                    let first = &mut s.paydb.accounts[s.workers[w as usize].account as usize].first
+                        [payment as usize];
+                    if *first == 0 && self.store_may_go_back() {
+                        *first = token;
+                    }
                     s.workers[w as usize].phase = Phase::Claimed {
                         grant,
                         token,

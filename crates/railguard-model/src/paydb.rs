@@ -27,9 +27,9 @@ pub struct AccountRow {
     pub fence: Token,
     pub last_writer: Option<GrantId>,
     pub payments: Vec<PaymentState>,
-    /// Per payment, the token of the grant that first claimed it (0: never claimed): what the
-    /// harness keeps in `payment.first_token` and every submit of it sends as
-    /// `Idempotency-First-Token`.
+    /// Per payment, the token of the grant that first claimed it (0: never claimed, or no store
+    /// may go back in this run, where it would never count): what the harness keeps in
+    /// `payment.first_token` and every submit of it sends as `Idempotency-First-Token`.
     pub first: Vec<Token>,
 }
 
@@ -95,9 +95,6 @@ impl PayDb {
         row.fence = token;
         row.last_writer = Some(grant);
         row.payments[payment as usize] = to;
-        if to == PaymentState::Submitting && row.first[payment as usize] == 0 {
-            row.first[payment as usize] = token;
-        }
         FencedWrite::Updated {
             stale,
             token_shared,

@@ -205,8 +205,9 @@ impl<H: HighWater> FencePoint<H> {
     /// "not found" then is final, and the retry may go on as the key's first request: its
     /// compare-and-set makes its record, and a concurrent retry finds that record.
     async fn lost_attempt_not_on_the_rail(&self, request: &FencedRequest) -> bool {
-        let (Some(resolver), Some(handover), Some(epoch), Some(key)) = (
+        let (Some(resolver), Some(records), Some(handover), Some(epoch), Some(key)) = (
             &self.resolver,
+            &self.records,
             &self.handover,
             &self.epoch,
             request.idempotency.as_ref(),
@@ -233,7 +234,7 @@ impl<H: HighWater> FencePoint<H> {
             return false;
         }
         resolver
-            .ask_about_lost(account, &key.key, request.deadline)
+            .ask_about_lost(&**records, account, &key.key, request.deadline)
             .await
     }
 

@@ -47,8 +47,8 @@ pub use self::record::{MaybeSent, NewRecord, RecordGuard, RecordId, Records};
 pub(crate) use self::replay::{BODY_OMITTED, REPLAYED};
 pub use self::resolve::{AskTheRail, Resolved, Resolver};
 pub use self::store::{
-    Because, CompletionError, Forgot, IdempotencyStore, OutcomeMetrics, OwnerStopped, Record,
-    RecordState, StoredResponse, sweep_forever,
+    Because, CompletionError, FIRST_REQUEST_AFTER_STORE_CHANGE, Forgot, IdempotencyStore,
+    OutcomeMetrics, OwnerStopped, Record, RecordState, StoredResponse, sweep_forever,
 };
 
 use super::forward::{Sent, UpstreamTimeout};

@@ -178,6 +178,16 @@ pub trait Records: Send + Sync + 'static {
         key: &'a str,
         dry_run: bool,
     ) -> BoxFuture<'a, Result<Forgot, DbError>>;
+
+    /// The rail's lookup found no payment under `key`, whose first attempt's record went back
+    /// with the store, asked once nothing sent before the change could still reach the rail:
+    /// the audit record of its retry going on as the key's first request (`resolve`). The retry
+    /// goes on only once it is written.
+    fn audit_first_request_after_store_change<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<(), DbError>>;
 }
 
 /// Owns a record its request created; see the module docs.
@@ -318,6 +328,14 @@ pub(crate) mod tests {
 
         fn forget_unsent(&self, record: RecordId) {
             self.ended.lock().unwrap().push(Ended::Forgotten(record));
+        }
+
+        fn audit_first_request_after_store_change<'a>(
+            &'a self,
+            _account: &'a AccountId,
+            _key: &'a str,
+        ) -> BoxFuture<'a, Result<(), DbError>> {
+            Box::pin(async { Ok(()) })
         }
 
         fn complete_from_the_rail<'a>(

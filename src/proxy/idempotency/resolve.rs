@@ -239,7 +239,13 @@ impl Resolver {
     /// (see the module docs), asked by the fence once nothing sent before the change can still
     /// reach the rail: whether the rail has no payment under the key. `false`: it has one, or
     /// there is no answer — the retry stays in doubt.
-    pub async fn ask_about_lost(&self, account: &AccountId, key: &str, deadline: Instant) -> bool {
+    pub async fn ask_about_lost(
+        &self,
+        records: &dyn Records,
+        account: &AccountId,
+        key: &str,
+        deadline: Instant,
+    ) -> bool {
         match self.ask(account, key, deadline).await {
             Err(why) => {
                 self.count(Outcome::Failed);
@@ -256,11 +262,22 @@ impl Resolver {
                 false
             }
             Ok(Answer::HasNot) => {
+                if let Err(e) = records
+                    .audit_first_request_after_store_change(account, key)
+                    .await
+                {
+                    self.count(Outcome::Failed);
+                    tracing::warn!(%account, key, error = %e,
+                        "the rail has no payment under a key whose record went back with the \
+                         store, but its audit record could not be written: the retry stays in \
+                         doubt");
+                    return false;
+                }
                 self.count(Outcome::NotPaid);
                 tracing::info!(%account, key,
                     "the rail has no payment under a key whose record went back with the store, \
-                     and nothing sent before the change can still reach it: the retry is \
-                     forwarded as the key's first request");
+                     and nothing sent before the change can still reach it: the retry goes on \
+                     as the key's first request (audited)");
                 true
             }
         }

@@ -64,7 +64,7 @@ mod forget;
 
 pub use self::completion::CompletionError;
 use self::completion::Unstored;
-pub use self::forget::{Because, Forgot, OwnerStopped};
+pub use self::forget::{Because, FIRST_REQUEST_AFTER_STORE_CHANGE, Forgot, OwnerStopped};
 
 /// A stored response.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -394,6 +394,16 @@ impl Records for IdempotencyStore {
         Box::pin(async move {
             IdempotencyStore::complete_from_the_rail(self, account, key, &response).await
         })
+    }
+
+    fn audit_first_request_after_store_change<'a>(
+        &'a self,
+        account: &'a AccountId,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<(), DbError>> {
+        Box::pin(IdempotencyStore::audit_first_request_after_store_change(
+            self, account, key,
+        ))
     }
 
     fn forget_not_on_the_rail<'a>(

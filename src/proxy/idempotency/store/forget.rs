@@ -51,6 +51,10 @@ pub(super) const AUDIT_RESOLVE_SQL: &str = "\
 INSERT INTO railguard_audit (action, account_id, reason, outcome, finished_at)
 VALUES ('idempotency_resolve', $1, $2, $3::text::jsonb, now())";
 
+/// `outcome->>'result'` of the audit record of a retry let through after the store went back
+/// ([`IdempotencyStore::audit_first_request_after_store_change`]).
+pub const FIRST_REQUEST_AFTER_STORE_CHANGE: &str = "first_request_after_store_change";
+
 /// The audit record of a forget, written in its transaction: no delete without it.
 pub(super) const AUDIT_FORGET_SQL: &str = "\
 INSERT INTO railguard_audit (action, account_id, reason, outcome, finished_at)
@@ -148,6 +152,38 @@ impl IdempotencyStore {
             .await?;
             tx.commit().await?;
             Ok(true)
+        })
+        .await
+    }
+
+    /// The audit record of a retry whose first attempt's record went back with the store, let
+    /// through as the key's first request because the rail's lookup, asked once nothing sent
+    /// before the change could still reach it, found no payment under the key.
+    pub async fn audit_first_request_after_store_change(
+        &self,
+        account: &AccountId,
+        key: &str,
+    ) -> Result<(), DbError> {
+        let outcome = serde_json::json!({
+            "idempotency_key": key,
+            "result": FIRST_REQUEST_AFTER_STORE_CHANGE,
+        });
+        self.bounded(async {
+            self.client()
+                .await?
+                .execute(
+                    AUDIT_RESOLVE_SQL,
+                    &[
+                        &account.as_str(),
+                        &"the key's first attempt predates the store going back and its record \
+                          did not survive; the rail's lookup (rail_lookup.path), asked once \
+                          nothing sent before the change could still reach the rail, found no \
+                          payment under the key: the retry goes on as the key's first request",
+                        &outcome.to_string(),
+                    ],
+                )
+                .await?;
+            Ok(())
         })
         .await
     }
