@@ -77,8 +77,8 @@ struct MarkRequest {
 
 /// The in-doubt procedure: what an operator checks, and in which order, before forgetting an
 /// idempotency record in doubt. The same text is in docs/contract.md, in docs/operations.md ("In
-/// doubt"), in `railguard idempotency-forget --help`, and in forget's refusals (a test holds the
-/// documents to it). railguard checks the owner's stop (its clean stop, or `--owner-stopped`)
+/// doubt") and in `railguard idempotency-forget --help` (a test holds the documents to it);
+/// forget's refusals name their code and the section of docs/operations.md for it. railguard checks the owner's stop (its clean stop, or `--owner-stopped`)
 /// and the time (`IdempotencyStore::forget_in_doubt`); the rest is the operator's.
 pub const IN_DOUBT_PROCEDURE: &str = "\
 The in-doubt procedure, in this order (railguard idempotency-forget):
@@ -391,103 +391,197 @@ impl Admin {
             .idempotency
             .forget_in_doubt(&account, &asked.key, owner_stopped, asked.dry_run)
             .await;
-        let (status, message) = match forgot {
+        let answer = match forgot {
             // Deleted together with its audit record, in one transaction.
             Ok(Forgot::Forgotten(because)) => {
                 tracing::warn!(account = %account, key = asked.key,
                     owner = because.owner().map(InstanceId::get), because = because.as_str(),
                     "an operator forgot an idempotency record in doubt");
-                (StatusCode::OK, "forgotten: the next retry of this key will be forwarded".to_string())
+                ForgetAnswer::Done("forgotten: the next retry of this key will be forwarded".into())
             }
-            Ok(Forgot::WouldForget(because)) => (
-                StatusCode::OK,
+            Ok(Forgot::WouldForget(because)) => ForgetAnswer::Done(format!(
+                "dry run, nothing was changed: the record would be forgotten now ({}). Ask the \
+                 rail about the payment now{} (step 3 of the in-doubt procedure, docs/operations.md, \
+                 \"In doubt\"); forget without --dry-run only if the rail does not have it",
+                because_words(because),
+                if matches!(because, Because::OwnerStoppedCleanly(_)) {
+                    ""
+                } else {
+                    ", once proxy.rail_transit_ms has passed since the process you saw stop stopped"
+                }
+            )),
+            Ok(Forgot::MayStillArrive {
+                because,
+                after,
+                in_secs,
+                transit_ms,
+            }) => ForgetAnswer::Refused(
+                ForgetRefusal::MayStillArrive,
                 format!(
-                    "dry run, nothing was changed: the record would be forgotten now ({}), and nothing its owner sent can still reach the rail, as far as railguard can tell. \
-                     Ask the rail about the payment now (step 3){}; forget without --dry-run only if the rail does not have it.\n\n{IN_DOUBT_PROCEDURE}",
-                    match because {
-                        Because::OwnerStoppedCleanly(owner) => format!("its owner, instance {owner}, recorded a clean stop"),
-                        Because::OperatorSawOwnerStop(owner) => format!("on your word that its owner, instance {owner}, has stopped"),
-                        Because::NoOwner => "on your word that every railguard running when it was made has stopped".into(),
-                    },
-                    if matches!(because, Because::OwnerStoppedCleanly(_)) {
-                        ""
-                    } else {
-                        ", once proxy.rail_transit_ms has passed since the process you saw stop stopped"
-                    }
+                    "the request may still be on its way to the rail until {after} (by the \
+                     database's clock, in about {in_secs} s): its owner has stopped ({}), but what \
+                     it sent can take up to proxy.rail_transit_ms ({transit_ms} ms) to arrive",
+                    because_words(because)
                 ),
             ),
-            Ok(Forgot::MayStillArrive { because, after, in_secs, transit_ms }) => (
-                StatusCode::CONFLICT,
+            Ok(Forgot::Completed) => ForgetAnswer::Refused(
+                ForgetRefusal::Completed,
+                "the record is complete: the rail answered and repeats get its response".into(),
+            ),
+            Ok(Forgot::StillInFlight) => ForgetAnswer::Refused(
+                ForgetRefusal::StillInFlight,
+                "the record is in flight and not yet in doubt: its owner's deadline has not \
+                 passed, and its forward may still be running"
+                    .into(),
+            ),
+            Ok(Forgot::OwnerMayStillSend { owner, named }) => ForgetAnswer::Refused(
+                ForgetRefusal::OwnerRunning,
                 format!(
-                    "the request may still be on its way to the rail until {after} (by the database's clock, in about {in_secs} s): \
-                     its owner {} has stopped, but what it sent can take up to proxy.rail_transit_ms ({transit_ms} ms) to arrive{}. \
-                     Forget is refused until then, and the rail is to be asked only after that (step 3): before it, a request still on its way shows nothing yet. \
-                     The record is left as it is.\n\n{IN_DOUBT_PROCEDURE}",
-                    match because {
-                        Because::OwnerStoppedCleanly(owner) => format!("(instance {owner}, which recorded a clean stop)"),
-                        Because::OperatorSawOwnerStop(owner) => format!("(instance {owner}, on your word)"),
-                        Because::NoOwner => "(unrecorded, on your word)".into(),
-                    },
-                    if matches!(because, Because::OwnerStoppedCleanly(_)) {
-                        ", counted from the record's in-doubt deadline and from the last of its forwards that ended without an answer"
-                    } else {
-                        ", counted from the record's in-doubt deadline; count it from the moment the process stopped as well, which only you saw"
-                    }
-                ),
-            ),
-            Ok(Forgot::Completed) => (
-                StatusCode::CONFLICT,
-                "the record is complete: the rail answered and repeats get its response; nothing to forget".into(),
-            ),
-            Ok(Forgot::StillInFlight) => (
-                StatusCode::CONFLICT,
-                format!("the record is in flight and not yet in doubt: its owner's deadline has not passed, and its forward may still be running.\n\n{IN_DOUBT_PROCEDURE}"),
-            ),
-            Ok(Forgot::OwnerMayStillSend { owner, named }) => (
-                StatusCode::CONFLICT,
-                format!(
-                    "the railguard process that owns the record (instance {owner}) is still running (it may be paused, or still writing the request to the rail): it may still send it.{} \
-                     Stop that process (SIGTERM: a clean stop records that it sends nothing more; a paused process acts on it only once resumed with SIGCONT), then retry; \
-                     or, if it must not run again, SIGKILL it and run again with --owner-stopped {owner}.\n\n{IN_DOUBT_PROCEDURE}",
+                    "the railguard process that owns the record, instance {owner}, holds its \
+                     instance lock: it is running (perhaps paused), and may still send it{}",
                     match named {
-                        Some(OwnerStopped::Unrecorded) => " (\"unrecorded\" is for records that name no owner; this one names its owner.)",
-                        Some(OwnerStopped::Instance(_)) => " (What was said about a stopped instance is not heard while the owner holds its lock.)",
+                        Some(OwnerStopped::Unrecorded) => {
+                            "; \"unrecorded\" is for records that name no owner"
+                        }
+                        Some(OwnerStopped::Instance(_)) => {
+                            "; a stopped instance named while the owner holds its lock is not heard"
+                        }
                         None => "",
                     }
                 ),
             ),
-            Ok(Forgot::OwnerNotSeenStopping { owner, created, named }) => (
-                StatusCode::CONFLICT,
+            Ok(Forgot::OwnerNotSeenStopping {
+                owner,
+                created,
+                named,
+            }) => ForgetAnswer::Refused(
+                ForgetRefusal::OwnerNotSeenStopping,
                 format!(
-                    "the railguard process that owns the record (instance {owner}; the record was made at {created}) does not hold its instance lock, but nothing shows it has stopped: \
-                     it may have crashed, or be paused (SIGSTOP, a frozen VM) with its database session lost, and a paused process may still send the request. The record is left as it is.{} \
-                     Find the railguard whose log names instance {owner} at its start and make sure it has stopped (paused is not stopped); if you cannot tell which it was, stopping every railguard that was running at {created} stops it for certain. \
-                     Then run again with --owner-stopped {owner} (\"owner_stopped\": {owner} in the API).\n\n{IN_DOUBT_PROCEDURE}",
+                    "the railguard process that owns the record, instance {owner} (the record was \
+                     made at {created}), does not hold its instance lock, but nothing shows it \
+                     has stopped: it may have crashed, or be paused with its database session \
+                     lost{}",
                     match named {
-                        Some(OwnerStopped::Instance(named)) => format!(" The instance named as stopped, {named}, is not the record's owner."),
-                        Some(OwnerStopped::Unrecorded) => " \"unrecorded\" is for records that name no owner; this one names its owner.".to_string(),
+                        Some(OwnerStopped::Instance(named)) => {
+                            format!("; the instance named as stopped, {named}, is not the owner")
+                        }
+                        Some(OwnerStopped::Unrecorded) => {
+                            "; \"unrecorded\" is for records that name no owner".to_string()
+                        }
                         None => String::new(),
                     }
                 ),
             ),
-            Ok(Forgot::OwnerUnrecorded { created }) => (
-                StatusCode::CONFLICT,
+            Ok(Forgot::OwnerUnrecorded { created }) => ForgetAnswer::Refused(
+                ForgetRefusal::OwnerUnrecorded,
                 format!(
-                    "the record names no owner: a railguard older than migration 0004, which did not record its instance, made it at {created}. Nothing shows that process has stopped; \
-                     a paused one (SIGSTOP, a frozen VM) may still send the request. The record is left as it is. \
-                     Make sure every railguard that was running at {created} has stopped (paused is not stopped): the maker is one whose log does not say \
-                     \"holding this process's instance lock\" at its start, so stopping every such older railguard stops it for certain. \
-                     Then run again with --owner-stopped unrecorded (\"owner_stopped\": \"unrecorded\" in the API), asked of a railguard of this version or later (an older one forgets such a record without that word).\n\n{IN_DOUBT_PROCEDURE}"
+                    "the record names no owner: a railguard older than migration 0004 made it, \
+                     at {created}, and nothing shows that process has stopped"
                 ),
             ),
-            Ok(Forgot::NotFound) => (StatusCode::NOT_FOUND, "no record for this account and key".into()),
-            Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
+            Ok(Forgot::NotFound) => {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    "not_found",
+                    "no record for this account and key".into(),
+                );
+            }
+            Err(e) => {
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    format!("database: {e}"),
+                );
+            }
         };
-        match status {
-            StatusCode::OK => reply(status, "text/plain", format!("{message}\n")),
-            StatusCode::NOT_FOUND => error(status, "not_found", message),
-            StatusCode::CONFLICT => error(status, "not_forgotten", message),
-            _ => error(status, "unavailable", message),
+        match answer {
+            ForgetAnswer::Done(message) => {
+                reply(StatusCode::OK, "text/plain", format!("{message}\n"))
+            }
+            ForgetAnswer::Refused(refusal, message) => {
+                let body = serde_json::json!({
+                    "error": refusal.code(),
+                    "message": format!("{message}. Nothing was changed"),
+                    "see": refusal.see(),
+                });
+                reply(
+                    StatusCode::CONFLICT,
+                    "application/json",
+                    format!("{body}\n"),
+                )
+            }
+        }
+    }
+}
+
+/// What forget did, or why it did not.
+enum ForgetAnswer {
+    /// 200, text: forgotten, or (a dry run) it would be.
+    Done(String),
+    /// 409, `{"error": code, "message", "see"}`: nothing changed.
+    Refused(ForgetRefusal, String),
+}
+
+/// Why forget changed nothing: a stable code in the answer's `error`, and the section of
+/// docs/operations.md ("What forget answers, and what to do") that says what to do, whose
+/// anchor is the code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForgetRefusal {
+    /// The rail answered: nothing to forget.
+    Completed,
+    /// Its owner's deadline has not passed.
+    StillInFlight,
+    /// The owning process holds its instance lock.
+    OwnerRunning,
+    /// The owner holds no lock, and nothing shows it stopped.
+    OwnerNotSeenStopping,
+    /// Made before owners were recorded.
+    OwnerUnrecorded,
+    /// The owner stopped, but what it sent may still arrive.
+    MayStillArrive,
+}
+
+impl ForgetRefusal {
+    pub const ALL: [ForgetRefusal; 6] = [
+        Self::Completed,
+        Self::StillInFlight,
+        Self::OwnerRunning,
+        Self::OwnerNotSeenStopping,
+        Self::OwnerUnrecorded,
+        Self::MayStillArrive,
+    ];
+
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::StillInFlight => "still_in_flight",
+            Self::OwnerRunning => "owner_running",
+            Self::OwnerNotSeenStopping => "owner_not_seen_stopping",
+            Self::OwnerUnrecorded => "owner_unrecorded",
+            Self::MayStillArrive => "may_still_arrive",
+        }
+    }
+
+    /// Where what to do is written: docs/operations.md, also served at `/runbook` here.
+    pub fn see(self) -> String {
+        format!(
+            "docs/operations.md#{0} (GET /runbook#{0} on the admin listener)",
+            self.code()
+        )
+    }
+}
+
+/// What a forget rests on, in the answer's words.
+fn because_words(because: Because) -> String {
+    match because {
+        Because::OwnerStoppedCleanly(owner) => {
+            format!("its owner, instance {owner}, recorded a clean stop")
+        }
+        Because::OperatorSawOwnerStop(owner) => {
+            format!("on your word that its owner, instance {owner}, has stopped")
+        }
+        Because::NoOwner => {
+            "on your word that every railguard running when it was made has stopped".into()
         }
     }
 }
@@ -641,7 +735,10 @@ async fn ask_within(
         .as_ref()
         .and_then(|a| Some((a["error"].as_str()?, a["message"].as_str()?)))
     {
-        Some((code, message)) => Err(format!("{status} {code}: {message}")),
+        Some((code, message)) => match answer.as_ref().and_then(|a| a["see"].as_str()) {
+            Some(see) => Err(format!("{status} {code}: {message}\nWhat to do: {see}")),
+            None => Err(format!("{status} {code}: {message}")),
+        },
         None => Err(format!("{status}: {text}")),
     }
 }
@@ -678,9 +775,22 @@ mod tests {
         }
     }
 
+    /// Every refusal's `see` names a section of the runbook that exists: its code is an anchor
+    /// of docs/operations.md as GitHub and `/runbook` make them.
+    #[test]
+    fn every_forget_refusal_names_a_section_of_the_runbook() {
+        let anchors = runbook::anchors();
+        for refusal in ForgetRefusal::ALL {
+            assert!(
+                anchors.iter().any(|a| a == refusal.code()),
+                "docs/operations.md has no section `{}`",
+                refusal.code()
+            );
+        }
+    }
+
     /// The procedure reads the same wherever an operator meets it: the contract, the runbook,
-    /// `idempotency-forget --help` (`src/cli/idempotency_forget.rs` shows this constant) and
-    /// forget's refusals.
+    /// `idempotency-forget --help` (`src/cli/idempotency_forget.rs` shows this constant).
     #[test]
     fn the_in_doubt_procedure_is_the_same_text_in_the_contract_and_the_runbook() {
         for (name, text) in [

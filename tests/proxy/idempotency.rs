@@ -281,7 +281,14 @@ async fn a_proxy_killed_mid_request_leaves_a_record_in_doubt_that_is_never_forwa
     );
     let why = String::from_utf8_lossy(&refused.stderr);
     let owner = killed_owner.to_string();
-    assert!(why.contains(&format!("--owner-stopped {owner}")), "{why}");
+    assert!(
+        why.contains("owner_not_seen_stopping: ") && why.contains(&format!("instance {owner}")),
+        "{why}"
+    );
+    assert!(
+        why.contains("What to do: docs/operations.md#owner_not_seen_stopping"),
+        "{why}"
+    );
     let out = forget_when_due(&rg, "a", "crash", &["--owner-stopped", &owner]).await;
     assert!(
         out.status.success(),
@@ -621,9 +628,9 @@ async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
     );
     let why = String::from_utf8_lossy(&refused.stderr);
     assert!(
-        why.contains("still running")
-            && why.contains(&owner_text)
-            && why.contains("not heard while the owner holds its lock"),
+        why.contains("owner_running: ")
+            && why.contains(&format!("instance {owner_text}"))
+            && why.contains("not heard"),
         "{why}"
     );
     let unrecorded = other
@@ -632,7 +639,7 @@ async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
     assert!(!unrecorded.status.success());
     let why = String::from_utf8_lossy(&unrecorded.stderr);
     assert!(
-        why.contains("still running") && why.contains("this one names its owner"),
+        why.contains("owner_running: ") && why.contains("is for records that name no owner"),
         "{why}"
     );
 
@@ -658,8 +665,9 @@ async fn a_paused_owner_whose_session_was_lost_is_not_taken_as_stopped() {
     assert!(!unknown.status.success(), "a lost lock is not a stop");
     let why = String::from_utf8_lossy(&unknown.stderr);
     assert!(
-        why.contains("nothing shows it has stopped")
-            && why.contains(&format!("--owner-stopped {owner}")),
+        why.contains("owner_not_seen_stopping: ")
+            && why.contains("nothing shows it has stopped")
+            && why.contains(&format!("instance {owner}")),
         "{why}"
     );
     assert_eq!(records(&pg).await, 1, "the record is left as it is");
@@ -706,7 +714,10 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
     let unknown = rg.forget("a", "gone").await;
     assert!(!unknown.status.success());
     let why = String::from_utf8_lossy(&unknown.stderr);
-    assert!(why.contains(&format!("--owner-stopped {owner}")), "{why}");
+    assert!(
+        why.contains("owner_not_seen_stopping: ") && why.contains(&format!("instance {owner}")),
+        "{why}"
+    );
     // Another instance's word is not the owner's.
     let running_text = running.to_string();
     let other = rg
@@ -714,7 +725,7 @@ async fn a_crashed_owners_record_is_forgotten_on_the_operators_word_naming_it() 
         .await;
     assert!(!other.status.success());
     let why = String::from_utf8_lossy(&other.stderr);
-    assert!(why.contains("not the record's owner"), "{why}");
+    assert!(why.contains("is not the owner"), "{why}");
     let retry = rg.payment("a", 4).key("gone").body("{}").send().await;
     retry.assert_status(StatusCode::CONFLICT);
     assert_eq!(retry.json()["error"], "in_doubt");
@@ -793,7 +804,7 @@ async fn a_record_naming_no_owner_is_forgotten_only_on_the_operators_word() {
         assert!(!refused.status.success(), "{word:?}");
         let why = String::from_utf8_lossy(&refused.stderr);
         assert!(
-            why.contains("names no owner") && why.contains("--owner-stopped unrecorded"),
+            why.contains("owner_unrecorded: ") && why.contains("names no owner"),
             "{word:?}: {why}"
         );
     }
@@ -869,7 +880,7 @@ async fn a_cleanly_stopped_owners_record_is_forgotten_without_the_operators_word
     let why = String::from_utf8_lossy(&early.stderr);
     assert!(
         why.contains("may still be on its way to the rail until")
-            && why.contains("which recorded a clean stop"),
+            && why.contains("recorded a clean stop"),
         "{why}"
     );
     let forgot = forget_when_due(&rg, "a", "stopped", &[]).await;

@@ -317,7 +317,11 @@ async fn with_the_rails_lookup_a_retry_whose_record_went_back_is_forwarded_only_
         .iter()
         .map(|row| row.get(0))
         .collect();
-    assert_eq!(audited, ["unsent"], "UNSENT's retry went on audited, and only it");
+    assert_eq!(
+        audited,
+        ["unsent"],
+        "UNSENT's retry went on audited, and only it"
+    );
     assert!(asked("paid") >= 2.0, "HELD after it landed, and PAID");
     assert!(asked("unresolved") >= 3.0, "HELD while on its way");
 }
