@@ -332,9 +332,9 @@ impl Rejection {
     fn idempotency_conflict(e: &IdempotencyConflict) -> Self {
         let (status, code) = match e {
             IdempotencyConflict::InFlight => (StatusCode::CONFLICT, "in_flight"),
-            IdempotencyConflict::InDoubt | IdempotencyConflict::FirstAttemptLost => {
-                (StatusCode::CONFLICT, "in_doubt")
-            }
+            IdempotencyConflict::InDoubt
+            | IdempotencyConflict::FirstAttemptLost
+            | IdempotencyConflict::FirstAttemptOnTheRail => (StatusCode::CONFLICT, "in_doubt"),
             IdempotencyConflict::Mismatch => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
             }
@@ -427,6 +427,7 @@ pub(crate) fn examples() -> Vec<BoxError> {
         IdempotencyConflict::InDoubt,
         IdempotencyConflict::Mismatch,
         IdempotencyConflict::FirstAttemptLost,
+        IdempotencyConflict::FirstAttemptOnTheRail,
         IdempotencyConflict::NotOnTheRail,
     ];
     for e in &conflicts {
@@ -435,6 +436,7 @@ pub(crate) fn examples() -> Vec<BoxError> {
             | IdempotencyConflict::InDoubt
             | IdempotencyConflict::Mismatch
             | IdempotencyConflict::FirstAttemptLost
+            | IdempotencyConflict::FirstAttemptOnTheRail
             | IdempotencyConflict::NotOnTheRail => {}
         }
     }

@@ -521,11 +521,41 @@ impl Handover {
         account: &AccountId,
         deadline: Instant,
     ) -> Result<Option<i64>, WaitError> {
+        self.wait_for_the_change(account, deadline, self.own_database)
+            .await
+    }
+
+    /// [`Handover::wait_store_change`] with (1) waited for on the embedded server too: what an
+    /// earlier run of this process sent is known only through its row, which goes back with the
+    /// data when the data directory is restored. For asking the rail about a request sent
+    /// before the change (`proxy::fence`), where a "not found" while one may still arrive would
+    /// be acted on: a newer grant's forward keeps the embedded server's shorter wait.
+    pub async fn wait_until_nothing_from_before_can_arrive(
+        &self,
+        account: &AccountId,
+        deadline: Instant,
+    ) -> Result<Option<i64>, WaitError> {
+        self.wait_for_the_change(account, deadline, false).await
+    }
+
+    async fn wait_for_the_change(
+        &self,
+        account: &AccountId,
+        deadline: Instant,
+        own_database: bool,
+    ) -> Result<Option<i64>, WaitError> {
         let quiet_ms = i64::try_from(self.quiet().as_millis()).unwrap_or(i64::MAX);
         let hash = account_hash(account.as_str());
         let mut pause = Duration::from_millis(2);
+        // The shared bound is for newer grants' forwards; a wait of another kind keeps its own.
+        let shared = own_database == self.own_database;
+        let mut own_until: Option<Instant> = None;
         loop {
-            let held_until = *self.held_until.lock().unwrap_or_else(|p| p.into_inner());
+            let held_until = if shared {
+                *self.held_until.lock().unwrap_or_else(|p| p.into_inner())
+            } else {
+                own_until
+            };
             if let Some(until) = held_until.filter(|until| *until > Instant::now()) {
                 if until + LEFT_TO_FORWARD >= deadline {
                     return Err(WaitError::Held(until - Instant::now()));
@@ -539,7 +569,7 @@ impl Handover {
                     client
                         .query_one(
                             &statement,
-                            &[&self.instance, &hash, &quiet_ms, &self.own_database],
+                            &[&self.instance, &hash, &quiet_ms, &own_database],
                         )
                         .await?,
                 )
@@ -553,6 +583,10 @@ impl Handover {
             if wait_ms > 0 {
                 let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(u64::MAX));
                 let until = Instant::now() + wait;
+                if !shared {
+                    own_until = Some(until);
+                    continue;
+                }
                 let mut held = self.held_until.lock().unwrap_or_else(|p| p.into_inner());
                 if held.is_none_or(|known| known + Duration::from_secs(1) < until) {
                     tracing::warn!(

@@ -47,6 +47,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio::time::Instant;
 use tower::{Layer, Service};
@@ -197,14 +198,16 @@ impl<H: HighWater> FencePoint<H> {
     /// A keyed retry whose first attempt's record went back with the store
     /// (`idempotency::lost_first_attempt`): true if the rail has no payment under its key,
     /// asked only once nothing sent under it before the change can still reach the rail —
-    /// the hold after a store change has ended for the account (the quiet bound has passed,
-    /// and no other process names a forward of it below the floor: `Handover::wait_store_change`,
-    /// asked of the database every time, so a change this process has not met yet is met
-    /// here), and no forward of this process for the account is unsettled. A forward sent
+    /// the hold after a store change has ended for the account (the quiet bound has passed —
+    /// on the embedded server too, whose earlier run's row goes back with a restored data
+    /// directory — and no other process names a forward of it below the floor:
+    /// `Handover::wait_until_nothing_from_before_can_arrive`, asked of the database every time,
+    /// so a change this process has not met yet is met here), and no forward of this process
+    /// for the account is unsettled. A forward sent
     /// after the change had a record, and a record that survived would have been found. So a
     /// "not found" then is final, and the retry may go on as the key's first request: its
     /// compare-and-set makes its record, and a concurrent retry finds that record.
-    async fn lost_attempt_not_on_the_rail(&self, request: &FencedRequest) -> bool {
+    async fn ask_the_rail_about_a_lost_attempt(&self, request: &FencedRequest) -> LostAttempt {
         let (Some(resolver), Some(records), Some(handover), Some(epoch), Some(key)) = (
             &self.resolver,
             &self.records,
@@ -212,18 +215,31 @@ impl<H: HighWater> FencePoint<H> {
             &self.epoch,
             request.idempotency.as_ref(),
         ) else {
-            return false;
+            return LostAttempt::Unknown;
         };
         let account = &request.account;
-        match handover.wait_store_change(account, request.deadline).await {
+        match handover
+            .wait_until_nothing_from_before_can_arrive(account, request.deadline)
+            .await
+        {
+            // Settled as the newer grants' forwards see it: nothing from before is pending.
             Ok(Some(settled)) => epoch.change_settled(settled),
             Ok(None) => {}
+            Err(WaitError::Db(e)) => {
+                tracing::warn!(%account, key = key.key, error = %e,
+                    "a retry whose record went back with the store: whether a request sent \
+                     before the change can still reach the rail could not be read");
+                return LostAttempt::Unknown;
+            }
             Err(e) => {
                 resolver.not_asked_yet();
                 tracing::info!(%account, key = key.key, error = %e,
                     "a retry whose record went back with the store: a request sent before the \
                      change may still reach the rail; the rail is not asked yet");
-                return false;
+                return LostAttempt::NotYet(match e {
+                    WaitError::Held(left) => left,
+                    _ => Duration::from_secs(1),
+                });
             }
         }
         if handover.has_pending(account) {
@@ -231,11 +247,16 @@ impl<H: HighWater> FencePoint<H> {
             tracing::info!(%account, key = key.key,
                 "a retry whose record went back with the store: this railguard still has a \
                  forward for the account on its way; the rail is not asked yet");
-            return false;
+            return LostAttempt::NotYet(Duration::from_secs(1));
         }
-        resolver
+        match resolver
             .ask_about_lost(&**records, account, &key.key, request.deadline)
             .await
+        {
+            Some(true) => LostAttempt::NotOnTheRail,
+            Some(false) => LostAttempt::OnTheRail,
+            None => LostAttempt::Unknown,
+        }
     }
 
     /// Refuses tokens below `epoch`'s floor before anything else.
@@ -441,11 +462,23 @@ where
     if let Some(records) = &point.records
         && lost_first_attempt(&**records, &request).await?
     {
-        if !point.lost_attempt_not_on_the_rail(&request).await {
-            span.record("verdict", "first_attempt_lost");
-            return Err(IdempotencyConflict::FirstAttemptLost.into());
+        match point.ask_the_rail_about_a_lost_attempt(&request).await {
+            LostAttempt::NotOnTheRail => {
+                span.record("verdict", "first_attempt_not_on_the_rail");
+            }
+            LostAttempt::OnTheRail => {
+                span.record("verdict", "first_attempt_on_the_rail");
+                return Err(IdempotencyConflict::FirstAttemptOnTheRail.into());
+            }
+            LostAttempt::NotYet(wait) => {
+                span.record("verdict", "first_attempt_may_still_arrive");
+                return Err(FenceUnavailable(StoreError::HeldAfterStoreChange(wait)).into());
+            }
+            LostAttempt::Unknown => {
+                span.record("verdict", "first_attempt_lost");
+                return Err(IdempotencyConflict::FirstAttemptLost.into());
+            }
         }
-        span.record("verdict", "first_attempt_not_on_the_rail");
     }
 
     // Counted before the compare-and-set: once it commits, a keyed request owns a record whose
@@ -515,6 +548,22 @@ where
             }
         }
     }
+}
+
+/// What the rail's lookup said of a retry whose first attempt's record went back with the
+/// store ([`FencePoint::ask_the_rail_about_a_lost_attempt`]).
+enum LostAttempt {
+    /// The rail has no payment under the key, and nothing sent before could still arrive: the
+    /// retry goes on as the key's first request.
+    NotOnTheRail,
+    /// The rail has the payment: the first attempt was paid; the retry is not forwarded.
+    OnTheRail,
+    /// A request sent before the change may still reach the rail (for about this long, or
+    /// until this railguard's own forward of the account settles): not asked yet, nothing
+    /// changed — 503, retry later.
+    NotYet(Duration),
+    /// No lookup configured, or no answer: in doubt.
+    Unknown,
 }
 
 /// What an accepted compare-and-set leaves a request with: its place in this process's order,

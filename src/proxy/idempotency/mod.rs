@@ -86,6 +86,13 @@ pub enum IdempotencyConflict {
          docs/operations.md, \"When a store goes back\""
     )]
     FirstAttemptLost,
+    #[error(
+        "this idempotency key was first sent under a grant from before the fencing store last \
+         went back, and its record did not survive it; the rail, asked by this key once nothing \
+         sent before the change could still reach it, has a payment under it: the first attempt \
+         was paid. This request will not be forwarded; take the payment's outcome from the rail"
+    )]
+    FirstAttemptOnTheRail,
 }
 
 /// The idempotency record could not be read.

@@ -237,29 +237,29 @@ impl Resolver {
 
     /// A retry of `key` on `account` whose first attempt's record went back with the store
     /// (see the module docs), asked by the fence once nothing sent before the change can still
-    /// reach the rail: whether the rail has no payment under the key. `false`: it has one, or
-    /// there is no answer — the retry stays in doubt.
+    /// reach the rail: `Some(true)` if the rail has no payment under the key (audited first),
+    /// `Some(false)` if it has one, `None` if there is no answer (or no audit record).
     pub async fn ask_about_lost(
         &self,
         records: &dyn Records,
         account: &AccountId,
         key: &str,
         deadline: Instant,
-    ) -> bool {
+    ) -> Option<bool> {
         match self.ask(account, key, deadline).await {
             Err(why) => {
                 self.count(Outcome::Failed);
                 tracing::warn!(%account, key, error = why,
                     "could not ask the rail about a payment whose record went back with the \
                      store; it stays in doubt");
-                false
+                None
             }
             Ok(Answer::Has(_)) => {
                 self.count(Outcome::Paid);
                 tracing::info!(%account, key,
                     "the rail has a payment under a key whose record went back with the store: \
-                     its retry stays in doubt");
-                false
+                     the first attempt was paid, and its retry is not forwarded");
+                Some(false)
             }
             Ok(Answer::HasNot) => {
                 if let Err(e) = records
@@ -271,14 +271,14 @@ impl Resolver {
                         "the rail has no payment under a key whose record went back with the \
                          store, but its audit record could not be written: the retry stays in \
                          doubt");
-                    return false;
+                    return None;
                 }
                 self.count(Outcome::NotPaid);
                 tracing::info!(%account, key,
                     "the rail has no payment under a key whose record went back with the store, \
                      and nothing sent before the change can still reach it: the retry goes on \
                      as the key's first request (audited)");
-                true
+                Some(true)
             }
         }
     }

@@ -178,7 +178,9 @@ impl IdempotencyStore {
                         &"the key's first attempt predates the store going back and its record \
                           did not survive; the rail's lookup (rail_lookup.path), asked once \
                           nothing sent before the change could still reach the rail, found no \
-                          payment under the key: the retry goes on as the key's first request",
+                          payment under the key: the retry was let through to the fence as the \
+                          key's first request (its compare-and-set and forward follow, or it is \
+                          refused there)",
                         &outcome.to_string(),
                     ],
                 )
