@@ -217,12 +217,7 @@ async fn the_proxy_forwards_only_an_identitys_own_grant_on_its_own_accounts() {
 }
 
 async fn audit_rows(pg: &support::Pg) -> i64 {
-    pg.client()
-        .await
-        .query_one("SELECT count(*) FROM railguard_audit", &[])
-        .await
-        .unwrap()
-        .get(0)
+    pg.one("SELECT count(*) FROM railguard_audit", &[]).await
 }
 
 #[tokio::test]

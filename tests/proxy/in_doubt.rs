@@ -553,18 +553,14 @@ async fn stopped_cleanly_with_the_request_held(
     reset_then_stop(&stuck.pg, &stuck.slow_path, &mut stuck.a, key, 2).await;
     let quiet_after: String = stuck
         .pg
-        .client()
-        .await
-        .query_one(
+        .one(
             "SELECT to_char((outcome->>'quiet_after')::timestamptz AT TIME ZONE 'UTC',
                             'YYYY-MM-DD HH24:MI:SS.US\"Z\"')
              FROM railguard_audit
              WHERE action = 'instance_stopped' AND (outcome->>'instance')::bigint = $1",
             &[&stuck.owner],
         )
-        .await
-        .unwrap()
-        .get(0);
+        .await;
     (stuck, quiet_after)
 }
 

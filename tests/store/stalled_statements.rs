@@ -374,17 +374,12 @@ async fn shutdown_waits_for_a_stalled_compare_and_set_so_its_key_stays_usable() 
     assert!(status.success(), "{status}");
     // The statement committed before railguard stopped, and the record nobody was told about
     // went with it.
-    let records: i64 = s
-        .pg
-        .client()
-        .await
-        .query_one(
+    let records: i64 =
+        s.pg.one(
             "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'key-stalled-stop'",
             &[],
         )
-        .await
-        .unwrap()
-        .get(0);
+        .await;
     assert_eq!(
         records, 0,
         "the record of a request never forwarded is left"

@@ -39,6 +39,7 @@ mod rail;
 pub mod records;
 pub mod relay;
 mod serve;
+pub mod sql;
 mod tls;
 mod tls_front;
 mod wait;
