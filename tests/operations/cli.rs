@@ -239,26 +239,7 @@ fn the_docs_name_only_commands_that_exist() {
 #[test]
 fn a_failure_is_said_once() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("rg.toml");
-    // Every listener and the database on a port of its own, free when picked.
-    let mut ports: Vec<u16> = Vec::new();
-    while ports.len() < 4 {
-        let port = support::free_loopback_port();
-        if !ports.contains(&port) {
-            ports.push(port);
-        }
-    }
-    let [proxy, admin, lock, database] = [ports[0], ports[1], ports[2], ports[3]];
-    std::fs::write(
-        &config,
-        format!(
-            "[proxy]\nlisten = \"127.0.0.1:{proxy}\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n\
-             [lock]\nlisten = \"127.0.0.1:{lock}\"\n\
-             [database]\nurl = \"postgres://rg:pw@127.0.0.1:{database}/x\"\ntimeout_ms = 500\n\
-             [log]\nlevel = \"info\"\n"
-        ),
-    )
-    .unwrap();
+    let config = support::config_without_a_database(dir.path(), "[log]\nlevel = \"info\"\n");
     let config = config.to_str().unwrap();
 
     // Nothing listens on the admin port.
