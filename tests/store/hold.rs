@@ -116,14 +116,7 @@ async fn two_changes_in_a_row_under_a_forward_on_its_way_keep_the_older_forward_
     pg.server.start().await.expect("PostgreSQL starts again");
     let second = fence_through(&b, &pg, "acct-2", first + 1).await;
     assert!(second > first);
-    let newer = b.http().pay_with(&b, second + 1, "acct-2").await;
-    newer.assert_status(StatusCode::CREATED);
-    let older = older.await.unwrap();
-    assert!(
-        [StatusCode::CREATED, StatusCode::BAD_GATEWAY].contains(&older.status),
-        "{}",
-        older.body
-    );
+    crate::newer_then_older(&b, "acct-2", second + 1, older).await;
     assert_eq!(
         rail.tokens(),
         [5, second + 1],

@@ -63,3 +63,23 @@ async fn rewound_under_a_forward(account: &str, env: &[(&str, &str)]) -> Rewound
         older,
     }
 }
+
+/// B pays `token` on `account`, which must be paid (201); then A's older payment, which must
+/// have been answered 201 or 502 (A closed its connection to the rail: it may have received
+/// the request).
+async fn newer_then_older(
+    b: &support::Railguard,
+    account: &str,
+    token: i64,
+    older: tokio::task::JoinHandle<support::Reply>,
+) {
+    use http::StatusCode;
+    let newer = b.http().pay_with(b, token, account).await;
+    newer.assert_status(StatusCode::CREATED);
+    let older = older.await.unwrap();
+    assert!(
+        [StatusCode::CREATED, StatusCode::BAD_GATEWAY].contains(&older.status),
+        "{}",
+        older.body
+    );
+}
