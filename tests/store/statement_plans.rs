@@ -324,6 +324,20 @@ fn pairs(expected: &[(&str, &str)]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Asserts the records left: key-1, key-3 and key-6 done, key-2 in doubt, key-5 `five`.
+async fn assert_five_records(client: &Client, five: &str) {
+    assert_eq!(
+        record_states(client).await,
+        pairs(&[
+            ("key-1", "done"),
+            ("key-2", "in_doubt"),
+            ("key-3", "done"),
+            ("key-5", five),
+            ("key-6", "done"),
+        ])
+    );
+}
+
 /// The statement alone: a record another transaction declared in doubt or removed while the
 /// statement waited for it is not completed. One changed otherwise, still in flight for its
 /// owner, is passed over too (the statement goes by the record's position as its snapshot saw
@@ -358,16 +372,7 @@ async fn the_completion_statement_passes_over_records_changed_while_it_waits() {
         assert_eq!(completed, ["key-1", "key-3", "key-6"]);
         "in_flight"
     };
-    assert_eq!(
-        record_states(&client).await,
-        pairs(&[
-            ("key-1", "done"),
-            ("key-2", "in_doubt"),
-            ("key-3", "done"),
-            ("key-5", five),
-            ("key-6", "done"),
-        ])
-    );
+    assert_five_records(&client, five).await;
 }
 
 /// A record passed over by the statement whose settling fails (the main pool has no session
@@ -556,16 +561,7 @@ async fn a_completion_goes_by_what_a_concurrent_change_left() {
     for c in completing {
         c.await.unwrap();
     }
-    assert_eq!(
-        record_states(&client).await,
-        pairs(&[
-            ("key-1", "done"),
-            ("key-2", "in_doubt"),
-            ("key-3", "done"),
-            ("key-5", "done"),
-            ("key-6", "done"),
-        ])
-    );
+    assert_five_records(&client, "done").await;
 }
 
 /// Marks of accounts `from..=to`, as the fence's compare-and-set leaves them.
