@@ -217,12 +217,7 @@ async fn the_proxy_forwards_only_an_identitys_own_grant_on_its_own_accounts() {
 }
 
 async fn audit_rows(pg: &support::Pg) -> i64 {
-    pg.client()
-        .await
-        .query_one("SELECT count(*) FROM railguard_audit", &[])
-        .await
-        .unwrap()
-        .get(0)
+    pg.one("SELECT count(*) FROM railguard_audit", &[]).await
 }
 
 #[tokio::test]
@@ -724,9 +719,7 @@ async fn a_grant_taken_before_authentication_was_on_is_renewed_by_nobody_and_run
     support::init_tracing();
     let pg = support::Pg::start().await;
     let rail = support::Rail::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("credentials.toml");
-    std::fs::write(&file, credentials("")).unwrap();
+    let (_dir, file) = crate::identities::credentials_file();
     let mut rg = support::Railguard::start(&pg.url(), &rail.url(), &[]).await;
     let reply = call(
         Method::POST,

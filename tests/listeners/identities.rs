@@ -59,15 +59,22 @@ pub(crate) struct Setup {
     pub(crate) file: PathBuf,
 }
 
+/// A temp dir holding `credentials.toml` with the test identities ([`credentials`] with none
+/// added), and that file's path.
+pub(crate) fn credentials_file() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("credentials.toml");
+    std::fs::write(&file, credentials("")).unwrap();
+    (dir, file)
+}
+
 /// A [`Setup`] with more `RAILGUARD__…` overrides, its railguard in this process or, with
 /// `process`, a child process.
 pub(crate) async fn setup(env: &[(&str, &str)], process: bool) -> Setup {
     support::init_tracing();
     let pg = support::Pg::start().await;
     let rail = support::Rail::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("credentials.toml");
-    std::fs::write(&file, credentials("")).unwrap();
+    let (dir, file) = credentials_file();
     let mut all = vec![
         ("RAILGUARD__AUTH__CREDENTIALS_FILE", file.to_str().unwrap()),
         ("RAILGUARD__AUTH__RELOAD_INTERVAL_MS", "100"),

@@ -123,12 +123,8 @@ async fn grants_are_bound_to_key_and_identity_and_403s_confirm_no_token() {
     assert!(s.rail.ledger().is_empty(), "nothing forwarded");
     assert_eq!(mark(rg, "acct-eu-1").await, 0, "no mark moved");
     let records: i64 =
-        s.pg.client()
-            .await
-            .query_one("SELECT count(*) FROM idempotency_record", &[])
-            .await
-            .unwrap()
-            .get(0);
+        s.pg.one("SELECT count(*) FROM idempotency_record", &[])
+            .await;
     assert_eq!(records, 0, "a 401 or 403 created an idempotency record");
     let ok = pay(rg, EU, "acct-eu-1", &token, &proof, "k6").await;
     ok.assert_status(StatusCode::CREATED);

@@ -100,6 +100,30 @@ fn files(server: &Issued, ca: Option<&Path>, client_auth: ClientAuth) -> Listene
     }
 }
 
+/// An [`Echo`] with default limits serving `pki`'s certificate for `railguard`, and checking
+/// client certificates against `pki`'s CA as `client_auth` says.
+async fn echo_checking_clients(pki: &Pki, client_auth: ClientAuth) -> Echo {
+    let server = pki.server("railguard");
+    Echo::start(
+        files(&server, Some(&pki.ca), client_auth),
+        ListenerLimits::default(),
+    )
+    .await
+}
+
+/// A client trusting `pki`'s CA, with a certificate from another CA, is refused by `echo` at the
+/// handshake: its `refusals`th TLS handshake refused.
+async fn refuses_another_cas_client(pki: &Pki, echo: &Echo, refusals: u64) {
+    // The other CA lives as long as its files are used.
+    let other = Pki::new();
+    let stranger = other.client("worker-eu");
+    let refused = TlsClient::new(&pki.ca, Some(&stranger))
+        .get(echo.addr, "/")
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+    echo.wait_refused(Refusal::TlsHandshake, refusals).await;
+}
+
 #[tokio::test]
 async fn a_tls_listener_serves_https_and_refuses_cleartext_at_the_handshake() {
     let pki = Pki::new();
@@ -133,12 +157,7 @@ async fn a_tls_listener_serves_https_and_refuses_cleartext_at_the_handshake() {
 async fn required_client_certificates_from_the_trusted_ca_pass_with_their_fingerprint_others_are_refused()
  {
     let pki = Pki::new();
-    let server = pki.server("railguard");
-    let echo = Echo::start(
-        files(&server, Some(&pki.ca), ClientAuth::Required),
-        ListenerLimits::default(),
-    )
-    .await;
+    let echo = echo_checking_clients(&pki, ClientAuth::Required).await;
     let worker = pki.client("worker-eu");
     let reply = TlsClient::new(&pki.ca, Some(&worker))
         .get(echo.addr, "/")
@@ -160,14 +179,7 @@ async fn required_client_certificates_from_the_trusted_ca_pass_with_their_finger
     assert_eq!(echo.refused(Refusal::TlsHandshake), 0);
 
     // A certificate from another CA: refused, and the request never reaches the service.
-    // (The other CA lives as long as its files are used.)
-    let other = Pki::new();
-    let stranger = other.client("worker-eu");
-    let refused = TlsClient::new(&pki.ca, Some(&stranger))
-        .get(echo.addr, "/")
-        .await;
-    assert!(refused.is_err(), "{refused:?}");
-    echo.wait_refused(Refusal::TlsHandshake, 1).await;
+    refuses_another_cas_client(&pki, &echo, 1).await;
 
     // No certificate at all: refused too.
     let refused = TlsClient::new(&pki.ca, None).get(echo.addr, "/").await;
@@ -178,12 +190,7 @@ async fn required_client_certificates_from_the_trusted_ca_pass_with_their_finger
 #[tokio::test]
 async fn optional_client_certificates_serve_clients_without_one_but_still_refuse_untrusted_ones() {
     let pki = Pki::new();
-    let server = pki.server("railguard");
-    let echo = Echo::start(
-        files(&server, Some(&pki.ca), ClientAuth::Optional),
-        ListenerLimits::default(),
-    )
-    .await;
+    let echo = echo_checking_clients(&pki, ClientAuth::Optional).await;
     let anonymous = TlsClient::new(&pki.ca, None)
         .get(echo.addr, "/")
         .await
@@ -195,14 +202,7 @@ async fn optional_client_certificates_serve_clients_without_one_but_still_refuse
         .await
         .unwrap();
     assert_eq!(reply.body, worker.fingerprint_sha256());
-    // (The other CA lives as long as its files are used.)
-    let other = Pki::new();
-    let stranger = other.client("worker-eu");
-    let refused = TlsClient::new(&pki.ca, Some(&stranger))
-        .get(echo.addr, "/")
-        .await;
-    assert!(refused.is_err(), "{refused:?}");
-    echo.wait_refused(Refusal::TlsHandshake, 1).await;
+    refuses_another_cas_client(&pki, &echo, 1).await;
 }
 
 /// A file whose reads hang, as on a mount that does not answer: its path becomes a FIFO nobody

@@ -685,26 +685,8 @@ async fn grants_fence_the_rail_through_the_sdk(w: World) {
         .await
         .unwrap();
     assert!(w2.token() > w1.token());
-    let paid = rail
-        .post(
-            &w2,
-            "acct-42",
-            "/payments",
-            "{\"amount\":1}".into(),
-            Some("p-1"),
-        )
-        .await
-        .unwrap();
-    assert_eq!(paid.status, StatusCode::CREATED);
-    let stale = rail
-        .post(
-            &w1,
-            "acct-42",
-            "/payments",
-            "{\"amount\":1}".into(),
-            Some("p-1"),
-        )
-        .await;
+    support::payment::paid_keyed(&rail, &w2, "acct-42", r#"{"amount":1}"#, "p-1").await;
+    let stale = support::payment::pay_keyed(&rail, &w1, "acct-42", r#"{"amount":1}"#, "p-1").await;
     match stale.unwrap_err() {
         SdkError::FencedOut {
             account,

@@ -10,7 +10,6 @@ use railguard_testkit as support;
 
 use std::time::Duration;
 
-use http::StatusCode;
 use railguard::sdk::SdkError;
 use railguard::sdk::paydb::{FencedUpdate, PayDbError};
 use support::payment::grant;
@@ -66,17 +65,7 @@ async fn t042(etcd: Option<EtcdCluster>) {
         .execute(&paydb, &w2, &"k", "balance = balance - $3", &[&100i64])
         .await
         .unwrap();
-    let paid = proxy
-        .post(
-            &w2,
-            "k",
-            "/payments",
-            "{\"amount\":100}".into(),
-            Some("pay-w2"),
-        )
-        .await
-        .unwrap();
-    assert_eq!(paid.status, StatusCode::CREATED);
+    support::payment::paid_keyed(&proxy, &w2, "k", r#"{"amount":100}"#, "pay-w2").await;
 
     // W1 wakes up and carries on with t1: paydb refuses it, the proxy refuses it.
     let stale_write = debit
@@ -86,15 +75,7 @@ async fn t042(etcd: Option<EtcdCluster>) {
         matches!(stale_write, Err(PayDbError::FencedOut { token, .. }) if token == t1),
         "{stale_write:?}"
     );
-    let stale = proxy
-        .post(
-            &w1,
-            "k",
-            "/payments",
-            "{\"amount\":100}".into(),
-            Some("pay-w1"),
-        )
-        .await;
+    let stale = support::payment::pay_keyed(&proxy, &w1, "k", r#"{"amount":100}"#, "pay-w1").await;
     match stale {
         Err(SdkError::FencedOut {
             account,

@@ -579,13 +579,7 @@ async fn without_proofs_a_token_the_source_never_issued_is_refused() {
     rail.assert_paid(0, "never forwarded");
     let huge = unproven(i64::MAX).await;
     huge.assert_status(StatusCode::BAD_REQUEST);
-    let marks: i64 = pg
-        .client()
-        .await
-        .query_one("SELECT count(*) FROM rail_high_water", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let marks: i64 = pg.one("SELECT count(*) FROM rail_high_water", &[]).await;
     assert_eq!(marks, 0, "no mark moved");
     assert_eq!(
         rg.metrics().await.get("railguard_implausible_tokens_total"),
@@ -759,15 +753,11 @@ async fn an_etcd_restore_between_checks_is_caught_by_the_first_grant_it_would_re
     );
     rail.assert_paid(2, "payments at the rail");
     let audit: i64 = pg
-        .client()
-        .await
-        .query_one(
+        .one(
             "SELECT count(*) FROM railguard_audit WHERE action = 'token_source_went_back'",
             &[],
         )
-        .await
-        .unwrap()
-        .get(0);
+        .await;
     assert!(audit >= 1);
     assert!(rg.log().contains("THE TOKEN SOURCE WENT BACK"));
 }

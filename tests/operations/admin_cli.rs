@@ -33,14 +33,15 @@ fn the_shipped_config_checks_ok_in_one_line() {
     let (code, stdout, stderr) = check(&shipped, &[]);
     assert_eq!(code, 0, "{stdout}{stderr}");
     assert_eq!(stdout.lines().count(), 1, "{stdout}");
-    for part in [
-        "railguard.toml: ok",
-        "proxy 127.0.0.1:8080",
-        "postgres backend",
-        "fencing enforced",
-    ] {
-        assert!(stdout.contains(part), "{part} in {stdout}");
-    }
+    crate::assert_says(
+        &stdout,
+        &[
+            "railguard.toml: ok",
+            "proxy 127.0.0.1:8080",
+            "postgres backend",
+            "fencing enforced",
+        ],
+    );
     assert!(stderr.is_empty(), "no warnings: {stderr}");
     // A pool with no room for stalled statements is fine, but said.
     let (code, stdout, stderr) = check(&shipped, &[("RAILGUARD__DATABASE__POOL_SIZE", "2")]);
@@ -299,18 +300,12 @@ async fn migrate_status_lists_pending_then_applied_and_changes_nothing() {
     assert!(run(&["migrate"]).status.success());
     // And the index changes `serve` makes in the background are made, and waited for.
     let indexes: Vec<String> = pg
-        .client()
-        .await
-        .query(
+        .column(
             "SELECT indexname FROM pg_indexes WHERE tablename = 'idempotency_record'
              ORDER BY 1",
             &[],
         )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+        .await;
     assert_eq!(
         indexes,
         ["idempotency_record_created_at", "idempotency_record_pkey"]

@@ -59,17 +59,7 @@ async fn a_stale_token_fires_the_fenced_out_alert_and_nothing_fires_before() {
     let w1 = grant(&lock, "k", "w1", ttl, Duration::ZERO).await;
     let w2 = grant(&lock, "k", "w2", Duration::from_secs(30), ttl * 10).await;
     assert!(w2.token().get() > w1.token().get());
-    let paid = proxy
-        .post(
-            &w2,
-            "k",
-            "/payments",
-            "{\"amount\":100}".into(),
-            Some("pay-w2"),
-        )
-        .await
-        .unwrap();
-    assert_eq!(paid.status, StatusCode::CREATED);
+    support::payment::paid_keyed(&proxy, &w2, "k", r#"{"amount":100}"#, "pay-w2").await;
 
     // Before W1 wakes: Prometheus has scraped all of that, and evaluated the rules on it
     // twice since, and the fenced-out rule's own increase is computable and zero. No alert is
@@ -110,15 +100,7 @@ async fn a_stale_token_fires_the_fenced_out_alert_and_nothing_fires_before() {
     );
 
     // W1 wakes up and submits with its stale token: fenced out.
-    let stale = proxy
-        .post(
-            &w1,
-            "k",
-            "/payments",
-            "{\"amount\":100}".into(),
-            Some("pay-w1"),
-        )
-        .await;
+    let stale = support::payment::pay_keyed(&proxy, &w1, "k", r#"{"amount":100}"#, "pay-w1").await;
     assert!(
         matches!(stale, Err(SdkError::FencedOut { .. })),
         "W1's stale submit must be fenced out: {stale:?}"

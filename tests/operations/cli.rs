@@ -26,6 +26,14 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// Runs `railguard args`, which must exit 2 (a usage error) with `says` in its stderr.
+#[track_caller]
+fn usage_error(args: &[&str], says: &str) {
+    let unknown = railguard(args);
+    assert_eq!(unknown.status.code(), Some(2), "{unknown:?}");
+    assert!(stderr(&unknown).contains(says), "{unknown:?}");
+}
+
 /// The lines of `text` from the one after `heading` to the next blank line.
 fn section<'a>(text: &'a str, heading: &str) -> Vec<&'a str> {
     text.lines()
@@ -161,9 +169,7 @@ fn completions_cover_every_command_for_each_shell() {
         }
         assert!(script.contains("paydb-url"), "{shell}: flags too");
     }
-    let unknown = railguard(&["completions", "tcsh"]);
-    assert_eq!(unknown.status.code(), Some(2), "{unknown:?}");
-    assert!(stderr(&unknown).contains("tcsh"), "{unknown:?}");
+    usage_error(&["completions", "tcsh"], "tcsh");
 }
 
 /// `railguard man` prints railguard(1), listing every command; `railguard man COMMAND` that
@@ -189,9 +195,7 @@ fn the_manual_pages_are_roff_for_railguard_and_each_command() {
     }
     let fast_forward = stdout(&railguard(&["man", "fast-forward"]));
     assert!(fast_forward.contains("paydb"), "{fast_forward}");
-    let unknown = railguard(&["man", "fastforward"]);
-    assert_eq!(unknown.status.code(), Some(2), "{unknown:?}");
-    assert!(stderr(&unknown).contains("fast-forward"), "{unknown:?}");
+    usage_error(&["man", "fastforward"], "fast-forward");
 }
 
 /// Every `` `railguard COMMAND `` in the README, the docs and the shipped config names a
@@ -235,26 +239,7 @@ fn the_docs_name_only_commands_that_exist() {
 #[test]
 fn a_failure_is_said_once() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("rg.toml");
-    // Every listener and the database on a port of its own, free when picked.
-    let mut ports: Vec<u16> = Vec::new();
-    while ports.len() < 4 {
-        let port = support::free_loopback_port();
-        if !ports.contains(&port) {
-            ports.push(port);
-        }
-    }
-    let [proxy, admin, lock, database] = [ports[0], ports[1], ports[2], ports[3]];
-    std::fs::write(
-        &config,
-        format!(
-            "[proxy]\nlisten = \"127.0.0.1:{proxy}\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n\
-             [lock]\nlisten = \"127.0.0.1:{lock}\"\n\
-             [database]\nurl = \"postgres://rg:pw@127.0.0.1:{database}/x\"\ntimeout_ms = 500\n\
-             [log]\nlevel = \"info\"\n"
-        ),
-    )
-    .unwrap();
+    let config = support::config_without_a_database(dir.path(), "[log]\nlevel = \"info\"\n");
     let config = config.to_str().unwrap();
 
     // Nothing listens on the admin port.

@@ -111,27 +111,29 @@ fn the_image_config_needs_an_explicit_upstream_and_keeps_admin_on_loopback() {
     let config = repo().join("config/container.toml");
     let (code, stdout, stderr) = check_config(&config, &[]);
     assert_eq!(code, 2, "no rail, no start: {stdout}{stderr}");
-    for part in [
-        "container.toml",
-        "key `proxy.upstream`",
-        "must be set",
-        "RAILGUARD__PROXY__UPSTREAM",
-    ] {
-        assert!(stderr.contains(part), "{part} in {stderr}");
-    }
+    crate::assert_says(
+        &stderr,
+        &[
+            "container.toml",
+            "key `proxy.upstream`",
+            "must be set",
+            "RAILGUARD__PROXY__UPSTREAM",
+        ],
+    );
     let (code, stdout, stderr) = check_config(
         &config,
         &[("RAILGUARD__PROXY__UPSTREAM", "http://rail.internal:9090")],
     );
     assert_eq!(code, 0, "{stdout}{stderr}");
-    for part in [
-        "proxy 0.0.0.0:8080 → http://rail.internal:9090",
-        "lock API 0.0.0.0:7070",
-        "admin 127.0.0.1:9100",
-        "embedded PostgreSQL in /var/lib/railguard/pg",
-    ] {
-        assert!(stdout.contains(part), "{part} in {stdout}");
-    }
+    crate::assert_says(
+        &stdout,
+        &[
+            "proxy 0.0.0.0:8080 → http://rail.internal:9090",
+            "lock API 0.0.0.0:7070",
+            "admin 127.0.0.1:9100",
+            "embedded PostgreSQL in /var/lib/railguard/pg",
+        ],
+    );
 }
 
 #[test]

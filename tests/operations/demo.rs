@@ -60,18 +60,8 @@ fn assert_played(output: &Output) -> String {
             .all(|l| l.starts_with("[+")),
         "{stdout}"
     );
-    let t2 = stdout
-        .lines()
-        .find_map(|l| l.split("W2 acquires acct-demo → token ").nth(1))
-        .and_then(|rest| rest.split_whitespace().next())
-        .expect("W2's token in the narration")
-        .to_string();
-    let t1 = stdout
-        .lines()
-        .find_map(|l| l.split("W1 acquires acct-demo → token ").nth(1))
-        .and_then(|rest| rest.split_whitespace().next())
-        .expect("W1's token in the narration")
-        .to_string();
+    let t2 = token_of(&stdout, "W2");
+    let t1 = token_of(&stdout, "W1");
     let ledger_line = format!("seq 1  account acct-demo  token {t2}  idempotency-key pay-w2-0001");
     assert!(
         stdout.contains(&ledger_line),
@@ -100,6 +90,17 @@ fn assert_cleaned_up(output: &Output) {
         .and_then(|rest| rest.strip_suffix(" removed"))
         .unwrap_or_else(|| panic!("the run names its temp dir:\n{stdout}"));
     assert!(!Path::new(dir).exists(), "{dir} was removed");
+}
+
+/// The token the demo's narration says `worker` acquired acct-demo with.
+fn token_of(stdout: &str, worker: &str) -> String {
+    let said = format!("{worker} acquires acct-demo → token ");
+    stdout
+        .lines()
+        .find_map(|l| l.split(said.as_str()).nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{worker}'s token in the narration"))
+        .to_string()
 }
 
 #[tokio::test]

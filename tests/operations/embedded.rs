@@ -28,15 +28,18 @@ fn uid_of(pid: u32) -> Option<u32> {
         .map(|m| m.uid())
 }
 
+/// A temp dir named with `prefix` that every user may enter: the server may run as another
+/// user (when we are root), and must be able to reach its data directory inside.
+fn enterable_temp_dir(prefix: &str) -> tempfile::TempDir {
+    let dir = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
 #[tokio::test]
 async fn embedded_postgres_is_private_survives_restarts_and_is_stopped_cleanly() {
     init_tracing();
-    let dir = tempfile::Builder::new()
-        .prefix("railguard-embedded-")
-        .tempdir()
-        .unwrap();
-    // The server may run as another user (when we are root); it must be able to enter.
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = enterable_temp_dir("railguard-embedded-");
     let data_dir = dir.path().join("pg");
     let data_dir_text = data_dir.display().to_string();
     let env = [("RAILGUARD__DATABASE__DATA_DIR", data_dir_text.as_str())];
@@ -152,11 +155,7 @@ fn worker(name: &str, secret: &str) -> String {
 #[tokio::test]
 async fn sighup_reloads_credentials_and_log_level_and_leaves_railguard_and_postgres_running() {
     init_tracing();
-    let dir = tempfile::Builder::new()
-        .prefix("railguard-sighup-")
-        .tempdir()
-        .unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = enterable_temp_dir("railguard-sighup-");
     let data_dir = dir.path().join("pg");
     let credentials = dir.path().join("credentials.toml");
     let (first, second) = (

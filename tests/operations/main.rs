@@ -9,3 +9,11 @@ mod cli;
 mod container;
 mod demo;
 mod embedded;
+
+/// Asserts that `text` contains each of `parts`, naming the first it lacks.
+#[track_caller]
+fn assert_says(text: &str, parts: &[&str]) {
+    for part in parts {
+        assert!(text.contains(part), "{part} in {text}");
+    }
+}

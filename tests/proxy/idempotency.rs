@@ -67,12 +67,7 @@ async fn forget_when_due(
 }
 
 async fn records(pg: &Pg) -> i64 {
-    pg.client()
-        .await
-        .query_one("SELECT count(*) FROM idempotency_record", &[])
-        .await
-        .unwrap()
-        .get(0)
+    pg.one("SELECT count(*) FROM idempotency_record", &[]).await
 }
 
 #[tokio::test]
@@ -498,15 +493,11 @@ async fn concurrent_keyed_requests_are_all_completed_and_replayable() {
     }
     rail.assert_paid(200, "payments at the rail");
     let done: i64 = pg
-        .client()
-        .await
-        .query_one(
+        .one(
             "SELECT count(*) FROM idempotency_record WHERE state = 'done' AND status = 201",
             &[],
         )
-        .await
-        .unwrap()
-        .get(0);
+        .await;
     assert_eq!(done, 200, "stored before any answer went out");
     let m = rg.metrics().await;
     let statements = m.get("railguard_idempotency_completion_batch_size_count");

@@ -396,42 +396,10 @@ async fn a_request_delivered_after_its_connection_was_reset_is_never_paid_twice(
         owner,
     } = stuck;
     // Well past the record's in-doubt deadline, the middlebox resets A's connection; it keeps
-    // the request.
-    eventually(
-        Duration::from_secs(15),
-        format!("{key}'s record 2 s past its in-doubt deadline"),
-        || async {
-            pg.client()
-                .await
-                .query_one(
-                    "SELECT now() > in_doubt_at + interval '2 seconds'
-                 FROM idempotency_record WHERE idempotency_key = $1",
-                    &[&key],
-                )
-                .await
-                .unwrap()
-                .get::<_, bool>(0)
-                .then_some(())
-        },
-    )
-    .await;
-    slow_path.reset_sources();
-    eventually(
-        Duration::from_secs(5),
-        "A's log saying a forward left by its caller ended",
-        || async {
-            a.log()
-                .contains("a forward left by its caller ended")
-                .then_some(())
-        },
-    )
-    .await;
-
-    // Step 1: A stops cleanly (nothing is outstanding any more), and records when nothing it
-    // sent can still arrive: the transit time after the reset, past the record's own time.
-    let status = a.stop().await;
-    let stopped_at = Instant::now();
-    assert!(status.success(), "{status}");
+    // the request. Step 1: A stops cleanly (nothing is outstanding any more), and records when
+    // nothing it sent can still arrive: the transit time after the reset, past the record's own
+    // time.
+    let stopped_at = reset_then_stop(&pg, &slow_path, &mut a, key, 2).await;
     let stop = pg
         .client()
         .await
@@ -502,7 +470,7 @@ async fn a_request_delivered_after_its_connection_was_reset_is_never_paid_twice(
 async fn past_its_deadline(pg: &Pg, key: &str, secs: i64) {
     eventually(
         Duration::from_secs(15),
-        "the record past its in-doubt deadline",
+        format!("{key}'s record {secs} s past its in-doubt deadline"),
         || async {
             pg.client()
                 .await
@@ -518,6 +486,35 @@ async fn past_its_deadline(pg: &Pg, key: &str, secs: i64) {
         },
     )
     .await;
+}
+
+/// A cut off from the rail and stopped: once `key`'s record is `secs` past its in-doubt
+/// deadline, the middlebox on `slow_path` resets A's connection (keeping the request it holds);
+/// once A's log says the forward left by its caller ended, A stops and must exit successfully.
+/// Returns when A had stopped.
+async fn reset_then_stop(
+    pg: &Pg,
+    slow_path: &Relay,
+    a: &mut Railguard,
+    key: &str,
+    secs: i64,
+) -> Instant {
+    past_its_deadline(pg, key, secs).await;
+    slow_path.reset_sources();
+    eventually(
+        Duration::from_secs(5),
+        "A's log saying a forward left by its caller ended",
+        || async {
+            a.log()
+                .contains("a forward left by its caller ended")
+                .then_some(())
+        },
+    )
+    .await;
+    let status = a.stop().await;
+    let stopped_at = Instant::now();
+    assert!(status.success(), "{status}\n{}", a.log());
+    stopped_at
 }
 
 /// The audit records of `action` for `key`: their reasons.
@@ -553,35 +550,17 @@ async fn stopped_cleanly_with_the_request_held(
 ) -> (Stuck, String) {
     let mut stuck =
         stuck_in_doubt_with(account, key, "3000", b_upstream, &with_lookup("3000")).await;
-    past_its_deadline(&stuck.pg, key, 2).await;
-    stuck.slow_path.reset_sources();
-    let a = &stuck.a;
-    eventually(
-        Duration::from_secs(5),
-        "A's forward left by its caller ended",
-        || async {
-            a.log()
-                .contains("a forward left by its caller ended")
-                .then_some(())
-        },
-    )
-    .await;
-    let status = stuck.a.stop().await;
-    assert!(status.success(), "{status}");
+    reset_then_stop(&stuck.pg, &stuck.slow_path, &mut stuck.a, key, 2).await;
     let quiet_after: String = stuck
         .pg
-        .client()
-        .await
-        .query_one(
+        .one(
             "SELECT to_char((outcome->>'quiet_after')::timestamptz AT TIME ZONE 'UTC',
                             'YYYY-MM-DD HH24:MI:SS.US\"Z\"')
              FROM railguard_audit
              WHERE action = 'instance_stopped' AND (outcome->>'instance')::bigint = $1",
             &[&stuck.owner],
         )
-        .await
-        .unwrap()
-        .get(0);
+        .await;
     (stuck, quiet_after)
 }
 
@@ -917,19 +896,7 @@ async fn a_not_found_given_while_the_request_could_still_land_is_never_acted_on(
     declared_in_doubt(&pg, key).await;
     // The rail closes a connection whose request head has not arrived within 10 s: the
     // whole scene stays within that of A's first byte.
-    past_its_deadline(&pg, key, 0).await;
-    slow_path.reset_sources();
-    eventually(
-        Duration::from_secs(5),
-        "A's forward left by its caller ended",
-        || async {
-            a.log()
-                .contains("a forward left by its caller ended")
-                .then_some(())
-        },
-    )
-    .await;
-    assert!(a.stop().await.success());
+    reset_then_stop(&pg, &slow_path, &mut a, key, 0).await;
     // How long until forget would forget the record: the later of its in-doubt deadline plus
     // the transit time and A's clean stop's `quiet_after`.
     let until_quiet: f64 = pg
@@ -989,20 +956,7 @@ async fn a_not_found_that_names_no_key_forgets_nothing() {
         "/payment?account={account}&idempotency_key={key}",
     ));
     let mut stuck = stuck_in_doubt_with(account, key, "3000", None, &b_env).await;
-    past_its_deadline(&stuck.pg, key, 2).await;
-    stuck.slow_path.reset_sources();
-    let a = &stuck.a;
-    eventually(
-        Duration::from_secs(5),
-        "A's forward left by its caller ended",
-        || async {
-            a.log()
-                .contains("a forward left by its caller ended")
-                .then_some(())
-        },
-    )
-    .await;
-    assert!(stuck.a.stop().await.success());
+    reset_then_stop(&stuck.pg, &stuck.slow_path, &mut stuck.a, key, 2).await;
     // The request A wrote lands within the transit time: the rail has the payment.
     stuck.slow_path.release_stalled();
     stuck.rail.until_paid(1).await;

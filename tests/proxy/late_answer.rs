@@ -110,15 +110,9 @@ async fn with_no_limit_on_the_late_answer_wait_no_delay_reorders_the_rail() {
 
 #[tokio::test]
 async fn a_graceful_stop_waits_for_a_late_answer_within_its_grace() {
-    let (
-        World {
-            pg: _pg,
-            rail,
-            mut rg,
-            ..
-        },
-        slow_path,
-    ) = World::postgres_process_via_relay(&[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "500")]).await;
+    let (world, slow_path) =
+        World::postgres_process_via_relay(&[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "500")]).await;
+    let (_pg, rail, mut rg) = world.parts();
     slow_path.set_delay(Duration::from_millis(1200));
     let late = rg.http().pay_with(&rg, 5, "acct-stop").await;
     late.assert_status(StatusCode::GATEWAY_TIMEOUT);
@@ -141,15 +135,9 @@ async fn a_graceful_stop_waits_for_a_late_answer_within_its_grace() {
 /// listeners have nothing left to drain.
 #[tokio::test]
 async fn a_graceful_stop_waits_for_a_keyed_forward_still_on_its_way() {
-    let (
-        World {
-            pg: _pg,
-            rail,
-            mut rg,
-            ..
-        },
-        slow_path,
-    ) = World::postgres_process_via_relay(&[("RAILGUARD__SHUTDOWN__GRACE_MS", "4000")]).await;
+    let (world, slow_path) =
+        World::postgres_process_via_relay(&[("RAILGUARD__SHUTDOWN__GRACE_MS", "4000")]).await;
+    let (_pg, rail, mut rg) = world.parts();
     // The relay holds the keyed request once railguard has written it to the rail's connection.
     slow_path.stall_first(|chunk| chunk.windows(12).any(|w| w == b"keyed-stop-1"));
     let proof = rg.proof("acct-keyed-stop", 5);

@@ -135,24 +135,19 @@ async fn a_settled_entry_of_another_process_is_removed_after_the_handover() {
 /// longer than it may forward unheard, it closes its connection to the rail (502, "it may have
 /// received the request"), and the relay still delivers what it holds.
 async fn the_database_goes_back_with_a_forward_on_its_way(order: &str) -> (Vec<i64>, i64) {
-    let mut pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let slow_path = Relay::start(rail.addr).await;
     let env = [
         ("RAILGUARD__FENCING__ORDER_ACROSS_PROCESSES", order),
         ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "10000"),
         ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "40000"),
     ];
-    let a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
-    let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
-    let copy = pg.copy_data().await.expect("copy of the data directory");
-    slow_path.set_delay(Duration::from_millis(8000));
-    let older = a.pay_in_background(5, "acct-r");
-    eventually(Duration::from_secs(5), "acct-r's mark at 5", || async {
-        (pg.mark("acct-r").await == Some(5)).then_some(())
-    })
-    .await;
-    pg.rewind_to(&copy).await.expect("rewind");
+    let crate::Rewound {
+        pg,
+        rail,
+        _slow_path,
+        _a,
+        b,
+        older,
+    } = crate::rewound_under_a_forward("acct-r", &env).await;
     // B's next database connection meets the new server and raises the floor: an old grant is
     // refused.
     eventually(
@@ -170,14 +165,7 @@ async fn the_database_goes_back_with_a_forward_on_its_way(order: &str) -> (Vec<i
         || pg.floor(),
     )
     .await;
-    let newer = b.http().pay_with(&b, floor + 1, "acct-r").await;
-    newer.assert_status(StatusCode::CREATED);
-    let older = older.await.unwrap();
-    assert!(
-        [StatusCode::CREATED, StatusCode::BAD_GATEWAY].contains(&older.status),
-        "{}",
-        older.body
-    );
+    crate::newer_then_older(&b, "acct-r", floor + 1, older).await;
     (rail.tokens(), floor + 1)
 }
 

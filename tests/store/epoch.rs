@@ -8,7 +8,7 @@
 
 use railguard_testkit as support;
 
-use support::payment::{grant, paid, pay, pay_after_the_hold};
+use support::payment::{fenced_out, grant, paid, pay, pay_after_the_hold};
 
 use std::path::Path;
 use std::time::Duration;
@@ -337,18 +337,12 @@ async fn with_the_rails_lookup_a_retry_whose_record_went_back_is_forwarded_only_
         "UNSENT (and HELD, let go): not on the rail"
     );
     let audited: Vec<String> = pg
-        .client()
-        .await
-        .query(
+        .column(
             "SELECT outcome->>'idempotency_key' FROM railguard_audit
              WHERE action = 'idempotency_resolve' AND outcome->>'result' = $1",
             &[&railguard::proxy::idempotency::FIRST_REQUEST_AFTER_STORE_CHANGE],
         )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+        .await;
     let expected: &[&str] = if let_go {
         &["unsent", "held"]
     } else {
@@ -451,11 +445,7 @@ async fn a_dump_restored_into_the_running_server_is_fenced() {
     rg.start_again().await;
 
     for (grant, id) in [(&w1, "p3"), (&w2, "p2")] {
-        let refused = pay(&proxy, grant, "acct", id).await;
-        assert!(
-            matches!(refused, Err(SdkError::FencedOut { .. })),
-            "{refused:?}"
-        );
+        fenced_out(&proxy, grant, "acct", id).await;
     }
     let w3 = grant(&lock, "acct", "w3", LONG, WAIT).await;
     assert!(w3.token().get() > w2.token().get());

@@ -9,7 +9,7 @@ use railguard_testkit as support;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Pg, Rail, Railguard, Relay, eventually, init_tracing};
+use support::{Pg, Rail, Railguard, eventually, init_tracing};
 use tokio::time::Instant;
 
 /// Has `rg` meet the new server (an old grant is refused: the change is fenced) and returns
@@ -99,36 +99,24 @@ async fn during_the_hold_after_a_restart_every_process_answers_503_at_once_and_s
 #[tokio::test]
 async fn two_changes_in_a_row_under_a_forward_on_its_way_keep_the_older_forward_first() {
     init_tracing();
-    let mut pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let slow_path = Relay::start(rail.addr).await;
     let env = [
         ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "10000"),
         ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "40000"),
     ];
-    let a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
-    let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
-    let copy = pg.copy_data().await.expect("copy of the data directory");
-    slow_path.set_delay(Duration::from_millis(8000));
-    let older = a.pay_in_background(5, "acct-2");
-    eventually(Duration::from_secs(5), "acct-2's mark at 5", || async {
-        (pg.mark("acct-2").await == Some(5)).then_some(())
-    })
-    .await;
-    pg.rewind_to(&copy).await.expect("rewind");
+    let crate::Rewound {
+        mut pg,
+        rail,
+        _slow_path,
+        _a,
+        b,
+        older,
+    } = crate::rewound_under_a_forward("acct-2", &env).await;
     let first = fence_through(&b, &pg, "acct-2", 6).await;
     pg.kill().await;
     pg.server.start().await.expect("PostgreSQL starts again");
     let second = fence_through(&b, &pg, "acct-2", first + 1).await;
     assert!(second > first);
-    let newer = b.http().pay_with(&b, second + 1, "acct-2").await;
-    newer.assert_status(StatusCode::CREATED);
-    let older = older.await.unwrap();
-    assert!(
-        [StatusCode::CREATED, StatusCode::BAD_GATEWAY].contains(&older.status),
-        "{}",
-        older.body
-    );
+    crate::newer_then_older(&b, "acct-2", second + 1, older).await;
     assert_eq!(
         rail.tokens(),
         [5, second + 1],

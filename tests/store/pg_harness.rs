@@ -31,17 +31,9 @@ async fn a_cluster_rewound_to_a_copy_loses_what_was_committed_after_it() {
     assert_eq!(pg.url(), url, "same port");
     assert!(client.is_closed() || client.simple_query("SELECT 1").await.is_err());
     let client = pg.client().await;
-    let count: i64 = client
-        .query_one("SELECT count(*) FROM t", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let count: i64 = support::sql::one(&client, "SELECT count(*) FROM t", &[]).await;
     assert_eq!(count, 3, "the rows inserted after the copy are gone");
-    let next: i64 = client
-        .query_one("SELECT nextval('s')", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let next: i64 = support::sql::one(&client, "SELECT nextval('s')", &[]).await;
     // A sequence is WAL-logged 32 values ahead: it comes back within that of the copy's.
     assert!(next <= 3 + 33, "the sequence went back: next is {next}");
 

@@ -228,17 +228,7 @@ async fn a_compare_and_set_not_replicated_is_not_accepted_and_nothing_is_forward
         },
     )
     .await;
-    let retried = proxy
-        .post(
-            &grant,
-            "acct",
-            "/payments",
-            "{\"id\":\"p1\"}".into(),
-            Some("pay-1"),
-        )
-        .await
-        .unwrap();
-    assert_eq!(retried.status, StatusCode::CREATED);
+    support::payment::paid_keyed(&proxy, &grant, "acct", r#"{"id":"p1"}"#, "pay-1").await;
     rail.assert_paid(1, "payments at the rail");
     assert!(
         rg.metrics()
@@ -264,12 +254,9 @@ async fn set_synchronous_standby_names(pg: &Pg, admin: &tokio_postgres::Client, 
         Duration::from_secs(10),
         "synchronous_standby_names reloaded",
         || async {
-            let fresh = pg.client().await;
-            let now: String = fresh
-                .query_one("SELECT current_setting('synchronous_standby_names')", &[])
-                .await
-                .unwrap()
-                .get(0);
+            let now: String = pg
+                .one("SELECT current_setting('synchronous_standby_names')", &[])
+                .await;
             (now == value).then_some(())
         },
     )

@@ -134,16 +134,12 @@ async fn the_sweep_removes_records_completed_before_the_retention_only() {
             .await
             .unwrap();
         assert_eq!(store.sweep(Duration::from_secs(3600)).await.unwrap(), 1);
-        let left: Vec<String> = client
-            .query(
-                "SELECT idempotency_key FROM idempotency_record ORDER BY 1",
-                &[],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
+        let left: Vec<String> = support::sql::column(
+            &client,
+            "SELECT idempotency_key FROM idempotency_record ORDER BY 1",
+            &[],
+        )
+        .await;
         assert_eq!(
             left,
             ["new-done", "old-in-flight"],

@@ -226,6 +226,14 @@ impl Setup {
         paid_to(&self.rail, account)
     }
 
+    /// A retry of the stalled account's payment keyed `key` is paid (201), and the rail has
+    /// paid that account once.
+    async fn retry_pays_once(&self, key: &str) {
+        let retried = self.pay(STALLED, Some(key)).await;
+        retried.assert_status(StatusCode::CREATED);
+        assert_eq!(self.paid_to(STALLED), 1, "paid once");
+    }
+
     async fn until_nothing_stalls(&self) {
         until(
             Duration::from_secs(3),
@@ -278,9 +286,7 @@ async fn a_stalled_compare_and_set_holds_up_no_other_request() {
     // Let the statement go: it commits, and its record — which nobody was told about — goes.
     s.relay.release_stalled();
     s.until_nothing_stalls().await;
-    let retried = s.pay(STALLED, Some("key-stalled")).await;
-    retried.assert_status(StatusCode::CREATED);
-    assert_eq!(s.paid_to(STALLED), 1, "paid once");
+    s.retry_pays_once("key-stalled").await;
 }
 
 #[tokio::test]
@@ -374,26 +380,19 @@ async fn shutdown_waits_for_a_stalled_compare_and_set_so_its_key_stays_usable() 
     assert!(status.success(), "{status}");
     // The statement committed before railguard stopped, and the record nobody was told about
     // went with it.
-    let records: i64 = s
-        .pg
-        .client()
-        .await
-        .query_one(
+    let records: i64 =
+        s.pg.one(
             "SELECT count(*) FROM idempotency_record WHERE idempotency_key = 'key-stalled-stop'",
             &[],
         )
-        .await
-        .unwrap()
-        .get(0);
+        .await;
     assert_eq!(
         records, 0,
         "the record of a request never forwarded is left"
     );
     assert_eq!(s.pg.mark(STALLED).await, Some(1), "the statement committed");
     s.rg.start_again().await;
-    let retried = s.pay(STALLED, Some("key-stalled-stop")).await;
-    retried.assert_status(StatusCode::CREATED);
-    assert_eq!(s.paid_to(STALLED), 1, "paid once");
+    s.retry_pays_once("key-stalled-stop").await;
 }
 
 #[tokio::test]

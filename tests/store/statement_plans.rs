@@ -112,6 +112,18 @@ async fn the_completion_keeps_the_primary_key_plan_made_after_analyzing_an_empty
     completions_on_a_growing_table(true).await;
 }
 
+/// [`cluster`], with `table` analyzed while it is still empty if `analyze` says so.
+async fn cluster_analyzing(table: &str, analyze: bool) -> (Pg, Client) {
+    let (pg, client) = cluster().await;
+    if analyze {
+        client
+            .batch_execute(&format!("ANALYZE {table}"))
+            .await
+            .unwrap();
+    }
+    (pg, client)
+}
+
 /// A session of the completions' own (`db::build_completion_pool`), as railguard runs them.
 async fn completion_session(pg: &Pg) -> deadpool_postgres::Object {
     let sessions =
@@ -124,13 +136,7 @@ async fn completion_session(pg: &Pg) -> deadpool_postgres::Object {
 /// connection runs them in the first seconds of load) while the table is small; then the table
 /// grows and nothing replans.
 async fn completions_on_a_growing_table(analyze_when_empty: bool) {
-    let (pg, mut client) = cluster().await;
-    if analyze_when_empty {
-        client
-            .batch_execute("ANALYZE idempotency_record")
-            .await
-            .unwrap();
-    }
+    let (pg, mut client) = cluster_analyzing("idempotency_record", analyze_when_empty).await;
     insert_in_flight(&client, 1, 200).await;
     let mut session = completion_session(&pg).await;
     let pinned = session.prepare_cached(COMPLETE_SQL).await.unwrap();
@@ -318,6 +324,20 @@ fn pairs(expected: &[(&str, &str)]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Asserts the records left: key-1, key-3 and key-6 done, key-2 in doubt, key-5 `five`.
+async fn assert_five_records(client: &Client, five: &str) {
+    assert_eq!(
+        record_states(client).await,
+        pairs(&[
+            ("key-1", "done"),
+            ("key-2", "in_doubt"),
+            ("key-3", "done"),
+            ("key-5", five),
+            ("key-6", "done"),
+        ])
+    );
+}
+
 /// The statement alone: a record another transaction declared in doubt or removed while the
 /// statement waited for it is not completed. One changed otherwise, still in flight for its
 /// owner, is passed over too (the statement goes by the record's position as its snapshot saw
@@ -352,16 +372,7 @@ async fn the_completion_statement_passes_over_records_changed_while_it_waits() {
         assert_eq!(completed, ["key-1", "key-3", "key-6"]);
         "in_flight"
     };
-    assert_eq!(
-        record_states(&client).await,
-        pairs(&[
-            ("key-1", "done"),
-            ("key-2", "in_doubt"),
-            ("key-3", "done"),
-            ("key-5", five),
-            ("key-6", "done"),
-        ])
-    );
+    assert_five_records(&client, five).await;
 }
 
 /// A record passed over by the statement whose settling fails (the main pool has no session
@@ -550,16 +561,7 @@ async fn a_completion_goes_by_what_a_concurrent_change_left() {
     for c in completing {
         c.await.unwrap();
     }
-    assert_eq!(
-        record_states(&client).await,
-        pairs(&[
-            ("key-1", "done"),
-            ("key-2", "in_doubt"),
-            ("key-3", "done"),
-            ("key-5", "done"),
-            ("key-6", "done"),
-        ])
-    );
+    assert_five_records(&client, "done").await;
 }
 
 /// Marks of accounts `from..=to`, as the fence's compare-and-set leaves them.
@@ -610,13 +612,7 @@ async fn the_last_look_keeps_one_primary_key_plan_made_after_analyzing_an_empty_
 /// The last look on its own sessions (`db::build_look_pool`), against sessions without its
 /// settings: one that only forces generic plans, and one as PostgreSQL plans by default.
 async fn last_looks_on_a_growing_table(analyze_when_empty: bool) {
-    let (pg, client) = cluster().await;
-    if analyze_when_empty {
-        client
-            .batch_execute("ANALYZE rail_high_water")
-            .await
-            .unwrap();
-    }
+    let (pg, client) = cluster_analyzing("rail_high_water", analyze_when_empty).await;
     insert_marks(&client, 1, 50).await;
     let looks =
         railguard::db::build_look_pool(&pg.url(), 1, std::time::Duration::from_secs(10)).unwrap();

@@ -39,6 +39,7 @@ mod rail;
 pub mod records;
 pub mod relay;
 mod serve;
+pub mod sql;
 mod tls;
 mod tls_front;
 mod wait;
@@ -107,4 +108,32 @@ pub fn free_loopback_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("no free loopback port")
+}
+
+/// A railguard config file `rg.toml` written in `dir`, whose database nothing serves: every
+/// listener and the database on a loopback port of its own, free when picked (so that nothing
+/// else on this machine, a railguard on the shipped ports say, can fail a start first), the
+/// database's URL with a password (`postgres://rg:pw@…`) and a timeout of 500 ms, then `more`
+/// (TOML, such as a `[log]` table). Its path.
+pub fn config_without_a_database(dir: &std::path::Path, more: &str) -> std::path::PathBuf {
+    let mut ports: Vec<u16> = Vec::new();
+    while ports.len() < 4 {
+        let port = free_loopback_port();
+        if !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    let [proxy, admin, lock, database] = [ports[0], ports[1], ports[2], ports[3]];
+    let path = dir.join("rg.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:{proxy}\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n\
+             [lock]\nlisten = \"127.0.0.1:{lock}\"\n\
+             [database]\nurl = \"postgres://rg:pw@127.0.0.1:{database}/x\"\ntimeout_ms = 500\n\
+             {more}"
+        ),
+    )
+    .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    path
 }

@@ -3,7 +3,7 @@
 //! every header a test chooses.
 
 use http::StatusCode;
-use railguard_sdk::{LockHandle, RailClient, SdkError};
+use railguard_sdk::{LockHandle, RailClient, RailResponse, SdkError};
 
 /// POSTs payment `id` on `account` under `grant`, keyed by `id`; the rail's status.
 pub async fn pay(
@@ -12,16 +12,28 @@ pub async fn pay(
     account: &str,
     id: &str,
 ) -> Result<StatusCode, SdkError> {
+    pay_keyed(proxy, grant, account, &format!("{{\"id\":\"{id}\"}}"), id)
+        .await
+        .map(|r| r.status)
+}
+
+/// POSTs `body` to `/payments` on `account` under `grant`, keyed by `key`: the answer.
+pub async fn pay_keyed(
+    proxy: &RailClient,
+    grant: &LockHandle,
+    account: &str,
+    body: &str,
+    key: &str,
+) -> Result<RailResponse, SdkError> {
     proxy
         .post(
             grant,
             account,
             "/payments",
-            format!("{{\"id\":\"{id}\"}}").into(),
-            Some(id),
+            body.to_string().into(),
+            Some(key),
         )
         .await
-        .map(|r| r.status)
 }
 
 /// [`pay`] after a change of PostgreSQL server: repeated while the proxy answers 503 — newer
@@ -195,6 +207,37 @@ pub async fn paid(proxy: &RailClient, grant: &LockHandle, account: &str, id: &st
     assert!(
         matches!(status, Ok(StatusCode::CREATED)),
         "payment {id} on {account} under token {}: {status:?}",
+        grant.token().get()
+    );
+}
+
+/// POSTs `body` to `/payments` on `account` under `grant`, keyed by `key`, which the rail must
+/// answer `201 Created`.
+pub async fn paid_keyed(
+    proxy: &RailClient,
+    grant: &LockHandle,
+    account: &str,
+    body: &str,
+    key: &str,
+) {
+    let token = grant.token().get();
+    let answer = pay_keyed(proxy, grant, account, body, key)
+        .await
+        .unwrap_or_else(|e| panic!("payment {key} on {account} under token {token}: {e:?}"));
+    assert_eq!(
+        answer.status,
+        StatusCode::CREATED,
+        "payment {key} on {account} under token {token}: {:?}",
+        answer.body
+    );
+}
+
+/// [`pay`], which the proxy must refuse as fenced out (`SdkError::FencedOut`).
+pub async fn fenced_out(proxy: &RailClient, grant: &LockHandle, account: &str, id: &str) {
+    let refused = pay(proxy, grant, account, id).await;
+    assert!(
+        matches!(refused, Err(SdkError::FencedOut { .. })),
+        "payment {id} on {account} under token {}: {refused:?}",
         grant.token().get()
     );
 }

@@ -375,6 +375,24 @@ impl Pg {
         Ok(client)
     }
 
+    /// The first column of the one row `sql` returns, over a new [`client`](Self::client).
+    pub async fn one<T: tokio_postgres::types::FromSqlOwned>(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> T {
+        crate::sql::one(&self.client().await, sql, params).await
+    }
+
+    /// The first column of every row `sql` returns, over a new [`client`](Self::client).
+    pub async fn column<T: tokio_postgres::types::FromSqlOwned>(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Vec<T> {
+        crate::sql::column(&self.client().await, sql, params).await
+    }
+
     /// The account's high-water mark, read straight from the table.
     pub async fn mark(&self, account: &str) -> Option<i64> {
         self.client()
