@@ -679,3 +679,88 @@ async fn embedded_restore() -> ((StatusCode, Option<String>, String), usize) {
     );
     (answer, rail.times_paid("held"))
 }
+
+/// Two railguards on one PostgreSQL, a key whose record went back and whose first attempt
+/// never left: once the hold has ended, 16 retries at once through A and B, each asking the
+/// rail and finding nothing. The compare-and-set's record lets one through: paid once.
+#[tokio::test]
+async fn concurrent_retries_of_a_key_whose_record_went_back_through_two_railguards_pay_once() {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let env = [LOOKUP, ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "1000")];
+    let a = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    let w1 = grant(&a.lock_client(), "acct", "w1", SHORT, NOW).await;
+    let copy = pg.copy_data().await.unwrap();
+    // A record made after the copy, lost with the rewind; the request itself never reached
+    // the rail (here: nothing was sent at all).
+    pg.rewind_to(&copy).await.unwrap();
+    let w2 = grant(&b.lock_client(), "acct", "w2", LONG, WAIT).await;
+    // Past the hold: another key's retry decides.
+    let first = retry_until_decided(
+        &RailClient::new(b.proxy_url("")),
+        &w2,
+        &w1,
+        "acct",
+        "warmup",
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(first.0, StatusCode::CREATED, "{first:?}");
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let proxy = RailClient::new(if i % 2 == 0 {
+            a.proxy_url("")
+        } else {
+            b.proxy_url("")
+        });
+        let (w1, w2) = (w1.clone(), w2.clone());
+        tasks.push(tokio::spawn(async move {
+            retry(&proxy, &w2, &w1, "acct", "k").await
+        }));
+    }
+    let mut answers = Vec::new();
+    for t in tasks {
+        let a = t.await.unwrap();
+        answers.push((a.0, a.1));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(rail.times_paid("k"), 1, "{answers:?}");
+}
+
+/// The store goes back twice: after the first rewind a retry of P is let through and paid;
+/// the second rewind loses the record that retry made. A retry after it, whichever grant's
+/// token it names as the first, finds P on the rail: not forwarded, paid once.
+#[tokio::test]
+async fn a_retry_whose_record_went_back_twice_is_paid_once() {
+    init_tracing();
+    let mut pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let env = [LOOKUP, ("RAILGUARD__PROXY__RAIL_TRANSIT_MS", "1000")];
+    let rg = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    let proxy = RailClient::new(rg.proxy_url(""));
+    let w1 = grant(&rg.lock_client(), "acct", "w1", SHORT, NOW).await;
+    let copy1 = pg.copy_data().await.unwrap();
+    pg.rewind_to(&copy1).await.unwrap();
+    let w2 = grant(&rg.lock_client(), "acct", "w2", SHORT, WAIT).await;
+    // The store is acknowledged; copy2 has the first floor but not what follows.
+    let copy2 = pg.copy_data().await.unwrap();
+    let let_through =
+        retry_until_decided(&proxy, &w2, &w1, "acct", "p", Duration::from_secs(30)).await;
+    assert_eq!(let_through.0, StatusCode::CREATED, "{let_through:?}");
+    pg.rewind_to(&copy2).await.unwrap();
+    let w3 = grant(&rg.lock_client(), "acct", "w3", LONG, WAIT).await;
+    let mut answers = Vec::new();
+    for first in [&w1, &w2] {
+        // Past the hold after the second change (503 while it lasts).
+        let answer = eventually(Duration::from_secs(15), "a retry past the hold", || async {
+            let answer = retry(&proxy, &w3, first, "acct", "p").await;
+            (answer.0 != StatusCode::SERVICE_UNAVAILABLE).then_some(answer)
+        })
+        .await;
+        assert_eq!(answer.1.as_deref(), Some("in_doubt"), "{answer:?}");
+        answers.push((answer.0, answer.1));
+    }
+    assert_eq!(rail.times_paid("p"), 1, "{answers:?}");
+}
