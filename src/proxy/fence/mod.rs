@@ -37,17 +37,21 @@
 //! forwarded, even when the database is unreachable.
 
 mod batch;
+mod lost_attempt;
 mod mark_cache;
 mod ordering;
 mod recheck;
 mod refusal_log;
 mod store;
+mod turn;
+
+use self::lost_attempt::LostAttempt;
+pub use self::turn::Turn;
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use tokio::time::Instant;
 use tower::{Layer, Service};
@@ -193,70 +197,6 @@ impl<H: HighWater> FencePoint<H> {
     pub fn asking_the_rail(mut self, resolver: Option<Arc<Resolver>>) -> Self {
         self.resolver = resolver;
         self
-    }
-
-    /// A keyed retry whose first attempt's record went back with the store
-    /// (`idempotency::lost_first_attempt`): true if the rail has no payment under its key,
-    /// asked only once nothing sent under it before the change can still reach the rail —
-    /// the hold after a store change has ended for the account (the quiet bound has passed —
-    /// on the embedded server too, whose earlier run's row goes back with a restored data
-    /// directory — and no other process names a forward of it below the floor:
-    /// `Handover::wait_until_nothing_from_before_can_arrive`, asked of the database every time,
-    /// so a change this process has not met yet is met here), and no forward of this process
-    /// for the account is unsettled. A forward sent
-    /// after the change had a record, and a record that survived would have been found. So a
-    /// "not found" then is final, and the retry may go on as the key's first request: its
-    /// compare-and-set makes its record, and a concurrent retry finds that record.
-    async fn ask_the_rail_about_a_lost_attempt(&self, request: &FencedRequest) -> LostAttempt {
-        let (Some(resolver), Some(records), Some(handover), Some(epoch), Some(key)) = (
-            &self.resolver,
-            &self.records,
-            &self.handover,
-            &self.epoch,
-            request.idempotency.as_ref(),
-        ) else {
-            return LostAttempt::Unknown;
-        };
-        let account = &request.account;
-        match handover
-            .wait_until_nothing_from_before_can_arrive(account, request.deadline)
-            .await
-        {
-            // Settled as the newer grants' forwards see it: nothing from before is pending.
-            Ok(Some(settled)) => epoch.change_settled(settled),
-            Ok(None) => {}
-            Err(WaitError::Db(e)) => {
-                tracing::warn!(%account, key = key.key, error = %e,
-                    "a retry whose record went back with the store: whether a request sent \
-                     before the change can still reach the rail could not be read");
-                return LostAttempt::Unknown;
-            }
-            Err(e) => {
-                resolver.not_asked_yet();
-                tracing::info!(%account, key = key.key, error = %e,
-                    "a retry whose record went back with the store: a request sent before the \
-                     change may still reach the rail; the rail is not asked yet");
-                return LostAttempt::NotYet(match e {
-                    WaitError::Held(left) => left,
-                    _ => Duration::from_secs(1),
-                });
-            }
-        }
-        if handover.has_pending(account) {
-            resolver.not_asked_yet();
-            tracing::info!(%account, key = key.key,
-                "a retry whose record went back with the store: this railguard still has a \
-                 forward for the account on its way; the rail is not asked yet");
-            return LostAttempt::NotYet(Duration::from_secs(1));
-        }
-        match resolver
-            .ask_about_lost(&**records, account, &key.key, request.deadline)
-            .await
-        {
-            Some(true) => LostAttempt::NotOnTheRail,
-            Some(false) => LostAttempt::OnTheRail,
-            None => LostAttempt::Unknown,
-        }
     }
 
     /// Refuses tokens below `epoch`'s floor before anything else.
@@ -550,22 +490,6 @@ where
     }
 }
 
-/// What the rail's lookup said of a retry whose first attempt's record went back with the
-/// store ([`FencePoint::ask_the_rail_about_a_lost_attempt`]).
-enum LostAttempt {
-    /// The rail has no payment under the key, and nothing sent before could still arrive: the
-    /// retry goes on as the key's first request.
-    NotOnTheRail,
-    /// The rail has the payment: the first attempt was paid; the retry is not forwarded.
-    OnTheRail,
-    /// A request sent before the change may still reach the rail (for about this long, or
-    /// until this railguard's own forward of the account settles): not asked yet, nothing
-    /// changed — 503, retry later.
-    NotYet(Duration),
-    /// No lookup configured, or no answer: in doubt.
-    Unknown,
-}
-
 /// What an accepted compare-and-set leaves a request with: its place in this process's order,
 /// its forward's entry as other processes see it, and their entries it must wait for.
 struct Admitted {
@@ -707,34 +631,6 @@ fn waited(error: WaitError, account: &AccountId, token: FencingToken) -> BoxErro
             FenceUnavailable(StoreError::HeldAfterStoreChange(for_how_long)).into()
         }
         WaitError::Db(e) => FenceUnavailable(StoreError::Db(e)).into(),
-    }
-}
-
-/// An account's turn at the rail (see `ordering`): while it is alive, no forward for a higher
-/// token of the account starts, in this process or — through its entry — in another.
-/// Dropping it passes the turn on.
-pub struct Turn {
-    _ticket: Ticket,
-    entry: Option<Entry>,
-}
-
-impl Turn {
-    /// Resolves once this process has been unable to write its forwards' row for so long that
-    /// a forward still waiting for the rail must close its connection (`store::handover`);
-    /// never, for a forward whose account other processes do not wait on.
-    pub async fn silenced(&self) {
-        match &self.entry {
-            Some(entry) => entry.silenced().await,
-            None => std::future::pending().await,
-        }
-    }
-
-    /// The forward was written and its answer never came: this process's turn passes on now,
-    /// and other processes take the forward as on its way for `proxy.rail_transit_ms` more.
-    pub fn unanswered(mut self) {
-        if let Some(entry) = self.entry.take() {
-            entry.unanswered();
-        }
     }
 }
 

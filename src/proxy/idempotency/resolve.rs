@@ -29,9 +29,13 @@
 //!   still land, and nothing after it was sent without a record (a record that survived would
 //!   have been found). The retry goes on as the key's first request: its compare-and-set makes
 //!   its record, and it is forwarded.
-//! - **the rail has it**, or no answer: the retry stays `409 in_doubt`. With no record, nothing
-//!   says whether the retry is the request the rail has (another body under the key would be
-//!   told it was paid), so the rail's answer is not replayed.
+//! - **the rail has it**: the retry is answered `409 in_doubt`, saying the first attempt was
+//!   paid. With no record, nothing says whether the retry is the request the rail has (another
+//!   body under the key would be told it was paid), so the rail's answer is not replayed.
+//! - **no answer**: `409 in_doubt`, as without a lookup.
+//!
+//! Until nothing sent before the change can still reach the rail, the rail is not asked and
+//! the retry is answered `503` (nothing changed, retry later).
 //!
 //! Only an answer that names the key it looked up (`Idempotency-Key: KEY`, echoed, on the `200`
 //! and on the `404`) is an answer about the payment: a `404` of a wrong path, a gateway or an
