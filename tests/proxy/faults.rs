@@ -187,7 +187,8 @@ async fn a_forward_delayed_in_the_network_is_absorbed_by_a_rail_that_deduplicate
     // While the owning process runs it may still be writing the request out: refused.
     let early = rg.forget("acct-net", "pay-n").await;
     assert!(!early.status.success(), "refused while the owner runs");
-    assert!(String::from_utf8_lossy(&early.stderr).contains("still running"));
+    let why = String::from_utf8_lossy(&early.stderr);
+    assert!(why.contains("owner_running: "), "{why}");
     // The middlebox resets the owner's connection, keeping the request; the owner then stops
     // cleanly, with nothing outstanding.
     slow_path.reset_sources();

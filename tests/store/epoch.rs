@@ -10,7 +10,6 @@ use railguard_testkit as support;
 
 use support::payment::{fenced_out, grant, paid, pay, pay_after_the_hold};
 
-use std::path::Path;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -563,22 +562,6 @@ async fn retry_until_decided(
     }
 }
 
-/// Pids of processes whose command line names `dir` (the embedded server's processes).
-fn processes_in(dir: &Path) -> Vec<u32> {
-    let needle = dir.display().to_string();
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
-            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-            cmdline.contains(&needle).then_some(pid)
-        })
-        .collect()
-}
-
 /// The embedded server, whose data directory is put back from a backup after a crash: its
 /// earlier run was killed with HELD's first attempt on its way, and the row that named that
 /// forward went back with the data. The retry (`Idempotency-First-Token` of the first grant)
@@ -644,11 +627,13 @@ async fn embedded_restore() -> ((StatusCode, Option<String>, String), usize) {
     // A crash: railguard and its server killed with HELD's bytes in the network.
     rg.kill().await;
     let killed = Instant::now();
-    for pid in processes_in(&data_dir) {
+    for pid in support::pids_naming(&data_dir_text) {
         support::signal(pid, "KILL").await;
     }
     eventually(WAIT, "the embedded server gone", || async {
-        processes_in(&data_dir).is_empty().then_some(())
+        support::pids_naming(&data_dir_text)
+            .is_empty()
+            .then_some(())
     })
     .await;
     let _ = first.await;

@@ -52,7 +52,7 @@ pub use patroni::{PatroniBuilder, PatroniCluster};
 pub use payment::Payment;
 pub use pg::{DataCopy, Pg, PgBuilder, without_startup_settings};
 pub use pki::{Issued, Pki};
-pub use process::{children_of, signal};
+pub use process::{children_of, pids_naming, pids_where, signal};
 pub use prometheus::Metrics;
 pub use prometheus_server::Prometheus;
 pub use rail::Rail;

@@ -845,19 +845,14 @@ fn processes_in(dir: &Path) -> Vec<u32> {
     let dir = dir.to_string_lossy().into_owned();
     let below = format!("{dir}/");
     let deleted = format!("{dir} (deleted)");
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-            let cwd = std::fs::read_link(e.path().join("cwd")).ok()?;
-            let cwd = cwd.to_string_lossy();
+    crate::process::pids_where(|pid, proc_dir| {
+        let cwd = std::fs::read_link(proc_dir.join("cwd")).ok()?;
+        let cwd = cwd.to_string_lossy();
+        Some(
             (cwd == dir.as_str() || cwd.starts_with(&below) || cwd == deleted.as_str())
-                .then_some(pid)
-        })
-        .filter(|&pid| alive(pid))
-        .collect()
+                && alive(pid),
+        )
+    })
 }
 
 /// Whether `pid` exists and is not a zombie.
