@@ -17,21 +17,9 @@ impl IdempotencyStore {
         owner: &str,
         response: &StoredResponse,
     ) -> Result<(), DbError> {
-        let record = RecordId {
-            account: account.clone(),
-            key: key.to_string(),
-            owner: owner.to_string(),
-        };
-        self.bounded(async {
-            // Its session goes back to the pool before the lookup takes one: a full pool must
-            // not make this wait for itself.
-            let stored = outcomes::complete_one(&self.pool, &record, response).await?;
-            if stored == 0 {
-                outcomes::report_gone(&self.pool, &[&record]).await;
-            }
-            Ok(())
-        })
-        .await
+        self.store_one(account, key, owner, response, false)
+            .await
+            .map(|_| ())
     }
 
     /// Stores the rail's late answer (`idempotency::late`): the record is `done` with it, whether
@@ -44,21 +32,40 @@ impl IdempotencyStore {
         owner: &str,
         response: &StoredResponse,
     ) -> Result<(), DbError> {
+        if self.store_one(account, key, owner, response, true).await? {
+            tracing::info!(%account, key, status = response.status,
+                "stored the rail's late answer: repeats of this key get it replayed");
+        }
+        Ok(())
+    }
+
+    /// Completes one record with `response` in a statement of its own — a late answer's
+    /// statement if `late` — and reports a record that is gone. Whether it was stored.
+    async fn store_one(
+        &self,
+        account: &AccountId,
+        key: &str,
+        owner: &str,
+        response: &StoredResponse,
+        late: bool,
+    ) -> Result<bool, DbError> {
         let record = RecordId {
             account: account.clone(),
             key: key.to_string(),
             owner: owner.to_string(),
         };
         self.bounded(async {
-            let stored = outcomes::complete_late_one(&self.pool, &record, response).await?;
+            // Its session goes back to the pool before the lookup takes one: a full pool must
+            // not make this wait for itself.
+            let stored = if late {
+                outcomes::complete_late_one(&self.pool, &record, response).await?
+            } else {
+                outcomes::complete_one(&self.pool, &record, response).await?
+            };
             if stored == 0 {
                 outcomes::report_gone(&self.pool, &[&record]).await;
-            } else {
-                tracing::info!(account = %record.account, key = record.key,
-                    status = response.status,
-                    "stored the rail's late answer: repeats of this key get it replayed");
             }
-            Ok(())
+            Ok(stored > 0)
         })
         .await
     }
