@@ -94,7 +94,7 @@ impl Config {
     pub fn warnings(&self) -> Vec<(&'static str, String)> {
         let mut warnings = Vec::new();
         let concurrency = self.fencing.batch_concurrency;
-        let per_batcher = crate::db::slots::most_in_flight(concurrency);
+        let per_batcher = crate::store::batch::most_in_flight(concurrency);
         let wanted = per_batcher + 1;
         if self.database.pool_size < wanted {
             warnings.push((

@@ -8,7 +8,6 @@ pub mod maintenance;
 pub mod migrate;
 pub mod notices;
 pub mod server;
-pub mod slots;
 
 use std::collections::HashMap;
 use std::future::Future;

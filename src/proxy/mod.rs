@@ -18,7 +18,6 @@ pub mod error;
 pub mod extract;
 pub mod fence;
 pub mod forward;
-pub mod held;
 pub mod idempotency;
 pub mod respond;
 

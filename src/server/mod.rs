@@ -190,7 +190,7 @@ pub async fn run_reloading(
          creates name it as their owner"
     );
     // The statements' own sessions: the fence's last look and the idempotency completions.
-    let sessions = db::slots::most_in_flight(config.fencing.batch_concurrency);
+    let sessions = crate::store::batch::most_in_flight(config.fencing.batch_concurrency);
     let looks = database.look_pool(sessions, config.database.timeout)?;
     let completion_sessions = database.completion_pool(sessions, config.database.timeout)?;
     // A session whose settings did not take (a pooler that drops startup options, commits that
@@ -309,7 +309,7 @@ pub async fn run_reloading(
         max_batch: config.fencing.batch_max,
         concurrency: config.fencing.batch_concurrency,
         stalled: metrics.db_statements_stalled.clone(),
-        unanswered: db::slots::Unanswered::default(),
+        unanswered: crate::store::batch::Unanswered::default(),
         held: Arc::default(),
         notices: database.notices.clone(),
     };

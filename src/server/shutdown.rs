@@ -7,9 +7,9 @@ use prometheus::IntGauge;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::db::slots::Unanswered;
 use crate::proxy::forward::LateForwards;
 use crate::proxy::idempotency::{InstanceId, record_clean_stop};
+use crate::store::batch::Unanswered;
 
 /// Every kind of work a stopping process still has out once its listeners have drained, in the
 /// order one kind can add to the next: forwards waiting for the rail's answer (past their

@@ -339,7 +339,7 @@ async fn with_the_rails_lookup_a_retry_whose_record_went_back_is_forwarded_only_
         .column(
             "SELECT outcome->>'idempotency_key' FROM railguard_audit
              WHERE action = 'idempotency_resolve' AND outcome->>'result' = $1",
-            &[&railguard::proxy::idempotency::FIRST_REQUEST_AFTER_STORE_CHANGE],
+            &[&railguard::store::records::FIRST_REQUEST_AFTER_STORE_CHANGE],
         )
         .await;
     let expected: &[&str] = if let_go {

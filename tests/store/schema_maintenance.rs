@@ -11,7 +11,7 @@ use railguard_testkit as support;
 
 use railguard::db::maintenance::{Maintenance, run_once};
 use railguard::db::migrate;
-use railguard::proxy::idempotency::COMPLETE_SQL;
+use railguard::store::records::COMPLETE_SQL;
 use support::records::{Completions, idempotency_store, insert_in_flight};
 use support::{Pg, until};
 use tokio_postgres::Client;

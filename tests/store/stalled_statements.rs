@@ -315,7 +315,7 @@ async fn a_stalled_completion_holds_up_no_other_request() {
     s.others_are_answered("completion").await;
     assert_eq!(s.stalled("completion").await, 1.0);
     // A repeat meanwhile is not forwarded again: it waits for the stalled completion, which
-    // may hold its record's row (proxy::held), and is refused when its time is up.
+    // may hold its record's row (store::batch::held), and is refused when its time is up.
     let repeat = s.pay(STALLED, Some("key-stalled-completion")).await;
     repeat.assert_status(StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(s.paid_to(STALLED), 1);

@@ -10,8 +10,8 @@ use railguard_testkit as support;
 
 use std::time::Duration;
 
-use railguard::proxy::fence::LAST_LOOK_SQL;
-use railguard::proxy::idempotency::COMPLETE_SQL;
+use railguard::store::marks::LAST_LOOK_SQL;
+use railguard::store::records::COMPLETE_SQL;
 use support::Pg;
 use support::records::{Completions, idempotency_store, insert_in_flight, record_states};
 use tokio_postgres::{Client, GenericClient, Transaction};
@@ -380,7 +380,7 @@ async fn the_completion_statement_passes_over_records_changed_while_it_waits() {
 /// it is.
 #[tokio::test]
 async fn a_passed_over_completion_that_cannot_be_settled_is_retried() {
-    use railguard::proxy::idempotency::{RecordId, Records, StoredResponse};
+    use railguard::store::records::{RecordId, Records, StoredResponse};
     use railguard::token::AccountId;
     use std::time::Duration;
 
@@ -528,7 +528,7 @@ async fn indexes_on_the_state_do_not_change_the_completions_plan() {
 /// for its owner is completed too, and the caller hears so only once it is.
 #[tokio::test]
 async fn a_completion_goes_by_what_a_concurrent_change_left() {
-    use railguard::proxy::idempotency::{RecordId, Records, StoredResponse};
+    use railguard::store::records::{RecordId, Records, StoredResponse};
     use railguard::token::AccountId;
 
     let (pg, mut client) = cluster().await;
@@ -730,8 +730,11 @@ async fn the_last_look_never_reads_from_a_server_that_takes_no_writes() {
 /// when the look's sessions cannot be opened, even with the pool's fine.
 #[tokio::test]
 async fn readiness_needs_the_last_look_sessions_too() {
-    use railguard::proxy::fence::{Batching, HighWaterStore, ThisProcess};
-    use railguard::proxy::idempotency::{InstanceId, Records};
+    use railguard::store::{
+        batch::Batching,
+        marks::{HighWaterStore, ThisProcess},
+    };
+    use railguard::store::{instance::InstanceId, records::Records};
     use std::sync::Arc;
     use std::time::Duration;
 

@@ -14,7 +14,7 @@ use tokio::process::Command;
 
 use crate::load::percentile;
 use railguard::db::server::SUPERUSER;
-use railguard::proxy::fence::ADVANCE_SQL;
+use railguard::store::marks::ADVANCE_SQL;
 
 /// A pgbench run.
 #[derive(Debug, Clone)]

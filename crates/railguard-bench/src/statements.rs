@@ -20,7 +20,7 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use railguard::db::{build_completion_pool, build_look_pool, build_pool};
-use railguard::proxy::fence::{ADVANCE_BATCH_SQL, BATCH_SQL, LAST_LOOK_SQL};
+use railguard::store::marks::{ADVANCE_BATCH_SQL, BATCH_SQL, LAST_LOOK_SQL};
 
 /// [`ADVANCE_BATCH_SQL`] as one process runs it: its forwarder entry (process and sequence
 /// number, `store::handover`) written in as constants, so that it takes the accounts and tokens
@@ -43,7 +43,7 @@ fn batch_sql() -> Result<String, String> {
         "keyed, one process",
     )
 }
-use railguard::proxy::idempotency::COMPLETE_SQL;
+use railguard::store::records::COMPLETE_SQL;
 use railguard_testkit::Pg;
 use std::fmt::Write as _;
 

@@ -568,7 +568,7 @@ pub async fn run(options: RunOptions, ci: bool, exe: &Path) -> Result<Report, St
         Ok(client) => match client
             .query_one(
                 IN_DOUBT_AT_END_SQL,
-                &[&railguard::proxy::idempotency::FIRST_REQUEST_AFTER_STORE_CHANGE],
+                &[&railguard::store::records::FIRST_REQUEST_AFTER_STORE_CHANGE],
             )
             .await
         {

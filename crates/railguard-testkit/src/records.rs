@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use railguard::proxy::fence::Batching;
-use railguard::proxy::idempotency::{IdempotencyStore, OutcomeMetrics};
+use railguard::store::batch::Batching;
+use railguard::store::records::{IdempotencyStore, OutcomeMetrics};
 use tokio_postgres::types::ToSql;
 
 /// In-flight records for accounts `acct-{from..=to}`, key `key-{n}`, owner `owner-{n}`.
@@ -36,7 +36,7 @@ pub async fn record_states(client: &tokio_postgres::Client) -> Vec<(String, Stri
         .collect()
 }
 
-/// The arrays of a completion batch (`railguard::proxy::idempotency::COMPLETE_SQL`) for the
+/// The arrays of a completion batch (`railguard::store::records::COMPLETE_SQL`) for the
 /// records [`insert_in_flight`] made: a 201 with a small JSON answer each.
 pub struct Completions {
     accounts: Vec<String>,
@@ -91,7 +91,7 @@ pub fn idempotency_store(
     let batching = Batching::default();
     let sessions = railguard::db::build_completion_pool(
         url,
-        railguard::db::slots::most_in_flight(batching.concurrency),
+        railguard::store::batch::most_in_flight(batching.concurrency),
         timeout,
     )
     .expect("completion sessions");

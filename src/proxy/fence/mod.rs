@@ -36,13 +36,10 @@
 //! counts what it would have refused in `railguard_would_have_fenced_total`, but everything is
 //! forwarded, even when the database is unreachable.
 
-mod batch;
 mod lost_attempt;
 mod mark_cache;
 mod ordering;
-mod recheck;
 mod refusal_log;
-mod store;
 mod turn;
 
 use self::lost_attempt::LostAttempt;
@@ -57,16 +54,18 @@ use tokio::time::Instant;
 use tower::{Layer, Service};
 use tracing::Instrument;
 
-pub use self::batch::{ADVANCE_BATCH_SQL, BATCH_SQL};
-pub use self::recheck::LAST_LOOK_SQL;
-pub use self::store::{ADVANCE_SQL, Batching, HighWaterStore, StoreError, ThisProcess, Verdict};
+pub use crate::store::batch::Batching;
+pub use crate::store::marks::{
+    ADVANCE_BATCH_SQL, ADVANCE_SQL, BATCH_SQL, HighWaterStore, LAST_LOOK_SQL, StoreError,
+    ThisProcess, Verdict,
+};
 
 use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
 use self::refusal_log::RefusalLog;
 use super::forward::{LateForwards, UpstreamTimeout};
 use super::idempotency::{
-    IdempotencyConflict, NewRecord, Records, Resolver, lost_first_attempt, own_answer,
+    IdempotencyConflict, NewRecord, RecordGuard, Records, Resolver, lost_first_attempt, own_answer,
 };
 use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::metrics::{FencePath, Metrics};
@@ -458,7 +457,7 @@ where
                 epoch.observe(token.get());
             }
             let owns_record = record.is_some();
-            request.record = record;
+            request.record = record.map(|r| RecordGuard::adopt(r, request.maybe_sent.clone()));
             let forward = admitted_forward(
                 point,
                 inner,
@@ -649,7 +648,7 @@ where
     match verdict {
         Ok(Verdict::Accepted { record, .. }) => {
             span.record("verdict", "accepted");
-            request.record = record;
+            request.record = record.map(|r| RecordGuard::adopt(r, request.maybe_sent.clone()));
         }
         Ok(Verdict::Stale) => {
             span.record("verdict", "stale_forwarded");
@@ -678,8 +677,29 @@ fn new_record(request: &FencedRequest, store_timeout: std::time::Duration) -> Op
         fingerprint: k.fingerprint.clone(),
         owner: k.owner.clone(),
         in_doubt_after: remaining + store_timeout + std::time::Duration::from_secs(1),
-        maybe_sent: request.maybe_sent.clone(),
     })
+}
+
+impl HighWater for HighWaterStore {
+    fn advance(
+        &self,
+        account: &AccountId,
+        token: FencingToken,
+        record: Option<NewRecord>,
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
+        HighWaterStore::advance(self, account, token, record)
+    }
+
+    fn current_mark(
+        &self,
+        account: &AccountId,
+    ) -> impl Future<Output = Result<i64, StoreError>> + Send {
+        HighWaterStore::current_mark(self, account)
+    }
+
+    fn timeout(&self) -> std::time::Duration {
+        HighWaterStore::timeout(self)
+    }
 }
 
 #[cfg(test)]

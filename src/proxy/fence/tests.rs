@@ -11,8 +11,8 @@ use tower::{ServiceExt, service_fn};
 
 use super::*;
 use crate::proxy::IdempotencyKey;
+use crate::proxy::idempotency::RecordId;
 use crate::proxy::idempotency::record::tests::{Ended, MemoryRecords};
-use crate::proxy::idempotency::{RecordGuard, RecordId};
 
 /// Marks in memory: `>=` accepts and raises, `<` is stale; `current_mark` may be told to
 /// report a higher mark, as if another railguard had accepted a newer grant.
@@ -44,7 +44,7 @@ impl HighWater for Arc<MemoryMarks> {
                     key: r.key,
                     owner: r.owner,
                 };
-                RecordGuard::new(records, id, r.maybe_sent)
+                crate::store::records::Created::new(records, id)
             }),
             entry: None,
             foreign: Foreign::default(),

@@ -37,11 +37,11 @@ use tracing::Instrument;
 
 use self::connections::{RailBody, RailConnections, SendError};
 use super::fence::Turn;
-use super::idempotency::record::BoxFuture;
 use super::idempotency::{AskTheRail, LateAnswer, MaybeSent};
 use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
 use crate::config::Upstream;
 use crate::metrics::Metrics;
+use crate::store::records::BoxFuture;
 use crate::tls::client::RailConnector;
 
 /// The rail could not be reached, or broke off its answer. Its message gives the causes (a

@@ -10,9 +10,9 @@
 
 use std::sync::Arc;
 
-use super::record::{RecordId, Records};
 use super::replay;
 use crate::proxy::{BoxError, ProxyResponse};
+use crate::store::records::{RecordId, Records};
 
 /// Where a late answer to the request that owns `record` goes. The idempotency layer hands it
 /// to the forward with the request (as a request extension); the forward keeps it while it

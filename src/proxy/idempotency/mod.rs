@@ -22,14 +22,11 @@
 //! Where the records live is behind [`Records`], so that this layer's logic is unit-tested with
 //! records in memory; the server's are PostgreSQL's ([`IdempotencyStore`]).
 
-mod instance;
 mod key;
 mod late;
-mod outcomes;
 pub mod record;
 mod replay;
 pub mod resolve;
-pub mod store;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -38,17 +35,17 @@ use std::task::{Context, Poll};
 
 use tower::{Layer, Service};
 
-pub use self::instance::{InstanceId, hold_instance_lock, record_clean_stop};
 pub use self::key::{fingerprint, new_owner, parse_key};
 pub use self::late::LateAnswer;
-pub use self::outcomes::COMPLETE_SQL;
-pub use self::record::{MaybeSent, NewRecord, RecordGuard, RecordId, Records};
+pub use self::record::{MaybeSent, RecordGuard};
 #[cfg(test)]
 pub(crate) use self::replay::{BODY_OMITTED, REPLAYED};
 pub use self::resolve::{AskTheRail, Resolved, Resolver};
-pub use self::store::{
-    Because, CompletionError, FIRST_REQUEST_AFTER_STORE_CHANGE, Forgot, IdempotencyStore,
-    OutcomeMetrics, OwnerStopped, Record, RecordState, StoredResponse, sweep_forever,
+pub use crate::store::instance::{InstanceId, hold_instance_lock, record_clean_stop};
+pub use crate::store::records::{
+    Because, COMPLETE_SQL, CompletionError, FIRST_REQUEST_AFTER_STORE_CHANGE, Forgot,
+    IdempotencyStore, NewRecord, OutcomeMetrics, OwnerStopped, Record, RecordId, RecordState,
+    Records, StoredResponse, sweep_forever,
 };
 
 use super::forward::{Sent, UpstreamTimeout};

@@ -22,15 +22,10 @@
 //! A record in doubt still takes the rail's answer should it come late, while railguard holds
 //! the connection (`late`): a late answer completes it as an answer in time would have.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::time::Duration;
 
-use super::store::{Forgot, Record, StoredResponse};
-use crate::db::DbError;
-use crate::token::AccountId;
+use crate::store::records::{Created, RecordId, Records, StoredResponse};
 
 /// Set once the forward of a request may have reached the rail. The forward sets it when a
 /// connection first asks for the request's body (hyper asks only after the request head is on
@@ -98,98 +93,6 @@ impl MaybeSent {
     }
 }
 
-/// A record to create with the compare-and-set if, and only if, the request is accepted.
-#[derive(Debug, Clone)]
-pub struct NewRecord {
-    pub key: String,
-    pub fingerprint: String,
-    /// The request's own random id: see `idempotency_record.owner`.
-    pub owner: String,
-    /// How long after its creation the record is in doubt unless completed: the owning
-    /// request's own remaining time plus the time its completion may take. Decided by the
-    /// owner, so that no reader judges it by its own configuration.
-    pub in_doubt_after: Duration,
-    /// The owning request's flag: see [`MaybeSent`].
-    pub maybe_sent: MaybeSent,
-}
-
-/// Which record: an account's key, as created by one request (its owner id).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecordId {
-    pub account: AccountId,
-    pub key: String,
-    pub owner: String,
-}
-
-/// A boxed future, for the object-safe [`Records`].
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// Where idempotency records live: PostgreSQL's `idempotency_record`
-/// ([`IdempotencyStore`](super::IdempotencyStore)) in the server, memory in unit tests.
-pub trait Records: Send + Sync + 'static {
-    /// The record of `key` on `account`, if there is one.
-    fn find<'a>(
-        &'a self,
-        account: &'a AccountId,
-        key: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Record>, DbError>>;
-
-    /// Whether `key` on `account`, first sent under `first_token`, may have had its record
-    /// lost with the store: the token is below the fencing floor (it predates the last time
-    /// the store went back) and the key has no record now.
-    fn first_attempt_lost<'a>(
-        &'a self,
-        account: &'a AccountId,
-        key: &'a str,
-        first_token: i64,
-    ) -> BoxFuture<'a, Result<bool, DbError>>;
-
-    /// Stores the rail's answer for the record's owner: at once if the database takes it,
-    /// otherwise in the background (a repeat meanwhile is told `in_flight`).
-    fn complete(&self, record: RecordId, response: StoredResponse) -> BoxFuture<'static, ()>;
-
-    /// Says, for the owner, that its forward ended without the rail's answer (in the
-    /// background, retried until the database takes it).
-    fn declare_in_doubt(&self, record: RecordId);
-
-    /// Stores the rail's answer that came after the owner's forward had ended without it (a
-    /// late answer, `late`): the record is completed whether it is still in flight or was
-    /// declared in doubt meanwhile. In the background, retried until the database takes it.
-    fn complete_late(&self, record: RecordId, response: StoredResponse);
-
-    /// Deletes, in the background, a record whose request cannot have reached the rail.
-    fn forget_unsent(&self, record: RecordId);
-
-    /// The rail's lookup found the payment of `key`'s record in doubt: completes the record
-    /// with the rail's answer, audited (`resolve`). `false` when it is not in doubt.
-    fn complete_from_the_rail<'a>(
-        &'a self,
-        account: &'a AccountId,
-        key: &'a str,
-        response: StoredResponse,
-    ) -> BoxFuture<'a, Result<bool, DbError>>;
-
-    /// The rail's lookup found no payment with `key`: forgets its record in doubt only as
-    /// `idempotency-forget` would without an operator's word (`resolve`).
-    /// With `dry_run`, only whether it would be forgotten now (`Forgot::WouldForget`).
-    fn forget_not_on_the_rail<'a>(
-        &'a self,
-        account: &'a AccountId,
-        key: &'a str,
-        dry_run: bool,
-    ) -> BoxFuture<'a, Result<Forgot, DbError>>;
-
-    /// The rail's lookup found no payment under `key`, whose first attempt's record went back
-    /// with the store, asked once nothing sent before the change could still reach the rail:
-    /// the audit record of its retry going on as the key's first request (`resolve`). The retry
-    /// goes on only once it is written.
-    fn audit_first_request_after_store_change<'a>(
-        &'a self,
-        account: &'a AccountId,
-        key: &'a str,
-    ) -> BoxFuture<'a, Result<(), DbError>>;
-}
-
 /// Owns a record its request created; see the module docs.
 #[must_use = "dropping the guard forgets the record, or declares it in doubt"]
 pub struct RecordGuard {
@@ -207,6 +110,12 @@ impl RecordGuard {
             record: Some(record),
             maybe_sent,
         }
+    }
+
+    /// Takes charge of the record the request's compare-and-set created.
+    pub fn adopt(created: Created, maybe_sent: MaybeSent) -> Self {
+        let (records, record) = created.take();
+        Self::new(records, record, maybe_sent)
     }
 
     pub fn id(&self) -> &RecordId {
@@ -250,6 +159,9 @@ pub(crate) mod tests {
     use std::sync::Mutex;
 
     use super::*;
+    use crate::db::DbError;
+    use crate::store::records::{BoxFuture, Forgot, Record};
+    use crate::token::AccountId;
 
     /// What a guard did with its record.
     #[derive(Debug, Clone, PartialEq, Eq)]

@@ -10,9 +10,9 @@ use http::{HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Frame;
 
-use super::store::StoredResponse;
 use crate::http::{BoxError, ResponseBody, full};
 use crate::proxy::ProxyResponse;
+use crate::store::records::StoredResponse;
 
 pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotency-replayed");
 pub(crate) const BODY_OMITTED: HeaderName = HeaderName::from_static("idempotency-replay-body");

@@ -59,12 +59,12 @@ use prometheus::{IntCounterVec, Opts, Registry};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use super::record::{BoxFuture, Records};
 use super::replay;
-use super::store::{Forgot, StoredResponse};
 use crate::config::LookupTemplate;
 use crate::proxy::{BoxError, ProxyResponse};
 use crate::railsim::LOOKUP_KEY_HEADER;
+use crate::store::records::{BoxFuture, Records};
+use crate::store::records::{Forgot, StoredResponse};
 use crate::token::AccountId;
 
 /// Sends the lookup's `GET` to the rail (the forward's connections and TLS, in the server).

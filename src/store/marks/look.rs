@@ -1,20 +1,22 @@
 //! Reads of accounts' marks, grouped: the fence's last look before a forward starts.
 //!
 //! A read needs no commit, so it costs PostgreSQL far less than a compare-and-set; grouping
-//! the reads of concurrent requests keeps it to one statement per batch. A batch takes every
-//! read waiting when a slot frees up (a read that stalls stops holding its slot after a tenth
-//! of the database timeout: [`crate::db::slots`]). The reads run on sessions of their own
+//! the reads of concurrent requests keeps it to one statement per batch, run by the same
+//! batcher as the compare-and-sets ([`crate::store::batch`]). Reads never wait for one another
+//! and lock nothing. The reads run on sessions of their own
 //! ([`crate::db::build_look_pool`]), whose settings give the statement one plan, the primary
 //! key's, instead of a plan per execution.
 
 use std::collections::HashMap;
 
-use deadpool_postgres::Pool;
-use tokio::sync::{mpsc, oneshot};
+use std::future::Future;
 
-use super::store::StoreError;
+use deadpool_postgres::Pool;
+use tokio::sync::oneshot;
+
+use super::StoreError;
 use crate::db::DbError;
-use crate::db::slots::StatementSlots;
+use crate::store::batch::{Fit, Job};
 use crate::token::AccountId;
 
 /// The last look, grouped. Only ever run on the look pool's sessions.
@@ -22,30 +24,36 @@ pub const LAST_LOOK_SQL: &str =
     "SELECT account_id, highest_token FROM rail_high_water WHERE account_id = ANY($1)";
 
 /// Most reads in one statement.
-const MAX_BATCH: usize = 1024;
+pub(super) const MAX_BATCH: usize = 1024;
 
 /// One request waiting for its account's mark.
-pub(super) struct Asked {
+pub(crate) struct Asked {
     pub account: AccountId,
     pub reply: oneshot::Sender<Result<i64, StoreError>>,
 }
 
-/// Runs until every sender is gone. Timeouts are the callers' (and the server's
+/// The last look as a batcher's job. Timeouts are the callers' (and the server's
 /// `statement_timeout`): a read that answers late changes nothing.
-pub(super) async fn run(pool: Pool, slots: StatementSlots, mut queue: mpsc::Receiver<Asked>) {
-    while let Some(first) = queue.recv().await {
-        let slot = slots.wait().await;
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match queue.try_recv() {
-                Ok(asked) => batch.push(asked),
-                Err(_) => break,
-            }
-        }
-        let pool = pool.clone();
-        slots.run(slot, async move {
-            answer(&pool, batch).await;
-        });
+pub(crate) struct Look {
+    pub pool: Pool,
+}
+
+impl Job for Look {
+    type Item = Asked;
+    type Taken = ();
+    const NAME: &'static str = "look";
+
+    fn wanted(asked: &Asked) -> bool {
+        !asked.reply.is_closed()
+    }
+
+    fn fits(_: &mut (), _: &Asked) -> Fit {
+        Fit::Take
+    }
+
+    fn start(&self, batch: Vec<Asked>) -> impl Future<Output = ()> + Send + 'static {
+        let pool = self.pool.clone();
+        async move { answer(&pool, batch).await }
     }
 }
 

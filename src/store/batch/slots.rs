@@ -1,7 +1,7 @@
 //! Places for a batcher's statements in flight, and what becomes of a statement that stalls.
 //!
 //! Each group-commit batcher (the fence's compare-and-sets, the idempotency completions, the
-//! fence's last looks) runs at most `concurrency` statements at once: while they wait for
+//! fence's last looks: `batch::run`) runs at most `concurrency` statements at once: while they wait for
 //! their commit the next batch fills, and the fewer run at once, the larger — and the cheaper
 //! per request — each batch is.
 //!
@@ -10,7 +10,7 @@
 //! them) fires none of the timeouts that would end it: `statement_timeout` runs on a server
 //! that may never have seen the statement, and `tcp_user_timeout` needs data left
 //! unacknowledged. The batcher must keep listening to such a statement — it may still commit,
-//! and its answer is the only truth about what it did (`proxy::fence`'s `batch`) — but it must
+//! and its answer is the only truth about what it did (`marks`' `advance`) — but it must
 //! not keep its place, or every request queued behind it waits until its deadline passes.
 //!
 //! So a statement holds its place for at most [`hold_for`] (a tenth of `database.timeout_ms`).
@@ -23,7 +23,7 @@
 //! it would without them.
 //!
 //! Every statement is counted in an [`Unanswered`] until it has answered and what its answer
-//! left to do is done (a record nobody was told about is deleted: `proxy::idempotency`), so
+//! left to do is done (a record nobody was told about is deleted: `records::Created`), so
 //! that shutdown waits for it: a compare-and-set that commits after its process stopped would
 //! leave its idempotency record in flight, and later in doubt, though nothing was forwarded.
 

@@ -2,7 +2,7 @@
 //! batchers' requests for those rows wait.
 //!
 //! A statement that stalls with row locks held (a backend stopped mid-statement) is set aside
-//! so that the next batch can start (`db::slots`). But a batch that meets one of its locked
+//! so that the next batch can start ([`super::slots`]). But a batch that meets one of its locked
 //! rows waits for that lock until `lock_timeout` and then fails as a whole: every request in it
 //! refused for one row's sake, batch after batch while the stall lasts. So each batcher keeps
 //! here what its statements in flight lock — the fence's compare-and-sets their accounts' mark
@@ -28,8 +28,8 @@ use crate::token::AccountId;
 #[derive(Default)]
 pub struct HeldRows {
     rows: Mutex<Rows>,
-    fence_released: Notify,
-    completion_released: Notify,
+    /// One per batcher: woken when a statement lets its rows go.
+    released: Mutex<Vec<Arc<Notify>>>,
 }
 
 /// What the statements in flight hold.
@@ -111,12 +111,15 @@ impl HeldRows {
         }
     }
 
-    pub(crate) fn fence_released(&self) -> &Notify {
-        &self.fence_released
-    }
-
-    pub(crate) fn completion_released(&self) -> &Notify {
-        &self.completion_released
+    /// What wakes one batcher when a statement lets its rows go. Each batcher has its own, so
+    /// that a release one of them does not wait for is never lost to another.
+    pub(crate) fn subscribe(&self) -> Arc<Notify> {
+        let released = Arc::new(Notify::new());
+        self.released
+            .lock()
+            .expect("never poisoned")
+            .push(released.clone());
+        released
     }
 }
 
@@ -142,8 +145,9 @@ impl Drop for Held {
             }
         }
         drop(rows);
-        self.held.fence_released.notify_one();
-        self.held.completion_released.notify_one();
+        for released in self.held.released.lock().expect("never poisoned").iter() {
+            released.notify_one();
+        }
     }
 }
 
@@ -353,20 +357,39 @@ mod tests {
         let mut queue = BatchQueue::new(rx);
         let held = Arc::new(HeldRows::default());
         queue.hold_back([(HeldRow::Mark(account("a")), 1)], |_| true);
+        let released = held.subscribe();
         let statement = held.hold(&mut held.rows(), vec![account("a")], vec![]);
         let waited = tokio::time::timeout(
             std::time::Duration::from_millis(50),
-            queue.wait_for_rows(held.fence_released()),
+            queue.wait_for_rows(&released),
         )
         .await;
         assert!(waited.is_err(), "nothing released, nothing arrived");
         drop(statement);
-        queue.wait_for_rows(held.fence_released()).await;
+        queue.wait_for_rows(&released).await;
         tx.send(2).await.unwrap();
-        queue.wait_for_rows(held.fence_released()).await;
+        queue.wait_for_rows(&released).await;
         assert_eq!(queue.waiting, [2]);
         drop(tx);
-        queue.wait_for_rows(held.fence_released()).await;
+        queue.wait_for_rows(&released).await;
         assert!(!queue.open, "the queue closed");
+    }
+
+    #[tokio::test]
+    async fn a_release_wakes_every_batcher_even_one_not_yet_waiting() {
+        let held = Arc::new(HeldRows::default());
+        let (fence, completions) = (held.subscribe(), held.subscribe());
+        let statement = held.hold(&mut held.rows(), vec![account("a")], vec![]);
+        let waiting = tokio::spawn(async move { fence.notified().await });
+        tokio::task::yield_now().await;
+        drop(statement);
+        let within = std::time::Duration::from_secs(1);
+        tokio::time::timeout(within, waiting)
+            .await
+            .expect("the waiting batcher is woken")
+            .unwrap();
+        tokio::time::timeout(within, completions.notified())
+            .await
+            .expect("and the other finds the release when it comes to wait");
     }
 }

@@ -1,12 +1,4 @@
-//! Group commit for fence compare-and-sets.
-//!
-//! One durable commit costs 0.4–3 ms of fsync on these machines, so one commit per request caps
-//! the proxy at a few thousand requests per second. Requests queue here instead; a batch takes
-//! every request waiting when a statement slot frees up (at most `max_batch`), and runs them as
-//! one statement over `unnest` arrays — one round trip, one commit. While `concurrency`
-//! statements wait for their commits, the next batch fills; a statement that stalls stops
-//! holding its place after a tenth of the database timeout, and is still listened to
-//! ([`crate::db::slots`]).
+//! The fence's compare-and-sets, a batch at a time ([`super::super::batch`] runs the batches).
 //!
 //! **Exactness.** Each request is one row of the statement, and a row's verdict is the verdict
 //! of that request's own compare-and-set. To keep it so, a batch never holds two requests for
@@ -16,28 +8,28 @@
 //! running them one after the other would give. Rows are inserted in account order, so two
 //! batches in flight lock rows in the same order and cannot deadlock. And a batch never holds
 //! a row that a statement still unanswered holds (an account's mark, an idempotency record
-//! being completed): such a request waits for that statement to answer
-//! ([`crate::proxy::held`]), so that a statement stalled with its row locks held (a stopped
-//! backend) holds up its own rows only, not every batch that meets one of them.
+//! being completed): such a request waits for that statement to answer, so that a statement
+//! stalled with its row locks held (a stopped backend) holds up its own rows only, not every
+//! batch that meets one of them.
 //!
 //! **Callers that gave up.** A record a request's row created is handed to the caller as a
-//! [`RecordGuard`] inside its verdict. A caller whose deadline passed has dropped its reply
-//! channel, so the verdict — and the guard in it — is dropped undelivered, and the guard
-//! deletes the record: nothing forwarded that request, so a retry must not be refused.
+//! [`Created`] inside its verdict. A caller whose deadline passed has dropped its reply
+//! channel, so the verdict — and the record in it — is dropped undelivered, and the record is
+//! forgotten: nothing forwarded that request, so a retry must not be refused.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use prometheus::Histogram;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
-use super::store::{Batching, StoreError, Verdict};
+use super::{StoreError, Verdict};
 use crate::db::{DbError, Notices};
-use crate::proxy::held::{BatchQueue, HeldRow, Rows};
-use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, RecordId, Records};
-use crate::store::handover::{Entry, Foreign};
+use crate::store::batch::{Fit, HeldRow, Job, Rows};
+use crate::store::handover::{Entry, Foreign, Handover};
+use crate::store::instance::InstanceId;
+use crate::store::records::{Created, NewRecord, RecordId, Records};
 use crate::token::{AccountId, FencingToken};
 
 /// The compare-and-set of a batch, written once for both statements below: advances every
@@ -110,57 +102,74 @@ SELECT account_id, idempotency_key, NULL, NULL FROM recorded"
 );
 
 /// One request waiting for its verdict.
-pub(super) struct Pending {
+pub(crate) struct Pending {
     pub account: AccountId,
     pub token: FencingToken,
     pub record: Option<NewRecord>,
     pub reply: oneshot::Sender<Result<Verdict, StoreError>>,
 }
 
-/// The batcher: runs until every sender is gone.
-pub(super) async fn run(
-    pool: Pool,
-    batching: Batching,
-    timeout: Duration,
-    sizes: Histogram,
-    process: super::store::ThisProcess,
-    records: Arc<dyn Records>,
-    queue: mpsc::Receiver<Pending>,
-) {
-    let super::store::ThisProcess { instance, handover } = process;
-    let (slots, held, max_batch, notices) = (
-        batching.slots("fence", timeout),
-        batching.held.clone(),
-        batching.max_batch,
-        batching.notices.clone(),
-    );
-    let mut queue = BatchQueue::new(queue);
-    let wanted = |p: &Pending| !p.reply.is_closed();
-    while queue.has_work().await {
-        let slot = slots.wait().await;
-        // Everything that arrived while we waited for a slot rides along. The statement locks
-        // its accounts' mark rows. Not the records it creates or meets: a completion must
-        // never wait behind repeats of its own key (they keep coming while the first request
-        // waits for its answer to be stored, and would starve it), so completions go first
-        // and a repeat waits for the completion instead.
-        let Some((batch, rows)) = queue.next_batch(
-            &held,
-            max_batch * 4,
-            wanted,
-            |waiting, rows| take_batch(waiting, max_batch, rows),
-            |batch| (distinct_accounts(batch), Vec::new()),
-        ) else {
-            drop(slot);
-            // Only requests for rows that statements in flight hold: wait for one to answer,
-            // or for a request that can go.
-            queue.wait_for_rows(held.fence_released()).await;
-            continue;
-        };
-        sizes.observe(batch.len() as f64);
-        let (pool, records, notices) = (pool.clone(), records.clone(), notices.clone());
+/// The compare-and-set as a batcher's job.
+pub(crate) struct Advance {
+    pub pool: Pool,
+    pub notices: Notices,
+    pub instance: InstanceId,
+    /// This process's forwards as other processes see them (`store::handover`).
+    pub handover: Option<Arc<Handover>>,
+    /// Where a record nobody was told about is forgotten.
+    pub records: Arc<dyn Records>,
+}
+
+/// What a batch taken so far holds: each account's token and each record's key.
+#[derive(Default)]
+pub(crate) struct Taken {
+    tokens: HashMap<AccountId, FencingToken>,
+    keys: HashSet<(AccountId, String)>,
+}
+
+impl Job for Advance {
+    type Item = Pending;
+    type Taken = Taken;
+    const NAME: &'static str = "fence";
+
+    fn wanted(pending: &Pending) -> bool {
+        !pending.reply.is_closed()
+    }
+
+    fn blocker(pending: &Pending, rows: &Rows) -> Option<HeldRow> {
+        let key = pending.record.as_ref().map(|r| r.key.as_str());
+        rows.fence_blocker(&pending.account, key)
+    }
+
+    fn fits(taken: &mut Taken, pending: &Pending) -> Fit {
+        let other_token = taken
+            .tokens
+            .get(&pending.account)
+            .is_some_and(|t| *t != pending.token);
+        let key = pending
+            .record
+            .as_ref()
+            .map(|r| (pending.account.clone(), r.key.clone()));
+        if other_token || key.as_ref().is_some_and(|k| taken.keys.contains(k)) {
+            return Fit::Later;
+        }
+        taken.tokens.insert(pending.account.clone(), pending.token);
+        taken.keys.extend(key);
+        Fit::Take
+    }
+
+    /// The statement locks its accounts' mark rows. Not the records it creates or meets: a
+    /// completion must never wait behind repeats of its own key (they keep coming while the
+    /// first request waits for its answer to be stored, and would starve it), so completions
+    /// go first and a repeat waits for the completion instead.
+    fn locks(batch: &[Pending]) -> (Vec<AccountId>, Vec<(AccountId, String)>) {
+        (distinct_accounts(batch), Vec::new())
+    }
+
+    fn start(&self, batch: Vec<Pending>) -> impl Future<Output = ()> + Send + 'static {
         // Registered before the statement is sent: once it commits, other processes may find
         // this process's entry in the accounts' rows (`store::handover`).
-        let (seq, entries) = match &handover {
+        let (seq, entries) = match &self.handover {
             Some(handover) => {
                 let (seq, entries) =
                     handover.register(batch.iter().map(|p| (&p.account, p.token.get())));
@@ -168,12 +177,13 @@ pub(super) async fn run(
             }
             None => (0, batch.iter().map(|_| None).collect()),
         };
-        // A statement that stalls stops holding up the next batch, and is still listened to;
-        // the rows it touches are held until it answers.
-        slots.run(slot, async move {
-            execute(&pool, &notices, instance, &records, seq, batch, entries).await;
-            drop(rows);
-        });
+        let (pool, notices, instance, records) = (
+            self.pool.clone(),
+            self.notices.clone(),
+            self.instance,
+            self.records.clone(),
+        );
+        async move { execute(&pool, &notices, instance, &records, seq, batch, entries).await }
     }
 }
 
@@ -184,49 +194,6 @@ fn distinct_accounts(batch: &[Pending]) -> Vec<AccountId> {
         .filter(|p| seen.insert(&p.account))
         .map(|p| p.account.clone())
         .collect()
-}
-
-/// Takes, in arrival order, the requests that can share one statement; leaves the rest in
-/// `waiting`, and returns apart those that need a row a statement in flight holds.
-fn take_batch(
-    waiting: &mut VecDeque<Pending>,
-    max: usize,
-    held: &Rows,
-) -> (Vec<Pending>, Vec<(HeldRow, Pending)>) {
-    let mut batch = Vec::new();
-    let mut tokens: HashMap<AccountId, FencingToken> = HashMap::new();
-    let mut keys: HashSet<(AccountId, String)> = HashSet::new();
-    let mut later = VecDeque::new();
-    let mut blocked = Vec::new();
-    for pending in waiting.drain(..) {
-        if pending.reply.is_closed() {
-            continue; // its caller gave up before anything was done
-        }
-        let key = pending.record.as_ref().map(|r| r.key.as_str());
-        if let Some(row) = held.fence_blocker(&pending.account, key) {
-            blocked.push((row, pending));
-            continue;
-        }
-        let clash = batch.len() >= max
-            || tokens
-                .get(&pending.account)
-                .is_some_and(|t| *t != pending.token)
-            || pending
-                .record
-                .as_ref()
-                .is_some_and(|r| keys.contains(&(pending.account.clone(), r.key.clone())));
-        if clash {
-            later.push_back(pending);
-            continue;
-        }
-        tokens.insert(pending.account.clone(), pending.token);
-        if let Some(record) = &pending.record {
-            keys.insert((pending.account.clone(), record.key.clone()));
-        }
-        batch.push(pending);
-    }
-    *waiting = later;
-    (batch, blocked)
 }
 
 async fn execute(
@@ -353,7 +320,7 @@ async fn execute(
                             key: r.key,
                             owner: r.owner,
                         };
-                        RecordGuard::new(records_store.clone(), id, r.maybe_sent)
+                        Created::new(records_store.clone(), id)
                     }),
                     entry,
                     foreign: foreign.clone(),
@@ -361,7 +328,7 @@ async fn execute(
             }
             None => Verdict::Stale,
         };
-        // A caller that is gone drops the verdict, and with it the guard of its record and its
+        // A caller that is gone drops the verdict, and with it its record (forgotten) and its
         // forward's entry (nothing was sent).
         let _ = pending.reply.send(Ok(verdict));
     }
@@ -380,13 +347,13 @@ struct RecordColumns<'a> {
 
 /// The batch committed, but PostgreSQL could not say that the commit reached the synchronous
 /// standby: a failover may lose it. No request of it is taken as accepted: each is answered as
-/// the database failing (503, nothing forwarded; the client may retry). The records the commit
-/// made are handed to guards and let go at once, before anything was forwarded, so they are
+/// the database failing (nothing forwarded; the client may retry). The records the commit
+/// made are forgotten at once, before anything was forwarded, so they are
 /// removed as unsent, and a retry with the same key is not refused (should the removal itself
 /// be lost, the record is in doubt once its deadline passes: a retry is refused, never
 /// forwarded twice). The marks it advanced stay: a mark advanced for a request that was not
-/// forwarded is safe (`proxy::fence`), and one lost at a failover is covered by the fencing
-/// floor (`store::epoch`).
+/// forwarded is safe (`proxy::fence` says why), and one lost at a failover is covered by the
+/// fencing floor (`store::epoch`).
 fn not_replicated(
     batch: Vec<Pending>,
     recorded: &HashSet<(String, String)>,
@@ -409,11 +376,7 @@ fn not_replicated(
                 key: record.key,
                 owner: record.owner,
             };
-            drop(RecordGuard::new(
-                records_store.clone(),
-                id,
-                record.maybe_sent,
-            ));
+            drop(Created::new(records_store.clone(), id));
         }
         let _ = pending.reply.send(Err(StoreError::NotReplicated));
     }
@@ -429,7 +392,10 @@ fn fail(batch: Vec<Pending>, error: StoreError) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::held::HeldRows;
+    use std::collections::VecDeque;
+    use std::time::Duration;
+
+    use crate::store::batch::{HeldRows, take};
 
     fn pending(
         account: &str,
@@ -442,7 +408,6 @@ mod tests {
             fingerprint: "f".into(),
             owner: "o".into(),
             in_doubt_after: Duration::from_secs(5),
-            maybe_sent: Default::default(),
         });
         let p = Pending {
             account: AccountId::parse(account, 64).unwrap(),
@@ -469,7 +434,7 @@ mod tests {
             waiting.push_back(p);
             receivers.push(rx);
         }
-        let (batch, blocked) = take_batch(&mut waiting, 100, &Rows::default());
+        let (batch, blocked) = take::<Advance>(&mut waiting, 100, &Rows::default());
         assert!(blocked.is_empty());
         let picked: Vec<(String, i64)> = batch
             .iter()
@@ -506,7 +471,7 @@ mod tests {
                 keep.push(rx); // the first caller's receiver is dropped: it gave up
             }
         }
-        let (batch, _) = take_batch(&mut waiting, 4, &Rows::default());
+        let (batch, _) = take::<Advance>(&mut waiting, 4, &Rows::default());
         assert_eq!(batch.len(), 4);
         assert_eq!(batch[0].account.as_str(), "acct-1");
         assert_eq!(waiting.len(), 5);
@@ -542,7 +507,7 @@ mod tests {
             vec![account("a")],
             vec![(account("b"), "k".into())],
         );
-        let (batch, blocked) = take_batch(&mut waiting, 100, &held.rows());
+        let (batch, blocked) = take::<Advance>(&mut waiting, 100, &held.rows());
         let picked: Vec<(&str, Option<&str>)> = batch
             .iter()
             .map(|p| {

@@ -1,4 +1,4 @@
-//! The proxy's fencing point in PostgreSQL: `rail_high_water(account_id, highest_token)`.
+//! The accounts' high-water marks in PostgreSQL: `rail_high_water(account_id, highest_token)`.
 //!
 //! [`HighWaterStore::advance`] is FR-17's compare-and-set: it inserts the account's first mark
 //! or raises the existing one, and raises it only when the presented token is at least the
@@ -8,33 +8,39 @@
 //! (C1 §1.6), so a holder may send any number of payments under one token.
 //!
 //! Durability is kept (`synchronous_commit` stays on) and its cost shared: concurrent advances
-//! for *different* accounts are grouped into one statement and one commit ([`batch`]). Each
+//! for *different* accounts are grouped into one statement and one commit (`advance`, run by
+//! [`super::batch`]). Each
 //! request is still exactly one row of that statement with its own verdict, so the semantics
 //! are those of one compare-and-set per request, in some order.
 //!
 //! An advance may carry an idempotency record (C3 §3.1); it is inserted by the same statement,
 //! only for an accepted request, so the record exists if and only if the fence let it through,
-//! and it comes back inside the verdict as the [`RecordGuard`] that owns it.
+//! and it comes back inside the verdict as the [`Created`] record the caller takes charge of.
+//!
+//! Just before a forward starts, the fence reads the account's mark again
+//! ([`HighWaterStore::current_mark`]): reads grouped by the same batcher (`look`), no commit.
 
-use super::{batch, recheck};
+mod advance;
+mod look;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use prometheus::{Histogram, IntGaugeVec};
+use prometheus::Histogram;
 use tokio::sync::{mpsc, oneshot};
 
-use std::sync::Arc;
-
+pub use self::advance::{ADVANCE_BATCH_SQL, BATCH_SQL};
+pub use self::look::LAST_LOOK_SQL;
 use crate::db::DbError;
-use crate::db::slots::{StatementSlots, Unanswered};
-use crate::proxy::held::HeldRows;
-use crate::proxy::idempotency::{InstanceId, NewRecord, RecordGuard, Records};
+use crate::store::batch::{self, Batching};
 use crate::store::handover::{Entry, Foreign, Handover};
+use crate::store::instance::InstanceId;
+use crate::store::records::{Created, NewRecord, Records};
 use crate::token::{AccountId, FencingToken};
 
 /// The single-row compare-and-set, as one statement per request would run it. The proxy runs
-/// the batched form in `batch`; benchmarks run this one with `pgbench` as the baseline.
+/// the batched form (`advance`); benchmarks run this one with `pgbench` as the baseline.
 pub const ADVANCE_SQL: &str = "\
 INSERT INTO rail_high_water AS h (account_id, highest_token)
 SELECT $1, $2 WHERE $2 >= (SELECT floor FROM railguard_store_epoch)
@@ -46,13 +52,13 @@ ON CONFLICT (account_id) DO UPDATE
 #[derive(Debug)]
 pub enum Verdict {
     /// The token was at least the mark; the mark is now the token. `record`: the request's
-    /// idempotency record was created, and is owned by this guard (`None` when the request had
-    /// no key, or a record for it already existed). `entry`: the forward as this process's
+    /// idempotency record was created, and is forgotten unless the caller takes charge of it
+    /// (`None` when the request had no key, or a record for it already existed). `entry`: the forward as this process's
     /// other processes see it, pending until dropped (`store::handover`); `foreign`: the other
     /// processes' entries the account's row held, whose forwards must be settled before this
     /// one starts.
     Accepted {
-        record: Option<RecordGuard>,
+        record: Option<Created>,
         entry: Option<Entry>,
         foreign: Foreign,
     },
@@ -61,7 +67,7 @@ pub enum Verdict {
 }
 
 /// The database could not give a verdict. Whether a compare-and-set that timed out committed
-/// is unknown — which is safe either way (see `proxy::fence`).
+/// is unknown — which is safe either way (`proxy::fence` says why).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error(transparent)]
@@ -96,69 +102,6 @@ impl From<tokio_postgres::Error> for StoreError {
 /// queueing behind a database that is not keeping up.
 const QUEUE_LIMIT: usize = 16_384;
 
-/// How compare-and-sets are grouped (and idempotency completions, and last looks).
-#[derive(Clone)]
-pub struct Batching {
-    /// Most requests in one statement.
-    pub max_batch: usize,
-    /// Statements in flight at once; while they wait for their commit the next batch fills.
-    pub concurrency: usize,
-    /// Where each batcher counts its stalled statements (`db::slots`), by the label
-    /// `statement`: `fence`, `completion`, `look`.
-    pub stalled: IntGaugeVec,
-    /// Statements not yet answered, and what their answers left to do: shutdown waits for
-    /// them (`db::slots`).
-    pub unanswered: Unanswered,
-    /// Rows the statements in flight hold, which the batchers' requests wait for
-    /// (`proxy::held`); the fence's and the completions' batchers share it.
-    pub held: Arc<HeldRows>,
-    /// Commits of the main pool's sessions reported as done but not replicated
-    /// ([`crate::db::notices`]): the fence's compare-and-sets read theirs.
-    pub notices: crate::db::Notices,
-}
-
-impl Default for Batching {
-    fn default() -> Self {
-        Self {
-            max_batch: 512,
-            concurrency: 1,
-            stalled: crate::metrics::statements_stalled(),
-            unanswered: Unanswered::default(),
-            held: Arc::default(),
-            notices: crate::db::Notices::default(),
-        }
-    }
-}
-
-impl Batching {
-    /// Why no statement of some batcher can start now: every place, the overrun places
-    /// included, is held by a statement stalled on the database (`db::slots`).
-    pub fn jammed(&self) -> Option<String> {
-        let places = crate::db::slots::most_in_flight(self.concurrency);
-        ["fence", "completion", "look"]
-            .into_iter()
-            .find_map(|statement| {
-                let stalled = self.stalled.with_label_values(&[statement]).get();
-                (stalled >= places as i64).then(|| {
-                format!(
-                    "{stalled} {statement} statements stalled on their database connections hold \
-                     every place, so no other can start (railguard_db_statements_stalled)"
-                )
-            })
-            })
-    }
-
-    /// The places of one batcher's statements (`statement`: which batcher, for the gauge).
-    pub(crate) fn slots(&self, statement: &str, timeout: Duration) -> StatementSlots {
-        StatementSlots::new(
-            self.concurrency,
-            timeout,
-            self.stalled.with_label_values(&[statement]),
-            self.unanswered.clone(),
-        )
-    }
-}
-
 /// This process, as what the compare-and-sets write besides marks: the owner of the records
 /// they make, and (with several processes on one database) its forwarders' entries
 /// (`store::handover`; `None`: entries are written but never waited for).
@@ -177,15 +120,15 @@ pub struct HighWaterStore {
     /// The last look's sessions: checked by [`ready`](Self::ready) too.
     looks: Pool,
     timeout: Duration,
-    requests: mpsc::Sender<batch::Pending>,
-    rechecks: mpsc::Sender<recheck::Asked>,
+    requests: mpsc::Sender<advance::Pending>,
+    rechecks: mpsc::Sender<look::Asked>,
 }
 
 impl HighWaterStore {
     /// Starts the batchers; they stop when the last clone of the store is dropped. Records
     /// created here are owned by `process`. The last looks run on `looks`
     /// ([`crate::db::build_look_pool`]), which needs
-    /// [`crate::db::slots::most_in_flight`]`(batching.concurrency)` sessions.
+    /// [`crate::store::batch::most_in_flight`]`(batching.concurrency)` sessions.
     pub fn new(
         pool: Pool,
         looks: Pool,
@@ -197,18 +140,30 @@ impl HighWaterStore {
     ) -> Self {
         let (requests, queue) = mpsc::channel(QUEUE_LIMIT);
         let (rechecks, recheck_queue) = mpsc::channel(QUEUE_LIMIT);
-        tokio::spawn(recheck::run(
-            looks.clone(),
-            batching.slots("look", timeout),
-            recheck_queue,
-        ));
         tokio::spawn(batch::run(
-            pool.clone(),
+            look::Look {
+                pool: looks.clone(),
+            },
             batching.clone(),
             timeout,
-            batch_sizes,
-            process,
+            look::MAX_BATCH,
+            None,
+            recheck_queue,
+        ));
+        let advance = advance::Advance {
+            pool: pool.clone(),
+            notices: batching.notices.clone(),
+            instance: process.instance,
+            handover: process.handover,
             records,
+        };
+        let max_batch = batching.max_batch;
+        tokio::spawn(batch::run(
+            advance,
+            batching.clone(),
+            timeout,
+            max_batch,
+            Some(batch_sizes),
             queue,
         ));
         Self {
@@ -233,7 +188,7 @@ impl HighWaterStore {
     pub async fn current_mark(&self, account: &AccountId) -> Result<i64, StoreError> {
         let (reply, answer) = oneshot::channel();
         self.rechecks
-            .try_send(recheck::Asked {
+            .try_send(look::Asked {
                 account: account.clone(),
                 reply,
             })
@@ -261,7 +216,7 @@ impl HighWaterStore {
         record: Option<NewRecord>,
     ) -> Result<Verdict, StoreError> {
         let (reply, verdict) = oneshot::channel();
-        let pending = batch::Pending {
+        let pending = advance::Pending {
             account: account.clone(),
             token,
             record,
@@ -276,7 +231,7 @@ impl HighWaterStore {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(StoreError::Closed),
             // A verdict that arrived just as we gave up is still the verdict; otherwise dropping
-            // the receiver tells the batch we are gone (see `batch::deliver`).
+            // the receiver tells the batch we are gone (`advance`).
             Err(_) => match verdict.try_recv() {
                 Ok(result) => result,
                 Err(_) => Err(DbError::Timeout(self.timeout).into()),
@@ -312,27 +267,5 @@ impl HighWaterStore {
         tokio::time::timeout(self.timeout, check)
             .await
             .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.timeout)))
-    }
-}
-
-impl super::HighWater for HighWaterStore {
-    fn advance(
-        &self,
-        account: &AccountId,
-        token: FencingToken,
-        record: Option<NewRecord>,
-    ) -> impl std::future::Future<Output = Result<Verdict, StoreError>> + Send {
-        HighWaterStore::advance(self, account, token, record)
-    }
-
-    fn current_mark(
-        &self,
-        account: &AccountId,
-    ) -> impl std::future::Future<Output = Result<i64, StoreError>> + Send {
-        HighWaterStore::current_mark(self, account)
-    }
-
-    fn timeout(&self) -> Duration {
-        self.timeout
     }
 }

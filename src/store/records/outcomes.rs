@@ -4,13 +4,10 @@
 //! record, and its client hears that answer only once it is stored (committed and visible; the
 //! commit does not wait for its WAL flush, see [`COMPLETE_SQL`]). One `UPDATE` with its own
 //! transaction, commit and pool checkout per request is a large part of PostgreSQL's work per
-//! request, so completions queue here instead, like the fence's compare-and-sets
-//! (`proxy::fence`'s `batch`): a batch takes every completion waiting when a statement slot
+//! request, so completions go to the same batcher as the fence's compare-and-sets
+//! ([`crate::store::batch`]): a batch takes every completion waiting when a statement place
 //! frees up (at most `max_batch`), and stores them with one statement over `unnest` arrays —
-//! one round trip, one commit. While `concurrency` statements wait for their commits, the next
-//! batch fills (a statement that stalls stops holding its place after a tenth of the database
-//! timeout, and is still listened to: [`crate::db::slots`]). Each caller still waits for the
-//! commit that holds its row.
+//! one round trip, one commit. Each caller still waits for the commit that holds its row.
 //!
 //! **Exactness.** Each completion is one row of the statement, with the single-row
 //! completion's conditions: only the record's owner completes it, and only while it is in
@@ -39,22 +36,19 @@
 //! hands its completion to that retry itself. So a completion is never dropped: at worst it is
 //! stored late (and a repeat meanwhile hears `in_flight`).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use prometheus::Histogram;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
-use super::record::RecordId;
-use super::store::StoredResponse;
+use super::{RecordId, StoredResponse};
 use crate::db::DbError;
-use crate::proxy::fence::Batching;
-use crate::proxy::held::{BatchQueue, HeldRow, Rows};
+use crate::store::batch::{Fit, HeldRow, Job, Rows};
 
-pub use crate::store::completions::COMPLETE_SQL;
+use crate::store::completions::COMPLETE_SQL;
 
 /// The state of each of these records that its owner still holds.
 pub(super) const STATES_BY_OWNER_SQL: &str = "\
@@ -87,7 +81,7 @@ WHERE account_id = $1 AND idempotency_key = $2 AND owner = $3
 pub(super) const QUEUE_LIMIT: usize = 16_384;
 
 /// One completion waiting for its commit.
-pub(super) struct Completion {
+pub(crate) struct Completion {
     pub record: RecordId,
     pub response: StoredResponse,
     pub claim: Claim,
@@ -97,7 +91,7 @@ pub(super) struct Completion {
 /// Who stores a queued completion: the batch that takes it, or the caller's background retry
 /// once the caller gave up waiting — whichever claims it first.
 #[derive(Debug, Clone, Default)]
-pub(super) struct Claim(Arc<AtomicU8>);
+pub(crate) struct Claim(Arc<AtomicU8>);
 
 const QUEUED: u8 = 0;
 const BATCHED: u8 = 1;
@@ -128,92 +122,67 @@ impl Claim {
 
 /// Where a batch hands a completion whose statement failed and whose caller no longer waits:
 /// the background retry.
-pub(super) type Fallback = Arc<dyn Fn(RecordId, StoredResponse) + Send + Sync>;
+pub(crate) type Fallback = Arc<dyn Fn(RecordId, StoredResponse) + Send + Sync>;
 
-/// The batcher: runs until every sender is gone. Its statements run on `sessions`
+/// The completions as a batcher's job: its statements run on `sessions`
 /// (`db::build_completion_pool`); the look-up of records a batch did not complete, on `pool`.
-pub(super) async fn run(
-    pool: Pool,
-    sessions: Pool,
-    batching: Batching,
-    timeout: Duration,
-    sizes: Histogram,
-    fallback: Fallback,
-    queue: mpsc::Receiver<Completion>,
-) {
-    let (slots, held) = (batching.slots("completion", timeout), batching.held.clone());
-    let max_batch = batching.max_batch.max(1);
-    let mut queue = BatchQueue::new(queue);
-    let wanted = |c: &Completion| !c.claim.is_retried();
-    while queue.has_work().await {
-        let slot = slots.wait().await;
-        // Everything that arrived while we waited for a slot rides along; the statement locks
-        // its records.
-        let Some((batch, rows)) = queue.next_batch(
-            &held,
-            max_batch * 4,
-            wanted,
-            |waiting, rows| take_batch(waiting, max_batch, rows),
-            |batch| {
-                let records = batch
-                    .iter()
-                    .map(|c| (c.record.account.clone(), c.record.key.clone()))
-                    .collect();
-                (Vec::new(), records)
-            },
-        ) else {
-            drop(slot);
-            // Only completions of records that statements in flight hold: wait for one to
-            // answer, or for a completion that can go.
-            queue.wait_for_rows(held.completion_released()).await;
-            continue;
-        };
-        sizes.observe(batch.len() as f64);
-        let (pool, sessions, fallback) = (pool.clone(), sessions.clone(), fallback.clone());
-        slots.run(slot, async move {
-            execute(&pool, &sessions, &fallback, batch).await;
-            drop(rows);
-        });
-    }
+pub(crate) struct Complete {
+    pub pool: Pool,
+    pub sessions: Pool,
+    pub fallback: Fallback,
 }
 
-/// Takes, in arrival order, the completions that can share one statement and claims them;
-/// leaves the rest in `waiting`, and returns apart those of records a statement in flight
-/// holds (unclaimed: a caller that stops waiting retries them itself).
-fn take_batch(
-    waiting: &mut VecDeque<Completion>,
-    max: usize,
-    held: &Rows,
-) -> (Vec<Completion>, Vec<(HeldRow, Completion)>) {
-    let mut batch = Vec::new();
-    let mut records: HashSet<(String, String)> = HashSet::new();
-    let mut later = VecDeque::new();
-    let mut blocked = Vec::new();
-    for completion in waiting.drain(..) {
-        if completion.claim.is_retried() {
-            continue; // its caller stopped waiting and retries it in the background
-        }
-        let record = &completion.record;
-        if let Some(row) = held.completion_blocker(&record.account, &record.key) {
-            blocked.push((row, completion));
-            continue;
-        }
-        let key = (
-            completion.record.account.as_str().to_string(),
-            completion.record.key.clone(),
-        );
-        if batch.len() >= max || records.contains(&key) {
-            later.push_back(completion);
-            continue;
+impl Job for Complete {
+    type Item = Completion;
+    /// The records taken so far.
+    type Taken = HashSet<(String, String)>;
+    const NAME: &'static str = "completion";
+
+    /// Not one its caller stopped waiting for and retries in the background.
+    fn wanted(completion: &Completion) -> bool {
+        !completion.claim.is_retried()
+    }
+
+    /// Unclaimed while it waits: a caller that stops waiting retries it itself.
+    fn blocker(completion: &Completion, rows: &Rows) -> Option<HeldRow> {
+        rows.completion_blocker(&completion.record.account, &completion.record.key)
+    }
+
+    /// One record once per batch, and claimed by the batch that takes it.
+    fn fits(records: &mut Self::Taken, completion: &Completion) -> Fit {
+        let key = record_key(&completion.record);
+        if records.contains(&key) {
+            return Fit::Later;
         }
         if !completion.claim.for_batch() {
-            continue; // claimed by its caller's retry just now
+            return Fit::Skip; // claimed by its caller's retry just now
         }
         records.insert(key);
-        batch.push(completion);
+        Fit::Take
     }
-    *waiting = later;
-    (batch, blocked)
+
+    /// The statement locks its records.
+    fn locks(
+        batch: &[Completion],
+    ) -> (
+        Vec<crate::token::AccountId>,
+        Vec<(crate::token::AccountId, String)>,
+    ) {
+        let records = batch
+            .iter()
+            .map(|c| (c.record.account.clone(), c.record.key.clone()))
+            .collect();
+        (Vec::new(), records)
+    }
+
+    fn start(&self, batch: Vec<Completion>) -> impl Future<Output = ()> + Send + 'static {
+        let (pool, sessions, fallback) = (
+            self.pool.clone(),
+            self.sessions.clone(),
+            self.fallback.clone(),
+        );
+        async move { execute(&pool, &sessions, &fallback, batch).await }
+    }
 }
 
 /// A batch, column by column.
@@ -474,7 +443,9 @@ pub(super) fn log_gone(record: &RecordId) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::held::HeldRows;
+    use std::collections::VecDeque;
+
+    use crate::store::batch::{HeldRows, take};
     use crate::token::AccountId;
 
     fn completion(
@@ -521,7 +492,7 @@ mod tests {
             waiting.push_back(c);
             receivers.push(rx);
         }
-        let (batch, blocked) = take_batch(&mut waiting, 100, &held.rows());
+        let (batch, blocked) = take::<Complete>(&mut waiting, 100, &held.rows());
         assert_eq!(
             names(&batch.into()),
             [("a".into(), "other".into()), ("b".into(), "k".into())]
@@ -549,7 +520,9 @@ mod tests {
             waiting.push_back(c);
             receivers.push(rx);
         }
-        let batch: VecDeque<_> = take_batch(&mut waiting, 100, &Rows::default()).0.into();
+        let batch: VecDeque<_> = take::<Complete>(&mut waiting, 100, &Rows::default())
+            .0
+            .into();
         assert_eq!(
             names(&batch),
             [
@@ -566,7 +539,9 @@ mod tests {
             ],
             "deferred, in arrival order"
         );
-        let next: VecDeque<_> = take_batch(&mut waiting, 100, &Rows::default()).0.into();
+        let next: VecDeque<_> = take::<Complete>(&mut waiting, 100, &Rows::default())
+            .0
+            .into();
         assert_eq!(next.len(), 2);
         assert!(waiting.is_empty());
     }
@@ -580,7 +555,7 @@ mod tests {
             waiting.push_back(c);
             receivers.push(rx);
         }
-        let batch = take_batch(&mut waiting, 4, &Rows::default()).0;
+        let batch = take::<Complete>(&mut waiting, 4, &Rows::default()).0;
         assert_eq!(batch.len(), 4);
         assert!(
             batch.iter().all(|c| !c.claim.for_retry()),
@@ -588,7 +563,9 @@ mod tests {
         );
         assert!(waiting.iter().all(|c| c.claim.clone().for_retry()));
         assert!(
-            take_batch(&mut waiting, 4, &Rows::default()).0.is_empty(),
+            take::<Complete>(&mut waiting, 4, &Rows::default())
+                .0
+                .is_empty(),
             "all claimed by retries"
         );
         assert!(waiting.is_empty());
@@ -606,7 +583,9 @@ mod tests {
         drop(rx2); // its request was dropped while waiting: nobody else will store it
         let (waiting_caller, _rx3) = completion("a", "k3");
         waiting.extend([retried, dropped, waiting_caller]);
-        let batch: VecDeque<_> = take_batch(&mut waiting, 100, &Rows::default()).0.into();
+        let batch: VecDeque<_> = take::<Complete>(&mut waiting, 100, &Rows::default())
+            .0
+            .into();
         assert_eq!(
             names(&batch),
             [

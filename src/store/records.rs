@@ -51,16 +51,19 @@ use bytes::Bytes;
 use deadpool_postgres::Pool;
 use tokio::sync::{mpsc, oneshot};
 
-use super::InstanceId;
-use super::outcomes::{self, Completion};
-use super::record::{BoxFuture, RecordId, Records};
+use self::outcomes::{Complete, Completion};
 use crate::db::DbError;
-use crate::db::slots::Unanswered;
-use crate::proxy::fence::Batching;
+use crate::store::batch::{self, Batching, Unanswered};
+use crate::store::instance::InstanceId;
 use crate::token::AccountId;
 
+mod api;
 mod completion;
 mod forget;
+mod outcomes;
+
+pub use self::api::{BoxFuture, Created, NewRecord, RecordId, Records};
+pub use crate::store::completions::COMPLETE_SQL;
 
 pub use self::completion::CompletionError;
 use self::completion::Unstored;
@@ -170,13 +173,17 @@ impl IdempotencyStore {
         let fallback: outcomes::Fallback = Arc::new(move |record: RecordId, response| {
             retries.complete_eventually(record.account, record.key, record.owner, response);
         });
-        tokio::spawn(outcomes::run(
-            pool.clone(),
-            completion_sessions.clone(),
+        let max_batch = batching.max_batch;
+        tokio::spawn(batch::run(
+            Complete {
+                pool: pool.clone(),
+                sessions: completion_sessions.clone(),
+                fallback,
+            },
             batching.clone(),
             timeout,
-            outcomes.batch_sizes.clone(),
-            fallback,
+            max_batch,
+            Some(outcomes.batch_sizes.clone()),
             queue,
         ));
         Self {
