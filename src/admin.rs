@@ -30,8 +30,9 @@ use crate::config::LockKeyTemplate;
 use crate::http::{ResponseBody, full};
 use crate::lock::guard::{SourceGuard, Verdict};
 use crate::metrics::Metrics;
-use crate::proxy::fence::HighWaterStore;
-use crate::proxy::idempotency::{IdempotencyStore, InstanceId, OwnerStopped};
+use crate::store::instance::InstanceId;
+use crate::store::marks::HighWaterStore;
+use crate::store::records::{IdempotencyStore, OwnerStopped};
 use crate::store::replication::ReplicationCheck;
 use crate::token::AccountId;
 

@@ -121,12 +121,12 @@ pub struct Metrics {
     pub listener_tls_reloads: IntCounterVec,
     /// Worker threads of the async runtime serving this process (`runtime.worker_threads`).
     pub runtime_worker_threads: IntGauge,
-    /// Batched statements running past their hold on a statement slot (`db::slots`).
+    /// Batched statements running past their hold on a statement slot (`store::batch::slots`).
     pub db_statements_stalled: IntGaugeVec,
 }
 
 /// `railguard_db_statements_stalled{statement}`, unregistered: every batcher's count of its
-/// statements that no longer hold up the next batch (`db::slots`).
+/// statements that no longer hold up the next batch (`store::batch::slots`).
 pub fn statements_stalled() -> IntGaugeVec {
     IntGaugeVec::new(
         Opts::new(

@@ -6,7 +6,8 @@ use http::{Response, StatusCode};
 use super::{error, reply};
 use crate::db::DbError;
 use crate::http::ResponseBody;
-use crate::proxy::idempotency::{Because, Forgot, InstanceId, OwnerStopped};
+use crate::store::instance::InstanceId;
+use crate::store::records::{Because, Forgot, OwnerStopped};
 use crate::token::AccountId;
 
 /// The answer to a forget of `key` on `account` that came to `forgot`.

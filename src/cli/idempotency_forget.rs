@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use railguard::proxy::idempotency::OwnerStopped;
+use railguard::store::records::OwnerStopped;
 
 use super::config::{admin_endpoint, config_path, load};
 use super::fail;

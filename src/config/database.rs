@@ -20,7 +20,7 @@ pub struct DatabaseConfig {
     pub data_dir: PathBuf,
     /// Connections in the pool. The fence's last look and the idempotency completions have
     /// sessions of their own besides (`db::build_look_pool`, `db::build_completion_pool`):
-    /// `fencing.batch_concurrency` each, and room for stalled statements (`db::slots`).
+    /// `fencing.batch_concurrency` each, and room for stalled statements (`store::batch::slots`).
     pub pool_size: usize,
     /// Deadline for opening a connection, and for one statement such as a fence
     /// compare-and-set.

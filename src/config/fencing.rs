@@ -21,7 +21,7 @@ pub struct FencingConfig {
     /// Fence statements in flight at once (at most `database.pool_size`); completion
     /// statements and last looks too, each separately. Fewer make larger batches, which cost
     /// PostgreSQL less per request (docs/performance.md). A statement that has not answered
-    /// within a tenth of `database.timeout_ms` stops counting here (`db::slots`).
+    /// within a tenth of `database.timeout_ms` stops counting here (`store::batch::slots`).
     pub batch_concurrency: usize,
     /// Refuse (400) a token without a grant proof. `false` is a migration switch for workers
     /// that cannot send the proof yet: it logs a loud error at start, exports
@@ -35,7 +35,7 @@ pub struct FencingConfig {
     #[serde(with = "values::account_path")]
     pub account_in_path: Option<AccountPathTemplate>,
     /// Whether a forward another railguard process may still have on its way to the rail holds
-    /// back this process's newer tokens for the account (`proxy::fence::handover`). `false`
+    /// back this process's newer tokens for the account (`store::handover`). `false`
     /// exists only to show, in the fault harness, what goes wrong without it: it is logged
     /// loudly and `railguard_cross_process_order` is 0.
     pub order_across_processes: bool,

@@ -390,7 +390,7 @@ const LOOK_SESSION_SETTINGS: &[(&str, &str)] = &[
 /// (sequential scans, hash and merge joins off; nested loops, TID and index scans on, whatever
 /// the site's defaults say): see the statement's docs. And commits that do not wait for their
 /// WAL flush: a completion lost to a crash leaves its record in flight, then in doubt — a retry
-/// is refused, never forwarded twice (`proxy::idempotency::outcomes`). Everything else, the
+/// is refused, never forwarded twice (`store::records`' `outcomes`). Everything else, the
 /// record's creation with the fence's compare-and-set above all, commits durably on the main
 /// pool.
 const COMPLETION_SESSION_SETTINGS: &[(&str, &str)] = &[

@@ -21,11 +21,12 @@ use super::extract::{
     BadProof, BadRequest, BodyTooLarge, ClientTimeout, ImplausibleToken, MethodRefused,
     SourceUnavailable,
 };
-use super::fence::{FenceUnavailable, FencedOut, StoreError};
+use super::fence::{FenceUnavailable, FencedOut};
 use super::forward::{UpstreamTimeout, UpstreamUnavailable};
 use super::idempotency::{IdempotencyConflict, IdempotencyUnavailable};
 use super::{BoxError, ResponseBody, full};
 use crate::metrics::Outcome;
+use crate::store::marks::StoreError;
 
 /// Who a failure is attributed to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -405,8 +406,8 @@ pub(crate) fn examples() -> Vec<BoxError> {
 
     use http::{HeaderName, Method};
 
-    use crate::proxy::fence::StoreError;
     use crate::proxy::forward::Sent;
+    use crate::store::marks::StoreError;
     use crate::token::{AccountId, FencingToken};
 
     let header = HeaderName::from_static("fencing-token");
@@ -545,7 +546,7 @@ mod tests {
             ),
             (
                 boxed(FenceUnavailable(
-                    crate::proxy::fence::StoreError::Overloaded,
+                    crate::store::marks::StoreError::Overloaded,
                 )),
                 StatusCode::SERVICE_UNAVAILABLE,
                 "database_unavailable",
@@ -582,7 +583,7 @@ mod tests {
     #[test]
     fn a_database_outage_never_reaches_the_client_in_the_database_s_words() {
         let r = rejection(&boxed(FenceUnavailable(
-            crate::proxy::fence::StoreError::Db(crate::db::DbError::Query(
+            crate::store::marks::StoreError::Db(crate::db::DbError::Query(
                 "42P01: relation secret_table does not exist".into(),
             )),
         )));

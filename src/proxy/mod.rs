@@ -12,6 +12,32 @@
 //! | [`fence`] | cache fast path; compare-and-set (+ idempotency record); per-account order | 409, 503 |
 //! | [`idempotency`] | forward a first request and store its answer; replay or refuse repeats | 409, 422 |
 //! | [`forward`] | to the rail over pooled HTTP/1.1 | 502, 504 |
+//!
+//! ## A payment's path
+//!
+//! `http → proxy → store → proxy → http`, each step in one place:
+//!
+//! 1. **http**: `http::serve` accepts the connection and `http::connection` serves it (limits,
+//!    TLS, the drain at shutdown), handing each request to [`stack`].
+//! 2. **proxy**: the request id and span; [`extract`] reads the caller, token, account,
+//!    idempotency key and body and starts the deadline; [`authorize`] checks the caller may
+//!    use the account; [`fence`] refuses a token below a mark this process already knows and
+//!    takes the request's place in the account's order.
+//! 3. **store**: [`crate::store::marks`] runs the compare-and-set, creating the idempotency
+//!    record in the same durable commit, grouped with other requests' by
+//!    [`crate::store::batch`]. Back come plain values: a [`Verdict`](crate::store::marks::Verdict) holding the
+//!    created record and the forward's entry among the account's forwarders.
+//! 4. **proxy**: [`fence`] adopts the record into the request's
+//!    [`RecordGuard`](idempotency::RecordGuard), waits for the account's turn, asks the store
+//!    for the mark once more (the last look, grouped by the same batcher) and lets the request
+//!    go; [`idempotency`] replays or refuses a repeat; [`forward`] sends a first request to the
+//!    rail; the rail's answer is handed to the store for the key's record (a completion,
+//!    grouped by the same batcher) and [`respond`] makes the response.
+//! 5. **http**: hyper writes the response.
+//!
+//! Calls go one way. The proxy asks the store with plain values — an account, a token, a record
+//! id, a response's status, headers and body — and gets plain values back; nothing under
+//! `store`, `db`, `http` or `lock` names a proxy type.
 
 pub mod authorize;
 pub mod error;

@@ -31,15 +31,16 @@ use crate::lock::{LockDatabase, Locks};
 use crate::metrics::Metrics;
 use crate::proof::ProofKey;
 use crate::proxy::extract::{ExtractConfig, ExtractLayer, GrantCheck};
-use crate::proxy::fence::{Batching, FenceLayer, FencePoint, HighWaterStore, ThisProcess};
+use crate::proxy::fence::{FenceLayer, FencePoint};
 use crate::proxy::forward::Forward;
-use crate::proxy::idempotency::{
-    IdempotencyConfig, IdempotencyLayer, IdempotencyStore, InstanceId, OutcomeMetrics, Records,
-    Resolver, hold_instance_lock, sweep_forever,
-};
+use crate::proxy::idempotency::{IdempotencyConfig, IdempotencyLayer, Resolver};
 use crate::proxy::{self, ClientAddr};
 use crate::reload::{Reload, Reloadable};
+use crate::store::batch::Batching;
 use crate::store::handover::Handover;
+use crate::store::instance::{InstanceId, hold_instance_lock};
+use crate::store::marks::{HighWaterStore, ThisProcess};
+use crate::store::records::{IdempotencyStore, OutcomeMetrics, Records, sweep_forever};
 use crate::store::replication::{ReplicationCheck, ReplicationError};
 
 mod shutdown;

@@ -8,8 +8,8 @@ use tokio::time::Instant;
 
 use crate::config::Config;
 use crate::proxy::forward::LateForwards;
-use crate::proxy::idempotency::{InstanceId, record_clean_stop};
 use crate::store::batch::Unanswered;
+use crate::store::instance::{InstanceId, record_clean_stop};
 
 /// Every kind of work a stopping process still has out once its listeners have drained, in the
 /// order one kind can add to the next: forwards waiting for the rail's answer (past their

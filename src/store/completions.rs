@@ -1,6 +1,6 @@
 //! The statement that stores the rail's answers to keyed requests, a batch at a time: plain
 //! SQL over plain values (accounts, keys, owners, statuses, headers, bodies). The batcher that
-//! runs it is the proxy's (`proxy::idempotency::outcomes`); the session settings of the
+//! runs it is `store::records`' `outcomes`, under the one batcher (`store::batch`); the session settings of the
 //! connections that run it are `db`'s.
 
 /// Completes the in-flight records of a batch; returns the ones it completed.

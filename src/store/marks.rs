@@ -121,7 +121,7 @@ pub struct HighWaterStore {
     looks: Pool,
     timeout: Duration,
     requests: mpsc::Sender<advance::Pending>,
-    rechecks: mpsc::Sender<look::Asked>,
+    looks_asked: mpsc::Sender<look::Asked>,
 }
 
 impl HighWaterStore {
@@ -139,7 +139,7 @@ impl HighWaterStore {
         records: Arc<dyn Records>,
     ) -> Self {
         let (requests, queue) = mpsc::channel(QUEUE_LIMIT);
-        let (rechecks, recheck_queue) = mpsc::channel(QUEUE_LIMIT);
+        let (looks_asked, look_queue) = mpsc::channel(QUEUE_LIMIT);
         tokio::spawn(batch::run(
             look::Look {
                 pool: looks.clone(),
@@ -148,7 +148,7 @@ impl HighWaterStore {
             timeout,
             look::MAX_BATCH,
             None,
-            recheck_queue,
+            look_queue,
         ));
         let advance = advance::Advance {
             pool: pool.clone(),
@@ -172,7 +172,7 @@ impl HighWaterStore {
             looks,
             timeout,
             requests,
-            rechecks,
+            looks_asked,
         }
     }
 
@@ -187,7 +187,7 @@ impl HighWaterStore {
     /// the request must not reach the rail after the newer one.
     pub async fn current_mark(&self, account: &AccountId) -> Result<i64, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.rechecks
+        self.looks_asked
             .try_send(look::Asked {
                 account: account.clone(),
                 reply,

@@ -108,7 +108,7 @@ pub struct IdempotencyStore {
     /// for its fallback, which only retries in the background.
     completions: Option<mpsc::Sender<Completion>>,
     /// Where the removal of a record nobody was told about is counted, so that shutdown waits
-    /// for it (`db::slots`).
+    /// for it (`store::batch::slots`).
     unanswered: Unanswered,
     /// Outcomes retried in the background until the database takes them, counted so that a
     /// graceful stop waits for them within its grace ([`Self::outcomes_retrying`]).

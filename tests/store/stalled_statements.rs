@@ -1,5 +1,5 @@
 //! A statement stalled on a database connection that stays open (a stopped backend, a network
-//! path holding one flow) holds up nothing else (`db::slots`): with one statement in flight
+//! path holding one flow) holds up nothing else (`store::batch::slots`): with one statement in flight
 //! per batcher, the requests behind a stalled compare-and-set, last look or completion are
 //! still answered, the stall is counted in `railguard_db_statements_stalled`, and the stalled
 //! request's own answer stays true — it never reaches the rail unless it says it may have.
@@ -399,7 +399,7 @@ async fn shutdown_waits_for_a_stalled_compare_and_set_so_its_key_stays_usable() 
 async fn a_batcher_jammed_by_stalled_statements_is_not_ready() {
     let s = setup().await;
     let readyz = format!("http://{}/readyz", s.rg.admin);
-    // One place and two overrun places (db::slots): three stalled statements fill them.
+    // One place and two overrun places (store::batch::slots): three stalled statements fill them.
     let mut stalled = Vec::new();
     for account in ["acct-jam-1", "acct-jam-2", "acct-jam-3"] {
         let (status, body) = s.http.get(&readyz).await.unwrap();
@@ -436,7 +436,7 @@ async fn a_batcher_jammed_by_stalled_statements_is_not_ready() {
 
 #[tokio::test]
 async fn a_backend_stopped_holding_a_record_in_its_completion_holds_up_that_record_only() {
-    // A database timeout of 3 s: a statement holds its place for 300 ms (db::slots).
+    // A database timeout of 3 s: a statement holds its place for 300 ms (store::batch::slots).
     let s = setup_with_rail(
         Rail::with_latency(Duration::from_millis(300)).await,
         Duration::from_secs(3),

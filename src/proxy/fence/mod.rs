@@ -36,12 +36,14 @@
 //! counts what it would have refused in `railguard_would_have_fenced_total`, but everything is
 //! forwarded, even when the database is unreachable.
 
+mod high_water;
 mod lost_attempt;
 mod mark_cache;
 mod ordering;
 mod refusal_log;
 mod turn;
 
+pub use self::high_water::HighWater;
 use self::lost_attempt::LostAttempt;
 pub use self::turn::Turn;
 
@@ -54,46 +56,21 @@ use tokio::time::Instant;
 use tower::{Layer, Service};
 use tracing::Instrument;
 
-pub use crate::store::batch::Batching;
-pub use crate::store::marks::{
-    ADVANCE_BATCH_SQL, ADVANCE_SQL, BATCH_SQL, HighWaterStore, LAST_LOOK_SQL, StoreError,
-    ThisProcess, Verdict,
-};
+use crate::store::marks::{HighWaterStore, StoreError, Verdict};
+use crate::store::records::{NewRecord, Records};
 
 use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
 use self::refusal_log::RefusalLog;
 use super::forward::{LateForwards, UpstreamTimeout};
 use super::idempotency::{
-    IdempotencyConflict, NewRecord, RecordGuard, Records, Resolver, lost_first_attempt, own_answer,
+    IdempotencyConflict, RecordGuard, Resolver, lost_first_attempt, own_answer,
 };
 use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::metrics::{FencePath, Metrics};
 use crate::store::epoch::StoreEpoch;
 use crate::store::handover::{Entry, Foreign, Handover, WaitError};
 use crate::token::{AccountId, FencingToken};
-
-/// Where the per-account high-water marks live (FR-17).
-pub trait HighWater: Send + Sync + 'static {
-    /// The compare-and-set: accepts `token` for `account` iff `token >= mark`, and then sets
-    /// `mark := token`; creates `record` in the same commit if accepted, and hands back its
-    /// guard in the verdict.
-    fn advance(
-        &self,
-        account: &AccountId,
-        token: FencingToken,
-        record: Option<NewRecord>,
-    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send;
-
-    /// The account's mark as the store has it now (0 when it has none).
-    fn current_mark(
-        &self,
-        account: &AccountId,
-    ) -> impl Future<Output = Result<i64, StoreError>> + Send;
-
-    /// How long a store operation may take; a record's in-doubt deadline includes it.
-    fn timeout(&self) -> std::time::Duration;
-}
 
 /// The token is below the account's mark. Deliberately holds no mark: the 409 body is built
 /// from this and must never reveal one.
@@ -678,28 +655,6 @@ fn new_record(request: &FencedRequest, store_timeout: std::time::Duration) -> Op
         owner: k.owner.clone(),
         in_doubt_after: remaining + store_timeout + std::time::Duration::from_secs(1),
     })
-}
-
-impl HighWater for HighWaterStore {
-    fn advance(
-        &self,
-        account: &AccountId,
-        token: FencingToken,
-        record: Option<NewRecord>,
-    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
-        HighWaterStore::advance(self, account, token, record)
-    }
-
-    fn current_mark(
-        &self,
-        account: &AccountId,
-    ) -> impl Future<Output = Result<i64, StoreError>> + Send {
-        HighWaterStore::current_mark(self, account)
-    }
-
-    fn timeout(&self) -> std::time::Duration {
-        HighWaterStore::timeout(self)
-    }
 }
 
 #[cfg(test)]

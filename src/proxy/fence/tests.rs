@@ -11,8 +11,8 @@ use tower::{ServiceExt, service_fn};
 
 use super::*;
 use crate::proxy::IdempotencyKey;
-use crate::proxy::idempotency::RecordId;
 use crate::proxy::idempotency::record::tests::{Ended, MemoryRecords};
+use crate::store::records::RecordId;
 
 /// Marks in memory: `>=` accepts and raises, `<` is stale; `current_mark` may be told to
 /// report a higher mark, as if another railguard had accepted a newer grant.
@@ -36,7 +36,7 @@ impl HighWater for Arc<MemoryMarks> {
             return Ok(Verdict::Stale);
         }
         *mark = token.get();
-        let records: Arc<dyn crate::proxy::idempotency::Records> = self.records.clone();
+        let records: Arc<dyn crate::store::records::Records> = self.records.clone();
         Ok(Verdict::Accepted {
             record: record.map(|r| {
                 let id = RecordId {

@@ -12,7 +12,7 @@
 //!   record all the same ([`LateAnswer`], which the request carries to the forward);
 //! - its record already existed: it is a repeat, and never reaches the rail. The same key with
 //!   a different request is 422; a repeat while the first is in flight is 409 `in_flight`; a
-//!   record in doubt is 409 `in_doubt` (see [`store`]); a completed one is replayed, marked
+//!   record in doubt is 409 `in_doubt` (see [`crate::store::records`]); a completed one is replayed, marked
 //!   `Idempotency-Replayed: true` (`replay`).
 //!
 //! With `[rail_lookup]` configured, a repeat of a record in doubt asks the rail first
@@ -20,7 +20,7 @@
 //! forgotten when it has not and `idempotency-forget` would forget it without an operator's word.
 //!
 //! Where the records live is behind [`Records`], so that this layer's logic is unit-tested with
-//! records in memory; the server's are PostgreSQL's ([`IdempotencyStore`]).
+//! records in memory; the server's are PostgreSQL's ([`IdempotencyStore`](crate::store::records::IdempotencyStore)).
 
 mod key;
 mod late;
@@ -41,12 +41,7 @@ pub use self::record::{MaybeSent, RecordGuard};
 #[cfg(test)]
 pub(crate) use self::replay::{BODY_OMITTED, REPLAYED};
 pub use self::resolve::{AskTheRail, Resolved, Resolver};
-pub use crate::store::instance::{InstanceId, hold_instance_lock, record_clean_stop};
-pub use crate::store::records::{
-    Because, COMPLETE_SQL, CompletionError, FIRST_REQUEST_AFTER_STORE_CHANGE, Forgot,
-    IdempotencyStore, NewRecord, OutcomeMetrics, OwnerStopped, Record, RecordId, RecordState,
-    Records, StoredResponse, sweep_forever,
-};
+use crate::store::records::{Record, RecordState, Records};
 
 use super::forward::{Sent, UpstreamTimeout};
 use super::{BoxError, FencedRequest, ProxyResponse};
@@ -324,6 +319,7 @@ mod tests {
     use super::record::tests::{Ended, MemoryRecords, record_id};
     use super::*;
     use crate::proxy::IdempotencyKey;
+    use crate::store::records::StoredResponse;
     use crate::token::{AccountId, FencingToken};
 
     /// A first request with key `pay-1` that owns its record, and the flag its forward sets.

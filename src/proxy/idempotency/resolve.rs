@@ -47,8 +47,8 @@
 //! The lookup runs on the retry, not in the background: a record in doubt that nobody retries
 //! needs no answer, and the retry that needs it waits for it within its own deadline.
 //!
-//! [`IdempotencyStore::complete_from_the_rail`]: super::IdempotencyStore::complete_from_the_rail
-//! [`IdempotencyStore::forget_not_on_the_rail`]: super::IdempotencyStore::forget_not_on_the_rail
+//! [`IdempotencyStore::complete_from_the_rail`]: crate::store::records::IdempotencyStore::complete_from_the_rail
+//! [`IdempotencyStore::forget_not_on_the_rail`]: crate::store::records::IdempotencyStore::forget_not_on_the_rail
 
 use std::sync::Arc;
 use std::time::Duration;
