@@ -46,6 +46,7 @@ pub mod server;
 pub mod store;
 pub mod telemetry;
 pub mod tls;
+pub mod work;
 
 /// The worker SDK, which also defines the values and wire types the server speaks.
 pub use railguard_sdk as sdk;

@@ -42,6 +42,7 @@ use crate::store::instance::{InstanceId, hold_instance_lock};
 use crate::store::marks::{HighWaterStore, ThisProcess};
 use crate::store::records::{IdempotencyStore, OutcomeMetrics, Records, sweep_forever};
 use crate::store::replication::{ReplicationCheck, ReplicationError};
+use crate::work::{Work, WorkTracker};
 
 mod shutdown;
 
@@ -306,15 +307,16 @@ pub async fn run_reloading(
             .run(database.pool.clone(), config.guard.interval),
     );
 
+    // Everything a stop waits for, in one tracker (crate::work).
+    let work = WorkTracker::default();
     let batching = Batching {
         max_batch: config.fencing.batch_max,
         concurrency: config.fencing.batch_concurrency,
         stalled: metrics.db_statements_stalled.clone(),
-        unanswered: crate::store::batch::Unanswered::default(),
+        unanswered: work.of(Work::Statement),
         held: Arc::default(),
         notices: database.notices.clone(),
     };
-    let unanswered = batching.unanswered.clone();
     let idempotency_store = IdempotencyStore::new(
         database.pool.clone(),
         completion_sessions,
@@ -327,7 +329,6 @@ pub async fn run_reloading(
         },
     )
     .with_rail_transit(config.proxy.rail_transit);
-    let outcomes_retrying = idempotency_store.outcomes_retrying();
     let records: Arc<dyn Records> = Arc::new(idempotency_store.clone());
     // Index changes that must not block writes, in the background (db::maintenance).
     let maintenance = tokio::spawn(db::maintenance::until_done(
@@ -384,7 +385,8 @@ pub async fn run_reloading(
         config.proxy.upstream_connect_timeout,
         config.proxy.late_answer_wait,
         metrics.clone(),
-    );
+    )
+    .counting_in(work.of(Work::Forward));
     let late_forwards = forward.late_forwards();
     // Retries of payments in doubt ask the rail by idempotency key ([rail_lookup]).
     let resolver = config.rail_lookup.template().map(|template| {
@@ -434,8 +436,7 @@ pub async fn run_reloading(
         .map(|auth| auth.watch(config.auth.reload_interval));
     let outstanding = Outstanding {
         late_forwards: late_forwards.clone(),
-        unanswered: unanswered.clone(),
-        outcomes_retrying: outcomes_retrying.clone(),
+        work: work.clone(),
         outcomes_pending: metrics.outcomes_pending.clone(),
     };
     let admin = Admin {

@@ -8,28 +8,30 @@ use tokio::time::Instant;
 
 use crate::config::Config;
 use crate::proxy::forward::LateForwards;
-use crate::store::batch::Unanswered;
 use crate::store::instance::{InstanceId, record_clean_stop};
+use crate::work::{Work, WorkTracker};
 
 /// Every kind of work a stopping process still has out once its listeners have drained, in the
 /// order one kind can add to the next: forwards waiting for the rail's answer (past their
 /// deadline, left by their client, or run for an idempotency key), database statements still
 /// unanswered (a compare-and-set that commits after this process is gone leaves the record of
 /// a request that was never forwarded in flight, then in doubt), and idempotency outcomes the
-/// database did not take at once.
+/// database did not take at once — all counted in the process's one work tracker
+/// ([`crate::work`]).
 pub(super) struct Outstanding {
+    pub(super) work: WorkTracker,
+    /// When the latest forward ended without the rail's answer, for the clean stop's
+    /// `quiet_after`.
     pub(super) late_forwards: LateForwards,
-    pub(super) unanswered: Unanswered,
-    pub(super) outcomes_retrying: Unanswered,
     pub(super) outcomes_pending: IntGauge,
 }
 
 impl Outstanding {
     fn counts(&self) -> (usize, usize, usize) {
         (
-            self.late_forwards.count(),
-            self.unanswered.count(),
-            self.outcomes_retrying.count(),
+            self.work.count(Work::Forward),
+            self.work.count(Work::Statement),
+            self.work.count(Work::Outcome),
         )
     }
 
@@ -56,17 +58,10 @@ impl Outstanding {
                 "waiting for idempotency outcomes still retried until the database takes them"
             );
         }
-        let settled = async {
-            loop {
-                self.late_forwards.drained().await;
-                self.unanswered.none_left().await;
-                self.outcomes_retrying.none_left().await;
-                if self.counts() == (0, 0, 0) {
-                    break;
-                }
-            }
-        };
-        if tokio::time::timeout_at(deadline, settled).await.is_err() {
+        if tokio::time::timeout_at(deadline, self.work.none_left())
+            .await
+            .is_err()
+        {
             let (forwards, statements, outcomes) = self.counts();
             tracing::warn!(
                 forwards,
@@ -98,7 +93,7 @@ impl Outstanding {
         instance: InstanceId,
         config: &Config,
     ) {
-        if self.late_forwards.count() != 0 || self.unanswered.count() != 0 {
+        if self.work.count(Work::Forward) != 0 || self.work.count(Work::Statement) != 0 {
             tracing::warn!(
                 instance = instance.get(),
                 "stopping with forwards or statements still out, so no clean stop is recorded: \

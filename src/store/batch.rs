@@ -12,7 +12,7 @@
 //!
 //! - **places** ([`slots`]): at most `concurrency` statements hold a place; one that stalls
 //!   moves aside after a tenth of the database timeout and is still listened to; every
-//!   statement is counted in [`Unanswered`] until it has answered, so that shutdown waits for
+//!   statement is counted in the process's work tracker ([`crate::work`]) until it has answered, so that shutdown waits for
 //!   it;
 //! - **rows held by a statement in flight** ([`held`]): a request that needs a row a stalled
 //!   statement holds waits for that statement instead of joining (and failing) a batch;
@@ -38,8 +38,9 @@ use tokio::sync::mpsc;
 
 pub use self::held::HeldRows;
 pub(crate) use self::held::{BatchQueue, HeldRow, Rows};
-pub use self::slots::{StatementSlots, Unanswered, most_in_flight};
+pub use self::slots::{StatementSlots, most_in_flight};
 use crate::token::AccountId;
+use crate::work::{Tracked, Work};
 
 /// One kind of statement a batcher runs over many requests.
 pub(crate) trait Job: Send + Sync + 'static {
@@ -97,7 +98,7 @@ pub struct Batching {
     pub stalled: IntGaugeVec,
     /// Statements not yet answered, and what their answers left to do: shutdown waits for
     /// them ([`slots`]).
-    pub unanswered: Unanswered,
+    pub unanswered: Tracked,
     /// Rows the statements in flight hold, which the batchers' requests wait for ([`held`]).
     pub held: Arc<HeldRows>,
     /// Commits of the main pool's sessions reported as done but not replicated
@@ -111,7 +112,7 @@ impl Default for Batching {
             max_batch: 512,
             concurrency: 1,
             stalled: crate::metrics::statements_stalled(),
-            unanswered: Unanswered::default(),
+            unanswered: Tracked::alone(Work::Statement),
             held: Arc::default(),
             notices: crate::db::Notices::default(),
         }

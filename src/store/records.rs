@@ -53,9 +53,10 @@ use tokio::sync::{mpsc, oneshot};
 
 use self::outcomes::{Complete, Completion};
 use crate::db::DbError;
-use crate::store::batch::{self, Batching, Unanswered};
+use crate::store::batch::{self, Batching};
 use crate::store::instance::InstanceId;
 use crate::token::AccountId;
+use crate::work::{Tracked, Work};
 
 mod api;
 mod completion;
@@ -109,10 +110,10 @@ pub struct IdempotencyStore {
     completions: Option<mpsc::Sender<Completion>>,
     /// Where the removal of a record nobody was told about is counted, so that shutdown waits
     /// for it (`store::batch::slots`).
-    unanswered: Unanswered,
+    unanswered: Tracked,
     /// Outcomes retried in the background until the database takes them, counted so that a
     /// graceful stop waits for them within its grace ([`Self::outcomes_retrying`]).
-    retrying: Unanswered,
+    retrying: Tracked,
     /// `proxy.rail_transit_ms`: how long a request may spend on its way to the rail; forget
     /// waits for it past a record's in-doubt deadline ([`Self::forget_in_doubt`]).
     rail_transit: Duration,
@@ -158,7 +159,7 @@ impl IdempotencyStore {
         outcomes: OutcomeMetrics,
     ) -> Self {
         let (completions, queue) = mpsc::channel(outcomes::QUEUE_LIMIT);
-        let retrying = Unanswered::default();
+        let retrying = batching.unanswered.tracker().of(Work::Outcome);
         // Not a clone of the store: the batcher must not hold its own queue open.
         let retries = Self {
             pool: pool.clone(),
@@ -206,10 +207,10 @@ impl IdempotencyStore {
     }
 
     /// Outcomes still retried in the background (the database did not take them at once):
-    /// a graceful stop waits for [`Unanswered::none_left`] within its grace, so that a stop
+    /// a graceful stop waits for them within its grace, so that a stop
     /// while the database is briefly away does not leave their records in flight, then in
     /// doubt.
-    pub fn outcomes_retrying(&self) -> Unanswered {
+    pub fn outcomes_retrying(&self) -> Tracked {
         self.retrying.clone()
     }
 

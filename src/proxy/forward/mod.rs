@@ -18,7 +18,6 @@ mod connections;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -30,7 +29,6 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Body as _;
 use hyper_util::client::legacy::connect::HttpConnector;
 use rustls::ClientConfig;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower::Service;
 use tracing::Instrument;
@@ -43,6 +41,7 @@ use crate::config::Upstream;
 use crate::metrics::Metrics;
 use crate::store::records::BoxFuture;
 use crate::tls::client::RailConnector;
+use crate::work::{self, Work, Working};
 
 /// The rail could not be reached, or broke off its answer. Its message gives the causes (a
 /// refused connection, a TLS certificate the CA does not vouch for) and whether the request
@@ -155,39 +154,40 @@ impl hyper::body::Body for Tracked {
 /// ended, but what it wrote may still be on its way for `proxy.rail_transit_ms`: the latest such
 /// end is kept ([`LateForwards::quiet_in`]), and a clean stop says when the rail can receive
 /// nothing more from this process.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct LateForwards(Arc<Outstanding>);
 
-#[derive(Default)]
 struct Outstanding {
-    count: AtomicUsize,
-    none_left: Notify,
+    /// Where the forwards are counted: the process's work tracker ([`crate::work`]).
+    counted: work::Tracked,
     /// When the latest forward that may have been written ended without the rail's answer.
     unanswered: Mutex<Option<Instant>>,
 }
 
-/// One outstanding forward, counted while it lives.
-pub(crate) struct LateForward(LateForwards);
-
-impl Drop for LateForward {
-    fn drop(&mut self) {
-        let outstanding = &(self.0).0;
-        if outstanding.count.fetch_sub(1, Ordering::AcqRel) == 1 {
-            outstanding.none_left.notify_waiters();
-        }
+impl Default for LateForwards {
+    /// Counted in a tracker of their own (a forward built alone, in tests).
+    fn default() -> Self {
+        Self::counted_in(work::Tracked::alone(Work::Forward))
     }
 }
 
 impl LateForwards {
+    /// Forwards counted in `counted`, the process's tracker of [`Work::Forward`].
+    pub fn counted_in(counted: work::Tracked) -> Self {
+        Self(Arc::new(Outstanding {
+            counted,
+            unanswered: Mutex::default(),
+        }))
+    }
+
     /// Counts one forward, or one request whose forward is to come, until the returned value
     /// is dropped.
-    pub(crate) fn start(&self) -> LateForward {
-        self.0.count.fetch_add(1, Ordering::AcqRel);
-        LateForward(self.clone())
+    pub(crate) fn start(&self) -> Working {
+        self.0.counted.start()
     }
 
     pub fn count(&self) -> usize {
-        self.0.count.load(Ordering::Acquire)
+        self.0.counted.count()
     }
 
     /// A forward that may have been written ended now without the rail's answer: what it wrote
@@ -215,19 +215,6 @@ impl LateForwards {
         unanswered.map_or(Duration::ZERO, |at| {
             (at + transit).saturating_duration_since(Instant::now())
         })
-    }
-
-    /// Resolves once no outstanding forward is left.
-    pub async fn drained(&self) {
-        loop {
-            let notified = self.0.none_left.notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
-            if self.count() == 0 {
-                return;
-            }
-            notified.await;
-        }
     }
 }
 
@@ -283,6 +270,15 @@ impl Forward {
             late: LateForwards::default(),
             metrics,
         }))
+    }
+
+    /// Counts this stack's forwards in `forwards`, the process's tracker of [`Work::Forward`]
+    /// (by default a tracker of their own).
+    pub fn counting_in(mut self, forwards: work::Tracked) -> Self {
+        Arc::get_mut(&mut self.0)
+            .expect("counted in a tracker before the stack is cloned")
+            .late = LateForwards::counted_in(forwards);
+        self
     }
 }
 
@@ -466,7 +462,7 @@ struct InFlight {
     /// Whether the request was handed to a connection, and may have been sent.
     asked: MaybeSent,
     /// Counted among the outstanding forwards until the exchange ends.
-    counted: Option<LateForward>,
+    counted: Option<Working>,
     /// Where a keyed request's late answer goes.
     late_answer: Option<LateAnswer>,
     rail: Arc<Rail>,

@@ -22,18 +22,19 @@
 //! batch: once they are taken, a stalled statement keeps its place and the batcher waits, as
 //! it would without them.
 //!
-//! Every statement is counted in an [`Unanswered`] until it has answered and what its answer
+//! Every statement is counted in the process's work tracker ([`crate::work`]) until it has answered and what its answer
 //! left to do is done (a record nobody was told about is deleted: `records::Created`), so
 //! that shutdown waits for it: a compare-and-set that commits after its process stopped would
 //! leave its idempotency record in flight, and later in doubt, though nothing was forwarded.
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use prometheus::IntGauge;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::work::Tracked;
 
 /// How long a statement holds its place before the next one may start beside it.
 pub fn hold_for(timeout: Duration) -> Duration {
@@ -58,54 +59,7 @@ pub struct StatementSlots {
     overrun: Arc<Semaphore>,
     hold_for: Duration,
     stalled: IntGauge,
-    unanswered: Unanswered,
-}
-
-/// Work on the database that shutdown waits for: statements not yet answered, and what their
-/// answers left to do. Clones count together.
-#[derive(Clone, Default)]
-pub struct Unanswered(Arc<Count>);
-
-#[derive(Default)]
-struct Count {
-    running: AtomicUsize,
-    none_left: Notify,
-}
-
-/// One piece of [`Unanswered`] work, until dropped.
-pub struct Running(Unanswered);
-
-impl Unanswered {
-    /// Counts one piece of work until the returned value is dropped.
-    pub fn start(&self) -> Running {
-        self.0.running.fetch_add(1, Ordering::AcqRel);
-        Running(self.clone())
-    }
-
-    pub fn count(&self) -> usize {
-        self.0.running.load(Ordering::Acquire)
-    }
-
-    /// Resolves once nothing is running.
-    pub async fn none_left(&self) {
-        loop {
-            let notified = self.0.none_left.notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
-            if self.count() == 0 {
-                return;
-            }
-            notified.await;
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if self.0.0.running.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.0.none_left.notify_waiters();
-        }
-    }
+    unanswered: Tracked,
 }
 
 /// A statement's place, taken before its batch is made.
@@ -120,7 +74,7 @@ impl StatementSlots {
         concurrency: usize,
         timeout: Duration,
         stalled: IntGauge,
-        unanswered: Unanswered,
+        unanswered: Tracked,
     ) -> Self {
         let concurrency = concurrency.max(1);
         Self {
@@ -198,7 +152,7 @@ mod tests {
             concurrency,
             Duration::from_secs(1),
             gauge,
-            Unanswered::default(),
+            Tracked::alone(crate::work::Work::Statement),
         )
     }
 
