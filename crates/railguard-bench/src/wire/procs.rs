@@ -1,6 +1,7 @@
 //! The processes of the comparison, each started on its own so that its CPU time and context
 //! switches can be read from `/proc` without anything else mixed in: nginx as the static
-//! upstream and as a plain reverse proxy, `railguard rail-sim`, and `railguard serve`.
+//! upstream and as a plain reverse proxy, the bare hyper proxy (`bare-proxy`),
+//! `railguard rail-sim`, and `railguard serve`.
 //!
 //! Every process listens on 127.0.0.1 only, keeps its files in the run's temp dir, and is
 //! killed, with the processes it started, when its [`Spawned`] is stopped or dropped.
@@ -232,6 +233,40 @@ pub(crate) async fn nginx_proxy(
         nginx_http_common(&prefix),
     );
     start_nginx("nginx-proxy", dir, config, addr).await
+}
+
+/// `bare-proxy`, this crate's plain hyper reverse proxy, in front of `upstream`, as a process
+/// of its own: one runtime thread per CPU, as railguard's default.
+pub(crate) async fn bare_proxy(dir: &Path, upstream: SocketAddr) -> Result<Spawned, String> {
+    let addr = loopback();
+    let mut command = Command::new(bare_proxy_binary()?);
+    command
+        .arg("--listen")
+        .arg(addr.to_string())
+        .arg("--upstream")
+        .arg(format!("http://{upstream}"));
+    let mut spawned = spawn("bare-proxy", &mut command, dir, addr)?;
+    listening(&mut spawned).await?;
+    Ok(spawned)
+}
+
+/// `bare-proxy` beside this executable (both are built into the same target directory).
+fn bare_proxy_binary() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("this executable's path: {e}"))?;
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let binary = dir.join("bare-proxy");
+    if binary.is_file() {
+        Ok(binary)
+    } else {
+        Err(format!(
+            "no bare-proxy at {} (cargo build --release -p railguard-bench --bin bare-proxy; \
+             scripts/bench.sh builds it)",
+            binary.display()
+        ))
+    }
 }
 
 /// `railguard rail-sim`, the rail simulator, as a process of its own.

@@ -220,6 +220,7 @@ impl WireReport {
             let has_proxy = matches!(
                 phase.route,
                 Route::Nginx
+                    | Route::Bare
                     | Route::RailguardOff
                     | Route::Fenced
                     | Route::Unordered
