@@ -40,7 +40,8 @@ if ((${#missing[@]})); then
         "${missing[@]}" >/dev/null
 fi
 
-cargo build --release --quiet --locked -p railguard --bin railguard -p railguard-bench --bin railguard-bench
+cargo build --release --quiet --locked -p railguard --bin railguard -p railguard-bench --bin railguard-bench \
+    --bin bare-proxy
 
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if ! git diff --quiet HEAD -- 2>/dev/null; then

@@ -5,8 +5,9 @@
 #   scripts/profile.sh --group DIR     # only group the *.perf.data already in DIR
 #
 # Runs `railguard-bench --suite wire --profile-dir DIR` (perf record -e cpu-clock --call-graph
-# dwarf on the proxy process of each proxy phase: nginx and railguard), then prints, per
-# profile, the share of samples in each group of symbols (docs/performance.md explains them).
+# dwarf on the proxy process of each proxy phase: nginx, the bare hyper proxy and railguard),
+# then prints, per profile, the share of samples in each group of symbols (docs/performance.md
+# explains them).
 # Needs perf (apt-get install linux-perf) and what scripts/bench.sh needs. Profiling slows the
 # proxies: the rates printed by a profiling run are not comparable with a plain run's.
 set -euo pipefail

@@ -9,6 +9,11 @@
 //!   small and the same in every phase) or `railguard rail-sim` (`--upstream rail-sim`);
 //! - nginx 1.22 as a plain reverse proxy in front of that upstream (keep-alive, HTTP/1.1,
 //!   `X-Forwarded-For`), one worker per CPU;
+//! - `bare-proxy` (this crate's second binary), a bare hyper proxy in front of the same
+//!   upstream: a hyper 1 server on a multi-thread tokio runtime that reads each body whole and
+//!   forwards through hyper-util's pooled client. It does what any Rust proxy built on hyper
+//!   does for a request and nothing else, so railguard's CPU per request above it is
+//!   railguard's own work;
 //! - `railguard serve` twice on the same throwaway durable PostgreSQL: fencing enforced, and
 //!   fencing off (`fencing.enforce = false`: the compare-and-set still runs, nothing is
 //!   refused), each at the default configuration (log level `info`, its log to a file);
@@ -99,6 +104,8 @@ pub(crate) struct Baseline {
 pub(crate) enum Route {
     Direct,
     Nginx,
+    /// `bare-proxy`: hyper's server and pooled client, nothing else.
+    Bare,
     RailguardOff,
     Fenced,
     /// Fenced, `fencing.order_across_processes = false`.
@@ -124,6 +131,7 @@ impl Phase {
         let what = match (self.route, self.stale) {
             (Route::Direct, _) => "direct to the upstream".to_string(),
             (Route::Nginx, _) => "nginx, plain reverse proxy".to_string(),
+            (Route::Bare, _) => "a bare hyper proxy".to_string(),
             (Route::RailguardOff, _) => "railguard, fencing off".to_string(),
             (Route::Fenced, true) => "railguard, stale token → 409".to_string(),
             (Route::Fenced, false) => "railguard, fenced".to_string(),
@@ -169,9 +177,10 @@ fn phases(o: &WireOptions) -> Vec<Phase> {
         p(Route::Nginx, true, false, c),
         p(Route::RailguardOff, false, false, c),
     ];
-    // The fenced forward, unkeyed then keyed, each followed by its variants: what they are
-    // compared with runs next to them.
+    // The fenced forward, unkeyed then keyed, each after the bare proxy with the same requests
+    // and followed by its variants: what they are compared with runs next to them.
     for keys in [false, true] {
+        all.push(p(Route::Bare, keys, false, c));
         all.push(p(Route::Fenced, keys, false, c));
         if o.order_off {
             all.push(p(Route::Unordered, keys, false, c));
@@ -203,7 +212,8 @@ pub(crate) struct Sample {
     pub requests: u64,
     pub p50_us: f64,
     pub p99_us: f64,
-    /// CPU seconds of the proxy process (railguard or nginx with its workers).
+    /// CPU seconds of the proxy process (railguard, the bare proxy, or nginx with its
+    /// workers).
     pub proxy_cpu: f64,
     pub proxy_switches: u64,
     pub upstream_cpu: f64,
@@ -224,6 +234,7 @@ pub(crate) struct Sample {
 struct Components {
     upstream: Spawned,
     nginx: Spawned,
+    bare: Spawned,
     off: Spawned,
     fenced: Spawned,
     unordered: Option<Spawned>,
@@ -297,6 +308,7 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
     };
     let cpus = std::thread::available_parallelism().map_or(2, usize::from);
     let nginx = procs::nginx_proxy(dir, upstream.addr, cpus).await?;
+    let bare = procs::bare_proxy(dir, upstream.addr).await?;
     let mut config = proxy_config(o.pool_size);
     if let Some(concurrency) = o.batch_concurrency {
         config.fencing.batch_concurrency = concurrency;
@@ -372,6 +384,7 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
     let components = Components {
         upstream,
         nginx,
+        bare,
         off,
         fenced,
         unordered,
@@ -381,12 +394,13 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
     let Components {
         upstream,
         nginx,
+        bare,
         off,
         fenced,
         unordered,
         baseline,
     } = components;
-    for process in [fenced, off, nginx, upstream]
+    for process in [fenced, off, bare, nginx, upstream]
         .into_iter()
         .chain(unordered)
         .chain(baseline)
@@ -565,6 +579,7 @@ async fn measure(
     let (target, proxy) = match (phase.route, variant) {
         (Route::Direct, _) => (c.upstream.addr, None),
         (Route::Nginx, _) => (c.nginx.addr, Some(&c.nginx)),
+        (Route::Bare, _) => (c.bare.addr, Some(&c.bare)),
         (Route::RailguardOff, _) => (c.off.addr, Some(&c.off)),
         (Route::Unordered | Route::Baseline, Some(variant)) => (variant.addr, Some(variant)),
         (Route::Unordered | Route::Baseline, None) => {

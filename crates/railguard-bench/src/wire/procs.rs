@@ -1,6 +1,7 @@
 //! The processes of the comparison, each started on its own so that its CPU time and context
 //! switches can be read from `/proc` without anything else mixed in: nginx as the static
-//! upstream and as a plain reverse proxy, `railguard rail-sim`, and `railguard serve`.
+//! upstream and as a plain reverse proxy, the bare hyper proxy (`bare-proxy`),
+//! `railguard rail-sim`, and `railguard serve`.
 //!
 //! Every process listens on 127.0.0.1 only, keeps its files in the run's temp dir, and is
 //! killed, with the processes it started, when its [`Spawned`] is stopped or dropped.
@@ -234,6 +235,40 @@ pub(crate) async fn nginx_proxy(
     start_nginx("nginx-proxy", dir, config, addr).await
 }
 
+/// `bare-proxy`, this crate's plain hyper reverse proxy, in front of `upstream`, as a process
+/// of its own: one runtime thread per CPU, as railguard's default.
+pub(crate) async fn bare_proxy(dir: &Path, upstream: SocketAddr) -> Result<Spawned, String> {
+    let addr = loopback();
+    let mut command = Command::new(bare_proxy_binary()?);
+    command
+        .arg("--listen")
+        .arg(addr.to_string())
+        .arg("--upstream")
+        .arg(format!("http://{upstream}"));
+    let mut spawned = spawn("bare-proxy", &mut command, dir, addr)?;
+    listening(&mut spawned).await?;
+    Ok(spawned)
+}
+
+/// `bare-proxy` beside this executable (both are built into the same target directory).
+fn bare_proxy_binary() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("this executable's path: {e}"))?;
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let binary = dir.join("bare-proxy");
+    if binary.is_file() {
+        Ok(binary)
+    } else {
+        Err(format!(
+            "no bare-proxy at {} (cargo build --release -p railguard-bench --bin bare-proxy; \
+             scripts/bench.sh builds it)",
+            binary.display()
+        ))
+    }
+}
+
 /// `railguard rail-sim`, the rail simulator, as a process of its own.
 pub(crate) async fn rail_sim(dir: &Path) -> Result<Spawned, String> {
     let addr = loopback();
@@ -248,12 +283,39 @@ pub(crate) async fn rail_sim(dir: &Path) -> Result<Spawned, String> {
     Ok(spawned)
 }
 
-/// Writes `config` to `<dir>/<name>.toml`.
-fn write_config(dir: &Path, name: &str, config: &Config) -> Result<PathBuf, String> {
-    let text = toml::to_string(config).map_err(|e| format!("cannot write the config: {e}"))?;
+/// Writes `config` for `binary` to `<dir>/<name>.toml`: every key for this build's binary; for
+/// another build's (`--baseline-bin`), only the keys whose values differ from this build's
+/// defaults, so that a binary older than a key still reads the file and keeps its own defaults.
+fn write_config(binary: &Path, dir: &Path, name: &str, config: &Config) -> Result<PathBuf, String> {
+    let error = |e: &dyn std::fmt::Display| format!("cannot write the config: {e}");
+    let text = if binary == railguard_testkit::railguard_binary() {
+        toml::to_string(config).map_err(|e| error(&e))?
+    } else {
+        let value = toml::Value::try_from(config).map_err(|e| error(&e))?;
+        let defaults = toml::Value::try_from(Config::default()).map_err(|e| error(&e))?;
+        let changed = changed(value, &defaults).unwrap_or(toml::Value::Table(toml::Table::new()));
+        toml::to_string(&changed).map_err(|e| error(&e))?
+    };
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(path)
+}
+
+/// What of `value` differs from `default`, key by key; `None` when nothing does.
+fn changed(value: toml::Value, default: &toml::Value) -> Option<toml::Value> {
+    match (value, default) {
+        (toml::Value::Table(table), toml::Value::Table(defaults)) => {
+            let kept: toml::Table = table
+                .into_iter()
+                .filter_map(|(key, value)| match defaults.get(&key) {
+                    Some(default) => changed(value, default).map(|value| (key, value)),
+                    None => Some((key, value)),
+                })
+                .collect();
+            (!kept.is_empty()).then_some(toml::Value::Table(kept))
+        }
+        (value, default) => (value != *default).then_some(value),
+    }
 }
 
 /// `railguard migrate` with `binary` (the binary under test, or a baseline's), its config
@@ -266,7 +328,7 @@ pub(crate) async fn migrate(
     database_url: &str,
 ) -> Result<(), String> {
     config.database.url = DatabaseUrl::Postgres(database_url.to_string());
-    let path = write_config(dir, name, &config)?;
+    let path = write_config(binary, dir, name, &config)?;
     let out = Command::new(binary)
         .arg("migrate")
         .arg("--config")
@@ -299,7 +361,7 @@ pub(crate) async fn railguard(
     config.lock.listen = loopback();
     config.proxy.upstream = Upstream::parse(&format!("http://{upstream}"))?;
     config.database.url = DatabaseUrl::Postgres(database_url.to_string());
-    let path = write_config(dir, name, &config)?;
+    let path = write_config(binary, dir, name, &config)?;
     let mut command = Command::new(binary);
     command.arg("serve").arg("--config").arg(&path);
     let mut spawned = spawn(name, &mut command, dir, config.proxy.listen)?;
@@ -435,6 +497,22 @@ fn switches(pid: u32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn another_build_gets_only_the_keys_that_differ_from_the_defaults() {
+        let mut config = Config::default();
+        config.database.pool_size += 1;
+        let value = toml::Value::try_from(&config).expect("a config serializes");
+        let defaults = toml::Value::try_from(Config::default()).expect("a config serializes");
+        let kept = changed(value, &defaults).expect("one key differs");
+        let expected: toml::Table = toml::from_str(&format!(
+            "database.pool_size = {}",
+            config.database.pool_size
+        ))
+        .expect("valid toml");
+        assert_eq!(kept, toml::Value::Table(expected));
+        assert_eq!(changed(defaults.clone(), &defaults), None);
+    }
 
     #[test]
     fn reads_this_process() {

@@ -1,6 +1,7 @@
 //! The `wire` suite's markdown: medians per phase, ratios to nginx and to pgbench from the same
-//! run, the targets (docs/performance.md) with whether this run met them, and the fenced
-//! forward with the cross-process order off and through a baseline binary, when run.
+//! run, railguard's fenced forward against the bare hyper proxy (its floor), the targets
+//! (docs/performance.md) with whether this run met them, and the fenced forward with the
+//! cross-process order off and through a baseline binary, when run.
 
 use std::fmt::Write as _;
 
@@ -171,7 +172,11 @@ impl WireReport {
         );
         let _ = writeln!(
             out,
-            "- CPU and context switches per request: from `/proc` of each process (nginx: master \
+            "- The bare hyper proxy: `bare-proxy` (a binary of railguard-bench), a hyper 1 server on a \
+             multi-thread tokio runtime (one thread per CPU) that reads each body whole and \
+             forwards through hyper-util's pooled HTTP/1.1 client, in front of the same upstream, \
+             with the same requests as the fenced phases\n\
+             - CPU and context switches per request: from `/proc` of each process (nginx: master \
              and workers), divided by the requests wrk counted; PostgreSQL: the postmaster and \
              all its backends; wrk: its own time, read once it has exited"
         );
@@ -220,6 +225,7 @@ impl WireReport {
             let has_proxy = matches!(
                 phase.route,
                 Route::Nginx
+                    | Route::Bare
                     | Route::RailguardOff
                     | Route::Fenced
                     | Route::Unordered
@@ -294,11 +300,97 @@ impl WireReport {
                 );
             }
         }
+        self.against_bare(&mut out);
         self.variants(&mut out);
         self.targets(&mut out);
         self.budgets(&mut out);
         self.repetitions(&mut out);
         out
+    }
+
+    /// railguard's fenced forward against the bare hyper proxy with the same requests: what
+    /// railguard costs above a proxy that only forwards, beside the same against nginx; with
+    /// `--baseline-bin`, the baseline binary's fenced phases too.
+    fn against_bare(&self, out: &mut String) {
+        let c = self.options.connections;
+        let nginx_us = self
+            .find(Route::Nginx, true, false, c)
+            .map_or(0.0, |n| n.proxy_us);
+        let baseline = self
+            .samples
+            .iter()
+            .find(|(p, _)| p.route == Route::Baseline)
+            .map(|(p, _)| format!("railguard {}", p.baseline.unwrap_or("baseline")));
+        // (what, route, keys): this build's fenced phases, then the baseline's.
+        let mut rows = vec![
+            ("railguard".to_string(), Route::Fenced, false),
+            ("railguard".to_string(), Route::Fenced, true),
+        ];
+        if let Some(label) = &baseline {
+            rows.push((label.clone(), Route::Baseline, false));
+            rows.push((label.clone(), Route::Baseline, true));
+        }
+        if self.find(Route::Bare, false, false, c).is_none()
+            && self.find(Route::Bare, true, false, c).is_none()
+        {
+            return;
+        }
+        let ratio = |a: f64, b: f64| {
+            if a > 0.0 && b > 0.0 {
+                format!("{:.2}×", a / b)
+            } else {
+                "—".into()
+            }
+        };
+        let _ = writeln!(
+            out,
+            "\nrailguard against the bare hyper proxy, medians of this run ({c} connections; each \
+             row against the bare proxy's phase with the same requests, and against nginx's \
+             phase, with keys):\n\n\
+             | phase | CPU µs/req: railguard | bare proxy | railguard ÷ bare | railguard ÷ nginx | bare ÷ nginx | ctx sw/req: railguard | bare proxy | railguard ÷ bare | PostgreSQL CPU µs/req | CPU µs/req: this build ÷ baseline |\n\
+             |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for (what, route, keys) in &rows {
+            let (Some(m), Some(bare)) = (
+                self.find(*route, *keys, false, c),
+                self.find(Route::Bare, *keys, false, c),
+            ) else {
+                continue;
+            };
+            let against_baseline = match (route, self.find(Route::Fenced, *keys, false, c)) {
+                (Route::Baseline, Some(new)) => ratio(new.proxy_us, m.proxy_us),
+                _ => "—".into(),
+            };
+            let _ = writeln!(
+                out,
+                "| {what}, fenced, {} | {:.1} | {:.1} | {} | {} | {} | {:.2} | {:.2} | {} | {:.1} | {against_baseline} |",
+                if *keys { "with keys" } else { "no keys" },
+                m.proxy_us,
+                bare.proxy_us,
+                ratio(m.proxy_us, bare.proxy_us),
+                ratio(m.proxy_us, nginx_us),
+                ratio(bare.proxy_us, nginx_us),
+                m.switches,
+                bare.switches,
+                ratio(m.switches, bare.switches),
+                m.postgres_us,
+            );
+        }
+        let mut builds = vec![("railguard".to_string(), Route::Fenced)];
+        builds.extend(baseline.map(|label| (label, Route::Baseline)));
+        for (what, route) in builds {
+            let (Some(unkeyed), Some(keyed)) = (
+                self.find(route, false, false, c),
+                self.find(route, true, false, c),
+            ) else {
+                continue;
+            };
+            let _ = writeln!(
+                out,
+                "| {what}, fenced: PostgreSQL CPU µs/req with keys ÷ no keys | | | | | | | | | {} | |",
+                ratio(keyed.postgres_us, unkeyed.postgres_us)
+            );
+        }
     }
 
     /// The fenced forward with the cross-process order off, and through the baseline binary,
