@@ -132,6 +132,9 @@ pub(crate) struct Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
+        if self.marks.is_empty() && self.records.is_empty() {
+            return; // a statement that locks nothing (a last look) lets nothing go
+        }
         let mut rows = self.held.rows();
         for account in &self.marks {
             rows.marks.remove(account);
