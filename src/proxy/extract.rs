@@ -540,9 +540,6 @@ where
                     request,
                     deadline,
                     idempotency,
-                    record: None,
-                    maybe_sent: Default::default(),
-                    turn: None,
                 })
                 .await
         })

@@ -9,7 +9,7 @@
 //! | trace | the request span; `lock.token` and `account` are recorded on it | |
 //! | [`respond`] | error → the one response for it; outcome metrics | |
 //! | [`extract`] | deadline starts; caller ([`authorize`]); token + account headers; body read whole | 401, 403, 400, 413, 408 |
-//! | [`fence`] | cache fast path; compare-and-set (+ idempotency record); per-account order | 409, 503 |
+//! | [`fence`] | cache fast path; compare-and-set (+ idempotency record); per-account order; hands the request down with its [`Admission`] | 409, 503 |
 //! | [`idempotency`] | forward a first request and store its answer; replay or refuse repeats | 409, 422 |
 //! | [`forward`] | to the rail over pooled HTTP/1.1 | 502, 504 |
 //!
@@ -27,10 +27,10 @@
 //!    record in the same durable commit, grouped with other requests' by
 //!    [`crate::store::batch`]. Back come plain values: a [`Verdict`](crate::store::marks::Verdict) holding the
 //!    created record and the forward's entry among the account's forwarders.
-//! 4. **proxy**: [`fence`] adopts the record into the request's
-//!    [`RecordGuard`](idempotency::RecordGuard), waits for the account's turn, asks the store
-//!    for the mark once more (the last look, grouped by the same batcher) and lets the request
-//!    go; [`idempotency`] replays or refuses a repeat; [`forward`] sends a first request to the
+//! 4. **proxy**: [`fence`] adopts the record into the request's [`Admission`] — the one value
+//!    that owns the record, the send state and the account's turn until the forward ends —
+//!    waits for the turn, asks the store for the mark once more (the last look, grouped by the
+//!    same batcher) and lets the request go; [`idempotency`] replays or refuses a repeat; [`forward`] sends a first request to the
 //!    rail; the rail's answer is handed to the store for the key's record (a completion,
 //!    grouped by the same batcher) and [`respond`] makes the response.
 //! 5. **http**: hyper writes the response.
@@ -39,6 +39,7 @@
 //! id, a response's status, headers and body — and gets plain values back; nothing under
 //! `store`, `db`, `http` or `lock` names a proxy type.
 
+pub mod admission;
 pub mod authorize;
 pub mod error;
 pub mod extract;
@@ -62,12 +63,14 @@ use tower_http::trace::TraceLayer;
 
 use crate::token::{AccountId, FencingToken};
 
+pub use self::admission::{Admission, Admitted};
 pub use crate::http::{BoxError, ResponseBody, full};
 
 /// What every layer of the proxy answers with.
 pub type ProxyResponse = Response<ResponseBody>;
 
-/// A request whose token and account were read and whose body was read whole.
+/// A request whose token and account were read and whose body was read whole. Below the fence
+/// it travels with what the fence let it through with ([`Admitted`]).
 pub struct FencedRequest {
     pub token: FencingToken,
     pub account: AccountId,
@@ -76,14 +79,6 @@ pub struct FencedRequest {
     pub deadline: Instant,
     /// The request's idempotency key, if it has one.
     pub idempotency: Option<IdempotencyKey>,
-    /// Set by the fence when its compare-and-set created the key's record: this request is the
-    /// first with the key, may be forwarded, and owns the record (see `idempotency::record`).
-    pub record: Option<idempotency::RecordGuard>,
-    /// Set by the forward once the request may have reached the rail.
-    pub maybe_sent: idempotency::MaybeSent,
-    /// The account's turn at the rail, set by the fence when the request is admitted. The
-    /// forward holds it until the rail answered (or it stopped waiting for a late answer).
-    pub turn: Option<fence::Turn>,
 }
 
 /// An idempotency key and what the fence did with it.

@@ -62,7 +62,9 @@ use crate::store::records::{NewRecord, Records};
 use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
 use self::refusal_log::RefusalLog;
+use super::admission::{Admission, Admitted, Keyed};
 use super::forward::{LateForwards, UpstreamTimeout};
+use super::idempotency::MaybeSent;
 use super::idempotency::{
     IdempotencyConflict, RecordGuard, Resolver, lost_first_attempt, own_answer,
 };
@@ -312,7 +314,7 @@ impl<S: Clone, H> Clone for Fence<S, H> {
 
 impl<S, H> Service<FencedRequest> for Fence<S, H>
 where
-    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
+    S: Service<Admitted, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
     S::Future: Send,
     H: HighWater,
 {
@@ -345,11 +347,11 @@ where
 async fn enforce<S, H>(
     point: Arc<FencePoint<H>>,
     inner: S,
-    mut request: FencedRequest,
+    request: FencedRequest,
     span: tracing::Span,
 ) -> Result<ProxyResponse, BoxError>
 where
-    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError> + Send + 'static,
+    S: Service<Admitted, Response = ProxyResponse, Error = BoxError> + Send + 'static,
     S::Future: Send,
     H: HighWater,
 {
@@ -434,12 +436,17 @@ where
                 epoch.observe(token.get());
             }
             let owns_record = record.is_some();
-            request.record = record.map(|r| RecordGuard::adopt(r, request.maybe_sent.clone()));
+            let sent = MaybeSent::default();
+            let admission = Admission {
+                record: record.map(|r| RecordGuard::adopt(r, sent.clone())),
+                sent,
+                ..Admission::default()
+            };
             let forward = admitted_forward(
                 point,
                 inner,
-                request,
-                Admitted {
+                Admitted { request, admission },
+                Placed {
                     ticket,
                     entry,
                     foreign,
@@ -468,7 +475,7 @@ where
 
 /// What an accepted compare-and-set leaves a request with: its place in this process's order,
 /// its forward's entry as other processes see it, and their entries it must wait for.
-struct Admitted {
+struct Placed {
     ticket: Ticket,
     entry: Option<Entry>,
     foreign: Foreign,
@@ -480,19 +487,23 @@ struct Admitted {
 async fn admitted_forward<S, H>(
     point: Arc<FencePoint<H>>,
     mut inner: S,
-    request: FencedRequest,
     admitted: Admitted,
+    placed: Placed,
     account: AccountId,
     token: FencingToken,
 ) -> Result<ProxyResponse, BoxError>
 where
-    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
+    S: Service<Admitted, Response = ProxyResponse, Error = BoxError>,
     H: HighWater,
 {
-    let Admitted {
+    let Placed {
         mut ticket,
         entry,
         foreign,
+    } = placed;
+    let Admitted {
+        request,
+        mut admission,
     } = admitted;
     match tokio::time::timeout_at(request.deadline, ticket.admit(token)).await {
         Ok(Ok(())) => {}
@@ -505,7 +516,7 @@ where
     // Another process's forward for this account may still be on its way: ours waits until it
     // can no longer reach the rail, so that it cannot arrive after ours. A keyed request whose
     // record existed before is answered from that record and never forwarded: it does not wait.
-    let forwards = request.idempotency.is_none() || request.record.is_some();
+    let forwards = request.idempotency.is_none() || admission.record.is_some();
     if let Some(handover) = &point.handover
         && forwards
         && !foreign.is_empty()
@@ -578,12 +589,11 @@ where
     // The ticket travels with the request: the forward holds it until the rail has answered
     // (or it gave up waiting for a late answer); only then may a higher token for this
     // account start its forward.
-    let mut request = request;
-    request.turn = Some(Turn {
+    admission.turn = Some(Turn {
         _ticket: ticket,
         entry,
     });
-    inner.call(request).await
+    inner.call(Admitted { request, admission }).await
 }
 
 /// A wait for the handover that did not end in a turn: nothing was sent.
@@ -613,19 +623,20 @@ fn waited(error: WaitError, account: &AccountId, token: FencingToken) -> BoxErro
 async fn observe_only<S, H>(
     point: Arc<FencePoint<H>>,
     mut inner: S,
-    mut request: FencedRequest,
+    request: FencedRequest,
     span: tracing::Span,
 ) -> Result<ProxyResponse, BoxError>
 where
-    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError>,
+    S: Service<Admitted, Response = ProxyResponse, Error = BoxError>,
     H: HighWater,
 {
     let (token, account) = (request.token, request.account.clone());
     let verdict = point.check(&request, Instant::now(), &span).await;
+    let mut admission = Admission::default();
     match verdict {
         Ok(Verdict::Accepted { record, .. }) => {
             span.record("verdict", "accepted");
-            request.record = record.map(|r| RecordGuard::adopt(r, request.maybe_sent.clone()));
+            admission.record = record.map(|r| RecordGuard::adopt(r, admission.sent.clone()));
         }
         Ok(Verdict::Stale) => {
             span.record("verdict", "stale_forwarded");
@@ -633,16 +644,16 @@ where
             tracing::warn!(lock.token = token.get(), account = %account,
                 "FENCING IS OFF: forwarding a stale token that would have been fenced out");
             // No record was made for it: forward it as if it had no key.
-            request.idempotency = None;
+            admission.keyed = Keyed::AsUnkeyed;
         }
         Err(e) => {
             span.record("verdict", "unknown");
             tracing::warn!(lock.token = token.get(), account = %account, error = %e,
                 "FENCING IS OFF: forwarding without a fence check");
-            request.idempotency = None;
+            admission.keyed = Keyed::AsUnkeyed;
         }
     }
-    inner.call(request).await
+    inner.call(Admitted { request, admission }).await
 }
 
 /// The record a request creates with its compare-and-set. It is in doubt, unless completed,

@@ -73,9 +73,6 @@ fn request(token: i64, key: Option<&str>) -> FencedRequest {
             fingerprint: "f".into(),
             owner: "owner-1".into(),
         }),
-        record: None,
-        maybe_sent: Default::default(),
-        turn: None,
     }
 }
 
@@ -92,7 +89,7 @@ fn fence(
         enforce,
     ));
     let forwarded = forwarded.clone();
-    FenceLayer::new(point).layer(service_fn(move |_request: FencedRequest| {
+    FenceLayer::new(point).layer(service_fn(move |_admitted: Admitted| {
         forwarded.fetch_add(1, Ordering::SeqCst);
         async { Ok::<_, BoxError>(ProxyResponse::new(crate::http::full("ok"))) }
     }))
@@ -150,12 +147,12 @@ fn fence_with_held_rail(
         true,
     ));
     let (forwarded, release) = (forwarded.clone(), release.clone());
-    FenceLayer::new(point).layer(service_fn(move |request: FencedRequest| {
+    FenceLayer::new(point).layer(service_fn(move |admitted: Admitted| {
         let n = forwarded.fetch_add(1, Ordering::SeqCst);
         let release = release.clone();
         async move {
             // The request holds its account's turn until the rail has answered.
-            let _turn = request.turn;
+            let _turn = admitted.admission.turn;
             if n == 0 {
                 release.notified().await;
             }

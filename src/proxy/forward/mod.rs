@@ -34,6 +34,7 @@ use tower::Service;
 use tracing::Instrument;
 
 use self::connections::{RailBody, RailConnections, SendError};
+use super::admission::{Admission, Admitted};
 use super::fence::Turn;
 use super::idempotency::{AskTheRail, LateAnswer, MaybeSent};
 use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
@@ -315,7 +316,7 @@ impl AskTheRail for Forward {
     }
 }
 
-impl Service<FencedRequest> for Forward {
+impl Service<Admitted> for Forward {
     type Response = ProxyResponse;
     type Error = BoxError;
     type Future = Pin<Box<dyn Future<Output = Result<ProxyResponse, BoxError>> + Send>>;
@@ -324,21 +325,27 @@ impl Service<FencedRequest> for Forward {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, fenced: FencedRequest) -> Self::Future {
+    fn call(&mut self, admitted: Admitted) -> Self::Future {
         let this = self.0.clone();
         // At debug, as `fence.check`: `proxy.request` carries the token at info.
         let span = tracing::debug_span!("rail.forward",
-            lock.token = fenced.token.get(), account = %fenced.account, status = tracing::field::Empty);
+            lock.token = admitted.request.token.get(), account = %admitted.request.account,
+            status = tracing::field::Empty);
         Box::pin(
             async move {
-                let FencedRequest {
-                    request,
-                    deadline,
-                    maybe_sent: asked,
-                    turn,
-                    record,
-                    ..
-                } = fenced;
+                let Admitted {
+                    request:
+                        FencedRequest {
+                            request, deadline, ..
+                        },
+                    admission:
+                        Admission {
+                            record,
+                            sent: asked,
+                            turn,
+                            ..
+                        },
+                } = admitted;
                 // A record never reaches the forward (the idempotency layer keeps it); were
                 // one here, it would be dropped — and forgotten — before the rail answered.
                 debug_assert!(record.is_none(), "the forward never owns a record");

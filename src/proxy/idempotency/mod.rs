@@ -3,8 +3,8 @@
 //! The fence's compare-and-set has already tried to create the request's record, in the same
 //! commit. So by the time a request gets here:
 //! - it carries no key: it passes through;
-//! - its record was created: the request carries the [`RecordGuard`] that owns the record
-//!   ([`record`] says how a record ends). It is the first, and is forwarded; the rail's
+//! - its record was created: the request's admission (`proxy::admission`) carries the
+//!   [`RecordGuard`] that owns the record ([`record`] says how a record ends). It is the first, and is forwarded; the rail's
 //!   response is stored before it is returned (group-committed, without waiting for the WAL
 //!   flush: `outcomes`) — or, if the database cannot take it now, as soon as it can. A forward that fails drops the guard, which removes the record if the
 //!   rail cannot have seen the request and declares it in doubt otherwise; an answer that
@@ -43,6 +43,7 @@ pub(crate) use self::replay::{BODY_OMITTED, REPLAYED};
 pub use self::resolve::{AskTheRail, Resolved, Resolver};
 use crate::store::records::{Record, RecordState, Records};
 
+use super::admission::{Admitted, Keyed};
 use super::forward::{Sent, UpstreamTimeout};
 use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::db::DbError;
@@ -143,9 +144,9 @@ pub struct Idempotency<S> {
     resolver: Option<Arc<Resolver>>,
 }
 
-impl<S> Service<FencedRequest> for Idempotency<S>
+impl<S> Service<Admitted> for Idempotency<S>
 where
-    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
+    S: Service<Admitted, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
     S::Future: Send,
 {
     type Response = ProxyResponse;
@@ -156,16 +157,21 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut request: FencedRequest) -> Self::Future {
+    fn call(&mut self, admitted: Admitted) -> Self::Future {
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let (records, config) = (self.records.clone(), self.config.clone());
         let resolver = self.resolver.clone();
         Box::pin(async move {
-            let Some(key) = request.idempotency.as_ref() else {
-                return inner.call(request).await;
+            let Admitted {
+                mut request,
+                mut admission,
+            } = admitted;
+            let key = match (&request.idempotency, admission.keyed) {
+                (Some(key), Keyed::AsItsKeySays) => key,
+                _ => return inner.call(Admitted { request, admission }).await,
             };
-            let Some(record) = request.record.take() else {
+            let Some(record) = admission.record.take() else {
                 let (fingerprint, key) = (key.fingerprint.clone(), key.key.clone());
                 return repeat(&*records, resolver.as_deref(), &request, &fingerprint, &key).await;
             };
@@ -178,7 +184,7 @@ where
             ));
             // A failure drops `record`: forgotten if the rail cannot have seen the request, in
             // doubt if it may have.
-            let response = inner.call(request).await?;
+            let response = inner.call(Admitted { request, admission }).await?;
             // The rail has answered; its body must arrive within the deadline too, or the
             // client is told the outcome is unknown (504). The body is still read, and stored
             // as the record's answer once it has come (a repeat meanwhile: `in_flight`, then
@@ -318,20 +324,20 @@ mod tests {
 
     use super::record::tests::{Ended, MemoryRecords, record_id};
     use super::*;
-    use crate::proxy::IdempotencyKey;
+    use crate::proxy::{Admission, IdempotencyKey};
     use crate::store::records::StoredResponse;
     use crate::token::{AccountId, FencingToken};
 
     /// A first request with key `pay-1` that owns its record, and the flag its forward sets.
-    fn first(records: &Arc<MemoryRecords>) -> FencedRequest {
-        let mut request = repeat_of("f");
-        let guard = RecordGuard::new(records.clone(), record_id(), request.maybe_sent.clone());
-        request.record = Some(guard);
-        request
+    fn first(records: &Arc<MemoryRecords>) -> Admitted {
+        let mut admitted = repeat_of("f");
+        let sent = admitted.admission.sent.clone();
+        admitted.admission.record = Some(RecordGuard::new(records.clone(), record_id(), sent));
+        admitted
     }
 
-    fn repeat_of(fingerprint: &str) -> FencedRequest {
-        FencedRequest {
+    fn repeat_of(fingerprint: &str) -> Admitted {
+        let request = FencedRequest {
             token: FencingToken::new(3).unwrap(),
             account: AccountId::parse("acct-1", 64).unwrap(),
             request: http::Request::new(Bytes::from_static(b"{}")),
@@ -342,9 +348,10 @@ mod tests {
                 fingerprint: fingerprint.into(),
                 owner: "owner-1".into(),
             }),
-            record: None,
-            maybe_sent: Default::default(),
-            turn: None,
+        };
+        Admitted {
+            request,
+            admission: Admission::default(),
         }
     }
 
@@ -360,8 +367,8 @@ mod tests {
     #[tokio::test]
     async fn an_answered_first_request_completes_its_record() {
         let records = Arc::new(MemoryRecords::default());
-        let rail = service_fn(|request: FencedRequest| async move {
-            request.maybe_sent.set();
+        let rail = service_fn(|admitted: Admitted| async move {
+            admitted.admission.sent.set();
             let mut response = ProxyResponse::new(crate::http::full("paid"));
             *response.status_mut() = http::StatusCode::CREATED;
             Ok::<_, BoxError>(response)
@@ -382,8 +389,8 @@ mod tests {
         use http_body_util::{BodyExt, StreamBody};
 
         let records = Arc::new(MemoryRecords::default());
-        let rail = service_fn(|request: FencedRequest| async move {
-            request.maybe_sent.set();
+        let rail = service_fn(|admitted: Admitted| async move {
+            admitted.admission.sent.set();
             let body = futures_util::stream::once(async {
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 Ok::<_, BoxError>(hyper::body::Frame::data(Bytes::from_static(b"paid")))
@@ -393,7 +400,7 @@ mod tests {
             Ok::<_, BoxError>(response)
         });
         let mut request = first(&records);
-        request.deadline = Instant::now() + Duration::from_millis(100);
+        request.request.deadline = Instant::now() + Duration::from_millis(100);
         let error = layer(&records)
             .layer(rail)
             .oneshot(request)
@@ -409,7 +416,7 @@ mod tests {
     #[tokio::test]
     async fn a_forward_that_failed_before_sending_forgets_the_record() {
         let records = Arc::new(MemoryRecords::default());
-        let rail = service_fn(|_request: FencedRequest| async {
+        let rail = service_fn(|_admitted: Admitted| async {
             Err::<ProxyResponse, BoxError>("connection refused".into())
         });
         let result = layer(&records).layer(rail).oneshot(first(&records)).await;
@@ -420,8 +427,8 @@ mod tests {
     #[tokio::test]
     async fn a_forward_that_failed_after_sending_leaves_the_record_in_doubt() {
         let records = Arc::new(MemoryRecords::default());
-        let rail = service_fn(|request: FencedRequest| async move {
-            request.maybe_sent.set();
+        let rail = service_fn(|admitted: Admitted| async move {
+            admitted.admission.sent.set();
             Err::<ProxyResponse, BoxError>("connection reset".into())
         });
         let result = layer(&records).layer(rail).oneshot(first(&records)).await;
@@ -432,7 +439,7 @@ mod tests {
     #[tokio::test]
     async fn repeats_never_reach_the_rail() {
         let records = Arc::new(MemoryRecords::default());
-        let rail = service_fn(|_request: FencedRequest| async {
+        let rail = service_fn(|_admitted: Admitted| async {
             panic!("a repeat reached the rail");
             #[allow(unreachable_code)]
             Ok::<ProxyResponse, BoxError>(ProxyResponse::new(crate::http::full("")))
