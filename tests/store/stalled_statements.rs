@@ -494,3 +494,193 @@ async fn a_backend_stopped_holding_a_record_in_its_completion_holds_up_that_reco
     );
     assert_eq!(s.paid_to(STALLED), 2, "key-a and key-z, each paid once");
 }
+
+/// The last look has places and sessions of its own (`store::marks`' `look`): a request whose
+/// compare-and-set was answered before every fence place stalled takes its last look, and is
+/// forwarded, while the fence batcher stays jammed.
+#[tokio::test]
+async fn a_last_look_is_answered_while_every_fence_place_is_stalled() {
+    init_tracing();
+    let s = setup_of(
+        false,
+        Rail::with_latency(Duration::from_millis(2000)).await,
+        &[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000")],
+    )
+    .await;
+    // Token 1 at the rail holds the account's turn: token 2, its compare-and-set answered,
+    // waits for that turn before its last look.
+    let first = s.rg.payment("acct-look-jam", 1).spawn();
+    s.rail.until_paid(1).await;
+    let second = s.rg.payment("acct-look-jam", 2).spawn();
+    until(
+        Duration::from_secs(2),
+        "token 2's compare-and-set committed",
+        || async { s.pg.mark("acct-look-jam").await == Some(2) },
+    )
+    .await;
+    // Before the rail answers token 1, stalled statements take every fence place.
+    let mut jammed = Vec::new();
+    for account in ["acct-jam-1", "acct-jam-2", "acct-jam-3"] {
+        s.stall_nth(account, 1);
+        jammed.push(s.spawn_pay(account, None));
+        s.until_stalled().await;
+    }
+    until(
+        Duration::from_secs(1),
+        "three stalled fence statements",
+        || async { s.stalled("fence").await == 3.0 },
+    )
+    .await;
+    assert!(!second.is_finished(), "token 2 still waits for its turn");
+    let second = second.await.unwrap();
+    second.assert_status(StatusCode::CREATED);
+    assert_eq!(
+        s.stalled("fence").await,
+        3.0,
+        "the fence batcher stayed jammed through token 2's last look"
+    );
+    first.await.unwrap().assert_status(StatusCode::CREATED);
+    let tokens: Vec<Option<String>> = s
+        .rail
+        .ledger()
+        .iter()
+        .filter(|e| e.account.as_deref() == Some("acct-look-jam"))
+        .map(|e| e.token.clone())
+        .collect();
+    assert_eq!(tokens, [Some("1".to_string()), Some("2".to_string())]);
+    s.relay.release_stalled();
+    s.until_nothing_stalls().await;
+    for (account, reply) in ["acct-jam-1", "acct-jam-2", "acct-jam-3"]
+        .iter()
+        .zip(jammed)
+    {
+        let paid = match reply.await.unwrap().status {
+            StatusCode::CREATED => 1,
+            StatusCode::SERVICE_UNAVAILABLE => 0,
+            other => panic!("{account}: {other}"),
+        };
+        assert_eq!(s.paid_to(account), paid, "{account}");
+    }
+}
+
+/// A completion whose record a stopped compare-and-set holds — a repeat of its key, whose
+/// statement locked the record's row (`ON CONFLICT`) and was stopped waiting for another
+/// record's — is not lost: its statement gives up at the lock timeout, the completion is
+/// retried in the background, the rail's answer reaches its client meanwhile, and once the
+/// compare-and-set goes on the answer is stored and replayed.
+#[tokio::test]
+async fn a_completion_behind_a_stopped_compare_and_set_that_holds_its_record_is_stored_later() {
+    init_tracing();
+    // A database timeout of 3 s: a statement holds its place for 300 ms (store::batch::slots).
+    let s = setup_of(
+        false,
+        Rail::with_latency(Duration::from_millis(1500)).await,
+        &[
+            ("RAILGUARD__DATABASE__TIMEOUT_MS", "3000"),
+            ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000"),
+        ],
+    )
+    .await;
+    let first = s.spawn_pay(STALLED, Some("key-held"));
+    s.rail.until_paid(1).await;
+    // key-lock's record is being made by someone else.
+    let mut blocker = s.pg.client().await;
+    let tx = blocker.transaction().await.unwrap();
+    tx.execute(
+        "INSERT INTO idempotency_record
+             (account_id, idempotency_key, fingerprint, token, owner, state)
+         VALUES ($1, 'key-lock', 'f', 1, 'blocker', 'in_flight')",
+        &[&STALLED],
+    )
+    .await
+    .unwrap();
+    // A statement stalled on the network keeps the fence batcher's place for 300 ms, so that a
+    // repeat of key-held and key-lock's first request share the next statement: it locks the
+    // account's mark row and key-held's record (the repeat meets it), then waits for
+    // key-lock's, and is stopped there.
+    s.stall_nth("acct-place", 1);
+    let place = s.spawn_pay("acct-place", None);
+    s.until_stalled().await;
+    let repeat = s.spawn_pay(STALLED, Some("key-held"));
+    let other = s.spawn_pay(STALLED, Some("key-lock"));
+    let backend = s.stop_backend_waiting("WITH fenced AS").await;
+    tx.rollback().await.unwrap();
+    // The rail's answer to key-held reaches its client, though it cannot be stored yet.
+    let answered = first.await.unwrap();
+    answered.assert_status(StatusCode::CREATED);
+    let client = s.pg.client().await;
+    assert_eq!(
+        support::records::state_of(&client, "key-held")
+            .await
+            .as_deref(),
+        Some("in_flight"),
+        "the completion waits behind the stopped statement"
+    );
+    s.pg.resume_backend(backend).await;
+    s.relay.release_stalled();
+    // The requests whose verdicts came too late were refused, nothing forwarded.
+    for refused in [repeat, other, place] {
+        refused
+            .await
+            .unwrap()
+            .assert_status(StatusCode::SERVICE_UNAVAILABLE);
+    }
+    s.until_nothing_stalls().await;
+    let replayed = s.created_soon("key-held").await;
+    assert_eq!(
+        replayed.headers.get("idempotency-replayed"),
+        Some(&"true".parse().unwrap())
+    );
+    assert_eq!(replayed.body, answered.body);
+    // key-lock's record, made for a request that was never told, went: its retry pays.
+    s.created_soon("key-lock").await;
+    assert_eq!(s.paid_to(STALLED), 2, "key-held and key-lock, each paid once");
+    assert_eq!(s.paid_to("acct-place"), 0);
+    assert_eq!(
+        s.rg.metrics()
+            .await
+            .get("railguard_idempotency_outcomes_lost_total"),
+        0.0
+    );
+}
+
+/// A stop whose grace ends with a compare-and-set still unanswered (its connection stalled)
+/// ends within that one grace, says what it leaves, and records no clean stop: the statement
+/// may still commit, so the process cannot say it sends nothing more.
+#[tokio::test]
+async fn a_stop_whose_grace_ends_with_a_statement_stalled_records_no_clean_stop() {
+    init_tracing();
+    let grace = Duration::from_millis(1500);
+    let mut s = setup_of(
+        true,
+        Rail::start().await,
+        &[("RAILGUARD__SHUTDOWN__GRACE_MS", "1500")],
+    )
+    .await;
+    let instance = s.rg.instance().expect("the process names its instance");
+    s.stall_nth("key-stalled-past-grace", 1);
+    let stalled = s.spawn_pay(STALLED, Some("key-stalled-past-grace"));
+    s.until_stalled().await;
+    let stopping = tokio::time::Instant::now();
+    let (status, ()) = tokio::join!(s.rg.stop(), refused_unpaid(&s.rail, stalled));
+    let took = stopping.elapsed();
+    assert!(status.success(), "{status}");
+    assert!(
+        took < grace + Duration::from_secs(2),
+        "the stop took {took:?}, well past its grace of {grace:?}"
+    );
+    let log = s.rg.log();
+    assert!(
+        log.contains("shutdown.grace_ms is over with work still outstanding")
+            && log.contains("no clean stop is recorded"),
+        "{log}"
+    );
+    let stops: i64 =
+        s.pg.one(
+            "SELECT count(*) FROM railguard_audit WHERE action = 'instance_stopped'
+               AND (outcome->>'instance')::bigint = $1",
+            &[&instance],
+        )
+        .await;
+    assert_eq!(stops, 0, "a clean stop recorded with a statement out");
+}
