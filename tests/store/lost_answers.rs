@@ -64,16 +64,22 @@ async fn a_compare_and_set_whose_answer_was_lost_leaves_no_record_in_flight() {
     // Everything the server sends from now on is held; the row goes, and the statement commits.
     relay.set_delay(Duration::from_secs(5));
     tx.rollback().await.unwrap();
-    until(Duration::from_millis(500), "the record committed", || async {
-        support::records::records_keyed(&watcher, KEY).await == 1
-    })
+    until(
+        Duration::from_millis(500),
+        "the record committed",
+        || async { support::records::records_keyed(&watcher, KEY).await == 1 },
+    )
     .await;
     // Its answer is lost with the connection, and no new session can be had for a while.
     relay.cut_for(Duration::from_millis(1500));
     relay.set_delay(Duration::ZERO);
     let refused = paying.await.unwrap();
     refused.assert_status(StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(rail.times_paid(KEY), 0, "a refused request reached the rail");
+    assert_eq!(
+        rail.times_paid(KEY),
+        0,
+        "a refused request reached the rail"
+    );
     // The retry the 503 asks for goes through once the database answers again: the record of
     // the lost commit — whose request was never forwarded — is gone.
     let retried = eventually(

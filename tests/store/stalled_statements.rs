@@ -634,7 +634,11 @@ async fn a_completion_behind_a_stopped_compare_and_set_that_holds_its_record_is_
     assert_eq!(replayed.body, answered.body);
     // key-lock's record, made for a request that was never told, went: its retry pays.
     s.created_soon("key-lock").await;
-    assert_eq!(s.paid_to(STALLED), 2, "key-held and key-lock, each paid once");
+    assert_eq!(
+        s.paid_to(STALLED),
+        2,
+        "key-held and key-lock, each paid once"
+    );
     assert_eq!(s.paid_to("acct-place"), 0);
     assert_eq!(
         s.rg.metrics()
