@@ -563,6 +563,72 @@ async fn a_last_look_is_answered_while_every_fence_place_is_stalled() {
     }
 }
 
+/// railguard (a process if `process`) with a database timeout of 3 s — a statement holds its
+/// place for 300 ms (store::batch::slots) — in front of a rail that answers in 1.5 s, with
+/// `more` overrides.
+async fn setup_for_a_stopped_compare_and_set(process: bool, more: &[(&str, &str)]) -> Setup {
+    init_tracing();
+    let mut env = vec![
+        ("RAILGUARD__DATABASE__TIMEOUT_MS", "3000"),
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000"),
+    ];
+    env.extend_from_slice(more);
+    setup_of(
+        process,
+        Rail::with_latency(Duration::from_millis(1500)).await,
+        &env,
+    )
+    .await
+}
+
+impl Setup {
+    /// The stalled account's payment keyed key-held reaches the rail; then a compare-and-set
+    /// that holds key-held's record row is stopped, and the rail's answer comes: it reaches its
+    /// client, but its completion waits behind the stopped statement. Returns the stopped
+    /// backend, the answer, and the requests whose verdicts come too late (refused, nothing
+    /// forwarded).
+    async fn completion_behind_a_stopped_compare_and_set(
+        &self,
+    ) -> (u32, Reply, [tokio::task::JoinHandle<Reply>; 3]) {
+        let first = self.spawn_pay(STALLED, Some("key-held"));
+        self.rail.until_paid(1).await;
+        // key-lock's record is being made by someone else.
+        let mut blocker = self.pg.client().await;
+        let tx = blocker.transaction().await.unwrap();
+        tx.execute(
+            "INSERT INTO idempotency_record
+                 (account_id, idempotency_key, fingerprint, token, owner, state)
+             VALUES ($1, 'key-lock', 'f', 1, 'blocker', 'in_flight')",
+            &[&STALLED],
+        )
+        .await
+        .unwrap();
+        // A statement stalled on the network keeps the fence batcher's place for 300 ms, so
+        // that a repeat of key-held and key-lock's first request share the next statement: it
+        // locks the account's mark row and key-held's record (the repeat meets it), then waits
+        // for key-lock's, and is stopped there.
+        self.stall_nth("acct-place", 1);
+        let place = self.spawn_pay("acct-place", None);
+        self.until_stalled().await;
+        let repeat = self.spawn_pay(STALLED, Some("key-held"));
+        let other = self.spawn_pay(STALLED, Some("key-lock"));
+        let backend = self.stop_backend_waiting("WITH fenced AS").await;
+        tx.rollback().await.unwrap();
+        // The rail's answer to key-held reaches its client, though it cannot be stored yet.
+        let answered = first.await.unwrap();
+        answered.assert_status(StatusCode::CREATED);
+        let client = self.pg.client().await;
+        assert_eq!(
+            support::records::state_of(&client, "key-held")
+                .await
+                .as_deref(),
+            Some("in_flight"),
+            "the completion waits behind the stopped statement"
+        );
+        (backend, answered, [repeat, other, place])
+    }
+}
+
 /// A completion whose record a stopped compare-and-set holds — a repeat of its key, whose
 /// statement locked the record's row (`ON CONFLICT`) and was stopped waiting for another
 /// record's — is not lost: its statement gives up at the lock timeout, the completion is
@@ -570,56 +636,11 @@ async fn a_last_look_is_answered_while_every_fence_place_is_stalled() {
 /// compare-and-set goes on the answer is stored and replayed.
 #[tokio::test]
 async fn a_completion_behind_a_stopped_compare_and_set_that_holds_its_record_is_stored_later() {
-    init_tracing();
-    // A database timeout of 3 s: a statement holds its place for 300 ms (store::batch::slots).
-    let s = setup_of(
-        false,
-        Rail::with_latency(Duration::from_millis(1500)).await,
-        &[
-            ("RAILGUARD__DATABASE__TIMEOUT_MS", "3000"),
-            ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000"),
-        ],
-    )
-    .await;
-    let first = s.spawn_pay(STALLED, Some("key-held"));
-    s.rail.until_paid(1).await;
-    // key-lock's record is being made by someone else.
-    let mut blocker = s.pg.client().await;
-    let tx = blocker.transaction().await.unwrap();
-    tx.execute(
-        "INSERT INTO idempotency_record
-             (account_id, idempotency_key, fingerprint, token, owner, state)
-         VALUES ($1, 'key-lock', 'f', 1, 'blocker', 'in_flight')",
-        &[&STALLED],
-    )
-    .await
-    .unwrap();
-    // A statement stalled on the network keeps the fence batcher's place for 300 ms, so that a
-    // repeat of key-held and key-lock's first request share the next statement: it locks the
-    // account's mark row and key-held's record (the repeat meets it), then waits for
-    // key-lock's, and is stopped there.
-    s.stall_nth("acct-place", 1);
-    let place = s.spawn_pay("acct-place", None);
-    s.until_stalled().await;
-    let repeat = s.spawn_pay(STALLED, Some("key-held"));
-    let other = s.spawn_pay(STALLED, Some("key-lock"));
-    let backend = s.stop_backend_waiting("WITH fenced AS").await;
-    tx.rollback().await.unwrap();
-    // The rail's answer to key-held reaches its client, though it cannot be stored yet.
-    let answered = first.await.unwrap();
-    answered.assert_status(StatusCode::CREATED);
-    let client = s.pg.client().await;
-    assert_eq!(
-        support::records::state_of(&client, "key-held")
-            .await
-            .as_deref(),
-        Some("in_flight"),
-        "the completion waits behind the stopped statement"
-    );
+    let s = setup_for_a_stopped_compare_and_set(false, &[]).await;
+    let (backend, answered, late) = s.completion_behind_a_stopped_compare_and_set().await;
     s.pg.resume_backend(backend).await;
     s.relay.release_stalled();
-    // The requests whose verdicts came too late were refused, nothing forwarded.
-    for refused in [repeat, other, place] {
+    for refused in late {
         refused
             .await
             .unwrap()
@@ -646,6 +667,67 @@ async fn a_completion_behind_a_stopped_compare_and_set_that_holds_its_record_is_
             .get("railguard_idempotency_outcomes_lost_total"),
         0.0
     );
+}
+
+/// A graceful stop with a forward on its way to the rail, a statement stopped at the database
+/// and a completion retried in the background behind it waits for all three within its one
+/// grace; once none is out it records its clean stop.
+#[tokio::test]
+async fn a_stop_waits_for_a_forward_a_statement_and_an_outcome_within_one_grace() {
+    let mut s =
+        setup_for_a_stopped_compare_and_set(true, &[("RAILGUARD__SHUTDOWN__GRACE_MS", "15000")])
+            .await;
+    let instance = s.rg.instance().expect("the process names its instance");
+    let (backend, _answered, late) = s.completion_behind_a_stopped_compare_and_set().await;
+    for refused in late {
+        refused
+            .await
+            .unwrap()
+            .assert_status(StatusCode::SERVICE_UNAVAILABLE);
+    }
+    // A keyed forward on its way to the rail whose client leaves: no connection is left for
+    // the listener to drain, yet it is counted.
+    let slow = s.spawn_pay("acct-slow", Some("key-slow"));
+    s.rail.until_paid(2).await;
+    slow.abort();
+    let stopping = tokio::time::Instant::now();
+    let (status, ()) = tokio::join!(s.rg.stop(), async {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        s.pg.resume_backend(backend).await;
+        s.relay.release_stalled();
+    });
+    let took = stopping.elapsed();
+    assert!(status.success(), "{status}");
+    assert!(
+        took >= Duration::from_millis(2500),
+        "the stop ended after {took:?}, before the statement and the outcome"
+    );
+    let log = s.rg.log();
+    for waited in [
+        "waiting for the rail's answers to forwards still on their way",
+        "waiting for database statements still unanswered",
+        "waiting for idempotency outcomes still retried until the database takes them",
+        "recorded this process's clean stop",
+    ] {
+        assert!(log.contains(waited), "{waited}: {log}");
+    }
+    let client = s.pg.client().await;
+    assert_eq!(
+        support::records::state_of(&client, "key-held")
+            .await
+            .as_deref(),
+        Some("done"),
+        "the outcome was stored before the exit"
+    );
+    assert_eq!(
+        support::records::state_of(&client, "key-slow")
+            .await
+            .as_deref(),
+        Some("done"),
+        "the forward's answer was stored before the exit"
+    );
+    assert_eq!(s.paid_to("acct-slow"), 1);
+    assert_eq!(clean_stops(&s.pg, instance).await, 1);
 }
 
 /// A stop whose grace ends with a compare-and-set still unanswered (its connection stalled)
@@ -679,12 +761,19 @@ async fn a_stop_whose_grace_ends_with_a_statement_stalled_records_no_clean_stop(
             && log.contains("no clean stop is recorded"),
         "{log}"
     );
-    let stops: i64 =
-        s.pg.one(
-            "SELECT count(*) FROM railguard_audit WHERE action = 'instance_stopped'
-               AND (outcome->>'instance')::bigint = $1",
-            &[&instance],
-        )
-        .await;
-    assert_eq!(stops, 0, "a clean stop recorded with a statement out");
+    assert_eq!(
+        clean_stops(&s.pg, instance).await,
+        0,
+        "a clean stop recorded with a statement out"
+    );
+}
+
+/// The clean stops the railguard of `instance` recorded (`railguard_audit`).
+async fn clean_stops(pg: &Pg, instance: i64) -> i64 {
+    pg.one(
+        "SELECT count(*) FROM railguard_audit WHERE action = 'instance_stopped'
+           AND (outcome->>'instance')::bigint = $1",
+        &[&instance],
+    )
+    .await
 }
