@@ -2,7 +2,9 @@
 //! path holding one flow) holds up nothing else (`store::batch::slots`): with one statement in flight
 //! per batcher, the requests behind a stalled compare-and-set, last look or completion are
 //! still answered, the stall is counted in `railguard_db_statements_stalled`, and the stalled
-//! request's own answer stays true — it never reaches the rail unless it says it may have.
+//! request's own answer stays true — it never reaches the rail unless it says it may have. A
+//! graceful stop waits for stalled statements, and the work behind them, within its one grace,
+//! and records a clean stop only once none is out.
 //!
 //! The stall is a relay in front of PostgreSQL that holds one connection's traffic from the
 //! chosen statement on ([`Relay::stall_first`]); every other connection carries on.
