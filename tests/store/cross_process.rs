@@ -2,7 +2,8 @@
 //! the rail receives the account's tokens in order whichever process each went through
 //! (`store::handover`). A forward one process has on its way to the rail — held in the network,
 //! or sent by a process killed since — holds back a newer token's forward in another until it
-//! can no longer arrive. With the order switched off (`fencing.order_across_processes = false`,
+//! can no longer arrive; one that was never sent (its compare-and-set committed after its caller
+//! left) holds back nothing. With the order switched off (`fencing.order_across_processes = false`,
 //! the negative control) the same runs deliver the newer token first.
 
 use railguard_testkit as support;
@@ -189,4 +190,65 @@ async fn without_the_cross_process_order_a_rewind_lets_the_newer_token_overtake(
         [newer, 5],
         "the negative control: without the order the newer request arrives first"
     );
+}
+
+/// Railguard A's compare-and-set for a keyed payment is held in the network until its caller
+/// has given up (503, nothing forwarded); then it reaches PostgreSQL and commits — A's record
+/// and A's entry among the account's forwarders with it. Nobody was told, so A forgets the
+/// record and settles the entry: the retry through railguard B goes through at once, once, and
+/// waits neither for a record in flight nor for A's row to go quiet.
+#[tokio::test]
+async fn a_compare_and_set_committed_after_its_caller_left_holds_up_no_retry_through_another_railguard()
+ {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let a_path = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
+    let a = Railguard::start(&a_path.postgres_url(&pg.url()), &rail.url(), &[]).await;
+    let b = Railguard::start(&pg.url(), &rail.url(), &[]).await;
+    a_path.stall_first(|chunk| chunk.windows(8).any(|w| w == b"key-late"));
+    let refused = a.payment("acct-late", 7).key("key-late").spawn();
+    support::until(
+        Duration::from_secs(2),
+        "A's compare-and-set held",
+        || async { a_path.has_stalled() },
+    )
+    .await;
+    refused
+        .await
+        .unwrap()
+        .assert_status(StatusCode::SERVICE_UNAVAILABLE);
+    a_path.release_stalled();
+    let client = pg.client().await;
+    eventually(
+        Duration::from_secs(3),
+        "A's late commit made, and its record forgotten",
+        || async {
+            let made = pg.mark("acct-late").await == Some(7);
+            let left = support::records::records_keyed(&client, "key-late").await;
+            (made && left == 0).then_some(())
+        },
+    )
+    .await;
+    let retrying = tokio::time::Instant::now();
+    b.payment("acct-late", 7)
+        .key("key-late")
+        .expect(StatusCode::CREATED)
+        .send()
+        .await;
+    assert!(
+        retrying.elapsed() < Duration::from_secs(2),
+        "the retry waited {:?} for A's forward that was never sent",
+        retrying.elapsed()
+    );
+    assert_eq!(rail.times_paid("key-late"), 1, "paid once");
+    assert_eq!(
+        b.metrics().await.get("railguard_forward_handovers_total"),
+        1.0,
+        "B found A's entry in the account's row and asked whether it was settled"
+    );
+    b.payment("acct-late", 6)
+        .expect(StatusCode::CONFLICT)
+        .send()
+        .await;
 }

@@ -2,7 +2,9 @@
 //! path holding one flow) holds up nothing else (`store::batch::slots`): with one statement in flight
 //! per batcher, the requests behind a stalled compare-and-set, last look or completion are
 //! still answered, the stall is counted in `railguard_db_statements_stalled`, and the stalled
-//! request's own answer stays true — it never reaches the rail unless it says it may have.
+//! request's own answer stays true — it never reaches the rail unless it says it may have. A
+//! graceful stop waits for stalled statements, and the work behind them, within its one grace,
+//! and records a clean stop only once none is out.
 //!
 //! The stall is a relay in front of PostgreSQL that holds one connection's traffic from the
 //! chosen statement on ([`Relay::stall_first`]); every other connection carries on.
@@ -493,4 +495,287 @@ async fn a_backend_stopped_holding_a_record_in_its_completion_holds_up_that_reco
         Some(&"true".parse().unwrap())
     );
     assert_eq!(s.paid_to(STALLED), 2, "key-a and key-z, each paid once");
+}
+
+/// The last look has places and sessions of its own (`store::marks`' `look`): a request whose
+/// compare-and-set was answered before every fence place stalled takes its last look, and is
+/// forwarded, while the fence batcher stays jammed.
+#[tokio::test]
+async fn a_last_look_is_answered_while_every_fence_place_is_stalled() {
+    init_tracing();
+    let s = setup_of(
+        false,
+        Rail::with_latency(Duration::from_millis(2000)).await,
+        &[("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000")],
+    )
+    .await;
+    // Token 1 at the rail holds the account's turn: token 2, its compare-and-set answered,
+    // waits for that turn before its last look.
+    let first = s.rg.payment("acct-look-jam", 1).spawn();
+    s.rail.until_paid(1).await;
+    let second = s.rg.payment("acct-look-jam", 2).spawn();
+    until(
+        Duration::from_secs(2),
+        "token 2's compare-and-set committed",
+        || async { s.pg.mark("acct-look-jam").await == Some(2) },
+    )
+    .await;
+    // Before the rail answers token 1, stalled statements take every fence place.
+    let mut jammed = Vec::new();
+    for account in ["acct-jam-1", "acct-jam-2", "acct-jam-3"] {
+        s.stall_nth(account, 1);
+        jammed.push(s.spawn_pay(account, None));
+        s.until_stalled().await;
+    }
+    until(
+        Duration::from_secs(1),
+        "three stalled fence statements",
+        || async { s.stalled("fence").await == 3.0 },
+    )
+    .await;
+    assert!(!second.is_finished(), "token 2 still waits for its turn");
+    let second = second.await.unwrap();
+    second.assert_status(StatusCode::CREATED);
+    assert_eq!(
+        s.stalled("fence").await,
+        3.0,
+        "the fence batcher stayed jammed through token 2's last look"
+    );
+    first.await.unwrap().assert_status(StatusCode::CREATED);
+    let tokens: Vec<Option<String>> = s
+        .rail
+        .ledger()
+        .iter()
+        .filter(|e| e.account.as_deref() == Some("acct-look-jam"))
+        .map(|e| e.token.clone())
+        .collect();
+    assert_eq!(tokens, [Some("1".to_string()), Some("2".to_string())]);
+    s.relay.release_stalled();
+    s.until_nothing_stalls().await;
+    for (account, reply) in ["acct-jam-1", "acct-jam-2", "acct-jam-3"]
+        .iter()
+        .zip(jammed)
+    {
+        let paid = match reply.await.unwrap().status {
+            StatusCode::CREATED => 1,
+            StatusCode::SERVICE_UNAVAILABLE => 0,
+            other => panic!("{account}: {other}"),
+        };
+        assert_eq!(s.paid_to(account), paid, "{account}");
+    }
+}
+
+/// railguard (a process if `process`) with a database timeout of 3 s — a statement holds its
+/// place for 300 ms (store::batch::slots) — in front of a rail that answers in 1.5 s, with
+/// `more` overrides.
+async fn setup_for_a_stopped_compare_and_set(process: bool, more: &[(&str, &str)]) -> Setup {
+    init_tracing();
+    let mut env = vec![
+        ("RAILGUARD__DATABASE__TIMEOUT_MS", "3000"),
+        ("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000"),
+    ];
+    env.extend_from_slice(more);
+    setup_of(
+        process,
+        Rail::with_latency(Duration::from_millis(1500)).await,
+        &env,
+    )
+    .await
+}
+
+impl Setup {
+    /// The stalled account's payment keyed key-held reaches the rail; then a compare-and-set
+    /// that holds key-held's record row is stopped, and the rail's answer comes: it reaches its
+    /// client, but its completion waits behind the stopped statement. Returns the stopped
+    /// backend, the answer, and the requests whose verdicts come too late (refused, nothing
+    /// forwarded).
+    async fn completion_behind_a_stopped_compare_and_set(
+        &self,
+    ) -> (u32, Reply, [tokio::task::JoinHandle<Reply>; 3]) {
+        let first = self.spawn_pay(STALLED, Some("key-held"));
+        self.rail.until_paid(1).await;
+        // key-lock's record is being made by someone else.
+        let mut blocker = self.pg.client().await;
+        let tx = blocker.transaction().await.unwrap();
+        tx.execute(
+            "INSERT INTO idempotency_record
+                 (account_id, idempotency_key, fingerprint, token, owner, state)
+             VALUES ($1, 'key-lock', 'f', 1, 'blocker', 'in_flight')",
+            &[&STALLED],
+        )
+        .await
+        .unwrap();
+        // A statement stalled on the network keeps the fence batcher's place for 300 ms, so
+        // that a repeat of key-held and key-lock's first request share the next statement: it
+        // locks the account's mark row and key-held's record (the repeat meets it), then waits
+        // for key-lock's, and is stopped there.
+        self.stall_nth("acct-place", 1);
+        let place = self.spawn_pay("acct-place", None);
+        self.until_stalled().await;
+        let repeat = self.spawn_pay(STALLED, Some("key-held"));
+        let other = self.spawn_pay(STALLED, Some("key-lock"));
+        let backend = self.stop_backend_waiting("WITH fenced AS").await;
+        tx.rollback().await.unwrap();
+        // The rail's answer to key-held reaches its client, though it cannot be stored yet.
+        let answered = first.await.unwrap();
+        answered.assert_status(StatusCode::CREATED);
+        let client = self.pg.client().await;
+        assert_eq!(
+            support::records::state_of(&client, "key-held")
+                .await
+                .as_deref(),
+            Some("in_flight"),
+            "the completion waits behind the stopped statement"
+        );
+        (backend, answered, [repeat, other, place])
+    }
+}
+
+/// A completion whose record a stopped compare-and-set holds — a repeat of its key, whose
+/// statement locked the record's row (`ON CONFLICT`) and was stopped waiting for another
+/// record's — is not lost: its statement gives up at the lock timeout, the completion is
+/// retried in the background, the rail's answer reaches its client meanwhile, and once the
+/// compare-and-set goes on the answer is stored and replayed.
+#[tokio::test]
+async fn a_completion_behind_a_stopped_compare_and_set_that_holds_its_record_is_stored_later() {
+    let s = setup_for_a_stopped_compare_and_set(false, &[]).await;
+    let (backend, answered, late) = s.completion_behind_a_stopped_compare_and_set().await;
+    s.pg.resume_backend(backend).await;
+    s.relay.release_stalled();
+    for refused in late {
+        refused
+            .await
+            .unwrap()
+            .assert_status(StatusCode::SERVICE_UNAVAILABLE);
+    }
+    s.until_nothing_stalls().await;
+    let replayed = s.created_soon("key-held").await;
+    assert_eq!(
+        replayed.headers.get("idempotency-replayed"),
+        Some(&"true".parse().unwrap())
+    );
+    assert_eq!(replayed.body, answered.body);
+    // key-lock's record, made for a request that was never told, went: its retry pays.
+    s.created_soon("key-lock").await;
+    assert_eq!(
+        s.paid_to(STALLED),
+        2,
+        "key-held and key-lock, each paid once"
+    );
+    assert_eq!(s.paid_to("acct-place"), 0);
+    assert_eq!(
+        s.rg.metrics()
+            .await
+            .get("railguard_idempotency_outcomes_lost_total"),
+        0.0
+    );
+}
+
+/// A graceful stop with a forward on its way to the rail, a statement stopped at the database
+/// and a completion retried in the background behind it waits for all three within its one
+/// grace; once none is out it records its clean stop.
+#[tokio::test]
+async fn a_stop_waits_for_a_forward_a_statement_and_an_outcome_within_one_grace() {
+    let mut s =
+        setup_for_a_stopped_compare_and_set(true, &[("RAILGUARD__SHUTDOWN__GRACE_MS", "15000")])
+            .await;
+    let instance = s.rg.instance().expect("the process names its instance");
+    let (backend, _answered, late) = s.completion_behind_a_stopped_compare_and_set().await;
+    for refused in late {
+        refused
+            .await
+            .unwrap()
+            .assert_status(StatusCode::SERVICE_UNAVAILABLE);
+    }
+    // A keyed forward on its way to the rail whose client leaves: no connection is left for
+    // the listener to drain, yet it is counted.
+    let slow = s.spawn_pay("acct-slow", Some("key-slow"));
+    s.rail.until_paid(2).await;
+    slow.abort();
+    let stopping = tokio::time::Instant::now();
+    let (status, ()) = tokio::join!(s.rg.stop(), async {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        s.pg.resume_backend(backend).await;
+        s.relay.release_stalled();
+    });
+    let took = stopping.elapsed();
+    assert!(status.success(), "{status}");
+    assert!(
+        took >= Duration::from_millis(2500),
+        "the stop ended after {took:?}, before the statement and the outcome"
+    );
+    let log = s.rg.log();
+    for waited in [
+        "waiting for the rail's answers to forwards still on their way",
+        "waiting for database statements still unanswered",
+        "waiting for idempotency outcomes still retried until the database takes them",
+        "recorded this process's clean stop",
+    ] {
+        assert!(log.contains(waited), "{waited}: {log}");
+    }
+    let client = s.pg.client().await;
+    assert_eq!(
+        support::records::state_of(&client, "key-held")
+            .await
+            .as_deref(),
+        Some("done"),
+        "the outcome was stored before the exit"
+    );
+    assert_eq!(
+        support::records::state_of(&client, "key-slow")
+            .await
+            .as_deref(),
+        Some("done"),
+        "the forward's answer was stored before the exit"
+    );
+    assert_eq!(s.paid_to("acct-slow"), 1);
+    assert_eq!(clean_stops(&s.pg, instance).await, 1);
+}
+
+/// A stop whose grace ends with a compare-and-set still unanswered (its connection stalled)
+/// ends within that one grace, says what it leaves, and records no clean stop: the statement
+/// may still commit, so the process cannot say it sends nothing more.
+#[tokio::test]
+async fn a_stop_whose_grace_ends_with_a_statement_stalled_records_no_clean_stop() {
+    init_tracing();
+    let grace = Duration::from_millis(1500);
+    let mut s = setup_of(
+        true,
+        Rail::start().await,
+        &[("RAILGUARD__SHUTDOWN__GRACE_MS", "1500")],
+    )
+    .await;
+    let instance = s.rg.instance().expect("the process names its instance");
+    s.stall_nth("key-stalled-past-grace", 1);
+    let stalled = s.spawn_pay(STALLED, Some("key-stalled-past-grace"));
+    s.until_stalled().await;
+    let stopping = tokio::time::Instant::now();
+    let (status, ()) = tokio::join!(s.rg.stop(), refused_unpaid(&s.rail, stalled));
+    let took = stopping.elapsed();
+    assert!(status.success(), "{status}");
+    assert!(
+        took < grace + Duration::from_secs(2),
+        "the stop took {took:?}, well past its grace of {grace:?}"
+    );
+    let log = s.rg.log();
+    assert!(
+        log.contains("shutdown.grace_ms is over with work still outstanding")
+            && log.contains("no clean stop is recorded"),
+        "{log}"
+    );
+    assert_eq!(
+        clean_stops(&s.pg, instance).await,
+        0,
+        "a clean stop recorded with a statement out"
+    );
+}
+
+/// The clean stops the railguard of `instance` recorded (`railguard_audit`).
+async fn clean_stops(pg: &Pg, instance: i64) -> i64 {
+    pg.one(
+        "SELECT count(*) FROM railguard_audit WHERE action = 'instance_stopped'
+           AND (outcome->>'instance')::bigint = $1",
+        &[&instance],
+    )
+    .await
 }

@@ -15,7 +15,9 @@
 //! **Callers that gave up.** A record a request's row created is handed to the caller as a
 //! [`Created`] inside its verdict. A caller whose deadline passed has dropped its reply
 //! channel, so the verdict — and the record in it — is dropped undelivered, and the record is
-//! forgotten: nothing forwarded that request, so a retry must not be refused.
+//! forgotten: nothing forwarded that request, so a retry must not be refused. The same goes for
+//! a batch that fails after a connection closed under one of its attempts: that attempt may
+//! have committed, its answer lost, and the records it may have made are forgotten too.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -271,7 +273,13 @@ async fn execute(
             // Safe: advancing to the same token twice is advancing once, and a record made by
             // the first attempt is recognised by its owner id.
             Err(StoreError::Db(DbError::ConnectionClosed(_))) if attempt == 1 => continue,
-            Err(e) => return fail(batch, e),
+            // A connection that closed under an attempt may have taken a commit's answer with
+            // it: the records of the failed batch are forgotten as unsent (`fail`).
+            Err(e) => {
+                let maybe_committed =
+                    attempt > 1 || matches!(e, StoreError::Db(DbError::ConnectionClosed(_)));
+                return fail(batch, e, maybe_committed.then_some(records_store));
+            }
             Ok(answer) => break answer,
         }
     };
@@ -382,9 +390,23 @@ fn not_replicated(
     }
 }
 
-fn fail(batch: Vec<Pending>, error: StoreError) {
+/// The batch failed: each request is answered as the database failing (nothing forwarded; the
+/// client may retry). With `records_store`, an attempt's connection closed under it, so the
+/// attempt may have committed before its answer was lost: the records it may have made are
+/// forgotten as unsent (only their owner's, only while in flight and before the owner's
+/// deadline), so that the retry the refusal asks for is not met by a record of a request
+/// that was never forwarded — `in_flight`, then `in_doubt` for good.
+fn fail(batch: Vec<Pending>, error: StoreError, records_store: Option<&Arc<dyn Records>>) {
     tracing::warn!(error = %error, requests = batch.len(), "fence batch failed");
     for pending in batch {
+        if let (Some(records_store), Some(record)) = (records_store, &pending.record) {
+            let id = RecordId {
+                account: pending.account.clone(),
+                key: record.key.clone(),
+                owner: record.owner.clone(),
+            };
+            records_store.forget_unsent(id);
+        }
         let _ = pending.reply.send(Err(error.clone()));
     }
 }
