@@ -161,12 +161,16 @@ pub(crate) async fn run<J: Job>(
     queue: mpsc::Receiver<J::Item>,
 ) {
     let slots = batching.slots(J::NAME, timeout);
-    let held = batching.held;
+    let held = batching.held.clone();
     let released = held.subscribe();
     let max_batch = max_batch.max(1);
     let mut queue = BatchQueue::new(queue);
     while queue.has_work().await {
         let slot = slots.wait().await;
+        // Counted before the callers are asked whether they still wait: one that leaves just
+        // after must not leave a moment in which neither it nor its statement is counted (a
+        // stop then would not wait for a statement about to be sent).
+        let counting = batching.unanswered.start();
         // Everything that arrived while we waited for a place rides along; the statement's
         // rows are held until it answers.
         let Some((batch, rows)) = queue.next_batch(
@@ -191,6 +195,7 @@ pub(crate) async fn run<J: Job>(
             statement.await;
             drop(rows);
         });
+        drop(counting); // the statement is counted by its place from here on
     }
 }
 
