@@ -30,8 +30,8 @@
 //!
 //! Phases run interleaved round-robin, each repetition after a warm-up, so every ratio divides
 //! two medians taken at the same time. A second group of phases measures latency at one
-//! connection: the p50 that railguard adds over the direct path, against one durable commit
-//! (pgbench's p50 at one client).
+//! connection: the p50 that railguard adds over the direct path and over the bare hyper proxy,
+//! against one durable commit (pgbench's p50 at one client).
 
 pub(crate) mod procs;
 mod profiler;
@@ -197,7 +197,9 @@ fn phases(o: &WireOptions) -> Vec<Phase> {
         all.extend([
             p(Route::Direct, true, false, 1),
             p(Route::Nginx, true, false, 1),
+            p(Route::Bare, false, false, 1),
             p(Route::Fenced, false, false, 1),
+            p(Route::Bare, true, false, 1),
             p(Route::Fenced, true, false, 1),
             p(Route::Pgbench, false, false, 1),
         ]);
