@@ -6,6 +6,11 @@ mod cli;
 
 use std::process::ExitCode;
 
+/// The process's allocator (docs/performance.md, "Allocations").
+#[cfg(not(feature = "system-allocator"))]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::{CommandFactory, Parser, Subcommand};
 
 use cli::{

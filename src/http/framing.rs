@@ -263,12 +263,16 @@ impl Framing {
 /// Where in `bytes` the head that `head` began ends (just past its empty line), if it does.
 /// A bare LF ends a line for hyper; the head is then not followed (`body_framing` refuses it).
 fn find_head_end(head: &[u8], bytes: &[u8]) -> Option<usize> {
-    // The empty line may straddle the two: look at the last three bytes of `head` as well.
-    let keep = head.len().min(3);
-    let mut window = head[head.len() - keep..].to_vec();
+    // The empty line may straddle the two: the last three bytes of `head` come first. Byte
+    // `j` of that tail followed by `bytes`, without copying either.
+    let tail = &head[head.len() - head.len().min(3)..];
+    let at = |j: usize| tail.get(j).copied().unwrap_or_else(|| bytes[j - tail.len()]);
     for (i, &byte) in bytes.iter().enumerate() {
-        window.push(byte);
-        if window.ends_with(b"\n\r\n") || window.ends_with(b"\n\n") {
+        let end = tail.len() + i;
+        if byte == b'\n'
+            && ((end >= 1 && at(end - 1) == b'\n')
+                || (end >= 2 && at(end - 1) == b'\r' && at(end - 2) == b'\n'))
+        {
             return Some(i + 1);
         }
     }

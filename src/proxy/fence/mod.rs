@@ -41,6 +41,7 @@ mod lost_attempt;
 mod mark_cache;
 mod ordering;
 mod refusal_log;
+mod runs_on;
 mod turn;
 
 pub use self::high_water::HighWater;
@@ -62,6 +63,7 @@ use crate::store::records::{NewRecord, Records};
 use self::mark_cache::MarkCache;
 use self::ordering::{ForwardOrder, Ticket};
 use self::refusal_log::RefusalLog;
+use self::runs_on::RunsOn;
 use super::admission::{Admission, Admitted, Keyed};
 use super::forward::{LateForwards, UpstreamTimeout};
 use super::idempotency::MaybeSent;
@@ -380,7 +382,8 @@ where
     if let Some(records) = &point.records
         && lost_first_attempt(&**records, &request).await?
     {
-        match point.ask_the_rail_about_a_lost_attempt(&request).await {
+        // Boxed: a rare path, whose future would otherwise make every request's larger.
+        match Box::pin(point.ask_the_rail_about_a_lost_attempt(&request)).await {
             LostAttempt::NotOnTheRail => {
                 span.record("verdict", "first_attempt_not_on_the_rail");
             }
@@ -460,12 +463,12 @@ where
             };
             if owns_record {
                 // A request that owns a record keeps its turn until the rail has answered, and
-                // has that answer stored, even if its client goes away: it runs in a task of
-                // its own, which a dropped connection does not cancel. (Before its forward may
-                // have reached the rail, its record guard removes the record on any failure.)
-                tokio::spawn(proceed.instrument(tracing::Span::current()))
-                    .await
-                    .unwrap_or_else(|e| Err(e.into()))
+                // has that answer stored, even if its client goes away: it runs in its
+                // connection's task while that task waits for it, and on in a task of its own
+                // if the connection lets it go (`RunsOn`), so a dropped connection does not
+                // cancel it. (Before its forward may have reached the rail, its record guard
+                // removes the record on any failure.)
+                RunsOn::new(proceed.instrument(tracing::Span::current())).await
             } else {
                 proceed.await
             }
@@ -524,8 +527,9 @@ where
         point.metrics.handover_waits.inc();
         tracing::debug!(lock.token = token.get(), account = %account, others = ?foreign.0,
             "waiting for another railguard's forward for this account");
-        handover
-            .wait_settled(&account, &foreign, request.deadline)
+        // Boxed, as the next wait: rare paths, whose futures would otherwise make every
+        // request's larger (an allocation above the allocator's small sizes).
+        Box::pin(handover.wait_settled(&account, &foreign, request.deadline))
             .await
             .map_err(|e| waited(e, &account, token))?;
     }
@@ -536,7 +540,7 @@ where
         && forwards
         && epoch.unsettled_change()
     {
-        match handover.wait_store_change(&account, request.deadline).await {
+        match Box::pin(handover.wait_store_change(&account, request.deadline)).await {
             Ok(Some(settled)) => epoch.change_settled(settled),
             Ok(None) => {}
             Err(e) => return Err(waited(e, &account, token)),
@@ -670,3 +674,4 @@ fn new_record(request: &FencedRequest, store_timeout: std::time::Duration) -> Op
 
 #[cfg(test)]
 mod tests;
+

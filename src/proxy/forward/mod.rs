@@ -649,14 +649,19 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// Appends `ip` to the `X-Forwarded-For` chain, folding repeated headers into one.
 fn append_forwarded_for(headers: &mut HeaderMap, ip: std::net::IpAddr) {
-    let mut chain: Vec<String> = headers
+    use std::fmt::Write as _;
+    // One buffer: the chain so far, then this client.
+    let mut chain = String::with_capacity(48);
+    for earlier in headers
         .get_all(&X_FORWARDED_FOR)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .map(str::to_string)
-        .collect();
-    chain.push(ip.to_string());
-    if let Ok(value) = HeaderValue::from_str(&chain.join(", ")) {
+    {
+        chain.push_str(earlier);
+        chain.push_str(", ");
+    }
+    let _ = write!(chain, "{ip}");
+    if let Ok(value) = HeaderValue::from_maybe_shared(Bytes::from(chain)) {
         headers.insert(X_FORWARDED_FOR, value);
     }
 }

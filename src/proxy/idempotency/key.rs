@@ -11,7 +11,7 @@ pub fn fingerprint(method: &str, path_and_query: &str, body: &[u8]) -> String {
     hash.update(path_and_query.as_bytes());
     hash.update([0]);
     hash.update(body);
-    hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    crate::proof::hex(&hash.finalize())
 }
 
 /// A random id for the request that may create a record (128 bits, hex).
