@@ -3,6 +3,7 @@
 #
 #   scripts/profile.sh                 # the wire suite once, 8 s per phase (64 connections, then one), profiles into /var/tmp/railguard-profile
 #   scripts/profile.sh --group DIR     # only group the *.perf.data already in DIR
+#   scripts/profile.sh --allocations   # allocations per request by call site (valgrind's DHAT), into /var/tmp/railguard-allocations
 #
 # Runs `railguard-bench --suite wire --profile-dir DIR` (perf record -e cpu-clock --call-graph
 # dwarf on the proxy process of each proxy phase: nginx, the bare hyper proxy and railguard),
@@ -14,6 +15,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 dir=/var/tmp/railguard-profile
+if [ "${1:-}" = "--allocations" ]; then
+    exec scripts/allocations.sh
+fi
 if [ "${1:-}" = "--group" ]; then
     dir="${2:?usage: scripts/profile.sh --group DIR}"
 else
@@ -33,7 +37,7 @@ groups = [
     ("kernel: epoll", r"\[k\] .*(ep_|epoll)"),
     ("kernel: TCP/IP and sockets", r"\[k\] .*(tcp|inet|ip_|skb|net_|sock|dev_|__netif|loopback|napi|bbr|softirq|__sys_(recv|send))"),
     ("kernel: other (syscall entry, VFS, timers)", r"\[k\] "),
-    ("malloc/free", r"(malloc|_int_free|cfree|unlink_chunk|realloc|calloc|_int_realloc|tcache)"),
+    ("malloc/free", r"(malloc|_int_free|cfree|unlink_chunk|realloc|calloc|_int_realloc|tcache|\bmi_|_mi_)"),
     ("memmove/memcpy/memcmp", r"__mem(move|cpy|cmp|set)"),
     ("tracing", r"tracing"),
     ("mark cache", r"moka|crossbeam|mark_cache"),

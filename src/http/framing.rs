@@ -266,7 +266,11 @@ fn find_head_end(head: &[u8], bytes: &[u8]) -> Option<usize> {
     // The empty line may straddle the two: the last three bytes of `head` come first. Byte
     // `j` of that tail followed by `bytes`, without copying either.
     let tail = &head[head.len() - head.len().min(3)..];
-    let at = |j: usize| tail.get(j).copied().unwrap_or_else(|| bytes[j - tail.len()]);
+    let at = |j: usize| {
+        tail.get(j)
+            .copied()
+            .unwrap_or_else(|| bytes[j - tail.len()])
+    };
     for (i, &byte) in bytes.iter().enumerate() {
         let end = tail.len() + i;
         if byte == b'\n'

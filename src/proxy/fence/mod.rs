@@ -75,6 +75,7 @@ use crate::metrics::{FencePath, Metrics};
 use crate::store::epoch::StoreEpoch;
 use crate::store::handover::{Entry, Foreign, Handover, WaitError};
 use crate::token::{AccountId, FencingToken};
+use crate::work::Working;
 
 /// The token is below the account's mark. Deliberately holds no mark: the 409 body is built
 /// from this and must never reveal one.
@@ -445,21 +446,12 @@ where
                 sent,
                 ..Admission::default()
             };
-            let forward = admitted_forward(
-                point,
-                inner,
-                Admitted { request, admission },
-                Placed {
-                    ticket,
-                    entry,
-                    foreign,
-                },
-                account,
-                token,
-            );
-            let proceed = async move {
-                let _counted = counted;
-                forward.await
+            let admitted = Admitted { request, admission };
+            let placed = Placed {
+                ticket,
+                entry,
+                foreign,
+                counted,
             };
             if owns_record {
                 // A request that owns a record keeps its turn until the rail has answered, and
@@ -468,20 +460,28 @@ where
                 // if the connection lets it go (`RunsOn`), so a dropped connection does not
                 // cancel it. (Before its forward may have reached the rail, its record guard
                 // removes the record on any failure.)
-                RunsOn::new(proceed.instrument(tracing::Span::current())).await
+                RunsOn::new(
+                    admitted_forward(point, inner, admitted, placed, account, token)
+                        .instrument(tracing::Span::current()),
+                )
+                .await
             } else {
-                proceed.await
+                // Made where it is awaited, as above: the fence's own future then holds no
+                // second copy of the forward's.
+                admitted_forward(point, inner, admitted, placed, account, token).await
             }
         }
     }
 }
 
 /// What an accepted compare-and-set leaves a request with: its place in this process's order,
-/// its forward's entry as other processes see it, and their entries it must wait for.
+/// its forward's entry as other processes see it, their entries it must wait for, and its
+/// count among the process's outstanding forwards, held until its forward ends.
 struct Placed {
     ticket: Ticket,
     entry: Option<Entry>,
     foreign: Foreign,
+    counted: Option<Working>,
 }
 
 /// Waits for the request's turn (in this process, then behind other processes' forwards),
@@ -503,6 +503,7 @@ where
         mut ticket,
         entry,
         foreign,
+        counted: _counted,
     } = placed;
     let Admitted {
         request,
@@ -674,4 +675,3 @@ fn new_record(request: &FencedRequest, store_timeout: std::time::Duration) -> Op
 
 #[cfg(test)]
 mod tests;
-
