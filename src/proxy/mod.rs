@@ -48,7 +48,6 @@ pub mod forward;
 pub mod idempotency;
 pub mod respond;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -93,10 +92,6 @@ pub struct IdempotencyKey {
     /// `Idempotency-First-Token`).
     pub first_token: Option<FencingToken>,
 }
-
-/// The peer address of the client connection, for `X-Forwarded-For`.
-#[derive(Debug, Clone, Copy)]
-pub struct ClientAddr(pub SocketAddr);
 
 /// Request ids: a per-process random prefix and a counter — unique, cheap, and sortable
 /// within a process.

@@ -30,11 +30,11 @@ use crate::lock::guard::SourceGuard;
 use crate::lock::{LockDatabase, Locks};
 use crate::metrics::Metrics;
 use crate::proof::ProofKey;
+use crate::proxy;
 use crate::proxy::extract::{ExtractConfig, ExtractLayer, GrantCheck};
 use crate::proxy::fence::{FenceLayer, FencePoint};
 use crate::proxy::forward::Forward;
 use crate::proxy::idempotency::{IdempotencyConfig, IdempotencyLayer, Resolver};
-use crate::proxy::{self, ClientAddr};
 use crate::reload::{Reload, Reloadable};
 use crate::store::batch::Batching;
 use crate::store::handover::Handover;
@@ -469,10 +469,9 @@ pub async fn run_reloading(
     );
     let proxy_task = tokio::spawn(serve(
         proxy_listener,
-        move |peer: crate::http::Peer| {
+        move |_peer: crate::http::Peer| {
             let stack = stack.clone();
-            hyper::service::service_fn(move |mut request: http::Request<hyper::body::Incoming>| {
-                request.extensions_mut().insert(ClientAddr(peer.addr));
+            hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
                 stack.clone().oneshot(request)
             })
         },

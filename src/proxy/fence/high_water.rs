@@ -25,7 +25,8 @@ pub trait HighWater: Send + Sync + 'static {
         account: &AccountId,
     ) -> impl Future<Output = Result<i64, StoreError>> + Send;
 
-    /// How long a store operation may take; a record's in-doubt deadline includes it.
+    /// How long a store operation may take: each of the above ends, with an error if need be,
+    /// by then. A record's in-doubt deadline includes it.
     fn timeout(&self) -> std::time::Duration;
 }
 

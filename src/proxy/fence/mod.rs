@@ -560,7 +560,14 @@ where
     // only after a wait for an earlier forward: the compare-and-set's verdict can take any time
     // to reach us after its commit (the network, a batch handing out its replies, a busy
     // scheduler), and no clock may decide that it is still fresh.
-    match tokio::time::timeout_at(request.deadline, point.marks.current_mark(&account)).await {
+    let look = point.marks.current_mark(&account);
+    let looked = if request.deadline > Instant::now() + point.marks.timeout() {
+        // The store's own timeout ends the look before the deadline could: one timer, not two.
+        Ok(look.await)
+    } else {
+        tokio::time::timeout_at(request.deadline, look).await
+    };
+    match looked {
         Ok(Ok(mark)) if mark > token.get() => {
             point.cache.raise(&account, mark);
             tracing::warn!(lock.token = token.get(), account = %account, mark,

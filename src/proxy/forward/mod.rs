@@ -37,7 +37,7 @@ use self::connections::{RailBody, RailConnections, SendError};
 use super::admission::{Admission, Admitted};
 use super::fence::Turn;
 use super::idempotency::{AskTheRail, LateAnswer, MaybeSent};
-use super::{BoxError, ClientAddr, FencedRequest, ProxyResponse};
+use super::{BoxError, FencedRequest, ProxyResponse};
 use crate::config::Upstream;
 use crate::metrics::Metrics;
 use crate::store::records::BoxFuture;
@@ -634,8 +634,9 @@ impl Rail {
             HeaderName::from_static("x-forwarded-proto"),
             HeaderValue::from_static("http"),
         );
-        if let Some(ClientAddr(addr)) = parts.extensions.get::<ClientAddr>().copied() {
-            append_forwarded_for(headers, addr.ip());
+        // The client connection's peer, which the accept loop puts on every request.
+        if let Some(peer) = parts.extensions.get::<crate::http::Peer>() {
+            append_forwarded_for(headers, peer.addr.ip());
         }
         let body = Tracked {
             body: Full::new(body),
