@@ -460,10 +460,9 @@ where
                 // if the connection lets it go (`RunsOn`), so a dropped connection does not
                 // cancel it. (Before its forward may have reached the rail, its record guard
                 // removes the record on any failure.)
-                RunsOn::new(
-                    admitted_forward(point, inner, admitted, placed, account, token)
-                        .instrument(tracing::Span::current()),
-                )
+                RunsOn::new(admitted_forward(
+                    point, inner, admitted, placed, account, token,
+                ))
                 .await
             } else {
                 // Made where it is awaited, as above: the fence's own future then holds no

@@ -20,6 +20,9 @@ where
 {
     /// Boxed, so that a drop can hand it to a task without moving it. `None` once it finished.
     future: Option<Pin<Box<F>>>,
+    /// The span it was made in: its caller's polls run inside it already, and a task it becomes
+    /// runs inside it too.
+    span: tracing::Span,
 }
 
 impl<F> RunsOn<F>
@@ -30,6 +33,7 @@ where
     pub(super) fn new(future: F) -> Self {
         Self {
             future: Some(Box::pin(future)),
+            span: tracing::Span::current(),
         }
     }
 }
@@ -63,7 +67,10 @@ where
             // caller's task are replaced by the new task's. Outside a runtime (the process is
             // ending) nothing could run it any more.
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                runtime.spawn(future);
+                runtime.spawn(tracing::Instrument::instrument(
+                    future,
+                    std::mem::replace(&mut self.span, tracing::Span::none()),
+                ));
             }
         }
     }

@@ -197,12 +197,16 @@ fn phases(o: &WireOptions) -> Vec<Phase> {
         all.extend([
             p(Route::Direct, true, false, 1),
             p(Route::Nginx, true, false, 1),
-            p(Route::Bare, false, false, 1),
-            p(Route::Fenced, false, false, 1),
-            p(Route::Bare, true, false, 1),
-            p(Route::Fenced, true, false, 1),
-            p(Route::Pgbench, false, false, 1),
         ]);
+        // The baseline build's one-connection phases right after this build's, as at 64.
+        for keys in [false, true] {
+            all.push(p(Route::Bare, keys, false, 1));
+            all.push(p(Route::Fenced, keys, false, 1));
+            if o.baseline.is_some() {
+                all.push(p(Route::Baseline, keys, false, 1));
+            }
+        }
+        all.push(p(Route::Pgbench, false, false, 1));
     }
     all
 }
