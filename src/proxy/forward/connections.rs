@@ -159,7 +159,9 @@ impl RailConnections {
         loop {
             let (mut conn, reused) = match self.checkout() {
                 Some(conn) => (conn, true),
-                None => (self.connect().await?, false),
+                // Boxed: rarely taken, and its future (TCP, TLS, hyper's handshake) would
+                // otherwise make every forward's larger.
+                None => (Box::pin(self.connect()).await?, false),
             };
             request.body().asked.handed_to_connection();
             let mut answer = std::pin::pin!(conn.send.try_send_request(request));

@@ -173,7 +173,16 @@ where
             };
             let Some(record) = admission.record.take() else {
                 let (fingerprint, key) = (key.fingerprint.clone(), key.key.clone());
-                return repeat(&*records, resolver.as_deref(), &request, &fingerprint, &key).await;
+                // Boxed: a repeat is the rare path, and its future would otherwise make every
+                // keyed request's larger.
+                return Box::pin(repeat(
+                    &*records,
+                    resolver.as_deref(),
+                    &request,
+                    &fingerprint,
+                    &key,
+                ))
+                .await;
             };
             let deadline = request.deadline;
             // Should the rail answer after the deadline, the forward hands the answer here.
