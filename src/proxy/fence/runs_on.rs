@@ -9,7 +9,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 
 /// `future`, polled by whoever awaits it; dropped unfinished, it runs on as a task of its own
 /// on the current tokio runtime, its output unused.
@@ -42,13 +42,19 @@ where
     type Output = F::Output;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let Some(future) = self.future.as_mut() else {
+        // Taken out while it is polled: a future that panics is dropped by the unwinding, not
+        // handed to a task of its own by `drop` and polled again.
+        let Some(mut future) = self.future.take() else {
             // Not reachable through `.await`, which never polls a finished future.
             return Poll::Pending;
         };
-        let output = ready!(future.as_mut().poll(cx));
-        self.future = None;
-        Poll::Ready(output)
+        match future.as_mut().poll(cx) {
+            Poll::Ready(output) => Poll::Ready(output),
+            Poll::Pending => {
+                self.future = Some(future);
+                Poll::Pending
+            }
+        }
     }
 }
 
@@ -134,5 +140,34 @@ mod tests {
             let _flag = flag;
         }));
         assert!(dropped.load(Ordering::SeqCst));
+    }
+
+    /// Panics on its first poll, and counts every poll.
+    struct PanicsOnce(Arc<std::sync::atomic::AtomicUsize>);
+    impl Future for PanicsOnce {
+        type Output = ();
+        fn poll(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<()> {
+            if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("the forward panicked");
+            }
+            Poll::Ready(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_future_that_panicked_is_not_run_on() {
+        let polls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let caller = tokio::spawn(RunsOn::new(PanicsOnce(polls.clone())));
+        assert!(caller.await.unwrap_err().is_panic());
+        // Whatever its drop spawned has had its chance to run.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(
+            polls.load(Ordering::SeqCst),
+            1,
+            "a future is never polled again after it panicked"
+        );
     }
 }
