@@ -170,4 +170,45 @@ mod tests {
             "a future is never polled again after it panicked"
         );
     }
+
+    #[test]
+    fn a_runtime_shutting_down_under_it_drops_it() {
+        for threaded in [false, true] {
+            let runtime = if threaded {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .enable_all()
+                    .build()
+            } else {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+            }
+            .unwrap();
+            let dropped = Arc::new(AtomicBool::new(false));
+            struct Flag(Arc<AtomicBool>);
+            impl Drop for Flag {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::SeqCst);
+                }
+            }
+            let flag = Flag(dropped.clone());
+            let (started, has_started) = std::sync::mpsc::channel();
+            runtime.spawn(RunsOn::new(async move {
+                let _flag = flag;
+                started.send(()).unwrap();
+                std::future::pending::<()>().await;
+            }));
+            if !threaded {
+                runtime.block_on(tokio::task::yield_now());
+            }
+            has_started
+                .recv_timeout(Duration::from_secs(5))
+                .expect("the future started");
+            // Its caller's task is dropped with the runtime: what its drop spawns is dropped
+            // too, and the runtime's shutdown ends.
+            runtime.shutdown_timeout(Duration::from_secs(5));
+            assert!(dropped.load(Ordering::SeqCst), "threaded: {threaded}");
+        }
+    }
 }
