@@ -409,4 +409,75 @@ mod tests {
         assert!(!over(second, 1025).await);
         assert!(!over(first, 0).await, "the first request declared no chunk");
     }
+
+    /// The head's end as found by copying the last three bytes of `head` and each new byte
+    /// into a window: the obvious form `find_head_end` must agree with.
+    fn find_head_end_by_window(head: &[u8], bytes: &[u8]) -> Option<usize> {
+        let keep = head.len().min(3);
+        let mut window = head[head.len() - keep..].to_vec();
+        for (i, &byte) in bytes.iter().enumerate() {
+            window.push(byte);
+            if window.ends_with(b"\n\r\n") || window.ends_with(b"\n\n") {
+                return Some(i + 1);
+            }
+        }
+        None
+    }
+
+    mod head_end {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Bytes over a small alphabet, so that line ends, near misses and empty lines are
+        /// common.
+        fn text() -> impl Strategy<Value = Vec<u8>> {
+            proptest::collection::vec(
+                prop_oneof![
+                    Just(b'\r'),
+                    Just(b'\n'),
+                    Just(b'a'),
+                    Just(b':'),
+                    any::<u8>()
+                ],
+                0..24,
+            )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(4096))]
+
+            #[test]
+            fn agrees_with_a_window_over_any_split(whole in text(), at in any::<prop::sample::Index>()) {
+                let at = if whole.is_empty() { 0 } else { at.index(whole.len() + 1) };
+                let (head, bytes) = whole.split_at(at);
+                prop_assert_eq!(find_head_end(head, bytes), find_head_end_by_window(head, bytes));
+            }
+        }
+
+        #[test]
+        fn heads_ending_at_or_straddling_a_chunk_boundary() {
+            for whole in [
+                &b"GET / HTTP/1.1\r\nHost: h\r\n\r\n"[..],
+                b"GET / HTTP/1.1\nHost: h\n\n",
+                b"GET / HTTP/1.1\r\n\r\nnext",
+                b"\n\n",
+                b"\n\r\n",
+                b"\r\n\r\n",
+                b"a\r\r\n\r\n",
+            ] {
+                for at in 0..=whole.len() {
+                    let (head, bytes) = whole.split_at(at);
+                    assert_eq!(
+                        find_head_end(head, bytes),
+                        find_head_end_by_window(head, bytes),
+                        "{:?} split at {at}",
+                        String::from_utf8_lossy(whole)
+                    );
+                }
+            }
+            assert_eq!(find_head_end(b"GET / HTTP/1.1\r\n\r", b"\n"), Some(1));
+            assert_eq!(find_head_end(b"GET / HTTP/1.1\n", b"\nrest"), Some(1));
+            assert_eq!(find_head_end(b"GET / HTTP/1.1\r\n\r\n", b""), None);
+        }
+    }
 }

@@ -9,7 +9,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 
 /// `future`, polled by whoever awaits it; dropped unfinished, it runs on as a task of its own
 /// on the current tokio runtime, its output unused.
@@ -46,13 +46,19 @@ where
     type Output = F::Output;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let Some(future) = self.future.as_mut() else {
+        // Taken out while it is polled: a future that panics is dropped by the unwinding, not
+        // handed to a task of its own by `drop` and polled again.
+        let Some(mut future) = self.future.take() else {
             // Not reachable through `.await`, which never polls a finished future.
             return Poll::Pending;
         };
-        let output = ready!(future.as_mut().poll(cx));
-        self.future = None;
-        Poll::Ready(output)
+        match future.as_mut().poll(cx) {
+            Poll::Ready(output) => Poll::Ready(output),
+            Poll::Pending => {
+                self.future = Some(future);
+                Poll::Pending
+            }
+        }
     }
 }
 
@@ -141,5 +147,75 @@ mod tests {
             let _flag = flag;
         }));
         assert!(dropped.load(Ordering::SeqCst));
+    }
+
+    /// Panics on its first poll, and counts every poll.
+    struct PanicsOnce(Arc<std::sync::atomic::AtomicUsize>);
+    impl Future for PanicsOnce {
+        type Output = ();
+        fn poll(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<()> {
+            if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("the forward panicked");
+            }
+            Poll::Ready(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_future_that_panicked_is_not_run_on() {
+        let polls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let caller = tokio::spawn(RunsOn::new(PanicsOnce(polls.clone())));
+        assert!(caller.await.unwrap_err().is_panic());
+        // Whatever its drop spawned has had its chance to run.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(
+            polls.load(Ordering::SeqCst),
+            1,
+            "a future is never polled again after it panicked"
+        );
+    }
+
+    #[test]
+    fn a_runtime_shutting_down_under_it_drops_it() {
+        for threaded in [false, true] {
+            let runtime = if threaded {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .enable_all()
+                    .build()
+            } else {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+            }
+            .unwrap();
+            let dropped = Arc::new(AtomicBool::new(false));
+            struct Flag(Arc<AtomicBool>);
+            impl Drop for Flag {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::SeqCst);
+                }
+            }
+            let flag = Flag(dropped.clone());
+            let (started, has_started) = std::sync::mpsc::channel();
+            runtime.spawn(RunsOn::new(async move {
+                let _flag = flag;
+                started.send(()).unwrap();
+                std::future::pending::<()>().await;
+            }));
+            if !threaded {
+                runtime.block_on(tokio::task::yield_now());
+            }
+            has_started
+                .recv_timeout(Duration::from_secs(5))
+                .expect("the future started");
+            // Its caller's task is dropped with the runtime: what its drop spawns is dropped
+            // too, and the runtime's shutdown ends.
+            runtime.shutdown_timeout(Duration::from_secs(5));
+            assert!(dropped.load(Ordering::SeqCst), "threaded: {threaded}");
+        }
     }
 }

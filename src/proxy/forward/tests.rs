@@ -15,6 +15,43 @@ fn strips_hop_by_hop_and_connection_named_headers() {
     assert!(h.contains_key("fencing-token"));
 }
 
+mod forwarded_for {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The chain built the obvious way: every earlier value that is text, then `ip`, joined.
+    fn by_strings(headers: &HeaderMap, ip: std::net::IpAddr) -> Option<HeaderValue> {
+        let mut chain: Vec<String> = headers
+            .get_all(&X_FORWARDED_FOR)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .map(str::to_string)
+            .collect();
+        chain.push(ip.to_string());
+        HeaderValue::from_str(&chain.join(", ")).ok()
+    }
+
+    proptest! {
+        #[test]
+        fn the_chain_is_the_earlier_text_values_then_the_client(
+            values in proptest::collection::vec(
+                proptest::collection::vec(
+                    prop_oneof![Just(b'\t'), 0x20u8..0x7f, 0x80u8..=0xff], 0..12),
+                0..4),
+            ip in any::<std::net::IpAddr>(),
+        ) {
+            let mut headers = HeaderMap::new();
+            for value in &values {
+                headers.append(X_FORWARDED_FOR, HeaderValue::from_bytes(value).unwrap());
+            }
+            let expected = by_strings(&headers, ip);
+            append_forwarded_for(&mut headers, ip);
+            let got: Vec<_> = headers.get_all(&X_FORWARDED_FOR).iter().cloned().collect();
+            prop_assert_eq!(got, expected.into_iter().collect::<Vec<_>>());
+        }
+    }
+}
+
 #[test]
 fn forwarded_for_appends_to_the_chain() {
     let mut h = HeaderMap::new();

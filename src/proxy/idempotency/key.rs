@@ -126,4 +126,22 @@ mod properties {
             prop_assert!(parse_key(&key).is_err());
         }
     }
+
+    proptest::proptest! {
+        #[test]
+        fn fingerprint_hex_is_the_two_lowercase_digits_of_each_byte(
+            method in "[A-Z]{0,8}",
+            path in "\\PC{0,24}",
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+        ) {
+            let mut hash = Sha256::new();
+            hash.update(method.as_bytes());
+            hash.update([0]);
+            hash.update(path.as_bytes());
+            hash.update([0]);
+            hash.update(&body);
+            let formatted: String = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
+            proptest::prop_assert_eq!(fingerprint(&method, &path, &body), formatted);
+        }
+    }
 }
