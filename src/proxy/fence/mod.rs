@@ -123,6 +123,11 @@ pub struct FencePoint<H = HighWaterStore> {
     resolver: Option<Arc<Resolver>>,
 }
 
+/// More than a timer fires late by (tokio rounds up to the millisecond, and a busy scheduler
+/// adds to that): a look bounded by the store's own timeout ends this long before a deadline
+/// later than that timeout.
+const TIMER_SLACK: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Accounts whose cache refusals' log lines are limited at once (see `refusal_log`).
 const REFUSAL_LOG_ACCOUNTS: usize = 100_000;
 
@@ -560,8 +565,9 @@ where
     // to reach us after its commit (the network, a batch handing out its replies, a busy
     // scheduler), and no clock may decide that it is still fresh.
     let look = point.marks.current_mark(&account);
-    let looked = if request.deadline > Instant::now() + point.marks.timeout() {
-        // The store's own timeout ends the look before the deadline could: one timer, not two.
+    let looked = if request.deadline > Instant::now() + point.marks.timeout() + TIMER_SLACK {
+        // The store's own timeout ends the look before the deadline could (with room for a
+        // timer's granularity): one timer, not two.
         Ok(look.await)
     } else {
         tokio::time::timeout_at(request.deadline, look).await

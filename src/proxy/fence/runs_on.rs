@@ -69,8 +69,9 @@ where
 {
     fn drop(&mut self) {
         if let Some(future) = self.future.take() {
-            // A new task is polled at once, so the wakers the future registered under its
-            // caller's task are replaced by the new task's. Outside a runtime (the process is
+            // A new task is scheduled at once, and its first poll replaces the wakers the
+            // future registered under its caller's task (every future on a forward's path
+            // registers the waker of the poll at hand). Outside a runtime (the process is
             // ending) nothing could run it any more.
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 runtime.spawn(tracing::Instrument::instrument(
