@@ -134,16 +134,25 @@ mod tests {
         assert_ne!(ran_in, caller);
     }
 
+    /// Says, through the flag it is made with, that it was dropped.
+    struct Flag(Arc<AtomicBool>);
+
+    impl Flag {
+        fn new() -> (Self, Arc<AtomicBool>) {
+            let dropped = Arc::new(AtomicBool::new(false));
+            (Self(dropped.clone()), dropped)
+        }
+    }
+
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
     #[test]
     fn dropped_outside_a_runtime_it_is_dropped() {
-        let dropped = Arc::new(AtomicBool::new(false));
-        struct Flag(Arc<AtomicBool>);
-        impl Drop for Flag {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::SeqCst);
-            }
-        }
-        let flag = Flag(dropped.clone());
+        let (flag, dropped) = Flag::new();
         drop(RunsOn::new(async move {
             let _flag = flag;
         }));
@@ -193,14 +202,7 @@ mod tests {
                     .build()
             }
             .unwrap();
-            let dropped = Arc::new(AtomicBool::new(false));
-            struct Flag(Arc<AtomicBool>);
-            impl Drop for Flag {
-                fn drop(&mut self) {
-                    self.0.store(true, Ordering::SeqCst);
-                }
-            }
-            let flag = Flag(dropped.clone());
+            let (flag, dropped) = Flag::new();
             let (started, has_started) = std::sync::mpsc::channel();
             runtime.spawn(RunsOn::new(async move {
                 let _flag = flag;
