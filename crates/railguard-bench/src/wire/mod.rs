@@ -20,7 +20,8 @@
 //! - with `--order-off`, a third: fencing enforced with `fencing.order_across_processes =
 //!   false` (no process's entries waited for, no `railguard_forwarder` row written; the
 //!   compare-and-set still writes the process's entry into the mark row); with
-//!   `--baseline-bin`, another binary (an earlier commit, say) fenced at its defaults;
+//!   `--baseline-bin`, another binary (an earlier commit, say) fenced at its defaults, its
+//!   stale-token phase too (its stale accounts raised through it);
 //! - each railguard on a database of its own in that cluster, so that none meets another
 //!   process's entries in the mark rows (`store::handover`) and each is measured as one
 //!   process alone;
@@ -138,9 +139,15 @@ impl Phase {
             (Route::Unordered, _) => {
                 "railguard, fenced, order_across_processes = false".to_string()
             }
-            (Route::Baseline, _) => {
-                format!("railguard {}, fenced", self.baseline.unwrap_or("baseline"))
-            }
+            (Route::Baseline, stale) => format!(
+                "railguard {}, {}",
+                self.baseline.unwrap_or("baseline"),
+                if stale {
+                    "stale token → 409"
+                } else {
+                    "fenced"
+                }
+            ),
             (Route::Pgbench, _) => "pgbench, the same single-row CAS".to_string(),
         };
         let keys = match self.route {
@@ -189,10 +196,11 @@ fn phases(o: &WireOptions) -> Vec<Phase> {
             all.push(p(Route::Baseline, keys, false, c));
         }
     }
-    all.extend([
-        p(Route::Fenced, false, true, c),
-        p(Route::Pgbench, false, false, c),
-    ]);
+    all.push(p(Route::Fenced, false, true, c));
+    if o.baseline.is_some() {
+        all.push(p(Route::Baseline, false, true, c));
+    }
+    all.push(p(Route::Pgbench, false, false, c));
     if !o.latency_duration.is_zero() {
         all.extend([
             p(Route::Direct, true, false, 1),
@@ -507,6 +515,18 @@ async fn measure_all(
     )
     .await
     .map_err(|e| e.to_string())?;
+    // The baseline build has a database of its own: its stale accounts are raised through it.
+    if let Some(baseline) = &c.baseline {
+        advance_all(
+            baseline.addr,
+            STALE_PREFIX,
+            stale_accounts,
+            STALE_MARK,
+            o.connections,
+        )
+        .await
+        .map_err(|e| format!("through the baseline build: {e}"))?;
+    }
     let phases = phases(o);
     let mut samples: Vec<(Phase, Vec<Sample>)> = phases.iter().map(|p| (*p, Vec::new())).collect();
     let run = SystemTime::now()
@@ -758,5 +778,53 @@ fn failed(why: String) -> Sample {
     Sample {
         problems: vec![why],
         ..Sample::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(baseline: bool) -> WireOptions {
+        WireOptions {
+            duration: Duration::from_secs(1),
+            warmup: Duration::ZERO,
+            repeats: 1,
+            connections: 64,
+            accounts: 1_000,
+            pool_size: 16,
+            upstream: UpstreamKind::Static,
+            latency_duration: Duration::ZERO,
+            batch_concurrency: None,
+            profile_dir: None,
+            pg_settings: Vec::new(),
+            order_off: false,
+            baseline: baseline.then(|| Baseline {
+                binary: "/bin/false".into(),
+                label: "earlier".into(),
+            }),
+        }
+    }
+
+    #[test]
+    fn a_baseline_build_runs_the_stale_phase_right_after_this_builds() {
+        let stale: Vec<Phase> = phases(&options(true))
+            .into_iter()
+            .filter(|p| p.stale)
+            .collect();
+        assert_eq!(stale.len(), 2, "{stale:?}");
+        assert_eq!(stale[0].route, Route::Fenced);
+        assert_eq!(stale[1].route, Route::Baseline);
+        assert!(!stale[1].accepted());
+        assert_eq!(
+            stale[1].label(),
+            "railguard earlier, stale token → 409, no keys"
+        );
+        let alone: Vec<Phase> = phases(&options(false))
+            .into_iter()
+            .filter(|p| p.stale)
+            .collect();
+        assert_eq!(alone.len(), 1);
+        assert_eq!(alone[0].route, Route::Fenced);
     }
 }

@@ -415,8 +415,8 @@ impl WireReport {
         );
         for variant in variants {
             let (Some(default), Some(v)) = (
-                self.find(Route::Fenced, variant.keys, false, c),
-                self.find(variant.route, variant.keys, false, c),
+                self.find(Route::Fenced, variant.keys, variant.stale, c),
+                self.find(variant.route, variant.keys, variant.stale, c),
             ) else {
                 continue;
             };
@@ -434,7 +434,11 @@ impl WireReport {
             let _ = writeln!(
                 out,
                 "| {} | {name} | {:.1} | {:.1} | {} | {:.2} | {:.2} | {:.1} | {:.1} | {} | {:.0} | {:.0} | {} |",
-                if variant.keys { "with keys" } else { "no keys" },
+                match (variant.stale, variant.keys) {
+                    (true, _) => "stale token → 409",
+                    (false, true) => "with keys",
+                    (false, false) => "no keys",
+                },
                 default.proxy_us,
                 v.proxy_us,
                 ratio(default.proxy_us, v.proxy_us),
