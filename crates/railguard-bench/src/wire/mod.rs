@@ -29,8 +29,9 @@
 //!   the phases that say so an `Idempotency-Key` unique across the run;
 //! - `pgbench` running the single-row compare-and-set on the same database.
 //!
-//! Phases run interleaved round-robin, each repetition after a warm-up, so every ratio divides
-//! two medians taken at the same time. A second group of phases measures latency at one
+//! Phases run interleaved round-robin, every other repetition in reverse order, each after a
+//! warm-up, so every ratio divides two medians taken at the same time; a variant's ratio to
+//! the default is also given per repetition (the two phases ran side by side), as its spread. A second group of phases measures latency at one
 //! connection: the p50 that railguard adds over the direct path and over the bare hyper proxy,
 //! against one durable commit (pgbench's p50 at one client).
 
@@ -533,7 +534,14 @@ async fn measure_all(
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     for rep in 1..=o.repeats {
-        for (index, (phase, done)) in samples.iter_mut().enumerate() {
+        // Every other repetition runs the phases in reverse, so that no phase always runs
+        // right after the same one (a database still writing out the phase before, say).
+        let order: Vec<usize> = match rep % 2 {
+            1 => (0..samples.len()).collect(),
+            _ => (0..samples.len()).rev().collect(),
+        };
+        for index in order {
+            let (phase, done) = &mut samples[index];
             let run_id = format!("{run}-{rep}-{index}");
             let sample = measure(o, pg, dir, c, *phase, &run_id, stale_accounts).await;
             eprintln!(
@@ -785,7 +793,7 @@ fn failed(why: String) -> Sample {
 mod tests {
     use super::*;
 
-    fn options(baseline: bool) -> WireOptions {
+    pub(super) fn options(baseline: bool) -> WireOptions {
         WireOptions {
             duration: Duration::from_secs(1),
             warmup: Duration::ZERO,

@@ -107,6 +107,38 @@ impl WireReport {
             .map(|(_, s)| medians(s))
     }
 
+    /// The lowest and highest ratio of the default's CPU per request to `variant`'s over the
+    /// repetitions, each repetition's two phases having run side by side.
+    fn paired(&self, variant: Phase, connections: usize) -> Option<(f64, f64)> {
+        let samples = |route| {
+            self.samples
+                .iter()
+                .find(|(p, _)| {
+                    p.route == route
+                        && p.keys == variant.keys
+                        && p.stale == variant.stale
+                        && p.connections == connections
+                })
+                .map(|(_, s)| s)
+        };
+        let (default, other) = (samples(Route::Fenced)?, samples(variant.route)?);
+        let ratios: Vec<f64> = default
+            .iter()
+            .zip(other)
+            .map(|(d, v)| {
+                (
+                    per_request_us(d.proxy_cpu, d.requests),
+                    per_request_us(v.proxy_cpu, v.requests),
+                )
+            })
+            .filter(|&(d, v)| d > 0.0 && v > 0.0)
+            .map(|(d, v)| d / v)
+            .collect();
+        let low = ratios.iter().copied().reduce(f64::min)?;
+        let high = ratios.iter().copied().reduce(f64::max)?;
+        Some((low, high))
+    }
+
     pub(crate) fn to_markdown(&self) -> String {
         let o = &self.options;
         let mut out = String::new();
@@ -122,7 +154,7 @@ impl WireReport {
             out,
             "- Upstream: {}; nginx {} as the plain proxy, one worker per CPU; load from wrk \
              (2 threads), {} connections, {} s × {} repetitions per phase interleaved \
-             round-robin, {} s warm-up before each",
+             round-robin (every other repetition in reverse order), {} s warm-up before each",
             match o.upstream {
                 super::UpstreamKind::Static => "nginx answering 201 itself (one worker)",
                 super::UpstreamKind::RailSim => "`railguard rail-sim`",
@@ -410,8 +442,8 @@ impl WireReport {
             out,
             "\nThe fenced forward against its variants, medians of this run ({c} connections; \
              ratio = default ÷ variant: above 1 the default costs more):\n\n\
-             | requests | variant | railguard CPU µs/req: default | variant | ratio | ctx sw/req: default | variant | PostgreSQL CPU µs/req: default | variant | ratio | req/s: default | variant | ratio |\n\
-             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+             | requests | variant | railguard CPU µs/req: default | variant | ratio | ratio per repetition: lowest–highest | ctx sw/req: default | variant | PostgreSQL CPU µs/req: default | variant | ratio | req/s: default | variant | ratio |\n\
+             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for variant in variants {
             let (Some(default), Some(v)) = (
@@ -427,13 +459,17 @@ impl WireReport {
                     "—".into()
                 }
             };
+            let spread = match self.paired(variant, c) {
+                Some((low, high)) => format!("{low:.3}–{high:.3}"),
+                None => "—".into(),
+            };
             let name = match variant.route {
                 Route::Unordered => "`fencing.order_across_processes = false`".to_string(),
                 _ => format!("railguard {}", variant.baseline.unwrap_or("baseline")),
             };
             let _ = writeln!(
                 out,
-                "| {} | {name} | {:.1} | {:.1} | {} | {:.2} | {:.2} | {:.1} | {:.1} | {} | {:.0} | {:.0} | {} |",
+                "| {} | {name} | {:.1} | {:.1} | {} | {spread} | {:.2} | {:.2} | {:.1} | {:.1} | {} | {:.0} | {:.0} | {} |",
                 match (variant.stale, variant.keys) {
                     (true, _) => "stale token → 409",
                     (false, true) => "with keys",
@@ -704,5 +740,51 @@ mod tests {
         let faster = Budget::at(2, 80_000.0, 21.0);
         assert!((faster.machine_us - 25.0).abs() < 1e-9, "{faster:?}");
         assert!(faster.left_us < 5.0, "{faster:?}");
+    }
+
+    #[test]
+    fn a_variants_spread_pairs_the_repetitions_that_ran_side_by_side() {
+        let phase = |route| Phase {
+            route,
+            baseline: Some("earlier"),
+            keys: true,
+            stale: false,
+            connections: 64,
+        };
+        // CPU seconds over 1,000 requests: µs per request = 1,000 × cpu.
+        let run = |cpus: &[f64]| -> Vec<Sample> {
+            cpus.iter()
+                .map(|&cpu| Sample {
+                    requests: 1_000,
+                    proxy_cpu: cpu,
+                    ..Sample::default()
+                })
+                .collect()
+        };
+        let report = WireReport {
+            options: crate::wire::tests::options(true),
+            date: String::new(),
+            postgres: String::new(),
+            stale_accounts: 0,
+            proxy_config: Config::default(),
+            samples: vec![
+                (phase(Route::Fenced), run(&[0.080, 0.100, 0.060])),
+                (phase(Route::Baseline), run(&[0.100, 0.100, 0.040])),
+            ],
+            cpus: 2,
+            table_scans: Vec::new(),
+            top_statements: Vec::new(),
+        };
+        // Per repetition 0.8, 1.0 and 1.5; across unpaired medians it would be 0.8 / 1.0.
+        let (low, high) = report.paired(phase(Route::Baseline), 64).unwrap();
+        assert!(
+            (low - 0.8).abs() < 1e-9 && (high - 1.5).abs() < 1e-9,
+            "{low} {high}"
+        );
+        let mut unkeyed = phase(Route::Baseline);
+        unkeyed.keys = false;
+        assert_eq!(report.paired(unkeyed, 64), None, "no such phase ran");
+        let table = report.to_markdown();
+        assert!(table.contains("0.800–1.500"), "{table}");
     }
 }
