@@ -14,11 +14,12 @@ use tempfile::TempDir;
 use tokio::process::{Child, Command};
 use tokio::time::{Instant, sleep};
 
+use super::ports::{LoopbackPort, claim_loopback_port};
 use super::{DemoError, HttpGet};
 
 /// How long a fresh member may take to report healthy.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
-/// Attempts with fresh ports, should a port be taken between choosing it and etcd's bind.
+/// Attempts with fresh ports, should a port be taken between claiming it and etcd's bind.
 const ATTEMPTS: usize = 3;
 
 /// A running etcd member.
@@ -27,6 +28,8 @@ pub(crate) struct Etcd {
     child: Child,
     endpoint: String,
     dir: TempDir,
+    /// Its client and peer ports, claimed for as long as it runs.
+    _ports: [LoopbackPort; 2],
 }
 
 /// The first executable `etcd` in `search_path` (a `PATH` value).
@@ -62,12 +65,9 @@ impl Etcd {
             .prefix("railguard-demo-etcd-")
             .tempdir()
             .map_err(|e| io("cannot create its temp dir", e))?;
-        let (client_port, peer_port) = loop {
-            let pair = (free_loopback_port(), free_loopback_port());
-            if pair.0 != pair.1 {
-                break pair;
-            }
-        };
+        let port = || claim_loopback_port().map_err(|e| io("no loopback port for it", e));
+        let ports = [port()?, port()?];
+        let (client_port, peer_port) = (ports[0].number(), ports[1].number());
         let endpoint = format!("http://127.0.0.1:{client_port}");
         let peer = format!("http://127.0.0.1:{peer_port}");
         let log = std::fs::File::create(dir.path().join("etcd.log"))
@@ -101,6 +101,7 @@ impl Etcd {
             child,
             endpoint,
             dir,
+            _ports: ports,
         })
     }
 
@@ -148,22 +149,4 @@ impl Etcd {
         let lines: Vec<&str> = log.lines().collect();
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
-}
-
-/// A loopback port that was free a moment ago, for etcd, which must be told its ports before
-/// it starts. Chosen at random below the kernel's ephemeral range (32768+), so that outgoing
-/// connections cannot take it between this check and etcd's bind.
-fn free_loopback_port() -> u16 {
-    use std::hash::{BuildHasher, RandomState};
-    use std::net::{Ipv4Addr, TcpListener};
-    let state = RandomState::new();
-    for attempt in 0u32..10_000 {
-        let port = 20_000 + (state.hash_one(attempt) % 12_000) as u16;
-        if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
-            return port;
-        }
-    }
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
-        .map_or(0, |a| a.port())
 }

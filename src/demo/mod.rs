@@ -19,6 +19,7 @@
 //! started is stopped and removed on every path, failure included.
 
 mod etcd;
+pub mod ports;
 mod scenario;
 
 use std::ffi::OsString;

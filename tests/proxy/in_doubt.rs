@@ -806,10 +806,8 @@ async fn a_payment_the_rail_does_not_have_is_forgotten_once_nothing_sent_can_arr
 async fn a_lookup_that_gets_no_answer_changes_nothing() {
     init_tracing();
     let (account, key) = ("acct-lookup-down", "lookup-down");
-    let nothing_there = {
-        let socket = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", socket.local_addr().unwrap())
-    };
+    // A claimed port: nothing listens there, and no other test's pick takes it meanwhile.
+    let nothing_there = format!("http://127.0.0.1:{}", support::free_loopback_port());
     // The slow path is kept: dropped, it would deliver the request it holds.
     let (
         Stuck {

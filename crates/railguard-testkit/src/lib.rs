@@ -89,80 +89,25 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// A loopback port that was free a moment ago, for the child processes (etcd members,
+/// A loopback port nothing listened on a moment ago, for the child processes (etcd members,
 /// PostgreSQL clusters) that must be told their port before they start; anything started in
-/// this process binds port 0 instead. Chosen at random below the kernel's ephemeral range
-/// (32768+) so that outgoing connections cannot take it between the check and the bind.
-///
-/// The port stays reserved for this process until it exits: a lock on a file named after it
-/// in the temp dir's `railguard-test-ports/`, which every other process picking ports here
-/// skips. So a server that a test stops and starts again on its port (a crash, a rewind of its
-/// data) finds the port still its own, however many other tests pick ports meanwhile.
+/// this process binds port 0 instead. Claimed for this process until it exits
+/// ([`railguard::demo::ports`]): no other process picking ports this way takes it, so a server
+/// a test stops and starts again on its port (a crash, a rewind of its data, a restore) still
+/// finds it free, however many other tests pick ports meanwhile.
 pub fn free_loopback_port() -> u16 {
-    use std::hash::{BuildHasher, RandomState};
-    use std::net::{Ipv4Addr, TcpListener};
-    let state = RandomState::new();
-    for attempt in 0u32..10_000 {
-        let port = 20_000 + (state.hash_one(attempt) % 12_000) as u16;
-        let Some(reservation) = reserve(port) else {
-            continue;
-        };
-        if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
-            reservation.keep();
-            return port;
-        }
-    }
-    // Everything below the ephemeral range is taken: let the kernel choose.
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free loopback port")
+    let port = railguard::demo::ports::claim_loopback_port().expect("a free loopback port");
+    let number = port.number();
+    CLAIMED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(port);
+    number
 }
 
-/// A port's reservation: an exclusive lock on its file, released when the file is closed
-/// (dropped, or the process ends however it ends).
-struct Reservation(Option<std::fs::File>);
-
-/// The reservations this process keeps until it exits.
-static RESERVED: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
-
-impl Reservation {
-    fn keep(mut self) {
-        if let Some(file) = self.0.take() {
-            RESERVED
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(file);
-        }
-    }
-}
-
-/// `port`'s reservation, or `None` when another process holds it. Where no reservation can
-/// be made at all (the directory is not writable), an empty one: the bind check still holds.
-fn reserve(port: u16) -> Option<Reservation> {
-    use std::os::unix::fs::PermissionsExt;
-    let dir = std::env::temp_dir().join("railguard-test-ports");
-    if std::fs::create_dir(&dir).is_ok() {
-        // Whoever runs the next suite on this machine locks here too.
-        let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777));
-    }
-    let path = dir.join(port.to_string());
-    // Read-only where another user made the file: a lock needs no write access.
-    let opened = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .or_else(|_| std::fs::File::open(&path));
-    let Ok(file) = opened else {
-        return Some(Reservation(None));
-    };
-    match file.try_lock() {
-        Ok(()) => Some(Reservation(Some(file))),
-        Err(std::fs::TryLockError::WouldBlock) => None,
-        Err(std::fs::TryLockError::Error(_)) => Some(Reservation(None)),
-    }
-}
+/// The ports this process has claimed, held until it exits.
+static CLAIMED: std::sync::Mutex<Vec<railguard::demo::ports::LoopbackPort>> =
+    std::sync::Mutex::new(Vec::new());
 
 /// A railguard config file `rg.toml` written in `dir`, whose database nothing serves: every
 /// listener and the database on a loopback port of its own, free when picked (so that nothing
@@ -190,18 +135,4 @@ pub fn config_without_a_database(dir: &std::path::Path, more: &str) -> std::path
     )
     .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
     path
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn a_picked_port_is_reserved_until_the_process_ends() {
-        let port = super::free_loopback_port();
-        assert!(
-            super::reserve(port).is_none(),
-            "port {port} is reserved for this process"
-        );
-        let other = super::free_loopback_port();
-        assert_ne!(port, other, "a reserved port is not picked again");
-    }
 }

@@ -108,7 +108,8 @@ impl WireReport {
     }
 
     /// The lowest and highest ratio of the default's CPU per request to `variant`'s over the
-    /// repetitions, each repetition's two phases having run side by side.
+    /// repetitions (each repetition's two phases ran in it, a phase or two apart), flagged
+    /// repetitions left out.
     fn paired(&self, variant: Phase, connections: usize) -> Option<(f64, f64)> {
         let samples = |route| {
             self.samples
@@ -125,6 +126,7 @@ impl WireReport {
         let ratios: Vec<f64> = default
             .iter()
             .zip(other)
+            .filter(|(d, v)| d.problems.is_empty() && v.problems.is_empty())
             .map(|(d, v)| {
                 (
                     per_request_us(d.proxy_cpu, d.requests),
@@ -768,8 +770,13 @@ mod tests {
             stale_accounts: 0,
             proxy_config: Config::default(),
             samples: vec![
-                (phase(Route::Fenced), run(&[0.080, 0.100, 0.060])),
-                (phase(Route::Baseline), run(&[0.100, 0.100, 0.040])),
+                (phase(Route::Fenced), {
+                    // A fourth repetition, flagged: left out.
+                    let mut samples = run(&[0.080, 0.100, 0.060, 0.300]);
+                    samples[3].problems.push("socket errors".into());
+                    samples
+                }),
+                (phase(Route::Baseline), run(&[0.100, 0.100, 0.040, 0.100])),
             ],
             cpus: 2,
             table_scans: Vec::new(),
