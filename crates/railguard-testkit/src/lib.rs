@@ -95,19 +95,28 @@ pub fn init_tracing() {
 /// ([`railguard::demo::ports`]): no other process picking ports this way takes it, so a server
 /// a test stops and starts again on its port (a crash, a rewind of its data, a restore) still
 /// finds it free, however many other tests pick ports meanwhile.
+///
+/// A process keeps its [`KEPT_CLAIMS`] latest claims (one descriptor each): a test binary run
+/// whole in one process (`cargo test`) lets its oldest go, whose tests have long ended.
 pub fn free_loopback_port() -> u16 {
     let port = railguard::demo::ports::claim_loopback_port().expect("a free loopback port");
     let number = port.number();
-    CLAIMED
+    let mut claimed = CLAIMED
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push(port);
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if claimed.len() >= KEPT_CLAIMS {
+        claimed.pop_front();
+    }
+    claimed.push_back(port);
     number
 }
 
-/// The ports this process has claimed, held until it exits.
-static CLAIMED: std::sync::Mutex<Vec<railguard::demo::ports::LoopbackPort>> =
-    std::sync::Mutex::new(Vec::new());
+/// How many of its latest port claims a process keeps.
+pub const KEPT_CLAIMS: usize = 256;
+
+/// The ports this process has claimed, held until it exits or [`KEPT_CLAIMS`] later ones.
+static CLAIMED: std::sync::Mutex<std::collections::VecDeque<railguard::demo::ports::LoopbackPort>> =
+    std::sync::Mutex::new(std::collections::VecDeque::new());
 
 /// A railguard config file `rg.toml` written in `dir`, whose database nothing serves: every
 /// listener and the database on a loopback port of its own, free when picked (so that nothing
@@ -135,4 +144,25 @@ pub fn config_without_a_database(dir: &std::path::Path, more: &str) -> std::path
     )
     .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
     path
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_process_keeps_only_its_latest_port_claims() {
+        let picked: Vec<u16> = (0..super::KEPT_CLAIMS + 10)
+            .map(|_| super::free_loopback_port())
+            .collect();
+        let claimed = super::CLAIMED.lock().unwrap();
+        assert_eq!(claimed.len(), super::KEPT_CLAIMS);
+        assert_eq!(
+            claimed.back().map(|p| p.number()),
+            picked.last().copied(),
+            "the latest is kept"
+        );
+        assert!(
+            !claimed.iter().any(|p| p.number() == picked[0]),
+            "the oldest was let go"
+        );
+    }
 }
