@@ -182,6 +182,16 @@ impl Config {
         positive("shutdown.grace_ms", self.shutdown.grace)?;
         self.runtime.validate()?;
         self.rail_lookup.validate()?;
+        if self.proxy.reuse_port && self.database.url == DatabaseUrl::Embedded {
+            return Err((
+                "proxy.reuse_port",
+                "processes sharing the proxy address must share one PostgreSQL database \
+                 (database.url = \"postgres://…\"): the embedded database belongs to one \
+                 process, and processes on databases of their own would each keep marks of \
+                 their own"
+                    .into(),
+            ));
+        }
         if self.fencing.batch_concurrency > self.database.pool_size {
             return Err((
                 "fencing.batch_concurrency",
@@ -308,5 +318,19 @@ mod tests {
         assert_eq!(err.key.as_deref(), Some("runtime.worker_threads"));
         let config = parse("[runtime]\nworker_threads = 1\n", &[]).unwrap();
         assert_eq!(config.runtime.worker_threads, 1);
+    }
+
+    #[test]
+    fn a_shared_proxy_address_needs_a_shared_database() {
+        let err = parse("[proxy]\nreuse_port = true\n", &[]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("proxy.reuse_port"));
+        let err = parse("", &[("RAILGUARD__PROXY__REUSE_PORT", "yes")]).unwrap_err();
+        assert_eq!(err.key.as_deref(), Some("proxy.reuse_port"));
+        let config = parse(
+            "[proxy]\nreuse_port = true\n[database]\nurl = \"postgres://rg@127.0.0.1/rg\"\n",
+            &[],
+        )
+        .unwrap();
+        assert!(config.proxy.reuse_port);
     }
 }

@@ -69,6 +69,12 @@ pub struct ProxyConfig {
     pub proof_header: HeaderName,
     /// Longest account id accepted, in bytes.
     pub max_account_len: usize,
+    /// Bind `listen` with `SO_REUSEPORT`, so that several railguard processes on one host
+    /// (each of them setting it) share the address and the kernel spreads new connections
+    /// among them: one process per core, each with `runtime.worker_threads = 1`, or a new
+    /// process started beside the old one before that is stopped. Off by default: a second
+    /// process on the same address is then a start-up error, not a silent share.
+    pub reuse_port: bool,
     /// TLS and limits of the proxy listener (`config::listener`).
     #[serde(flatten)]
     pub listener: ListenerConfig,
@@ -94,6 +100,7 @@ impl Default for ProxyConfig {
             first_token_header: HeaderName::from_static("idempotency-first-token"),
             proof_header: HeaderName::from_static("fencing-proof"),
             max_account_len: 128,
+            reuse_port: false,
             listener: ListenerConfig::default(),
         }
     }

@@ -99,12 +99,38 @@ impl Listeners {
                 .await
                 .map_err(|source| ServeError::Bind { key, addr, source })
         }
+        let proxy = match config.proxy.reuse_port {
+            true => Self::shared("proxy.listen", config.proxy.listen)?,
+            false => bind("proxy.listen", config.proxy.listen).await?,
+        };
         Ok(Self {
-            proxy: bind("proxy.listen", config.proxy.listen).await?,
+            proxy,
             admin: bind("admin.listen", config.admin.listen).await?,
             lock: bind("lock.listen", config.lock.listen).await?,
         })
     }
+
+    /// A listener on `addr` with `SO_REUSEPORT` (`proxy.reuse_port`): other sockets with it on
+    /// the same address and of the same user share it, and the kernel spreads new
+    /// connections among them by a hash of the client's address and port.
+    fn shared(key: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
+        let error = |source| ServeError::Bind { key, addr, source };
+        let socket = match addr {
+            SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+            SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+        }
+        .map_err(error)?;
+        // As `TcpListener::bind`: a restarted process binds again at once, whatever
+        // connections of the last one are still in TIME_WAIT.
+        socket.set_reuseaddr(true).map_err(error)?;
+        socket.set_reuseport(true).map_err(error)?;
+        socket.bind(addr).map_err(error)?;
+        socket.listen(Self::BACKLOG).map_err(error)
+    }
+
+    /// Connections the kernel queues for a shared listener before it accepts them, as many as
+    /// `TcpListener::bind` asks for (the kernel caps it at `net.core.somaxconn`).
+    const BACKLOG: u32 = 1024;
 
     fn addr(listener: &Listener) -> String {
         listener

@@ -8,4 +8,5 @@ mod identities;
 mod limits;
 mod refusals;
 mod security;
+mod shared_port;
 mod tls;

@@ -79,6 +79,10 @@ struct Cli {
     /// `fencing.order_across_processes = false`, interleaved with the default's.
     #[arg(long)]
     order_off: bool,
+    /// The wire suite: also run the fenced phases through one railguard process per CPU, each
+    /// with one runtime thread, sharing one proxy address (`proxy.reuse_port`).
+    #[arg(long)]
+    per_core: bool,
     /// The wire suite: also run the fenced phases through this `railguard` binary (another
     /// build, e.g. an earlier commit's), on a database of the run's cluster it migrates itself.
     #[arg(long)]
@@ -129,6 +133,7 @@ fn main() -> ExitCode {
         profile_dir,
         pg_settings,
         order_off,
+        per_core,
         baseline_bin,
         baseline_label,
         batch_rows,
@@ -187,6 +192,7 @@ fn main() -> ExitCode {
                     profile_dir,
                     pg_settings,
                     order_off,
+                    per_core,
                     baseline: baseline_bin.map(|binary| wire::Baseline {
                         binary,
                         label: baseline_label,

@@ -21,7 +21,11 @@
 //!   false` (no process's entries waited for, no `railguard_forwarder` row written; the
 //!   compare-and-set still writes the process's entry into the mark row); with
 //!   `--baseline-bin`, another binary (an earlier commit, say) fenced at its defaults, its
-//!   stale-token phase too (its stale accounts raised through it);
+//!   stale-token phase too (its stale accounts raised through it); with `--per-core`, one
+//!   railguard process per CPU on one database, each with `runtime.worker_threads = 1`, sharing
+//!   one proxy address through `proxy.reuse_port` (the kernel spreads wrk's connections among
+//!   them), their CPU and context switches summed: a runtime per core, as nginx runs a worker
+//!   per core, against the one multi-thread runtime of the default;
 //! - each railguard on a database of its own in that cluster, so that none meets another
 //!   process's entries in the mark rows (`store::handover`) and each is measured as one
 //!   process alone;
@@ -92,6 +96,9 @@ pub(crate) struct WireOptions {
     /// Also run the fenced phases through this `railguard` binary (another build), on a
     /// database it migrates itself; the label names it in the report.
     pub baseline: Option<Baseline>,
+    /// Also run the fenced phases through one railguard process per CPU, each with one
+    /// runtime thread, sharing the proxy address (`proxy.reuse_port`).
+    pub per_core: bool,
 }
 
 /// Another `railguard` binary whose fenced forward is measured beside this build's.
@@ -114,6 +121,8 @@ pub(crate) enum Route {
     Unordered,
     /// Fenced, through the baseline binary.
     Baseline,
+    /// Fenced, through one single-threaded railguard process per CPU on one address.
+    PerCore,
     Pgbench,
 }
 
@@ -139,6 +148,9 @@ impl Phase {
             (Route::Fenced, false) => "railguard, fenced".to_string(),
             (Route::Unordered, _) => {
                 "railguard, fenced, order_across_processes = false".to_string()
+            }
+            (Route::PerCore, _) => {
+                "railguard, fenced, a process per CPU, 1 thread each, reuse_port".to_string()
             }
             (Route::Baseline, stale) => format!(
                 "railguard {}, {}",
@@ -192,6 +204,9 @@ fn phases(o: &WireOptions) -> Vec<Phase> {
         all.push(p(Route::Fenced, keys, false, c));
         if o.order_off {
             all.push(p(Route::Unordered, keys, false, c));
+        }
+        if o.per_core {
+            all.push(p(Route::PerCore, keys, false, c));
         }
         if o.baseline.is_some() {
             all.push(p(Route::Baseline, keys, false, c));
@@ -254,6 +269,8 @@ struct Components {
     fenced: Spawned,
     unordered: Option<Spawned>,
     baseline: Option<Spawned>,
+    /// The processes of `Route::PerCore` (none unless asked for).
+    per_core: Vec<Spawned>,
 }
 
 pub(crate) async fn run(options: WireOptions) -> Result<WireReport, String> {
@@ -263,7 +280,7 @@ pub(crate) async fn run(options: WireOptions) -> Result<WireReport, String> {
         .map_err(|e| format!("cannot create a directory under /var/tmp: {e}"))?;
     eprintln!("wire: starting PostgreSQL (durable) under /var/tmp");
     let mut builder = Pg::builder().durable(true).temp_dir_in("/var/tmp");
-    if options.order_off || options.baseline.is_some() {
+    if options.order_off || options.baseline.is_some() || options.per_core {
         // Up to four railguards' sessions beside pgbench's 64 clients; a setting given on the
         // command line comes later and wins.
         builder = builder.setting("max_connections", "300");
@@ -396,6 +413,27 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
         }
         None => None,
     };
+    let per_core = if o.per_core {
+        let url = database_for(pg, dir, &binary, Some("railguard_per_core"), o.pool_size).await?;
+        let mut config = config.clone();
+        config.runtime.worker_threads = 1;
+        config.proxy.reuse_port = true;
+        // Each process's pool is its share of the default's: PostgreSQL sees as many
+        // sessions as from the one process of the default.
+        config.database.pool_size = (o.pool_size / cpus).max(2);
+        procs::railguards_sharing(
+            &binary,
+            "railguard-per-core",
+            dir,
+            &config,
+            upstream.addr,
+            &url,
+            cpus,
+        )
+        .await?
+    } else {
+        Vec::new()
+    };
     let components = Components {
         upstream,
         nginx,
@@ -404,6 +442,7 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
         fenced,
         unordered,
         baseline,
+        per_core,
     };
     let result = measure_all(o, pg, dir, &components).await;
     let Components {
@@ -414,11 +453,13 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
         fenced,
         unordered,
         baseline,
+        per_core,
     } = components;
     for process in [fenced, off, bare, nginx, upstream]
         .into_iter()
         .chain(unordered)
         .chain(baseline)
+        .chain(per_core)
     {
         process.stop().await;
     }
@@ -607,21 +648,25 @@ async fn measure(
     if phase.route == Route::Pgbench {
         return measure_pgbench(o, pg, dir, phase, duration).await;
     }
-    let variant = match phase.route {
-        Route::Unordered => c.unordered.as_ref(),
-        Route::Baseline => c.baseline.as_ref(),
-        _ => None,
+    let variant: Vec<&Spawned> = match phase.route {
+        Route::Unordered => c.unordered.iter().collect(),
+        Route::Baseline => c.baseline.iter().collect(),
+        Route::PerCore => c.per_core.iter().collect(),
+        _ => Vec::new(),
     };
-    let (target, proxy) = match (phase.route, variant) {
-        (Route::Direct, _) => (c.upstream.addr, None),
-        (Route::Nginx, _) => (c.nginx.addr, Some(&c.nginx)),
-        (Route::Bare, _) => (c.bare.addr, Some(&c.bare)),
-        (Route::RailguardOff, _) => (c.off.addr, Some(&c.off)),
-        (Route::Unordered | Route::Baseline, Some(variant)) => (variant.addr, Some(variant)),
-        (Route::Unordered | Route::Baseline, None) => {
+    // The processes whose CPU is the proxy's: one, or every process sharing the address.
+    let (target, proxies): (_, Vec<&Spawned>) = match (phase.route, variant.first()) {
+        (Route::Direct, _) => (c.upstream.addr, Vec::new()),
+        (Route::Nginx, _) => (c.nginx.addr, vec![&c.nginx]),
+        (Route::Bare, _) => (c.bare.addr, vec![&c.bare]),
+        (Route::RailguardOff, _) => (c.off.addr, vec![&c.off]),
+        (Route::Unordered | Route::Baseline | Route::PerCore, Some(first)) => {
+            (first.addr, variant.clone())
+        }
+        (Route::Unordered | Route::Baseline | Route::PerCore, None) => {
             return failed("that railguard was not started".to_string());
         }
-        _ => (c.fenced.addr, Some(&c.fenced)),
+        _ => (c.fenced.addr, vec![&c.fenced]),
     };
     let requests = if phase.stale {
         Requests {
@@ -652,11 +697,13 @@ async fn measure(
     if !o.warmup.is_zero() {
         let _ = wrk(o.warmup, format!("{run_id}-warm")).run().await;
     }
-    let proxy_pid = proxy.and_then(Spawned::pid);
-    let admin = proxy.and_then(|p| p.admin);
-    let batches_before = procs::histogram(admin, "railguard_fence_batch_size").await;
+    let pids: Vec<Option<u32>> = proxies.iter().map(|p| p.pid()).collect();
+    // A profile follows one process: with several, the first.
+    let proxy_pid = pids.first().copied().flatten();
+    let admins: Vec<_> = proxies.iter().map(|p| p.admin).collect();
+    let batches_before = procs::histograms(&admins, "railguard_fence_batch_size").await;
     let before = (
-        Usage::of(proxy_pid),
+        Usage::of_all(&pids),
         Usage::of(c.upstream.pid()),
         cpu::Snapshot::take(pg.pid(), None),
         procs::postgres_backend_ticks(pg.pid()),
@@ -678,12 +725,12 @@ async fn measure(
         profile.finish().await;
     }
     let after = (
-        Usage::of(proxy_pid),
+        Usage::of_all(&pids),
         Usage::of(c.upstream.pid()),
         cpu::Snapshot::take(pg.pid(), None),
         procs::postgres_backend_ticks(pg.pid()),
     );
-    let batches_after = procs::histogram(admin, "railguard_fence_batch_size").await;
+    let batches_after = procs::histograms(&admins, "railguard_fence_batch_size").await;
     let result = match result {
         Ok(result) => result,
         Err(why) => return failed(why),
@@ -809,6 +856,7 @@ mod tests {
             profile_dir: None,
             pg_settings: Vec::new(),
             order_off: false,
+            per_core: false,
             baseline: baseline.then(|| Baseline {
                 binary: "/bin/false".into(),
                 label: "earlier".into(),
@@ -836,5 +884,25 @@ mod tests {
             .collect();
         assert_eq!(alone.len(), 1);
         assert_eq!(alone[0].route, Route::Fenced);
+    }
+
+    #[test]
+    fn the_per_core_layout_runs_right_after_the_default_it_is_compared_with() {
+        let mut o = options(false);
+        o.per_core = true;
+        let all = phases(&o);
+        for keys in [false, true] {
+            let at = all
+                .iter()
+                .position(|p| p.route == Route::PerCore && p.keys == keys)
+                .expect("a per-core phase");
+            assert_eq!(all[at - 1].route, Route::Fenced, "{all:?}");
+            assert_eq!(all[at - 1].keys, keys);
+        }
+        assert!(
+            !phases(&options(false))
+                .iter()
+                .any(|p| p.route == Route::PerCore)
+        );
     }
 }

@@ -357,6 +357,40 @@ pub(crate) async fn railguard(
     database_url: &str,
 ) -> Result<Spawned, String> {
     config.proxy.listen = loopback();
+    railguard_on(binary, name, dir, config, upstream, database_url).await
+}
+
+/// `count` processes of `railguard serve` with `config` (which sets `proxy.reuse_port`) on one
+/// database, sharing one proxy address; each with admin and lock listeners of its own.
+pub(crate) async fn railguards_sharing(
+    binary: &Path,
+    name: &str,
+    dir: &Path,
+    config: &Config,
+    upstream: SocketAddr,
+    database_url: &str,
+    count: usize,
+) -> Result<Vec<Spawned>, String> {
+    let mut config = config.clone();
+    config.proxy.listen = loopback();
+    let mut started = Vec::with_capacity(count);
+    for i in 0..count {
+        let name = format!("{name}-{i}");
+        started
+            .push(railguard_on(binary, &name, dir, config.clone(), upstream, database_url).await?);
+    }
+    Ok(started)
+}
+
+/// [`railguard`] on the proxy address `config` names.
+async fn railguard_on(
+    binary: &Path,
+    name: &str,
+    dir: &Path,
+    mut config: Config,
+    upstream: SocketAddr,
+    database_url: &str,
+) -> Result<Spawned, String> {
     config.admin.listen = loopback();
     config.lock.listen = loopback();
     config.proxy.upstream = Upstream::parse(&format!("http://{upstream}"))?;
@@ -384,6 +418,16 @@ pub(crate) async fn railguard(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// [`histogram`] summed over several railguards.
+pub(crate) async fn histograms(admins: &[Option<SocketAddr>], name: &str) -> (f64, f64) {
+    let mut total = (0.0, 0.0);
+    for admin in admins {
+        let (sum, count) = histogram(*admin, name).await;
+        total = (total.0 + sum, total.1 + count);
+    }
+    total
 }
 
 /// The sum and count of a histogram on railguard's `/metrics` (0, 0 when it cannot be read).
@@ -429,6 +473,17 @@ impl Usage {
             usage.switches += switches(p);
         }
         usage
+    }
+
+    /// [`of`](Self::of) summed over several processes.
+    pub(crate) fn of_all(pids: &[Option<u32>]) -> Self {
+        pids.iter().fold(Self::default(), |total, pid| {
+            let one = Self::of(*pid);
+            Self {
+                ticks: total.ticks + one.ticks,
+                switches: total.switches + one.switches,
+            }
+        })
     }
 
     /// CPU seconds and switches from `self` until `later`.

@@ -187,6 +187,15 @@ impl WireReport {
             variants
                 .push("the same build with `fencing.order_across_processes = false`".to_string());
         }
+        if o.per_core {
+            variants.push(format!(
+                "{} processes of the same build on one database of their own, each with \
+                 `runtime.worker_threads = 1` and a pool of {} sessions, sharing one proxy \
+                 address (`proxy.reuse_port`; their CPU and context switches summed)",
+                self.cpus,
+                (self.proxy_config.database.pool_size / self.cpus).max(2)
+            ));
+        }
         if let Some(baseline) = &o.baseline {
             variants.push(format!(
                 "railguard {} (`{}`) at its defaults",
@@ -264,6 +273,7 @@ impl WireReport {
                     | Route::Fenced
                     | Route::Unordered
                     | Route::Baseline
+                    | Route::PerCore
             );
             let _ = writeln!(
                 out,
@@ -435,7 +445,10 @@ impl WireReport {
             .samples
             .iter()
             .map(|(p, _)| *p)
-            .filter(|p| matches!(p.route, Route::Unordered | Route::Baseline) && p.connections == c)
+            .filter(|p| {
+                matches!(p.route, Route::Unordered | Route::Baseline | Route::PerCore)
+                    && p.connections == c
+            })
             .collect();
         if variants.is_empty() {
             return;
@@ -467,6 +480,10 @@ impl WireReport {
             };
             let name = match variant.route {
                 Route::Unordered => "`fencing.order_across_processes = false`".to_string(),
+                Route::PerCore => format!(
+                    "{} processes × 1 runtime thread, `proxy.reuse_port`",
+                    self.cpus
+                ),
                 _ => format!("railguard {}", variant.baseline.unwrap_or("baseline")),
             };
             let _ = writeln!(
