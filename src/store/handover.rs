@@ -68,7 +68,11 @@
 //! statement; what remains is two small arrays in the mark row and a row rewrite every
 //! heartbeat (every [`PUBLISH_EVERY`] while forwards change and another process runs). Entries found settled are removed from the mark
 //! row afterwards ([`Handover::wait_settled`]), so an account that changes process pays one
-//! read, once.
+//! read, once. Nor is that read repeated for every request: each process keeps the other
+//! processes' rows as last read, and an entry below a row's horizon that the row shows settled
+//! is settled for good, so a request waiting for one asks the row as read then. Only an entry
+//! handed out after that write (a process forwarding the account right now), or one a row
+//! showed pending, reads again.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -99,6 +103,8 @@ pub const ABORT_AFTER: Duration = Duration::from_millis(2500);
 /// What a request held after a change of server must have left of its deadline when the hold
 /// ends, for its forward; one that would have less is answered at once instead.
 const LEFT_TO_FORWARD: Duration = Duration::from_secs(1);
+/// Other processes' rows [`Handover::wait_settled`] keeps as read, at most.
+const REMEMBERED_ROWS: usize = 64;
 /// Rows of processes quiet for longer than this are removed at start.
 const FORGET_ROWS_AFTER: &str = "1 day";
 
@@ -165,6 +171,10 @@ pub struct Handover {
     /// Until when, as last read, no forward may start after a change of server
     /// ([`Handover::wait_store_change`]): requests meanwhile do not ask the database again.
     held_until: Mutex<Option<Instant>>,
+    /// The latest row read of each other process ([`Handover::wait_settled`]). An entry a row
+    /// shows settled is settled for good, so a later wait for an entry below that row's
+    /// horizon asks the row as read then, not the database again.
+    read: Mutex<Remembered>,
 }
 
 #[derive(Default)]
@@ -227,6 +237,7 @@ impl Handover {
             changed: Notify::new(),
             published: watch::Sender::new(None),
             held_until: Mutex::new(None),
+            read: Mutex::new(Remembered::default()),
         });
         let alone = !handover.publish_with(true).await?;
         let client = handover.pool.get().await?;
@@ -468,6 +479,15 @@ impl Handover {
         foreign: &Foreign,
         deadline: Instant,
     ) -> Result<(), WaitError> {
+        if self
+            .read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .settled(account.as_str(), foreign)
+        {
+            self.prune(account, foreign);
+            return Ok(());
+        }
         let instances: Vec<i64> = foreign.0.iter().map(|(i, _)| *i).collect();
         let mut pause = Duration::from_millis(2);
         loop {
@@ -498,6 +518,10 @@ impl Handover {
                 rows.get(instance)
                     .is_none_or(|row| row.settled(account.as_str(), *seq))
             });
+            self.read
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .keep(rows);
             if settled {
                 self.prune(account, foreign);
                 return Ok(());
@@ -620,8 +644,9 @@ impl Handover {
         tokio::spawn(async move {
             let prune = async {
                 let client = pool.get().await?;
+                let statement = client.prepare_cached(PRUNE_SQL).await?;
                 client
-                    .execute(PRUNE_SQL, &[&account, &instances, &seqs])
+                    .execute(&statement, &[&account, &instances, &seqs])
                     .await?;
                 Ok::<_, DbError>(())
             };
@@ -629,6 +654,42 @@ impl Handover {
                 tracing::debug!(error = %e, "could not remove settled forward entries");
             }
         });
+    }
+}
+
+/// Other processes' rows as last read ([`Handover::wait_settled`]).
+#[derive(Default)]
+struct Remembered(HashMap<i64, Published>);
+
+impl Remembered {
+    /// Whether the rows read before show every entry of `foreign` settled for `account`: each
+    /// entry below its process's horizon as read, so that the row was written after the entry
+    /// was handed out, and settled in that row. A row read at any time tells what a read then
+    /// would have: settled stays settled. An entry at or above the horizon read, or of a
+    /// process not read yet, needs a read.
+    fn settled(&self, account: &str, foreign: &Foreign) -> bool {
+        foreign.0.iter().all(|(instance, seq)| {
+            self.0
+                .get(instance)
+                .is_some_and(|row| *seq < row.horizon && row.settled(account, *seq))
+        })
+    }
+
+    /// Keeps `rows`, each in place of the earlier read of its process's row unless that one
+    /// has a higher horizon (a later write, read by a read that ended first).
+    fn keep(&mut self, rows: HashMap<i64, Published>) {
+        if self.0.len() + rows.len() > REMEMBERED_ROWS {
+            // Rows of processes long gone: forgetting costs a read each.
+            self.0.clear();
+        }
+        for (instance, row) in rows {
+            match self.0.get(&instance) {
+                Some(known) if known.horizon > row.horizon => {}
+                _ => {
+                    self.0.insert(instance, row);
+                }
+            }
+        }
     }
 }
 

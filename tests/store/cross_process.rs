@@ -128,6 +128,41 @@ async fn a_settled_entry_of_another_process_is_removed_after_the_handover() {
     assert_eq!(rail.tokens(), [3, 4, 5]);
 }
 
+/// Railguard B reads A's row once (its token 4 after A's 3) and keeps it; then A forwards 5
+/// on a path that holds it 1.5 s, and B's token 7 comes 300 ms later. The row B read before
+/// was written before A handed out 5's entry: it settles nothing of it, and 7 waits for 5.
+#[tokio::test]
+async fn a_row_read_before_does_not_settle_a_forward_handed_out_since() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let slow_path = Relay::start(rail.addr).await;
+    let env = [("RAILGUARD__PROXY__REQUEST_TIMEOUT_MS", "10000")];
+    let a = Railguard::start_process(&pg.url(), &slow_path.url(), &env).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &env).await;
+    a.http()
+        .pay_with(&a, 3, "acct-r")
+        .await
+        .assert_status(StatusCode::CREATED);
+    b.http()
+        .pay_with(&b, 4, "acct-r")
+        .await
+        .assert_status(StatusCode::CREATED);
+    slow_path.set_delay(Duration::from_millis(1500));
+    let older = a.pay_in_background(5, "acct-r");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    b.http()
+        .pay_with(&b, 7, "acct-r")
+        .await
+        .assert_status(StatusCode::CREATED);
+    older.await.unwrap().assert_status(StatusCode::CREATED);
+    assert_eq!(
+        rail.tokens(),
+        [3, 4, 5, 7],
+        "the newer token overtook a forward handed out after the row B had read"
+    );
+}
+
 /// Token 5 through railguard A, whose path to the rail holds each chunk 8 s (longer than the
 /// rewind takes, within `proxy.rail_transit_ms`); then the database goes back to a copy taken before 5's
 /// compare-and-set (a rewind: the entry that named A's forward is lost with it), and railguard

@@ -33,3 +33,43 @@ fn an_entry_is_settled_below_the_horizon_unless_a_lower_one_of_its_account_is_pe
         "a quiet process can send nothing more"
     );
 }
+
+#[test]
+fn a_row_read_before_settles_only_entries_below_its_horizon() {
+    let row = |horizon, seqs: Vec<i64>, accounts: &[&str], quiet| Published {
+        horizon,
+        seqs,
+        accounts: accounts.iter().map(|a| account_hash(a)).collect(),
+        quiet,
+    };
+    let mut read = Remembered::default();
+    let entry = |instance, seq| Foreign(vec![(instance, seq)]);
+    assert!(!read.settled("a", &entry(3, 1)), "process 3 was never read");
+    read.keep(HashMap::from([(3, row(10, vec![4], &["a"], false))]));
+    assert!(read.settled("a", &entry(3, 3)));
+    assert!(read.settled("b", &entry(3, 9)));
+    assert!(!read.settled("a", &entry(3, 4)), "4 of a was pending");
+    assert!(
+        !read.settled("b", &entry(3, 10)),
+        "10 was handed out after the row was written"
+    );
+    assert!(
+        !read.settled("b", &Foreign(vec![(3, 2), (5, 2)])),
+        "every entry must be settled, process 5's too"
+    );
+    // A quiet process's row settles what it had handed out when written, nothing later: it
+    // may have run again since, and handed out more.
+    read.keep(HashMap::from([(5, row(7, vec![6], &["a"], true))]));
+    assert!(read.settled("a", &entry(5, 6)));
+    assert!(!read.settled("a", &entry(5, 7)));
+    assert!(read.settled("b", &Foreign(vec![(3, 2), (5, 2)])));
+    // A read that ended later but saw an earlier write does not replace a later one.
+    read.keep(HashMap::from([(3, row(8, vec![], &[], false))]));
+    assert!(
+        read.settled("b", &entry(3, 9)),
+        "the row of horizon 10 stays"
+    );
+    read.keep(HashMap::from([(3, row(12, vec![11], &["b"], false))]));
+    assert!(read.settled("a", &entry(3, 11)));
+    assert!(!read.settled("b", &entry(3, 11)));
+}
