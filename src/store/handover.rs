@@ -66,13 +66,18 @@
 //! **Cost.** With one process, or accounts each forwarded through one process, the
 //! compare-and-set finds only the caller's own entry and answers nothing: no wait and no extra
 //! statement; what remains is two small arrays in the mark row and a row rewrite every
-//! heartbeat (every [`PUBLISH_EVERY`] while forwards change and another process runs). Entries found settled are removed from the mark
-//! row afterwards ([`Handover::wait_settled`]), so an account that changes process pays one
-//! read, once. Nor is that read repeated for every request: each process keeps the other
-//! processes' rows as last read, and an entry below a row's horizon that the row shows settled
-//! is settled for good, so a request waiting for one asks the row as read then. Only an entry
-//! handed out after that write (a process forwarding the account right now), or one a row
-//! showed pending, reads again.
+//! heartbeat (every [`PUBLISH_EVERY`] while forwards change and another process runs).
+//!
+//! With several processes and an account's requests spread over them, most compare-and-sets
+//! find another process's entry. Each process keeps the other processes' rows as last read
+//! (for [`REREAD_AFTER`]): an entry below a row's horizon that the row shows settled is settled
+//! for good, so a request waiting for one asks the row as read, not the database. Only an entry
+//! handed out after that write (another process forwarding the account right now), or one a
+//! row showed pending, reads again. A running process's entry stays in the row — its next
+//! compare-and-set for the account replaces it, and while it stays it costs that look in
+//! memory — where removing it would cost a statement for every request that changes process;
+//! the entries of a process read quiet (stopped or killed), which nothing would replace, are
+//! removed from the row once found settled.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -105,6 +110,9 @@ pub const ABORT_AFTER: Duration = Duration::from_millis(2500);
 const LEFT_TO_FORWARD: Duration = Duration::from_secs(1);
 /// Other processes' rows [`Handover::wait_settled`] keeps as read, at most.
 const REMEMBERED_ROWS: usize = 64;
+/// How long a row read is asked instead of the database: after that a wait reads the row
+/// again, so that a process that stopped is seen quiet and its entries are removed.
+const REREAD_AFTER: Duration = Duration::from_secs(1);
 /// Rows of processes quiet for longer than this are removed at start.
 const FORGET_ROWS_AFTER: &str = "1 day";
 
@@ -479,13 +487,13 @@ impl Handover {
         foreign: &Foreign,
         deadline: Instant,
     ) -> Result<(), WaitError> {
-        if self
-            .read
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .settled(account.as_str(), foreign)
-        {
-            self.prune(account, foreign);
+        let now = Instant::now();
+        if let Some(gone) = self.read.lock().unwrap_or_else(|p| p.into_inner()).settled(
+            account.as_str(),
+            foreign,
+            now,
+        ) {
+            self.prune(account, &gone);
             return Ok(());
         }
         let instances: Vec<i64> = foreign.0.iter().map(|(i, _)| *i).collect();
@@ -518,12 +526,22 @@ impl Handover {
                 rows.get(instance)
                     .is_none_or(|row| row.settled(account.as_str(), *seq))
             });
+            // Entries of processes without a row, or quiet: none will be replaced by its
+            // process's next compare-and-set for the account.
+            let gone = Foreign(
+                foreign
+                    .0
+                    .iter()
+                    .filter(|(instance, _)| rows.get(instance).is_none_or(|row| row.quiet))
+                    .copied()
+                    .collect(),
+            );
             self.read
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .keep(rows);
+                .keep(rows, Instant::now());
             if settled {
-                self.prune(account, foreign);
+                self.prune(account, &gone);
                 return Ok(());
             }
             if Instant::now() + pause >= deadline {
@@ -638,7 +656,12 @@ impl Handover {
         }
     }
 
+    /// Removes `foreign`'s entries from the account's row (nothing when it is empty), in the
+    /// background.
     fn prune(&self, account: &AccountId, foreign: &Foreign) {
+        if foreign.is_empty() {
+            return;
+        }
         let (pool, timeout, account) = (self.pool.clone(), self.timeout, account.to_string());
         let (instances, seqs): (Vec<i64>, Vec<i64>) = foreign.0.iter().copied().unzip();
         tokio::spawn(async move {
@@ -657,36 +680,47 @@ impl Handover {
     }
 }
 
-/// Other processes' rows as last read ([`Handover::wait_settled`]).
+/// Other processes' rows as last read ([`Handover::wait_settled`]), each with when it was
+/// read.
 #[derive(Default)]
-struct Remembered(HashMap<i64, Published>);
+struct Remembered(HashMap<i64, (Published, Instant)>);
 
 impl Remembered {
-    /// Whether the rows read before show every entry of `foreign` settled for `account`: each
-    /// entry below its process's horizon as read, so that the row was written after the entry
-    /// was handed out, and settled in that row. A row read at any time tells what a read then
-    /// would have: settled stays settled. An entry at or above the horizon read, or of a
-    /// process not read yet, needs a read.
-    fn settled(&self, account: &str, foreign: &Foreign) -> bool {
-        foreign.0.iter().all(|(instance, seq)| {
-            self.0
+    /// Whether the rows read within [`REREAD_AFTER`] of `now` show every entry of `foreign`
+    /// settled for `account`: each entry below its process's horizon as read, so that the row
+    /// was written after the entry was handed out, and settled in that row. A row read at any
+    /// time tells what a read then would have: settled stays settled. An entry at or above the
+    /// horizon read, or of a process not read lately, needs a read. If settled, the entries of
+    /// processes read quiet.
+    fn settled(&self, account: &str, foreign: &Foreign, now: Instant) -> Option<Foreign> {
+        let mut gone = Vec::new();
+        for (instance, seq) in &foreign.0 {
+            let (row, _) = self
+                .0
                 .get(instance)
-                .is_some_and(|row| *seq < row.horizon && row.settled(account, *seq))
-        })
+                .filter(|(_, at)| now.saturating_duration_since(*at) < REREAD_AFTER)?;
+            if !(*seq < row.horizon && row.settled(account, *seq)) {
+                return None;
+            }
+            if row.quiet {
+                gone.push((*instance, *seq));
+            }
+        }
+        Some(Foreign(gone))
     }
 
-    /// Keeps `rows`, each in place of the earlier read of its process's row unless that one
-    /// has a higher horizon (a later write, read by a read that ended first).
-    fn keep(&mut self, rows: HashMap<i64, Published>) {
+    /// Keeps `rows`, read at `at`, each in place of the earlier read of its process's row
+    /// unless that one has a higher horizon (a later write, read by a read that ended first).
+    fn keep(&mut self, rows: HashMap<i64, Published>, at: Instant) {
         if self.0.len() + rows.len() > REMEMBERED_ROWS {
             // Rows of processes long gone: forgetting costs a read each.
             self.0.clear();
         }
         for (instance, row) in rows {
             match self.0.get(&instance) {
-                Some(known) if known.horizon > row.horizon => {}
+                Some((known, _)) if known.horizon > row.horizon => {}
                 _ => {
-                    self.0.insert(instance, row);
+                    self.0.insert(instance, (row, at));
                 }
             }
         }

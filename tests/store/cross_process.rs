@@ -87,21 +87,22 @@ async fn a_killed_railguards_forward_holds_newer_tokens_until_it_can_no_longer_a
     assert_eq!(rail.tokens(), [5, 7]);
 }
 
-/// An account forwarded through one process keeps one entry in its row (the fast path: the
-/// compare-and-set answers nothing to wait for); after a handover the settled entry of the
-/// other process is removed, so the account pays for a handover once.
+/// A running process's entry stays in an account's row after another process's request
+/// waited for it (its own next compare-and-set for the account replaces it); once that process
+/// has stopped and its row is quiet, the next request that finds its entry removes it.
 #[tokio::test]
-async fn a_settled_entry_of_another_process_is_removed_after_the_handover() {
+async fn the_entry_of_a_stopped_process_is_removed_once_its_row_is_quiet() {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;
-    let a = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let mut a = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
     let b = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
     let (a_id, b_id) = (a.instance().unwrap(), b.instance().unwrap());
     let forwarders = |account: &'static str| {
         let pg = &pg;
         async move {
-            pg.client()
+            let mut ids = pg
+                .client()
                 .await
                 .query_one(
                     "SELECT forwarders FROM rail_high_water WHERE account_id = $1",
@@ -109,23 +110,64 @@ async fn a_settled_entry_of_another_process_is_removed_after_the_handover() {
                 )
                 .await
                 .unwrap()
-                .get::<_, Vec<i64>>(0)
+                .get::<_, Vec<i64>>(0);
+            ids.sort_unstable();
+            ids
         }
+    };
+    let both = {
+        let mut ids = vec![a_id, b_id];
+        ids.sort_unstable();
+        ids
     };
     for token in [3, 4] {
         let paid = a.http().pay_with(&a, token, "acct-p").await;
         paid.assert_status(StatusCode::CREATED);
     }
     assert_eq!(forwarders("acct-p").await, [a_id]);
-    let paid = b.http().pay_with(&b, 5, "acct-p").await;
-    paid.assert_status(StatusCode::CREATED);
+    b.http()
+        .pay_with(&b, 5, "acct-p")
+        .await
+        .assert_status(StatusCode::CREATED);
+    a.http()
+        .pay_with(&a, 6, "acct-p")
+        .await
+        .assert_status(StatusCode::CREATED);
+    b.http()
+        .pay_with(&b, 7, "acct-p")
+        .await
+        .assert_status(StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        forwarders("acct-p").await,
+        both,
+        "each running process's entry stays, replaced by its own next compare-and-set"
+    );
+    assert!(a.stop().await.success());
+    // A's row is quiet 3 s + proxy.rail_transit_ms (1 s here) after its last write; B reads it
+    // again once the row it read is a second old.
+    let mut token = 8;
     eventually(
-        Duration::from_secs(5),
-        "B the only forwarder of acct-p",
-        || async { (forwarders("acct-p").await == [b_id]).then_some(()) },
+        Duration::from_secs(15),
+        "the stopped process's entry removed from acct-p's row",
+        || {
+            token += 1;
+            let (b, token) = (&b, token);
+            let forwarders = &forwarders;
+            async move {
+                b.http()
+                    .pay_with(b, token, "acct-p")
+                    .await
+                    .assert_status(StatusCode::CREATED);
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                (forwarders("acct-p").await == [b_id]).then_some(())
+            }
+        },
     )
     .await;
-    assert_eq!(rail.tokens(), [3, 4, 5]);
+    let tokens = rail.tokens();
+    assert_eq!(tokens[..5], [3, 4, 5, 6, 7]);
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
 }
 
 /// Railguard B reads A's row once (its token 4 after A's 3) and keeps it; then A forwards 5
