@@ -70,14 +70,18 @@
 //!
 //! With several processes and an account's requests spread over them, most compare-and-sets
 //! find another process's entry. Each process keeps the other processes' rows as last read
-//! (for [`REREAD_AFTER`]): an entry below a row's horizon that the row shows settled is settled
-//! for good, so a request waiting for one asks the row as read, not the database. Only an entry
-//! handed out after that write (another process forwarding the account right now), or one a
-//! row showed pending, reads again. A running process's entry stays in the row — its next
-//! compare-and-set for the account replaces it, and while it stays it costs that look in
-//! memory — where removing it would cost a statement for every request that changes process;
-//! the entries of a process read quiet (stopped or killed), which nothing would replace, are
-//! removed from the row once found settled.
+//! (for [`REREAD_AFTER`]): an entry below a row's horizon that the row does not show pending
+//! was answered, never sent, or given up before that write, and stays so, so a request waiting
+//! for one asks the row as read, not the database. Only an entry handed out after that write
+//! (another process forwarding the account right now), or one the row showed pending, reads
+//! again. A row's being quiet is taken only from a read made after the request's own
+//! compare-and-set: a quiet process may write again and send what it has pending. A running
+//! process's entry stays in the row — its next compare-and-set for the account replaces it, and
+//! while it stays it costs a look in memory, and a read a second — where removing it would cost
+//! a statement for every request that changes process; the entries of a process read quiet
+//! (stopped or killed), or without a row, which nothing would replace, are removed from the
+//! row once found settled. So an account forwarded through one process after another finds the
+//! other's entry until that process forwards it again or stops.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -480,21 +484,21 @@ impl Handover {
     }
 
     /// Waits until every entry of `foreign` is settled for `account`, or `deadline`; then
-    /// removes them from the account's row (in the background: a removal lost costs a read).
+    /// removes those of processes read quiet or without a row from the account's row (in the
+    /// background: a removal lost costs a read). Whether it had to ask the database: `false`
+    /// when the rows as read before showed every entry settled (nothing was waited for).
     pub async fn wait_settled(
         &self,
         account: &AccountId,
         foreign: &Foreign,
         deadline: Instant,
-    ) -> Result<(), WaitError> {
-        let now = Instant::now();
-        if let Some(gone) = self.read.lock().unwrap_or_else(|p| p.into_inner()).settled(
+    ) -> Result<bool, WaitError> {
+        if self.read.lock().unwrap_or_else(|p| p.into_inner()).settled(
             account.as_str(),
             foreign,
-            now,
+            Instant::now(),
         ) {
-            self.prune(account, &gone);
-            return Ok(());
+            return Ok(false);
         }
         let instances: Vec<i64> = foreign.0.iter().map(|(i, _)| *i).collect();
         let mut pause = Duration::from_millis(2);
@@ -542,7 +546,7 @@ impl Handover {
                 .keep(rows, Instant::now());
             if settled {
                 self.prune(account, &gone);
-                return Ok(());
+                return Ok(true);
             }
             if Instant::now() + pause >= deadline {
                 return Err(WaitError::Deadline);
@@ -687,26 +691,19 @@ struct Remembered(HashMap<i64, (Published, Instant)>);
 
 impl Remembered {
     /// Whether the rows read within [`REREAD_AFTER`] of `now` show every entry of `foreign`
-    /// settled for `account`: each entry below its process's horizon as read, so that the row
-    /// was written after the entry was handed out, and settled in that row. A row read at any
-    /// time tells what a read then would have: settled stays settled. An entry at or above the
-    /// horizon read, or of a process not read lately, needs a read. If settled, the entries of
-    /// processes read quiet.
-    fn settled(&self, account: &str, foreign: &Foreign, now: Instant) -> Option<Foreign> {
-        let mut gone = Vec::new();
-        for (instance, seq) in &foreign.0 {
-            let (row, _) = self
-                .0
+    /// answered for `account` ([`Published::answered`]): each entry below its process's horizon
+    /// as read, so that the row was written after the entry was handed out, and not pending in
+    /// it. That stays true once written, whenever the row was read. Its being quiet does not:
+    /// a quiet process may write its row again and send what it has pending, so it is not
+    /// taken from here. An entry at or above the horizon read, pending in the row, or of a
+    /// process not read lately, needs a read.
+    fn settled(&self, account: &str, foreign: &Foreign, now: Instant) -> bool {
+        foreign.0.iter().all(|(instance, seq)| {
+            self.0
                 .get(instance)
-                .filter(|(_, at)| now.saturating_duration_since(*at) < REREAD_AFTER)?;
-            if !(*seq < row.horizon && row.settled(account, *seq)) {
-                return None;
-            }
-            if row.quiet {
-                gone.push((*instance, *seq));
-            }
-        }
-        Some(Foreign(gone))
+                .filter(|(_, at)| now.saturating_duration_since(*at) < REREAD_AFTER)
+                .is_some_and(|(row, _)| row.answered(account, *seq))
+        })
     }
 
     /// Keeps `rows`, read at `at`, each in place of the earlier read of its process's row
@@ -736,15 +733,21 @@ struct Published {
 }
 
 impl Published {
+    /// Whether `seq` of `account` is settled as of this read: answered, or the process quiet.
     fn settled(&self, account: &str, seq: i64) -> bool {
+        self.quiet || self.answered(account, seq)
+    }
+
+    /// Whether `seq` had been handed out when the row was written and no entry of `account` at
+    /// or below it was pending then: each of them answered, never sent, or given up, for good.
+    fn answered(&self, account: &str, seq: i64) -> bool {
         let account = account_hash(account);
-        self.quiet
-            || (seq < self.horizon
-                && !self
-                    .seqs
-                    .iter()
-                    .zip(&self.accounts)
-                    .any(|(s, a)| *s <= seq && *a == account))
+        seq < self.horizon
+            && !self
+                .seqs
+                .iter()
+                .zip(&self.accounts)
+                .any(|(s, a)| *s <= seq && *a == account)
     }
 }
 

@@ -36,7 +36,9 @@
 //!   `proxy.rail_transit_ms` stands for;
 //! - in its start step, after its turn in its own process, a request waits (holding the turn,
 //!   its own entry pending) until every entry its compare-and-set returned is settled, removes
-//!   those entries from the row, and only then takes its last look and forwards;
+//!   those of instances no longer running from the row (a running instance's entry stays, for
+//!   its next compare-and-set for the account to replace), and only then takes its last look
+//!   and forwards;
 //! - after a store change, which takes the entries back with the mark rows, a request of a token
 //!   at or above the floor also waits there for the hold after a store change
 //!   ([`crate::epoch`]): the quiet bound, and the other processes' forwards of the account below
@@ -469,9 +471,11 @@ impl Fence {
                 self.add_task(task);
                 return Started::HandingOver;
             }
-            // Pruning: the entries waited for are settled for good.
+            // Pruning: the entries waited for are settled for good. Those of a running
+            // instance stay, for its next compare-and-set for the account to replace.
+            let processes = &self.processes;
             let row = &mut self.entries[account as usize];
-            row.retain(|e| !task.awaits.contains(e));
+            row.retain(|e| !task.awaits.contains(e) || processes[e.proxy as usize].owns(*e));
             task.awaits.clear();
         }
         if token < epoch.floor {

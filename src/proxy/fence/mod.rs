@@ -529,14 +529,17 @@ where
         && forwards
         && !foreign.is_empty()
     {
-        point.metrics.handover_waits.inc();
         tracing::debug!(lock.token = token.get(), account = %account, others = ?foreign.0,
             "waiting for another railguard's forward for this account");
         // Boxed, as the next wait: rare paths, whose futures would otherwise make every
         // request's larger (an allocation above the allocator's small sizes).
-        Box::pin(handover.wait_settled(&account, &foreign, request.deadline))
-            .await
-            .map_err(|e| waited(e, &account, token))?;
+        let settled = Box::pin(handover.wait_settled(&account, &foreign, request.deadline)).await;
+        // Counted when it asked the database (it waited, or gave up waiting); not when the
+        // rows as read before showed every entry settled.
+        if !matches!(settled, Ok(false)) {
+            point.metrics.handover_waits.inc();
+        }
+        settled.map_err(|e| waited(e, &account, token))?;
     }
     // The database changed server since this process last found every forward sent before
     // the change arrived or gone: one may still be on its way, and the data that named it may
