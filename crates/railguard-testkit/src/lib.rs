@@ -91,10 +91,11 @@ pub fn init_tracing() {
 
 /// A loopback port nothing listened on a moment ago, for the child processes (etcd members,
 /// PostgreSQL clusters) that must be told their port before they start; anything started in
-/// this process binds port 0 instead. Claimed for this process until it exits
-/// ([`railguard::demo::ports`]): no other process picking ports this way takes it, so a server
-/// a test stops and starts again on its port (a crash, a rewind of its data, a restore) still
-/// finds it free, however many other tests pick ports meanwhile.
+/// this process binds port 0 instead. Claimed for this process until it exits or has claimed
+/// [`KEPT_CLAIMS`] more ([`railguard::demo::ports`]): no other process picking ports this way
+/// takes it meanwhile, so a server a test stops and starts again on its port (a crash, a
+/// rewind of its data, a restore) still finds it free, however many other tests pick ports
+/// meanwhile.
 ///
 /// A process keeps its [`KEPT_CLAIMS`] latest claims (one descriptor each): a test binary run
 /// whole in one process (`cargo test`) lets its oldest go, whose tests have long ended.
