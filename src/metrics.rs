@@ -245,8 +245,7 @@ impl Metrics {
         let handover_waits = IntCounter::new(
             "railguard_forward_handovers_total",
             "Forwards that waited, before they started, for another railguard process's forward \
-             for the same account to be answered or settled (not those whose wait the other \
-             process's row as read before already answered).",
+             for the same account to be answered or settled, or gave up waiting.",
         )
         .expect("valid metric");
         let fencing_proof_required = IntGauge::new(

@@ -285,7 +285,13 @@ async fn serve_and_play(
 ) -> Result<Verdict, DemoError> {
     let listeners = Listeners::bind(&config).await?;
     let addrs = Addrs {
-        proxy: local_addr(&listeners.proxy)?,
+        proxy: listeners
+            .proxy
+            .local_addr()
+            .map_err(|source| DemoError::Io {
+                what: "cannot read a listener's address",
+                source,
+            })?,
         admin: local_addr(&listeners.admin)?,
         lock: local_addr(&listeners.lock)?,
     };

@@ -14,7 +14,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::watch;
 use tower::ServiceExt;
 
@@ -86,9 +86,51 @@ pub enum ServeError {
 
 /// The three listeners railguard serves on.
 pub struct Listeners {
-    pub proxy: TcpListener,
+    pub proxy: ProxySocket,
     pub admin: TcpListener,
     pub lock: TcpListener,
+}
+
+/// The proxy's socket: listening from the start, or — sharing its address with other
+/// processes (`proxy.reuse_port`) — bound, and listening only once railguard serves. A
+/// listening socket joins the address's share at once, and the kernel hands it new
+/// connections; one of a process still starting would wait for its start (its database, its
+/// migrations) or be reset if the start fails, where another process would have served them.
+pub enum ProxySocket {
+    Listening(TcpListener),
+    Shared { socket: TcpSocket, addr: SocketAddr },
+}
+
+impl From<TcpListener> for ProxySocket {
+    fn from(listener: TcpListener) -> Self {
+        Self::Listening(listener)
+    }
+}
+
+impl ProxySocket {
+    /// The address it is bound to.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        match self {
+            Self::Listening(listener) => listener.local_addr(),
+            Self::Shared { socket, .. } => socket.local_addr(),
+        }
+    }
+
+    /// The listener, listening from now on.
+    fn listen(self) -> Result<TcpListener, ServeError> {
+        match self {
+            Self::Listening(listener) => Ok(listener),
+            Self::Shared { socket, addr } => {
+                socket
+                    .listen(Listeners::BACKLOG)
+                    .map_err(|source| ServeError::Bind {
+                        key: "proxy.listen",
+                        addr,
+                        source,
+                    })
+            }
+        }
+    }
 }
 
 impl Listeners {
@@ -101,7 +143,7 @@ impl Listeners {
         }
         let proxy = match config.proxy.reuse_port {
             true => Self::shared("proxy.listen", config.proxy.listen)?,
-            false => bind("proxy.listen", config.proxy.listen).await?,
+            false => bind("proxy.listen", config.proxy.listen).await?.into(),
         };
         Ok(Self {
             proxy,
@@ -110,10 +152,12 @@ impl Listeners {
         })
     }
 
-    /// A listener on `addr` with `SO_REUSEPORT` (`proxy.reuse_port`): other sockets with it on
-    /// the same address and of the same user share it, and the kernel spreads new
-    /// connections among them by a hash of the client's address and port.
-    fn shared(key: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    /// A socket bound to `addr` with `SO_REUSEPORT` (`proxy.reuse_port`), not listening yet:
+    /// other sockets with it on the same address and of the same user share it, and the kernel
+    /// spreads new connections among those listening by a hash of the client's address and
+    /// port. Bound now, so that an address another process holds alone fails the start at
+    /// once.
+    fn shared(key: &'static str, addr: SocketAddr) -> Result<ProxySocket, ServeError> {
         let error = |source| ServeError::Bind { key, addr, source };
         let socket = match addr {
             SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
@@ -125,7 +169,7 @@ impl Listeners {
         socket.set_reuseaddr(true).map_err(error)?;
         socket.set_reuseport(true).map_err(error)?;
         socket.bind(addr).map_err(error)?;
-        socket.listen(Self::BACKLOG).map_err(error)
+        Ok(ProxySocket::Shared { socket, addr })
     }
 
     /// Connections the kernel queues for a shared listener before it accepts them, as many as
@@ -161,21 +205,36 @@ pub async fn run_reloading(
     let auth = load_credentials(&config, &metrics)?;
     // TLS files are read before anything else starts: a listener that cannot serve its
     // certificate stops railguard at start with the key named.
-    let proxy_listener = listener(listeners.proxy, "proxy", &config.proxy.listener, &metrics)?
-        .answering_overload_with(proxy::error::overloaded);
-    let lock_listener = listener(listeners.lock, "lock", &config.lock.listener, &metrics)?;
-    let admin_listener = listener(listeners.admin, "admin", &config.admin.listener, &metrics)?;
+    let proxy_tls = tls_server("proxy", &config.proxy.listener, &metrics)?;
+    let lock_tls = tls_server("lock", &config.lock.listener, &metrics)?;
+    let admin_tls = tls_server("admin", &config.admin.listener, &metrics)?;
     let reloadable = Reloadable {
         credentials: auth.clone(),
         tls: [
-            ("proxy", &proxy_listener),
-            ("lock", &lock_listener),
-            ("admin", &admin_listener),
+            ("proxy", &proxy_tls),
+            ("lock", &lock_tls),
+            ("admin", &admin_tls),
         ]
         .into_iter()
-        .filter_map(|(name, listener)| listener.tls().map(|tls| (name, tls)))
+        .filter_map(|(name, tls)| tls.clone().map(|tls| (name, tls)))
         .collect(),
     };
+    let lock_listener = listener(
+        listeners.lock,
+        "lock",
+        &config.lock.listener,
+        &metrics,
+        lock_tls,
+    );
+    let admin_listener = listener(
+        listeners.admin,
+        "admin",
+        &config.admin.listener,
+        &metrics,
+        admin_tls,
+    );
+    // A shared proxy address is listened on only once everything else has started (below).
+    let (proxy_socket, proxy_metrics) = (listeners.proxy, metrics.clone());
     if !config.fencing.enforce {
         tracing::error!(
             "!!! FENCING IS DISABLED (fencing.enforce = false) !!! Stale tokens WILL reach the \
@@ -481,6 +540,14 @@ pub async fn run_reloading(
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
+    let proxy_listener = listener(
+        proxy_socket.listen()?,
+        "proxy",
+        &config.proxy.listener,
+        &proxy_metrics,
+        proxy_tls,
+    )
+    .answering_overload_with(proxy::error::overloaded);
     tracing::info!(
         proxy = %Listeners::addr(&proxy_listener),
         admin = %Listeners::addr(&admin_listener),
@@ -570,28 +637,41 @@ pub async fn run_reloading(
 }
 
 /// A bound listener with its section's limits and TLS (`name` is also the section).
+/// The TLS files of listener `name`, read (none for plain TCP): a file that cannot serve
+/// stops railguard at start with its key named.
+fn tls_server(
+    name: &'static str,
+    config: &ListenerConfig,
+    metrics: &Metrics,
+) -> Result<Option<Arc<crate::tls::server::TlsServer>>, ServeError> {
+    let Some(files) = config.settings().tls else {
+        return Ok(None);
+    };
+    let key = match name {
+        "proxy" => "proxy.tls_cert_file",
+        "admin" => "admin.tls_cert_file",
+        _ => "lock.tls_cert_file",
+    };
+    let tls =
+        crate::tls::server::TlsServer::load(files, name, metrics.listener_tls_reloads.clone())
+            .map_err(|source| ServeError::Tls { key, source })?;
+    Ok(Some(Arc::new(tls)))
+}
+
 fn listener(
     tcp: TcpListener,
     name: &'static str,
     config: &ListenerConfig,
     metrics: &Metrics,
-) -> Result<Listener, ServeError> {
-    let settings = config.settings();
-    let mut listener = Listener::new(tcp, name)
-        .with_limits(settings.limits)
+    tls: Option<Arc<crate::tls::server::TlsServer>>,
+) -> Listener {
+    let listener = Listener::new(tcp, name)
+        .with_limits(config.settings().limits)
         .counting_refusals_in(metrics.listener_refusals.clone());
-    if let Some(files) = settings.tls {
-        let key = match name {
-            "proxy" => "proxy.tls_cert_file",
-            "admin" => "admin.tls_cert_file",
-            _ => "lock.tls_cert_file",
-        };
-        let tls =
-            crate::tls::server::TlsServer::load(files, name, metrics.listener_tls_reloads.clone())
-                .map_err(|source| ServeError::Tls { key, source })?;
-        listener = listener.with_tls(Arc::new(tls));
+    match tls {
+        Some(tls) => listener.with_tls(tls),
+        None => listener,
     }
-    Ok(listener)
 }
 
 /// The `[proxy]` and `[fencing]` settings the extract layer needs.

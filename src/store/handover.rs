@@ -485,8 +485,10 @@ impl Handover {
 
     /// Waits until every entry of `foreign` is settled for `account`, or `deadline`; then
     /// removes those of processes read quiet or without a row from the account's row (in the
-    /// background: a removal lost costs a read). Whether it had to ask the database: `false`
-    /// when the rows as read before showed every entry settled (nothing was waited for).
+    /// background: a removal lost costs a read). Whether it waited: `true` when some entry was
+    /// not settled at the first look (another process's forward for the account was still on
+    /// its way, or its row not written since it was handed out), `false` when the rows as read
+    /// before, or the first read, showed every entry settled.
     pub async fn wait_settled(
         &self,
         account: &AccountId,
@@ -502,6 +504,7 @@ impl Handover {
         }
         let instances: Vec<i64> = foreign.0.iter().map(|(i, _)| *i).collect();
         let mut pause = Duration::from_millis(2);
+        let mut waited = false;
         loop {
             let read = async {
                 let client = self.pool.get().await?;
@@ -546,11 +549,12 @@ impl Handover {
                 .keep(rows, Instant::now());
             if settled {
                 self.prune(account, &gone);
-                return Ok(true);
+                return Ok(waited);
             }
             if Instant::now() + pause >= deadline {
                 return Err(WaitError::Deadline);
             }
+            waited = true;
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(50));
         }

@@ -1,6 +1,7 @@
 //! `proxy.reuse_port`: railguard processes that set it share one proxy address, the kernel
 //! spreading new connections among them, and every request is fenced whichever process took
-//! it; a process that does not set it cannot start on an address another holds.
+//! it; a process still starting takes none of them; a process that does not set it cannot
+//! start on an address another holds.
 
 use railguard_testkit as support;
 
@@ -105,4 +106,68 @@ async fn a_process_without_reuse_port_cannot_start_on_an_address_another_shares(
     pay_on_a_new_connection(&a, 3, "acct-held")
         .await
         .assert_status(StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn a_process_still_starting_takes_none_of_the_shared_addresses_connections() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let a = Railguard::start_process(
+        &pg.url(),
+        &rail.url(),
+        &[("RAILGUARD__PROXY__REUSE_PORT", "true")],
+    )
+    .await;
+    // A "database" that accepts connections and never answers: the joining process stays in
+    // its start-up.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let (reached, mut reached_rx) = tokio::sync::mpsc::unbounded_channel();
+    let holding = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+            let _ = reached.send(());
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let config = support::config_without_a_database(dir.path(), "");
+    let mut joining = tokio::process::Command::new(support::railguard_binary())
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .env("RAILGUARD__PROXY__LISTEN", a.proxy.to_string())
+        .env("RAILGUARD__PROXY__REUSE_PORT", "true")
+        .env(
+            "RAILGUARD__DATABASE__URL",
+            format!("postgres://rg:pw@{silent_addr}/rg"),
+        )
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start railguard");
+    tokio::time::timeout(std::time::Duration::from_secs(10), reached_rx.recv())
+        .await
+        .expect("the joining process reached for its database");
+    for token in 1..=30 {
+        let paid = tokio::time::timeout(
+            std::time::Duration::from_secs(3),
+            pay_on_a_new_connection(&a, token, "acct-join"),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            panic!("payment {token} got no answer: the process still starting took its connection")
+        });
+        paid.assert_status(StatusCode::CREATED);
+    }
+    assert!(
+        joining.try_wait().unwrap().is_none(),
+        "the joining process was still starting throughout"
+    );
+    assert_eq!(a.metrics().await.get(FORWARDED), 30.0);
+    let _ = joining.kill().await;
+    holding.abort();
 }

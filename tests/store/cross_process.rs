@@ -14,8 +14,9 @@ use http::StatusCode;
 use support::{Pg, Rail, Railguard, Relay, eventually, init_tracing};
 
 /// Token 5 through railguard A, whose path to the rail holds each chunk 1.5 s; token 7 through
-/// railguard B, direct, 300 ms later. Returns the order the rail received them in.
-async fn two_processes(order: &str) -> Vec<i64> {
+/// railguard B, direct, 300 ms later. Returns the order the rail received them in, and B's
+/// count of forwards that waited for another process's.
+async fn two_processes(order: &str) -> (Vec<i64>, f64) {
     let pg = Pg::start().await;
     let rail = Rail::start().await;
     let slow_path = Relay::start(rail.addr).await;
@@ -32,27 +33,32 @@ async fn two_processes(order: &str) -> Vec<i64> {
     newer.assert_status(StatusCode::CREATED);
     let older = older.await.unwrap();
     older.assert_status(StatusCode::CREATED);
-    rail.tokens()
+    let waited = b.metrics().await.get("railguard_forward_handovers_total");
+    (rail.tokens(), waited)
 }
 
 #[tokio::test]
 async fn a_newer_token_through_another_railguard_waits_for_a_forward_still_on_its_way() {
     init_tracing();
+    let (tokens, waited) = two_processes("true").await;
     assert_eq!(
-        two_processes("true").await,
+        tokens,
         [5, 7],
         "the rail received the newer grant's request before the older one still on its way"
     );
+    assert_eq!(waited, 1.0, "B's forward of 7 counted as one that waited");
 }
 
 #[tokio::test]
 async fn without_the_cross_process_order_the_newer_token_overtakes() {
     init_tracing();
+    let (tokens, waited) = two_processes("false").await;
     assert_eq!(
-        two_processes("false").await,
+        tokens,
         [7, 5],
         "the negative control: without the order the newer request arrives first"
     );
+    assert_eq!(waited, 0.0);
 }
 
 /// Railguard A is SIGKILLed while its forward of token 5 is held in the network; the relay
@@ -168,6 +174,35 @@ async fn the_entry_of_a_stopped_process_is_removed_once_its_row_is_quiet() {
     let tokens = rail.tokens();
     assert_eq!(tokens[..5], [3, 4, 5, 6, 7]);
     assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+}
+
+/// B pays an account whose last forward went through A a second earlier and was answered
+/// then, and again once the row B read of A is older than a second: B reads A's row, finds the
+/// forward answered, and waits for nothing — not counted as a handover.
+#[tokio::test]
+async fn a_forward_of_another_process_answered_before_is_not_waited_for() {
+    init_tracing();
+    let pg = Pg::start().await;
+    let rail = Rail::start().await;
+    let a = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    let b = Railguard::start_process(&pg.url(), &rail.url(), &[]).await;
+    a.http()
+        .pay_with(&a, 3, "acct-q")
+        .await
+        .assert_status(StatusCode::CREATED);
+    for token in [4, 5, 6] {
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        b.http()
+            .pay_with(&b, token, "acct-q")
+            .await
+            .assert_status(StatusCode::CREATED);
+    }
+    assert_eq!(rail.tokens(), [3, 4, 5, 6]);
+    assert_eq!(
+        b.metrics().await.get("railguard_forward_handovers_total"),
+        0.0,
+        "B counted a wait for A's forward answered long before"
+    );
 }
 
 /// Railguard B reads A's row once (its token 4 after A's 3) and keeps it; then A forwards 5
@@ -319,10 +354,17 @@ async fn a_compare_and_set_committed_after_its_caller_left_holds_up_no_retry_thr
         retrying.elapsed()
     );
     assert_eq!(rail.times_paid("key-late"), 1, "paid once");
+    let forwarders: i32 = client
+        .query_one(
+            "SELECT cardinality(forwarders) FROM rail_high_water WHERE account_id = 'acct-late'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(
-        b.metrics().await.get("railguard_forward_handovers_total"),
-        1.0,
-        "B found A's entry in the account's row and asked whether it was settled"
+        forwarders, 2,
+        "B's compare-and-set found A's entry in the account's row (it stays, A running)"
     );
     b.payment("acct-late", 6)
         .expect(StatusCode::CONFLICT)

@@ -22,7 +22,7 @@ pub(crate) async fn serve(
     let config = Config::parse(&text, "railguard.toml", &BTreeMap::new()).unwrap();
     let bind = || TcpListener::bind("127.0.0.1:0");
     let listeners = Listeners {
-        proxy: bind().await.unwrap(),
+        proxy: bind().await.unwrap().into(),
         admin: bind().await.unwrap(),
         lock: bind().await.unwrap(),
     };

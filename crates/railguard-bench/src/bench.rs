@@ -735,7 +735,8 @@ impl Proxy {
         let listeners = server::Listeners {
             proxy: bind()
                 .await
-                .map_err(bound("cannot bind a proxy listener"))?,
+                .map_err(bound("cannot bind a proxy listener"))?
+                .into(),
             admin: bind()
                 .await
                 .map_err(bound("cannot bind an admin listener"))?,

@@ -149,7 +149,7 @@ impl Railguard {
     async fn serve_in_process(&mut self) {
         let bind = || TcpListener::bind("127.0.0.1:0");
         let listeners = Listeners {
-            proxy: bind().await.expect("bind proxy"),
+            proxy: bind().await.expect("bind proxy").into(),
             admin: bind().await.expect("bind admin"),
             lock: bind().await.expect("bind lock"),
         };

@@ -534,8 +534,7 @@ where
         // Boxed, as the next wait: rare paths, whose futures would otherwise make every
         // request's larger (an allocation above the allocator's small sizes).
         let settled = Box::pin(handover.wait_settled(&account, &foreign, request.deadline)).await;
-        // Counted when it asked the database (it waited, or gave up waiting); not when the
-        // rows as read before showed every entry settled.
+        // Counted when it waited (an entry not settled at the first look) or gave up waiting.
         if !matches!(settled, Ok(false)) {
             point.metrics.handover_waits.inc();
         }
