@@ -245,7 +245,8 @@ impl Metrics {
         let handover_waits = IntCounter::new(
             "railguard_forward_handovers_total",
             "Forwards that waited, before they started, for another railguard process's forward \
-             for the same account to be answered or settled, or gave up waiting.",
+             for the same account to be answered or settled, or could not finish waiting \
+             (deadline, database error).",
         )
         .expect("valid metric");
         let fencing_proof_required = IntGauge::new(

@@ -324,7 +324,7 @@ mod tests {
     fn a_shared_proxy_address_needs_a_shared_database() {
         let err = parse("[proxy]\nreuse_port = true\n", &[]).unwrap_err();
         assert_eq!(err.key.as_deref(), Some("proxy.reuse_port"));
-        let err = parse("", &[("RAILGUARD__PROXY__REUSE_PORT", "yes")]).unwrap_err();
+        let err = parse("", &[("RAILGUARD__PROXY__REUSE_PORT", "true")]).unwrap_err();
         assert_eq!(err.key.as_deref(), Some("proxy.reuse_port"));
         let config = parse(
             "[proxy]\nreuse_port = true\n[database]\nurl = \"postgres://rg@127.0.0.1/rg\"\n",

@@ -2,7 +2,8 @@
 //!
 //! The shape is mini-redis's: [`run`] takes listeners that are already bound, the validated
 //! configuration, and a shutdown future. `main` binds the configured addresses
-//! ([`Listeners::bind`], so an address in use fails before anything else is touched); tests
+//! ([`Listeners::bind`], so an address in use fails before anything else is touched; a shared
+//! proxy address, `proxy.reuse_port`, is bound then and listened on once railguard serves); tests
 //! bind `127.0.0.1:0` and run the server in their own process.
 //!
 //! Start-up order: open the database (start the embedded server, migrate, pool), take this
@@ -156,7 +157,7 @@ impl Listeners {
     /// other sockets with it on the same address and of the same user share it, and the kernel
     /// spreads new connections among those listening by a hash of the client's address and
     /// port. Bound now, so that an address another process holds alone fails the start at
-    /// once.
+    /// once, and no process can take it alone meanwhile.
     fn shared(key: &'static str, addr: SocketAddr) -> Result<ProxySocket, ServeError> {
         let error = |source| ServeError::Bind { key, addr, source };
         let socket = match addr {
@@ -164,9 +165,10 @@ impl Listeners {
             SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
         }
         .map_err(error)?;
-        // As `TcpListener::bind`: a restarted process binds again at once, whatever
-        // connections of the last one are still in TIME_WAIT.
-        socket.set_reuseaddr(true).map_err(error)?;
+        // Without SO_REUSEADDR: with it, a socket bound and not listening yet lets a socket
+        // that sets it too (`TcpListener::bind`'s) bind the address and listen first. The
+        // connections of an earlier process on the address left in TIME_WAIT carry
+        // SO_REUSEPORT too, so a restart binds at once all the same.
         socket.set_reuseport(true).map_err(error)?;
         socket.bind(addr).map_err(error)?;
         Ok(ProxySocket::Shared { socket, addr })
@@ -636,7 +638,6 @@ pub async fn run_reloading(
     }
 }
 
-/// A bound listener with its section's limits and TLS (`name` is also the section).
 /// The TLS files of listener `name`, read (none for plain TCP): a file that cannot serve
 /// stops railguard at start with its key named.
 fn tls_server(
@@ -658,6 +659,7 @@ fn tls_server(
     Ok(Some(Arc::new(tls)))
 }
 
+/// A bound listener with its section's limits and TLS (`name` is also the section).
 fn listener(
     tcp: TcpListener,
     name: &'static str,

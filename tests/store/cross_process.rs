@@ -52,13 +52,12 @@ async fn a_newer_token_through_another_railguard_waits_for_a_forward_still_on_it
 #[tokio::test]
 async fn without_the_cross_process_order_the_newer_token_overtakes() {
     init_tracing();
-    let (tokens, waited) = two_processes("false").await;
+    let (tokens, _) = two_processes("false").await;
     assert_eq!(
         tokens,
         [7, 5],
         "the negative control: without the order the newer request arrives first"
     );
-    assert_eq!(waited, 0.0);
 }
 
 /// Railguard A is SIGKILLed while its forward of token 5 is held in the network; the relay
@@ -190,8 +189,9 @@ async fn a_forward_of_another_process_answered_before_is_not_waited_for() {
         .pay_with(&a, 3, "acct-q")
         .await
         .assert_status(StatusCode::CREATED);
-    for token in [4, 5, 6] {
-        tokio::time::sleep(Duration::from_millis(1100)).await;
+    // A's row is written again within its heartbeat (500 ms) of the forward's answer.
+    for (token, pause) in [(4, 2000), (5, 1100), (6, 1100)] {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
         b.http()
             .pay_with(&b, token, "acct-q")
             .await
@@ -364,7 +364,7 @@ async fn a_compare_and_set_committed_after_its_caller_left_holds_up_no_retry_thr
         .get(0);
     assert_eq!(
         forwarders, 2,
-        "B's compare-and-set found A's entry in the account's row (it stays, A running)"
+        "A's entry was in the account's row when B's compare-and-set ran, and stays, A running"
     );
     b.payment("acct-late", 6)
         .expect(StatusCode::CONFLICT)
