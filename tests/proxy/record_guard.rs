@@ -266,6 +266,13 @@ fn every_key_has_a_working_environment_override() {
                 env.entry("RAILGUARD__PROXY__UPSTREAM_CA_FILE".into())
                     .or_insert_with(|| "/tmp/ca.pem".into());
             }
+            // A shared proxy address needs a shared database, not the embedded one.
+            if dotted == "proxy.reuse_port" {
+                env.insert(
+                    "RAILGUARD__DATABASE__URL".into(),
+                    "postgres://u@h/db".into(),
+                );
+            }
             if dotted == "proxy.upstream_cert_file" {
                 env.insert(
                     "RAILGUARD__PROXY__UPSTREAM_KEY_FILE".into(),
