@@ -116,7 +116,7 @@ const LEFT_TO_FORWARD: Duration = Duration::from_secs(1);
 const REMEMBERED_ROWS: usize = 64;
 /// How long a row read is asked instead of the database: after that a wait reads the row
 /// again, so that a process that stopped is seen quiet and its entries are removed.
-const REREAD_AFTER: Duration = Duration::from_secs(1);
+pub const REREAD_AFTER: Duration = Duration::from_secs(1);
 /// Rows of processes quiet for longer than this are removed at start.
 const FORGET_ROWS_AFTER: &str = "1 day";
 

@@ -382,7 +382,7 @@ pub(crate) async fn railguards_sharing(
     Ok(started)
 }
 
-/// [`railguard`] on the proxy address `config` names.
+/// [`railguard()`] on the proxy address `config` names.
 async fn railguard_on(
     binary: &Path,
     name: &str,
