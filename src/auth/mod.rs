@@ -34,12 +34,11 @@ pub use credentials::{Credentials, CredentialsError, Identity, LockKeyShape, Per
 pub struct PeerCertificate(pub [u8; 32]);
 
 impl PeerCertificate {
-    /// The certificate of the connection a request came on, from the [`crate::http::Peer`]
+    /// The certificate of the connection a request came on, from the [`crate::http::Arrival`]
     /// the listener puts in every request's extensions (mutual TLS only).
     pub fn of(extensions: &http::Extensions) -> Option<Self> {
-        extensions
-            .get::<crate::http::Peer>()
-            .and_then(|peer| peer.client_cert_sha256)
+        crate::http::Arrival::of(extensions)
+            .and_then(|arrival| arrival.peer.client_cert_sha256)
             .map(Self)
     }
 }

@@ -58,7 +58,7 @@ pub fn full(bytes: impl Into<Bytes>) -> ResponseBody {
 }
 
 /// Who is on the other end of a connection: given to the factory of each connection's service,
-/// and carried by each of its requests as an extension.
+/// and carried by each of its requests in its [`Arrival`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Peer {
     pub addr: SocketAddr,
@@ -68,12 +68,27 @@ pub struct Peer {
     pub client_cert_sha256: Option<[u8; 32]>,
 }
 
-/// How long a request's body may take to arrive once its head has: the listener's
-/// `header_read_timeout_ms`, put on every request by the accept loop. While a request is in
-/// flight the connection's own timeouts do not run (a lock acquire may wait for minutes with
-/// nothing to read), so a reader of a body bounds the read with this.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BodyTimeout(pub Duration);
+/// What the accept loop knows of a request and puts on every one, as one extension (one
+/// allocation, not one a fact).
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    /// The connection's other end.
+    pub peer: Peer,
+    /// How long the body may take to arrive once the head has: the listener's
+    /// `header_read_timeout_ms`. While a request is in flight the connection's own timeouts do
+    /// not run (a lock acquire may wait for minutes with nothing to read), so a reader of a
+    /// body bounds the read with this.
+    pub body_timeout: Duration,
+    /// What the request's chunked body declared so far (HTTP/1).
+    pub declared: DeclaredBody,
+}
+
+impl Arrival {
+    /// The request's [`Arrival`], when it came through the accept loop.
+    pub fn of(extensions: &http::Extensions) -> Option<&Self> {
+        extensions.get::<Self>()
+    }
+}
 
 /// Why a small request body could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -86,16 +101,14 @@ pub enum SmallBodyError {
     Unreadable { max: usize, why: String },
 }
 
-/// Reads a request body of at most `max` bytes whole, within the request's [`BodyTimeout`]
-/// (10 s on a request that carries none).
+/// Reads a request body of at most `max` bytes whole, within the request's
+/// [`Arrival::body_timeout`] (10 s on a request that carries none).
 pub async fn read_small_body(
     request: Request<Incoming>,
     max: usize,
 ) -> Result<Bytes, SmallBodyError> {
-    let timeout = request
-        .extensions()
-        .get::<BodyTimeout>()
-        .map_or(Duration::from_secs(10), |t| t.0);
+    let timeout =
+        Arrival::of(request.extensions()).map_or(Duration::from_secs(10), |a| a.body_timeout);
     let read = Limited::new(request.into_body(), max).collect();
     match tokio::time::timeout(timeout, read).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),

@@ -20,7 +20,7 @@
 //!   header count is checked here, per stream.
 //! - while a request is in flight the connection's timeouts do not run (a lock acquire may
 //!   wait for minutes); the lock and admin APIs read their small bodies within
-//!   `header_read_timeout_ms` ([`super::BodyTimeout`]), the proxy within its request timeout.
+//!   `header_read_timeout_ms` ([`super::Arrival::body_timeout`]), the proxy within its request timeout.
 //! - a request head, or a TLS handshake, slower than `header_read_timeout_ms`, and a
 //!   connection idle for `idle_timeout_ms`, are closed (see `connection` for when each runs).
 //!   hyper's own HTTP/1 header timer is not used: it also runs between requests, which would
@@ -49,7 +49,7 @@ use tokio::task::JoinSet;
 
 use super::connection::{Activity, GuardedBody, InFlight, RequestGuard, Tracked};
 use super::framing::{Framing, Requests};
-use super::{BodyTimeout, BoxError, Peer, Refusal, ResponseBody, full};
+use super::{Arrival, BoxError, Peer, Refusal, ResponseBody, full};
 use crate::config::{ListenerLimits, MIN_HEADER_BYTES};
 use crate::tls::server::{TlsServer, fingerprint};
 
@@ -343,7 +343,7 @@ async fn http<S, B, T>(
         overloaded: shared.overloaded,
         max_headers: shared.limits.max_headers,
         max_header_bytes: shared.limits.max_header_bytes,
-        body_timeout: BodyTimeout(shared.limits.header_read_timeout),
+        body_timeout: shared.limits.header_read_timeout,
     };
     let io = TokioIo::new(Tracked::new(stream, activity.clone(), framing));
     let connection = shared.builder.serve_connection(io, service);
@@ -401,7 +401,7 @@ struct Limited<S> {
     /// counted and measured here.
     max_headers: usize,
     max_header_bytes: usize,
-    body_timeout: BodyTimeout,
+    body_timeout: Duration,
 }
 
 impl<S, B> hyper::service::Service<Request<Incoming>> for Limited<S>
@@ -434,9 +434,11 @@ where
         }
         match entered {
             Ok(guard) => {
-                request.extensions_mut().insert(self.peer);
-                request.extensions_mut().insert(self.body_timeout);
-                request.extensions_mut().insert(declared);
+                request.extensions_mut().insert(Arrival {
+                    peer: self.peer,
+                    body_timeout: self.body_timeout,
+                    declared,
+                });
                 let future = self.inner.call(request);
                 Box::pin(async move {
                     let response = future.await?;

@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use tower::{Layer, Service};
 
 use super::authorize::{self, Forbidden};
-use super::{BoxError, FencedRequest, IdempotencyKey, ProxyResponse};
+use super::{BoxError, Deadline, FencedRequest, IdempotencyKey, ProxyResponse};
 use crate::token::{AccountId, FencingToken};
 
 /// A request the proxy refuses to read.
@@ -406,7 +406,7 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = self.config.clone();
         Box::pin(async move {
-            let deadline = Instant::now() + config.request_timeout;
+            let mut deadline = Deadline::at(Instant::now() + config.request_timeout);
             if request.method() == http::Method::CONNECT {
                 return Err(MethodRefused(http::Method::CONNECT).into());
             }
@@ -478,13 +478,13 @@ where
             // A chunked body is over the limit as soon as its chunk sizes say so, whether or
             // not the bytes ever come (the connection follows them: `crate::http::DeclaredBody`).
             let declared_over = async {
-                match parts.extensions.get::<crate::http::DeclaredBody>() {
-                    Some(declared) => declared.clone().over(config.max_body_bytes).await,
+                match crate::http::Arrival::of(&parts.extensions) {
+                    Some(arrival) => arrival.declared.clone().over(config.max_body_bytes).await,
                     None => std::future::pending().await,
                 }
             };
             let read = tokio::select! {
-                read = tokio::time::timeout_at(deadline, limited.collect()) => read,
+                read = deadline.bound(limited.collect()) => read,
                 () = declared_over => {
                     return Err(BodyTooLarge {
                         limit: config.max_body_bytes,
@@ -521,11 +521,11 @@ where
             // position: a probe that gets past it costs a fence check (and, at or above the
             // mark, a real forward). Without proofs nothing more can be done; see docs/contract.md.
             if evidence == Evidence::Unproven {
-                let issued =
-                    tokio::time::timeout_at(deadline, config.grants.source.issued(token.get()))
-                        .await
-                        .map_err(|_| ClientTimeout(config.request_timeout))?
-                        .map_err(SourceUnavailable)?;
+                let issued = deadline
+                    .bound(config.grants.source.issued(token.get()))
+                    .await
+                    .map_err(|_| ClientTimeout(config.request_timeout))?
+                    .map_err(SourceUnavailable)?;
                 if !issued {
                     return Err(ImplausibleToken {
                         header: config.token_header.clone(),

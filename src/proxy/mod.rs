@@ -74,10 +74,59 @@ pub struct FencedRequest {
     pub token: FencingToken,
     pub account: AccountId,
     pub request: Request<Bytes>,
-    /// When the request's time is up, whatever phase it is in.
-    pub deadline: Instant,
+    /// When the request's time is up, whatever phase it is in, and the one timer that
+    /// watches it.
+    pub deadline: Deadline,
     /// The request's idempotency key, if it has one.
     pub idempotency: Option<IdempotencyKey>,
+}
+
+/// When a request's time is up, and the one timer that watches it from the body's read to the
+/// rail's answer: each phase that waits is bounded by [`Deadline::bound`], which polls the same
+/// timer, so a request registers one timer with the runtime, not one a phase. It travels with
+/// the request by value (it is the request's, never shared).
+pub struct Deadline {
+    at: Instant,
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+/// The request's deadline passed while a phase waited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeadlinePassed;
+
+impl Deadline {
+    /// A deadline at `at`. Its timer is registered when a phase first waits on it.
+    pub fn at(at: Instant) -> Self {
+        Self {
+            at,
+            timer: Box::pin(tokio::time::sleep_until(at)),
+        }
+    }
+
+    /// The instant itself, for what bounds its own waits (the store's).
+    pub fn instant(&self) -> Instant {
+        self.at
+    }
+
+    /// `work`'s output, or [`DeadlinePassed`] once the deadline has passed first. `work` is
+    /// polled before the timer, as `tokio::time::timeout_at` does.
+    pub async fn bound<F: std::future::Future>(
+        &mut self,
+        work: F,
+    ) -> Result<F::Output, DeadlinePassed> {
+        let timer = self.timer.as_mut();
+        tokio::select! {
+            biased;
+            out = work => Ok(out),
+            () = timer => Err(DeadlinePassed),
+        }
+    }
+}
+
+impl std::fmt::Debug for Deadline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Deadline").field(&self.at).finish()
+    }
 }
 
 /// An idempotency key and what the fence did with it.
@@ -170,4 +219,37 @@ pub fn stack(
         .layer(fence)
         .layer(idempotency)
         .service(forward)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn each_phase_is_bounded_by_the_one_deadline_and_work_ready_at_it_wins() {
+        let mut deadline = Deadline::at(Instant::now() + Duration::from_secs(5));
+        // Work that ends in time gives its output, however many phases ask.
+        assert_eq!(deadline.bound(async { 1 }).await, Ok(1));
+        let slept = deadline
+            .bound(tokio::time::sleep(Duration::from_secs(2)))
+            .await;
+        assert_eq!(slept, Ok(()));
+        // A phase that outlasts it ends at the deadline, not at its own time.
+        let started = Instant::now();
+        let late = deadline
+            .bound(tokio::time::sleep(Duration::from_secs(60)))
+            .await;
+        assert_eq!(late, Err(DeadlinePassed));
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+        // Past it, a phase still waiting is refused at once; one ready is polled first, as
+        // `tokio::time::timeout_at` does.
+        assert_eq!(
+            deadline.bound(std::future::pending::<()>()).await,
+            Err(DeadlinePassed)
+        );
+        assert_eq!(deadline.bound(async { 2 }).await, Ok(2));
+        assert_eq!(deadline.instant(), started + Duration::from_secs(3));
+    }
 }

@@ -17,7 +17,7 @@ use http::{Response, StatusCode};
 use http_body_util::Full;
 use prometheus::IntCounterVec;
 use railguard::config::{ClientAuth, ListenerLimits, ListenerTls};
-use railguard::http::{Listener, Peer, Refusal, serve};
+use railguard::http::{Arrival, Listener, Peer, Refusal, serve};
 use railguard::tls::server::{Checked, STALLED_AFTER, TlsServer, reload_counter};
 use support::{Http, Issued, Pg, Pki, Rail, Railguard, TlsClient, hex, init_tracing};
 use tokio::io::AsyncReadExt;
@@ -52,8 +52,8 @@ impl Echo {
             listener,
             |peer: Peer| {
                 hyper::service::service_fn(move |request: http::Request<_>| {
-                    // The request carries the same Peer as the factory was given.
-                    let same = request.extensions().get::<Peer>() == Some(&peer);
+                    // The request carries, in its Arrival, the Peer the factory was given.
+                    let same = Arrival::of(request.extensions()).map(|a| a.peer) == Some(peer);
                     let body = match peer.client_cert_sha256 {
                         Some(sha) if same => hex(&sha),
                         None if same => "none".to_string(),

@@ -52,7 +52,7 @@ impl<H: HighWater> FencePoint<H> {
         };
         let account = &request.account;
         match handover
-            .wait_until_nothing_from_before_can_arrive(account, request.deadline)
+            .wait_until_nothing_from_before_can_arrive(account, request.deadline.instant())
             .await
         {
             // Settled as the newer grants' forwards see it: nothing from before is pending.
@@ -83,7 +83,7 @@ impl<H: HighWater> FencePoint<H> {
             return LostAttempt::NotYet(Duration::from_secs(1));
         }
         match resolver
-            .ask_about_lost(&**records, account, &key.key, request.deadline)
+            .ask_about_lost(&**records, account, &key.key, request.deadline.instant())
             .await
         {
             Some(true) => LostAttempt::NotOnTheRail,

@@ -123,11 +123,6 @@ pub struct FencePoint<H = HighWaterStore> {
     resolver: Option<Arc<Resolver>>,
 }
 
-/// More than a timer fires late by (tokio rounds up to the millisecond, and a busy scheduler
-/// adds to that): a look bounded by the store's own timeout ends this long before a deadline
-/// later than that timeout.
-const TIMER_SLACK: std::time::Duration = std::time::Duration::from_millis(50);
-
 /// Accounts whose cache refusals' log lines are limited at once (see `refusal_log`).
 const REFUSAL_LOG_ACCOUNTS: usize = 100_000;
 
@@ -510,10 +505,10 @@ where
         counted: _counted,
     } = placed;
     let Admitted {
-        request,
+        mut request,
         mut admission,
     } = admitted;
-    match tokio::time::timeout_at(request.deadline, ticket.admit(token)).await {
+    match request.deadline.bound(ticket.admit(token)).await {
         Ok(Ok(())) => {}
         Ok(Err(_superseded)) => {
             point.cache.raise_past(&account, token);
@@ -533,7 +528,8 @@ where
             "waiting for another railguard's forward for this account");
         // Boxed, as the next wait: rare paths, whose futures would otherwise make every
         // request's larger (an allocation above the allocator's small sizes).
-        let settled = Box::pin(handover.wait_settled(&account, &foreign, request.deadline)).await;
+        let settled =
+            Box::pin(handover.wait_settled(&account, &foreign, request.deadline.instant())).await;
         // Counted when it waited (an entry not settled at the first look) or gave up waiting.
         if !matches!(settled, Ok(false)) {
             point.metrics.handover_waits.inc();
@@ -547,7 +543,7 @@ where
         && forwards
         && epoch.unsettled_change()
     {
-        match Box::pin(handover.wait_store_change(&account, request.deadline)).await {
+        match Box::pin(handover.wait_store_change(&account, request.deadline.instant())).await {
             Ok(Some(settled)) => epoch.change_settled(settled),
             Ok(None) => {}
             Err(e) => return Err(waited(e, &account, token)),
@@ -557,7 +553,7 @@ where
         && forwards
     {
         handover
-            .ready_to_send(request.deadline)
+            .ready_to_send(request.deadline.instant())
             .await
             .map_err(|e| waited(e, &account, token))?;
     }
@@ -566,14 +562,10 @@ where
     // only after a wait for an earlier forward: the compare-and-set's verdict can take any time
     // to reach us after its commit (the network, a batch handing out its replies, a busy
     // scheduler), and no clock may decide that it is still fresh.
-    let look = point.marks.current_mark(&account);
-    let looked = if request.deadline > Instant::now() + point.marks.timeout() + TIMER_SLACK {
-        // The store's own timeout ends the look before the deadline could (with room for a
-        // timer's granularity): one timer, not two.
-        Ok(look.await)
-    } else {
-        tokio::time::timeout_at(request.deadline, look).await
-    };
+    let looked = request
+        .deadline
+        .bound(point.marks.current_mark(&account))
+        .await;
     match looked {
         Ok(Ok(mark)) if mark > token.get() => {
             point.cache.raise(&account, mark);
@@ -678,7 +670,10 @@ where
 /// The record a request creates with its compare-and-set. It is in doubt, unless completed,
 /// once the request's own deadline and the time to store its outcome have passed.
 fn new_record(request: &FencedRequest, store_timeout: std::time::Duration) -> Option<NewRecord> {
-    let remaining = request.deadline.saturating_duration_since(Instant::now());
+    let remaining = request
+        .deadline
+        .instant()
+        .saturating_duration_since(Instant::now());
     request.idempotency.as_ref().map(|k| NewRecord {
         key: k.key.clone(),
         fingerprint: k.fingerprint.clone(),

@@ -10,8 +10,8 @@ use bytes::Bytes;
 use tower::{ServiceExt, service_fn};
 
 use super::*;
-use crate::proxy::IdempotencyKey;
 use crate::proxy::idempotency::record::tests::{Ended, MemoryRecords};
+use crate::proxy::{Deadline, IdempotencyKey};
 use crate::store::records::RecordId;
 
 /// Marks in memory: `>=` accepts and raises, `<` is stale; `current_mark` may be told to
@@ -66,7 +66,7 @@ fn request(token: i64, key: Option<&str>) -> FencedRequest {
         token: FencingToken::new(token).unwrap(),
         account: AccountId::parse("acct-1", 64).unwrap(),
         request: http::Request::new(Bytes::from_static(b"{}")),
-        deadline: Instant::now() + Duration::from_secs(5),
+        deadline: Deadline::at(Instant::now() + Duration::from_secs(5)),
         idempotency: key.map(|k| IdempotencyKey {
             first_token: None,
             key: k.into(),

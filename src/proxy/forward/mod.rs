@@ -336,7 +336,9 @@ impl Service<Admitted> for Forward {
                 let Admitted {
                     request:
                         FencedRequest {
-                            request, deadline, ..
+                            request,
+                            mut deadline,
+                            ..
                         },
                     admission:
                         Admission {
@@ -384,7 +386,7 @@ impl Service<Admitted> for Forward {
                 let answer = match (&mut in_flight.exchange, &in_flight.turn) {
                     (Some(exchange), turn) => {
                         tokio::select! {
-                            answer = tokio::time::timeout_at(deadline, exchange) => answer,
+                            answer = deadline.bound(exchange) => answer,
                             () = silenced(turn.as_ref()) => Ok(Err(SendError::Silenced)),
                         }
                     }
@@ -635,8 +637,8 @@ impl Rail {
             HeaderValue::from_static("http"),
         );
         // The client connection's peer, which the accept loop puts on every request.
-        if let Some(peer) = parts.extensions.get::<crate::http::Peer>() {
-            append_forwarded_for(headers, peer.addr.ip());
+        if let Some(arrival) = crate::http::Arrival::of(&parts.extensions) {
+            append_forwarded_for(headers, arrival.peer.addr.ip());
         }
         let body = Tracked {
             body: Full::new(body),

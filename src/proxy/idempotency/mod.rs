@@ -184,7 +184,9 @@ where
                 ))
                 .await;
             };
-            let deadline = request.deadline;
+            // The request's timer goes down with it to the forward; the answer's body is read
+            // within the same instant by a timer of its own.
+            let deadline = request.deadline.instant();
             // Should the rail answer after the deadline, the forward hands the answer here.
             request.request.extensions_mut().insert(LateAnswer::new(
                 records.clone(),
@@ -290,7 +292,7 @@ async fn repeat(
         && record.state == RecordState::InDoubt
     {
         match resolver
-            .resolve(records, &request.account, key, request.deadline)
+            .resolve(records, &request.account, key, request.deadline.instant())
             .await
         {
             Resolved::Paid(_) if record.fingerprint != fingerprint => {
@@ -333,7 +335,7 @@ mod tests {
 
     use super::record::tests::{Ended, MemoryRecords, record_id};
     use super::*;
-    use crate::proxy::{Admission, IdempotencyKey};
+    use crate::proxy::{Admission, Deadline, IdempotencyKey};
     use crate::store::records::StoredResponse;
     use crate::token::{AccountId, FencingToken};
 
@@ -350,7 +352,7 @@ mod tests {
             token: FencingToken::new(3).unwrap(),
             account: AccountId::parse("acct-1", 64).unwrap(),
             request: http::Request::new(Bytes::from_static(b"{}")),
-            deadline: Instant::now() + Duration::from_secs(5),
+            deadline: Deadline::at(Instant::now() + Duration::from_secs(5)),
             idempotency: Some(IdempotencyKey {
                 first_token: None,
                 key: "pay-1".into(),
@@ -409,7 +411,7 @@ mod tests {
             Ok::<_, BoxError>(response)
         });
         let mut request = first(&records);
-        request.request.deadline = Instant::now() + Duration::from_millis(100);
+        request.request.deadline = Deadline::at(Instant::now() + Duration::from_millis(100));
         let error = layer(&records)
             .layer(rail)
             .oneshot(request)
