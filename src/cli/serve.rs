@@ -48,11 +48,36 @@ pub(crate) fn run(args: Args) -> ExitCode {
         };
         let listeners = match server::Listeners::bind(&config).await {
             Ok(l) => l,
-            Err(e) => return super::fail_logged(&e),
+            Err(e) => {
+                let origin = bind_origin(&e, &reload.path, &reload.env);
+                return super::fail_logged(&format_args!("{e}{origin}"));
+            }
         };
         match server::run_reloading(listeners, config, shutdown, Some(reload)).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => super::fail_logged(&e),
         }
     })
+}
+
+/// Where the address of a listener that could not bind was set: the environment variable that
+/// overrode its key, or else the config file (the key's default when the file leaves it out).
+fn bind_origin(
+    error: &server::ServeError,
+    path: &std::path::Path,
+    env: &std::collections::BTreeMap<String, String>,
+) -> String {
+    let server::ServeError::Bind { key, .. } = error else {
+        return String::new();
+    };
+    let var = format!(
+        "{}{}",
+        railguard::config::ENV_PREFIX,
+        key.replace('.', "__").to_uppercase()
+    );
+    if env.contains_key(&var) {
+        format!("; set by the environment variable {var}")
+    } else {
+        format!("; config file {}", path.display())
+    }
 }

@@ -16,8 +16,8 @@ async fn pay_on_a_new_connection(rg: &Railguard, token: i64, account: &str) -> s
     rg.http().pay_with(rg, token, account).await
 }
 
-#[tokio::test]
-async fn processes_that_set_reuse_port_share_the_proxy_address_and_fence_as_one() {
+/// PostgreSQL, a rail, and a first process that sets `proxy.reuse_port`.
+async fn first_sharing_process() -> (Pg, Rail, Railguard) {
     init_tracing();
     let pg = Pg::start().await;
     let rail = Rail::start().await;
@@ -27,6 +27,12 @@ async fn processes_that_set_reuse_port_share_the_proxy_address_and_fence_as_one(
         &[("RAILGUARD__PROXY__REUSE_PORT", "true")],
     )
     .await;
+    (pg, rail, a)
+}
+
+#[tokio::test]
+async fn processes_that_set_reuse_port_share_the_proxy_address_and_fence_as_one() {
+    let (pg, rail, a) = first_sharing_process().await;
     let shared = a.proxy.to_string();
     let mut b = Railguard::start_process(
         &pg.url(),
@@ -79,15 +85,7 @@ async fn processes_that_set_reuse_port_share_the_proxy_address_and_fence_as_one(
 
 #[tokio::test]
 async fn a_process_without_reuse_port_cannot_start_on_an_address_another_shares() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let a = Railguard::start_process(
-        &pg.url(),
-        &rail.url(),
-        &[("RAILGUARD__PROXY__REUSE_PORT", "true")],
-    )
-    .await;
+    let (_pg, _rail, a) = first_sharing_process().await;
     let dir = tempfile::tempdir().unwrap();
     let config = support::config_without_a_database(dir.path(), "");
     let shared = a.proxy.to_string();
@@ -99,8 +97,24 @@ async fn a_process_without_reuse_port_cannot_start_on_an_address_another_shares(
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "it started: {stderr}");
     assert!(
-        stderr.contains(&shared) && stderr.contains("proxy.listen"),
-        "the error names the address and the key: {stderr}"
+        stderr.contains(&shared)
+            && stderr.contains("proxy.listen")
+            && stderr.contains("the environment variable RAILGUARD__PROXY__LISTEN"),
+        "the error names the address, the key and the variable that set it: {stderr}"
+    );
+    // Set in the file, the error names the file.
+    let text = std::fs::read_to_string(&config).unwrap();
+    let own = text.lines().find(|l| l.starts_with("listen = ")).unwrap();
+    let text = text.replacen(own, &format!("listen = \"{shared}\""), 1);
+    std::fs::write(&config, text).unwrap();
+    let out = support::railguard_command(&["serve"], &config, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it started: {stderr}");
+    assert!(
+        stderr.contains(&shared)
+            && stderr.contains("proxy.listen")
+            && stderr.contains(&format!("config file {}", config.display())),
+        "the error names the address, the key and the file: {stderr}"
     );
     // The process that holds the address still serves.
     pay_on_a_new_connection(&a, 3, "acct-held")
@@ -110,15 +124,7 @@ async fn a_process_without_reuse_port_cannot_start_on_an_address_another_shares(
 
 #[tokio::test]
 async fn a_process_still_starting_takes_none_of_the_shared_addresses_connections() {
-    init_tracing();
-    let pg = Pg::start().await;
-    let rail = Rail::start().await;
-    let a = Railguard::start_process(
-        &pg.url(),
-        &rail.url(),
-        &[("RAILGUARD__PROXY__REUSE_PORT", "true")],
-    )
-    .await;
+    let (_pg, _rail, a) = first_sharing_process().await;
     // A "database" that accepts connections and never answers: the joining process stays in
     // its start-up.
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
