@@ -39,6 +39,16 @@ pub enum DbError {
     ConnectionClosed(String),
 }
 
+impl From<ConnectError> for DbError {
+    fn from(e: ConnectError) -> Self {
+        match e {
+            ConnectError::Postgres(e) => e.into(),
+            // No session was made: nothing was asked of the database.
+            ConnectError::Unanswered(_) => DbError::Pool(e.to_string()),
+        }
+    }
+}
+
 impl From<tokio_postgres::Error> for DbError {
     fn from(e: tokio_postgres::Error) -> Self {
         if e.is_closed() {
@@ -74,11 +84,11 @@ pub enum DatabaseError {
     Server(#[from] ServerError),
     #[error("database.url: {0}")]
     Url(#[from] crate::tls::postgres::PgTlsError),
-    #[error("cannot connect to PostgreSQL at {target}: {}", causes(source))]
+    #[error("cannot connect to PostgreSQL at {target}: {source}")]
     Connect {
         target: String,
         #[source]
-        source: tokio_postgres::Error,
+        source: ConnectError,
     },
     #[error("{0}")]
     Migrate(#[from] migrate::MigrateError),
@@ -308,6 +318,56 @@ pub(crate) fn pg_config(url: &str, timeout: Duration) -> Result<PgConnect, Datab
     Ok(connect)
 }
 
+/// Why a connection could not be established.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("{}", causes(.0))]
+    Postgres(#[from] tokio_postgres::Error),
+    /// The connection was not established within the limit: the server, or something on the
+    /// way to it, accepted the connection and did not complete the start-up (a stopped server,
+    /// a proxy whose backend is gone), or the TCP connection itself did not open.
+    #[error(
+        "no connection within {} ms: the server or something on the way to it did not answer \
+         the connection's start-up",
+        .0.as_millis()
+    )]
+    Unanswered(Duration),
+}
+
+/// `config.connect(tls)` within `limit`, all of it: tokio-postgres bounds only the TCP connect
+/// by its `connect_timeout`, and a server — or a proxy, or a stopped process whose kernel
+/// still accepts — that takes the connection and never answers the start-up (TLS, the startup
+/// message, authentication) would hold the caller for ever. Every connection railguard opens
+/// outside its pools is made here; a pool's are bounded by its `create_timeout`.
+pub(crate) async fn establish<T>(
+    config: &tokio_postgres::Config,
+    tls: T,
+    limit: Duration,
+) -> Result<
+    (
+        tokio_postgres::Client,
+        tokio_postgres::Connection<tokio_postgres::Socket, T::Stream>,
+    ),
+    ConnectError,
+>
+where
+    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
+{
+    match tokio::time::timeout(limit, config.connect(tls)).await {
+        Ok(connected) => Ok(connected?),
+        Err(_) => Err(ConnectError::Unanswered(limit)),
+    }
+}
+
+/// The limit on establishing a connection made with `config`: its connect timeout
+/// (`database.timeout_ms`, set by [`pg_config`]).
+pub(crate) fn connect_limit(config: &tokio_postgres::Config) -> Duration {
+    config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(Duration::from_secs(10))
+}
+
 /// One connection outside the pool, TLS as `url` asks: for commands that need a single
 /// session. The connection's driver runs on a task of its own.
 pub async fn connect(
@@ -324,8 +384,8 @@ pub(crate) async fn open(
 ) -> Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), DatabaseError> {
     let PgConnect { config, tls, .. } = connect;
     let target = redact(url);
-    let (client, conn) = config
-        .connect(tls)
+    let limit = connect_limit(&config);
+    let (client, conn) = establish(&config, tls, limit)
         .await
         .map_err(|source| DatabaseError::Connect { target, source })?;
     let conn = tokio::spawn(async move {

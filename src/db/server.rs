@@ -306,9 +306,8 @@ impl PostgresServer {
                 // certificate is not checked: the data directory it names is.
                 let connect =
                     crate::tls::postgres::connect_config(&url).map_err(|e| e.to_string())?;
-                let (client, conn) = connect
-                    .config
-                    .connect(connect.tls)
+                let limit = super::connect_limit(&connect.config);
+                let (client, conn) = super::establish(&connect.config, connect.tls, limit)
                     .await
                     .map_err(|e| e.to_string())?;
                 let conn = tokio::spawn(conn);

@@ -55,7 +55,9 @@ pub async fn hold_instance_lock(
         let attempt = async {
             let crate::tls::postgres::PgConnect { config, tls, .. } =
                 crate::db::pg_config(&url, timeout).map_err(|e| e.to_string())?;
-            let (client, connection) = config.connect(tls).await.map_err(|e| e.to_string())?;
+            let (client, connection) = crate::db::establish(&config, tls, timeout)
+                .await
+                .map_err(|e| e.to_string())?;
             let connection = tokio::spawn(connection);
             // A server-wide idle_session_timeout must not end this (idle) session.
             let _ = client.batch_execute("SET idle_session_timeout = 0").await;

@@ -126,7 +126,7 @@ async fn a_process_without_reuse_port_cannot_start_on_an_address_another_shares(
 async fn a_process_still_starting_takes_none_of_the_shared_addresses_connections() {
     let (_pg, _rail, a) = first_sharing_process().await;
     // A "database" that accepts connections and never answers: the joining process stays in
-    // its start-up.
+    // its start-up until its connection's limit (`database.timeout_ms`, here a minute).
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let silent_addr = silent.local_addr().unwrap();
     let (reached, mut reached_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -149,6 +149,7 @@ async fn a_process_still_starting_takes_none_of_the_shared_addresses_connections
             "RAILGUARD__DATABASE__URL",
             format!("postgres://rg:pw@{silent_addr}/rg"),
         )
+        .env("RAILGUARD__DATABASE__TIMEOUT_MS", "60000")
         .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

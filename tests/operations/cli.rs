@@ -270,6 +270,49 @@ fn a_failure_is_said_once() {
     );
 }
 
+/// A database that accepts connections and never answers their start-up (a stopped server
+/// whose kernel still accepts, a proxy whose backend is gone) stops `serve` and `migrate` within
+/// `database.timeout_ms`, saying so, instead of holding them silently for ever.
+#[tokio::test]
+async fn a_database_that_never_answers_stops_the_start_within_the_timeout_saying_so() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let holding = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    // database.timeout_ms = 500 (the helper's).
+    let config = support::config_without_a_database(dir.path(), "");
+    let url = format!("postgres://rg:pw@{silent_addr}/rg");
+    for command in [&["serve"][..], &["migrate", "--status"][..]] {
+        let run = tokio::process::Command::new(support::railguard_binary())
+            .args(command)
+            .arg("--config")
+            .arg(&config)
+            .env("RAILGUARD__DATABASE__URL", &url)
+            .env_remove("RUST_LOG")
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(std::time::Duration::from_secs(20), run)
+            .await
+            .unwrap_or_else(|_| panic!("{command:?} still waits for the database after 20 s"))
+            .expect("run railguard");
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{command:?}: {text}");
+        assert!(
+            text.contains(&format!(
+                "cannot connect to PostgreSQL at postgres://rg@{silent_addr}/rg"
+            )) && text.contains("no connection within")
+                && text.contains("did not answer the connection's start-up"),
+            "{command:?} names the server and says what it did not do: {text}"
+        );
+    }
+    holding.abort();
+}
+
 /// `fast-forward --paydb-url URL` alone uses the table and column its help shows as defaults
 /// (`account`, `fence`); those flags without --paydb-url are refused.
 #[tokio::test]
