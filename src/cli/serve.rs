@@ -75,8 +75,9 @@ fn bind_origin(
         railguard::config::ENV_PREFIX,
         key.replace('.', "__").to_uppercase()
     );
-    if env.contains_key(&var) {
-        format!("; set by the environment variable {var}")
+    // Variable names are matched whatever their case, as the configuration reads them.
+    if let Some(set) = env.keys().find(|name| name.eq_ignore_ascii_case(&var)) {
+        format!("; set by the environment variable {set}")
     } else {
         format!("; config file {}", path.display())
     }

@@ -323,22 +323,24 @@ pub(crate) fn pg_config(url: &str, timeout: Duration) -> Result<PgConnect, Datab
 pub enum ConnectError {
     #[error("{}", causes(.0))]
     Postgres(#[from] tokio_postgres::Error),
-    /// The connection was not established within the limit: the server, or something on the
-    /// way to it, accepted the connection and did not complete the start-up (a stopped server,
-    /// a proxy whose backend is gone), or the TCP connection itself did not open.
+    /// The connection was not established within the limit: the TCP connection did not
+    /// open, or the server — or something on the way to it — took it and did not complete the
+    /// start-up (a stopped server whose kernel still accepts, say).
     #[error(
-        "no connection within {} ms: the server or something on the way to it did not answer \
-         the connection's start-up",
+        "no connection within {} ms: the server, or something on the way to it, did not open \
+         the connection or did not answer its start-up",
         .0.as_millis()
     )]
     Unanswered(Duration),
 }
 
-/// `config.connect(tls)` within `limit`, all of it: tokio-postgres bounds only the TCP connect
-/// by its `connect_timeout`, and a server — or a proxy, or a stopped process whose kernel
-/// still accepts — that takes the connection and never answers the start-up (TLS, the startup
-/// message, authentication) would hold the caller for ever. Every connection railguard opens
-/// outside its pools is made here; a pool's are bounded by its `create_timeout`.
+/// `config.connect(tls)` within `limit` for each host the configuration names (tokio-postgres
+/// tries them in turn), all of it: tokio-postgres bounds only each TCP connect by its
+/// `connect_timeout`, and a server — or a stopped process whose kernel still accepts — that
+/// takes the connection and never answers the start-up (TLS, the startup message,
+/// authentication) would hold the caller for ever. What comes after the start-up is bounded
+/// by whoever sends it. Every connection railguard opens outside its pools is made here; a
+/// pool's are bounded by its `create_timeout`.
 pub(crate) async fn establish<T>(
     config: &tokio_postgres::Config,
     tls: T,
@@ -353,6 +355,8 @@ pub(crate) async fn establish<T>(
 where
     T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
 {
+    let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
+    let limit = limit.saturating_mul(hosts);
     match tokio::time::timeout(limit, config.connect(tls)).await {
         Ok(connected) => Ok(connected?),
         Err(_) => Err(ConnectError::Unanswered(limit)),

@@ -102,6 +102,18 @@ async fn a_process_without_reuse_port_cannot_start_on_an_address_another_shares(
             && stderr.contains("the environment variable RAILGUARD__PROXY__LISTEN"),
         "the error names the address, the key and the variable that set it: {stderr}"
     );
+    // Variable names are read whatever their case; the error names the one that was set.
+    let out = support::railguard_command(
+        &["serve"],
+        &config,
+        &[("RAILGUARD__proxy__listen", shared.as_str())],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("the environment variable RAILGUARD__proxy__listen"),
+        "the error names the variable as it was set: {stderr}"
+    );
     // Set in the file, the error names the file.
     let text = std::fs::read_to_string(&config).unwrap();
     let own = text.lines().find(|l| l.starts_with("listen = ")).unwrap();
