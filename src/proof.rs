@@ -55,7 +55,7 @@ impl ProofKey {
         mac.update(&[SEPARATOR]);
         mac.update(lock_key.as_bytes());
         mac.update(&[SEPARATOR]);
-        mac.update(token.to_string().as_bytes());
+        mac.update(Decimal::of(token).as_bytes());
         mac
     }
 
@@ -67,7 +67,7 @@ impl ProofKey {
         mac.update(&[SEPARATOR]);
         mac.update(lock_key.as_bytes());
         mac.update(&[SEPARATOR]);
-        mac.update(token.to_string().as_bytes());
+        mac.update(Decimal::of(token).as_bytes());
         mac
     }
 
@@ -93,7 +93,10 @@ impl ProofKey {
         holder: &str,
         proof: &str,
     ) -> bool {
-        let Some(tag) = proof.strip_prefix(VERSION_BOUND).and_then(unhex) else {
+        let Some(tag) = proof
+            .strip_prefix(VERSION_BOUND)
+            .and_then(unhex_array::<32>)
+        else {
             return false;
         };
         self.bound_mac_of(lock_key, token, holder)
@@ -113,7 +116,7 @@ impl ProofKey {
     /// Whether `proof` is the proof of a grant of `lock_key` with `token`. Compares in
     /// constant time.
     pub fn verify(&self, lock_key: &str, token: FencingToken, proof: &str) -> bool {
-        let Some(tag) = proof.strip_prefix(VERSION).and_then(unhex) else {
+        let Some(tag) = proof.strip_prefix(VERSION).and_then(unhex_array::<32>) else {
             return false;
         };
         self.mac_of(lock_key, token).verify_slice(&tag).is_ok()
@@ -160,21 +163,67 @@ pub fn hex(bytes: &[u8]) -> String {
     text
 }
 
+/// A token's decimal digits, as its text form has them, written without allocating.
+struct Decimal {
+    digits: [u8; 20],
+    start: usize,
+}
+
+impl Decimal {
+    fn of(token: FencingToken) -> Self {
+        // Tokens are positive: at most 19 digits.
+        let mut digits = [0u8; 20];
+        let mut start = digits.len();
+        let mut n = token.get().unsigned_abs();
+        loop {
+            start -= 1;
+            digits[start] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        Self { digits, start }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.digits[self.start..]
+    }
+}
+
+/// A hex digit's value.
+fn digit(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    }
+}
+
 /// Parses lower- or upper-case hex; `None` for anything else.
 pub fn unhex(text: &str) -> Option<Vec<u8>> {
     if !text.len().is_multiple_of(2) {
         return None;
     }
-    let digit = |c: u8| match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
-    };
-    text.as_bytes()
-        .chunks(2)
-        .map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?))
-        .collect()
+    let mut bytes = Vec::with_capacity(text.len() / 2);
+    for pair in text.as_bytes().chunks_exact(2) {
+        bytes.push(digit(pair[0])? << 4 | digit(pair[1])?);
+    }
+    Some(bytes)
+}
+
+/// Parses exactly `N` bytes of lower- or upper-case hex, without allocating (a proof's tag on
+/// every request); `None` for anything else.
+pub fn unhex_array<const N: usize>(text: &str) -> Option<[u8; N]> {
+    if text.len() != 2 * N {
+        return None;
+    }
+    let mut bytes = [0u8; N];
+    for (byte, pair) in bytes.iter_mut().zip(text.as_bytes().chunks_exact(2)) {
+        *byte = digit(pair[0])? << 4 | digit(pair[1])?;
+    }
+    Some(bytes)
 }
 
 #[cfg(test)]
@@ -258,5 +307,13 @@ mod tests {
         assert_eq!(unhex(&hex(&bytes)).unwrap(), bytes);
         assert_eq!(unhex("0"), None);
         assert_eq!(unhex("g0"), None);
+        assert_eq!(unhex_array::<2>("0aFf"), Some([0x0a, 0xff]));
+        assert_eq!(unhex_array::<2>("0aF"), None);
+        assert_eq!(unhex_array::<2>("0aFf00"), None);
+        assert_eq!(unhex_array::<2>("0aFg"), None);
+        for token in [1, 9, 10, 4711, i64::MAX] {
+            let token = FencingToken::new(token).unwrap();
+            assert_eq!(Decimal::of(token).as_bytes(), token.to_string().as_bytes());
+        }
     }
 }

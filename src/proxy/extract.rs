@@ -133,13 +133,14 @@ impl GrantCheck {
         key
     }
 
-    /// With proofs required, refuses an account whose lock key is not a valid lock key: no
-    /// grant of it can ever be made, so no payment on it could ever be proven.
-    fn grantable(&self, header: &HeaderName, account: &AccountId) -> Result<(), BadRequest> {
-        if !self.required {
-            return Ok(());
-        }
+    /// The account's lock key. With proofs required, refuses an account whose lock key is
+    /// not a valid lock key: no grant of it can ever be made, so no payment on it could ever
+    /// be proven.
+    fn grantable(&self, header: &HeaderName, account: &AccountId) -> Result<String, BadRequest> {
         let lock_key = self.lock_key(account);
+        if !self.required {
+            return Ok(lock_key);
+        }
         crate::lock::LockKey::parse(&lock_key).map_err(|why| BadRequest::Header {
             header: header.clone(),
             reason: format!(
@@ -150,16 +151,16 @@ impl GrantCheck {
                 crate::lock::MAX_KEY_LEN
             ),
         })?;
-        Ok(())
+        Ok(lock_key)
     }
 
-    /// Checks the proof sent with `token` for `account`, and with authentication on, that it
-    /// is the proof of a grant to `caller`.
+    /// Checks the proof sent with `token` for the account whose lock key is `lock_key`, and
+    /// with authentication on, that it is the proof of a grant to `caller`.
     fn check(
         &self,
         header: &HeaderName,
         proof: Result<&str, HeaderError>,
-        account: &AccountId,
+        lock_key: &str,
         token: FencingToken,
         caller: Option<&crate::auth::Identity>,
     ) -> Result<Evidence, BoxError> {
@@ -180,12 +181,8 @@ impl GrantCheck {
             }
             Err(_) => return Err(bad("must appear once, as visible ASCII").into()),
         };
-        let lock_key = self.lock_key(account);
         if let Some(caller) = caller {
-            if self
-                .proofs
-                .verify_for(&lock_key, token, &caller.name, proof)
-            {
+            if self.proofs.verify_for(lock_key, token, &caller.name, proof) {
                 return Ok(Evidence::Proven);
             }
             return Err(Forbidden {
@@ -197,7 +194,7 @@ impl GrantCheck {
             }
             .into());
         }
-        if self.proofs.verify(&lock_key, token, proof) {
+        if self.proofs.verify(lock_key, token, proof) {
             Ok(Evidence::Proven)
         } else {
             Err(
@@ -430,13 +427,13 @@ where
             }
             // After the caller's own checks, so that an account outside a worker's patterns
             // is a 403 whatever its characters; before the proof, which no grant could make.
-            config.grants.grantable(&config.account_header, &account)?;
+            let lock_key = config.grants.grantable(&config.account_header, &account)?;
             let evidence = config
                 .grants
                 .check(
                     &config.proof_header,
                     single_header(request.headers(), &config.proof_header),
-                    &account,
+                    &lock_key,
                     token,
                     caller.as_deref(),
                 )
