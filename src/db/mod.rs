@@ -43,7 +43,7 @@ impl From<ConnectError> for DbError {
     fn from(e: ConnectError) -> Self {
         match e {
             ConnectError::Postgres(e) => e.into(),
-            // No session was made: nothing was asked of the database.
+            // No connection was made: nothing was asked of the database.
             ConnectError::Unanswered(_) => DbError::Pool(e.to_string()),
         }
     }

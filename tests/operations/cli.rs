@@ -284,7 +284,7 @@ async fn a_database_that_never_answers_stops_the_start_within_the_timeout_saying
         }
     });
     let dir = tempfile::tempdir().unwrap();
-    // database.timeout_ms = 500 (the helper's).
+    // database.timeout_ms = 500, as config_without_a_database writes it.
     let config = support::config_without_a_database(dir.path(), "");
     let url = format!("postgres://rg:pw@{silent_addr}/rg");
     for command in [&["serve"][..], &["migrate", "--status"][..]] {
