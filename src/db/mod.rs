@@ -334,8 +334,9 @@ pub enum ConnectError {
     Unanswered(Duration),
 }
 
-/// `config.connect(tls)` within `limit` for each host the configuration names (tokio-postgres
-/// tries them in turn), all of it: tokio-postgres bounds only each TCP connect by its
+/// `config.connect(tls)` within the configuration's connect timeout (`database.timeout_ms`,
+/// set by [`pg_config`]; 10 s where none is set) for each host it names (tokio-postgres tries
+/// them in turn), all of it: tokio-postgres bounds only each TCP connect by its
 /// `connect_timeout`, and a server — or a stopped process whose kernel still accepts — that
 /// takes the connection and never answers the start-up (TLS, the startup message,
 /// authentication) would hold the caller for ever. What comes after the start-up is bounded
@@ -344,7 +345,6 @@ pub enum ConnectError {
 pub(crate) async fn establish<T>(
     config: &tokio_postgres::Config,
     tls: T,
-    limit: Duration,
 ) -> Result<
     (
         tokio_postgres::Client,
@@ -355,21 +355,16 @@ pub(crate) async fn establish<T>(
 where
     T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
 {
+    let each = config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(Duration::from_secs(10));
     let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
-    let limit = limit.saturating_mul(hosts);
+    let limit = each.saturating_mul(hosts);
     match tokio::time::timeout(limit, config.connect(tls)).await {
         Ok(connected) => Ok(connected?),
         Err(_) => Err(ConnectError::Unanswered(limit)),
     }
-}
-
-/// The limit on establishing a connection made with `config`: its connect timeout
-/// (`database.timeout_ms`, set by [`pg_config`]).
-pub(crate) fn connect_limit(config: &tokio_postgres::Config) -> Duration {
-    config
-        .get_connect_timeout()
-        .copied()
-        .unwrap_or(Duration::from_secs(10))
 }
 
 /// One connection outside the pool, TLS as `url` asks: for commands that need a single
@@ -388,8 +383,7 @@ pub(crate) async fn open(
 ) -> Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), DatabaseError> {
     let PgConnect { config, tls, .. } = connect;
     let target = redact(url);
-    let limit = connect_limit(&config);
-    let (client, conn) = establish(&config, tls, limit)
+    let (client, conn) = establish(&config, tls)
         .await
         .map_err(|source| DatabaseError::Connect { target, source })?;
     let conn = tokio::spawn(async move {

@@ -306,8 +306,7 @@ impl PostgresServer {
                 // certificate is not checked: the data directory it names is.
                 let connect =
                     crate::tls::postgres::connect_config(&url).map_err(|e| e.to_string())?;
-                let limit = super::connect_limit(&connect.config);
-                let (client, conn) = super::establish(&connect.config, connect.tls, limit)
+                let (client, conn) = super::establish(&connect.config, connect.tls)
                     .await
                     .map_err(|e| e.to_string())?;
                 let conn = tokio::spawn(conn);

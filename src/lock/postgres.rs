@@ -529,12 +529,9 @@ pub async fn listen_for_releases(
         // TLS as the URL asks (`tls::postgres`); a URL that cannot be used is retried like
         // a failed connect, and logged.
         let connected = match crate::tls::postgres::connect_config(&url) {
-            Ok(c) => {
-                let limit = crate::db::connect_limit(&c.config);
-                crate::db::establish(&c.config, c.tls, limit)
-                    .await
-                    .map_err(|e| e.to_string())
-            }
+            Ok(c) => crate::db::establish(&c.config, c.tls)
+                .await
+                .map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };
         match connected {

@@ -211,7 +211,7 @@ fn account_hash(account: &str) -> i64 {
 async fn connect(url: &str, timeout: Duration) -> Result<tokio_postgres::Client, DbError> {
     let crate::tls::postgres::PgConnect { config, tls, .. } =
         crate::db::pg_config(url, timeout).map_err(|e| DbError::Pool(e.to_string()))?;
-    let (client, connection) = crate::db::establish(&config, tls, timeout).await?;
+    let (client, connection) = crate::db::establish(&config, tls).await?;
     tokio::spawn(connection);
     Ok(client)
 }

@@ -55,7 +55,7 @@ pub async fn hold_instance_lock(
         let attempt = async {
             let crate::tls::postgres::PgConnect { config, tls, .. } =
                 crate::db::pg_config(&url, timeout).map_err(|e| e.to_string())?;
-            let (client, connection) = crate::db::establish(&config, tls, timeout)
+            let (client, connection) = crate::db::establish(&config, tls)
                 .await
                 .map_err(|e| e.to_string())?;
             let connection = tokio::spawn(connection);
