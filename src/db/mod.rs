@@ -4,6 +4,7 @@
 //! asked to, applies migrations, and keeps the server handle so that shutdown can stop it
 //! after the last request has drained.
 
+pub(crate) mod hosts;
 pub mod maintenance;
 pub mod migrate;
 pub mod notices;
@@ -44,7 +45,7 @@ impl From<ConnectError> for DbError {
         match e {
             ConnectError::Postgres(e) => e.into(),
             // No connection was made: nothing was asked of the database.
-            ConnectError::Unanswered(_) => DbError::Pool(e.to_string()),
+            ConnectError::Unanswered(_) | ConnectError::Servers(_) => DbError::Pool(e.to_string()),
         }
     }
 }
@@ -332,17 +333,21 @@ pub enum ConnectError {
         .0.as_millis()
     )]
     Unanswered(Duration),
+    /// Every server of a URL that names several failed, each as it says (`server`: `host:port`).
+    #[error("{}", .0.iter().map(|(server, e)| format!("{server}: {e}")).collect::<Vec<_>>().join("; "))]
+    Servers(Vec<(String, ConnectError)>),
 }
 
-/// `config.connect(tls)` within the configuration's connect timeout (`database.timeout_ms`,
-/// set by [`pg_config`]; 10 s where none is set) for each host it names (tokio-postgres tries
-/// them in turn), all of it: tokio-postgres bounds only each TCP connect by its
-/// `connect_timeout`, and a server — or a stopped process whose kernel still accepts — that
-/// takes the connection and never answers the start-up (TLS, the startup message,
-/// authentication) would hold the caller for ever. What comes after the start-up is bounded
-/// by whoever sends it. Every connection railguard opens outside its pools is made here; a
-/// pool's are bounded by its `create_timeout`.
-pub(crate) async fn establish<T>(
+/// `config.connect(tls)`, one server at a time (`db::hosts`), each within an equal share of
+/// the configuration's connect timeout (`database.timeout_ms`, set by `pg_config`; 10 s
+/// where none is set), so all of it within that timeout. tokio-postgres bounds only each TCP
+/// connect, and a server — or a stopped process whose kernel still accepts — that takes the
+/// connection and never answers the start-up (TLS, the startup message, authentication, the
+/// read-write check) would hold the caller for ever, and keep it from the servers named after
+/// it. What comes after the start-up is bounded by whoever sends it. Every connection
+/// railguard opens outside its pools is made here; a pool's go through `hosts::for_a_pool`
+/// (`pool_builder`).
+pub async fn establish<T>(
     config: &tokio_postgres::Config,
     tls: T,
 ) -> Result<
@@ -353,17 +358,28 @@ pub(crate) async fn establish<T>(
     ConnectError,
 >
 where
-    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
+    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket> + Clone,
 {
-    let each = config
-        .get_connect_timeout()
-        .copied()
-        .unwrap_or(Duration::from_secs(10));
-    let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
-    let limit = each.saturating_mul(hosts);
-    match tokio::time::timeout(limit, config.connect(tls)).await {
-        Ok(connected) => Ok(connected?),
-        Err(_) => Err(ConnectError::Unanswered(limit)),
+    hosts::alone(config, tls).await.map_err(|mut failed| {
+        if failed.len() == 1 {
+            let (_, failure) = failed.remove(0);
+            return ConnectError::from(failure);
+        }
+        ConnectError::Servers(
+            failed
+                .into_iter()
+                .map(|(server, failure)| (server, failure.into()))
+                .collect(),
+        )
+    })
+}
+
+impl From<hosts::Failure> for ConnectError {
+    fn from(failure: hosts::Failure) -> Self {
+        match failure {
+            hosts::Failure::Refused(e) => ConnectError::Postgres(e),
+            hosts::Failure::Unanswered(limit) => ConnectError::Unanswered(limit),
+        }
     }
 }
 
@@ -705,7 +721,14 @@ fn pool_builder(
     };
     let manager = match notices {
         Some(notices) => Manager::from_connect(config, notices.connect(tls), manager_config),
-        None => Manager::from_config(config, tls, manager_config),
+        None => Manager::from_connect(
+            config,
+            hosts::InTurn {
+                tls,
+                answered: hosts::LastAnswered::default(),
+            },
+            manager_config,
+        ),
     };
     let builder = Pool::builder(manager)
         .max_size(size)

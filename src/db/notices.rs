@@ -85,6 +85,7 @@ impl Notices {
         Counting {
             registry: self.0.clone(),
             tls,
+            answered: super::hosts::LastAnswered::default(),
         }
     }
 
@@ -168,6 +169,7 @@ impl Registry {
 struct Counting {
     registry: Arc<Registry>,
     tls: PgTls,
+    answered: super::hosts::LastAnswered,
 }
 
 impl Connect for Counting {
@@ -194,7 +196,8 @@ impl Connect for Counting {
         config.options(options);
         let tls = self.tls.clone();
         Box::pin(async move {
-            let (client, mut connection) = config.connect(tls).await?;
+            let (client, mut connection) =
+                super::hosts::for_a_pool(&config, tls, &self.answered).await?;
             let count = Arc::new(AtomicU64::new(0));
             self.registry.opened(number, &count);
             let driver = tokio::spawn(async move {

@@ -1,8 +1,8 @@
 //! The PostgreSQL store: the store going back (epoch), failover on Patroni, replication that
 //! can lose a compare-and-set, several railguard processes on one database, the hold after a
-//! change of server, a compare-and-set whose answer is lost, the session settings, stalled
-//! statements, statement plans, online schema maintenance, and the PostgreSQL test harness
-//! they stand on.
+//! change of server, a compare-and-set whose answer is lost, a URL naming several servers of
+//! which the first is paused, the session settings, stalled statements, statement plans,
+//! online schema maintenance, and the PostgreSQL test harness they stand on.
 //!
 //! One test binary: each file is a module, named for the behaviour it covers.
 
@@ -11,6 +11,7 @@ mod epoch;
 mod failover;
 mod hold;
 mod lost_answers;
+mod many_servers;
 mod pg_harness;
 mod replication;
 mod schema_maintenance;

@@ -182,8 +182,11 @@ impl Railguard {
         panic!("railguard did not become ready");
     }
 
-    /// A connection to railguard's database, if the test can reach it.
-    async fn database(&self) -> Option<Result<tokio_postgres::Client, tokio_postgres::Error>> {
+    /// A connection to railguard's database, if the test can reach it: made as railguard
+    /// makes its own (TLS as the URL asks, each server a URL names tried in turn).
+    async fn database(
+        &self,
+    ) -> Option<Result<tokio_postgres::Client, railguard::db::ConnectError>> {
         // The embedded server listens on a socket in its data directory only.
         let url = match (
             self.database_url.as_str(),
@@ -195,19 +198,16 @@ impl Railguard {
             ("embedded", None) => return None,
             (url, _) => url.to_string(),
         };
-        // TLS as the URL asks, as railguard does it.
-        let connect = railguard::tls::postgres::connect_config(&url)
+        let mut connect = railguard::tls::postgres::connect_config(&url)
             .unwrap_or_else(|e| panic!("the test's database URL: {e}"));
-        Some(
-            connect
-                .config
-                .connect(connect.tls)
-                .await
-                .map(|(client, conn)| {
-                    tokio::spawn(conn);
-                    client
-                }),
-        )
+        connect
+            .config
+            .connect_timeout(std::time::Duration::from_secs(10));
+        let connected = railguard::db::establish(&connect.config, connect.tls).await;
+        Some(connected.map(|(client, conn)| {
+            tokio::spawn(conn);
+            client
+        }))
     }
 
     /// Tests that present made-up tokens with proofs (`pay_with`) model grants that were
