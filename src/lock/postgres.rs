@@ -515,11 +515,23 @@ impl LockBackend for PgLocks {
     }
 }
 
+/// How often the release listener asks its server whether it still answers (and still takes
+/// writes: `NOTIFY` is not replicated, so a session on a standby would hear nothing). A paused
+/// server, or a path that holds its packets, leaves the session open and silent — the kernel
+/// still acknowledges keepalives, and nothing is left unacknowledged for `tcp_user_timeout` —
+/// so releases go unheard and waiters fall back on their own polls (`lock.poll_interval_ms`)
+/// until this check moves the listener to a server that answers.
+const LISTENER_CHECK: Duration = Duration::from_secs(5);
+
 /// Listens for release notifications and passes each released key to `on_release`. Runs
 /// until the process ends, reconnecting with backoff; after every (re)connect it calls
-/// `on_reconnect`, since releases announced while it was away were missed.
+/// `on_reconnect`, since releases announced while it was away were missed. Its session is on a
+/// server that takes writes — the one releases are announced on — opened as every other
+/// session is (`db::establish`, `timeout`: `database.timeout_ms`), and checked every
+/// `LISTENER_CHECK` (5 s).
 pub async fn listen_for_releases(
     url: String,
+    timeout: Duration,
     on_release: impl Fn(&str) + Send + 'static,
     on_reconnect: impl Fn() + Send + 'static,
 ) {
@@ -528,10 +540,14 @@ pub async fn listen_for_releases(
     loop {
         // TLS as the URL asks (`tls::postgres`); a URL that cannot be used is retried like
         // a failed connect, and logged.
-        let connected = match crate::tls::postgres::connect_config(&url) {
-            Ok(c) => crate::db::establish(&c.config, c.tls)
-                .await
-                .map_err(|e| e.to_string()),
+        let connected = match crate::db::pg_config(&url, timeout) {
+            Ok(mut c) => {
+                c.config
+                    .target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
+                crate::db::establish(&c.config, c.tls)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
             Err(e) => Err(e.to_string()),
         };
         match connected {
@@ -553,15 +569,29 @@ pub async fn listen_for_releases(
                         }
                     }
                 });
-                if client
-                    .batch_execute(&format!("LISTEN {RELEASE_CHANNEL}"))
-                    .await
-                    .is_ok()
-                {
+                let statement = format!("LISTEN {RELEASE_CHANNEL}");
+                let listen = client.batch_execute(&statement);
+                if let Ok(Ok(())) = tokio::time::timeout(timeout, listen).await {
                     backoff = Duration::from_millis(100);
                     on_reconnect();
-                    while let Some(key) = rx.recv().await {
-                        on_release(&key);
+                    let mut check = tokio::time::interval(LISTENER_CHECK);
+                    check.tick().await;
+                    loop {
+                        tokio::select! {
+                            key = rx.recv() => match key {
+                                Some(key) => on_release(&key),
+                                None => break,
+                            },
+                            _ = check.tick() => {
+                                if let Err(why) = still_primary(&client, timeout).await {
+                                    tracing::warn!(
+                                        "lock release listener: {why}; reconnecting (waiters \
+                                         poll meanwhile)"
+                                    );
+                                    break;
+                                }
+                            }
+                        }
                     }
                 }
                 driver.abort();
@@ -570,5 +600,15 @@ pub async fn listen_for_releases(
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Whether the listener's server still answers within `timeout` and still takes writes.
+async fn still_primary(client: &tokio_postgres::Client, timeout: Duration) -> Result<(), String> {
+    match tokio::time::timeout(timeout, client.query_one("SELECT pg_is_in_recovery()", &[])).await {
+        Ok(Ok(row)) if !row.get::<_, bool>(0) => Ok(()),
+        Ok(Ok(_)) => Err("its server no longer takes writes, so it hears no releases".into()),
+        Ok(Err(e)) => Err(format!("its server failed the check: {e}")),
+        Err(_) => Err(format!("its server did not answer within {timeout:?}")),
     }
 }

@@ -100,7 +100,9 @@ impl Locks {
         };
         let wake_all = move || queues.wake_all();
         let watcher = match watch {
-            Watch::Postgres(url) => tokio::spawn(listen_for_releases(url, wake, wake_all)),
+            Watch::Postgres(url) => {
+                tokio::spawn(listen_for_releases(url, database.timeout, wake, wake_all))
+            }
             Watch::Etcd(locks) => tokio::spawn(async move {
                 locks.watch_releases(wake, wake_all).await;
             }),
