@@ -1,4 +1,5 @@
-//! The servers a `database.url` names, tried one at a time, each within a limit of its own.
+//! The servers a `database.url` names, tried in turn, a slow one still heard while the next
+//! is tried.
 //!
 //! A URL that names several servers (`postgres://u@pg1,pg2,pg3/db?target_session_attrs=read-write`)
 //! is how a client follows a failover: whichever server takes writes now is the one it keeps.
@@ -9,21 +10,28 @@
 //! nothing answers, holds every connection for ever, or for as long as the caller's own
 //! limit; a frozen machine (a VM stopped by its host), which leaves the TCP handshake
 //! unanswered, uses up the whole connect timeout, which is also the pools' limit for a new
-//! session. Either way the server that took over is never tried. So railguard splits the URL
-//! into one configuration per server, gives each an equal share of the connect timeout
-//! (`database.timeout_ms`: a connection is still opened, or given up on, within it), and a
-//! pool tries first the server that answered its last new session, so that only the first
-//! session after a change of server pays for the ones that do not answer.
+//! session. Either way the server that took over is never tried.
+//!
+//! So railguard splits the URL into one configuration per server and starts them in turn: the
+//! next server as soon as one fails, or once the one before has had an equal share of the
+//! connect timeout (`database.timeout_ms`) without answering — the attempts already started
+//! go on, and the first server to connect wins. A server that answers slowly (a distant one,
+//! TLS and authentication over a long round trip) is heard up to the whole timeout; one that
+//! does not answer holds the next for its share only; and the connection is opened, or given
+//! up on, within the timeout. A pool asking for a server that takes writes starts with the
+//! one that answered its last new session, so that after a change of server only its first
+//! new session waits for the one that went silent.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tokio_postgres::config::{Host, LoadBalanceHosts};
+use tokio::time::Instant;
+use tokio_postgres::config::{Host, LoadBalanceHosts, TargetSessionAttrs};
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{Client, Config, Connection, Socket};
 
-/// How long one connection may take to open and answer its start-up, whatever servers it
+/// How long one connection may take to open and answer its start-up, whichever servers it
 /// tries: the configuration's connect timeout (`database.timeout_ms`, which `db::pg_config`
 /// sets), 10 s where none is set.
 pub(crate) fn connect_limit(config: &Config) -> Duration {
@@ -149,48 +157,109 @@ pub(crate) fn name(config: &Config) -> String {
 #[derive(Debug)]
 pub(crate) enum Failure {
     Refused(tokio_postgres::Error),
+    /// It had this long and did not connect.
     Unanswered(Duration),
 }
 
-/// Which of a URL's servers answered a pool's last new session: the next one tries it first.
+/// Which of a URL's servers answered a pool's last new session: the next one starts with it.
 #[derive(Clone, Default)]
 pub(crate) struct LastAnswered(Arc<AtomicUsize>);
 
-/// Tries each of `config`'s servers but the last in turn, from `first` on (wrapping), each
-/// within its share of [`connect_limit`]: the first that connects (and its place in
-/// [`one_per_server`]'s order), or else the last server's configuration, for the caller to try
-/// within what is left. `failed` hears each server that did not connect.
-async fn all_but_the_last<T>(
+/// The first of `config`'s servers to connect (and its place in [`one_per_server`]'s order),
+/// starting from `first` (wrapping): the next server starts as soon as every one started has
+/// failed, or once the last one started has had its share of [`connect_limit`]; those started
+/// go on. `total`: when to give up on all of them (`None`: never, the caller bounds it).
+/// `failed` hears each server that did not connect; `None` when none did.
+async fn first_to_connect<T>(
     config: &Config,
     tls: &T,
     first: usize,
-    mut failed: impl FnMut(&Config, Failure),
-) -> Result<(usize, Client, Connection<Socket, T::Stream>), (usize, Config)>
+    total: Option<Duration>,
+    failed: &mut impl FnMut(&Config, Failure),
+) -> Option<(usize, Client, Connection<Socket, T::Stream>)>
 where
     T: MakeTlsConnect<Socket> + Clone,
 {
     let share = share(config);
     let configs = one_per_server(config);
     let count = configs.len();
-    let mut order = (0..count).map(|i| (first + i) % count);
-    let last = order.next_back().unwrap_or(0);
-    for i in order {
-        let one = &configs[i];
-        match tokio::time::timeout(share, one.connect(tls.clone())).await {
-            Ok(Ok((client, connection))) => return Ok((i, client, connection)),
-            Ok(Err(e)) => failed(one, Failure::Refused(e)),
-            Err(_) => failed(one, Failure::Unanswered(share)),
+    let mut order = (0..count).map(|k| (first + k) % count);
+    let began = Instant::now();
+    let deadline = total.map(|total| began + total);
+    let start = |i: usize, at: Instant| (i, at, Box::pin(configs[i].connect(tls.clone())));
+    let mut started = Vec::with_capacity(count);
+    started.extend(order.next().map(|i| start(i, began)));
+    let mut next_at = began + share;
+    loop {
+        let more = order.len() > 0;
+        if started.is_empty() && !more {
+            return None;
+        }
+        tokio::select! {
+            (i, result) = first_done(&mut started), if !started.is_empty() => match result {
+                Ok((client, connection)) => return Some((i, client, connection)),
+                Err(e) => {
+                    failed(&configs[i], Failure::Refused(e));
+                    if started.is_empty() {
+                        let now = Instant::now();
+                        started.extend(order.next().map(|i| start(i, now)));
+                        next_at = now + share;
+                    }
+                }
+            },
+            () = tokio::time::sleep_until(next_at), if more => {
+                started.extend(order.next().map(|i| start(i, next_at)));
+                next_at += share;
+            }
+            () = sleep_until_some(deadline), if deadline.is_some() => {
+                let deadline = deadline.unwrap_or(began);
+                for (i, at, _) in started.drain(..) {
+                    failed(&configs[i], Failure::Unanswered(deadline.duration_since(at)));
+                }
+                for i in order {
+                    failed(&configs[i], Failure::Unanswered(Duration::ZERO));
+                }
+                return None;
+            }
         }
     }
-    let last_config = configs
-        .into_iter()
-        .nth(last)
-        .unwrap_or_else(|| config.clone());
-    Err((last, last_config))
 }
 
-/// A connection of its own: each server in turn, the last too within its share of
-/// [`connect_limit`]; when none connects, what each did, in the order they were tried.
+/// The first of the started attempts to finish, taken out of `started`, with its server's
+/// place; never finishes while `started` is empty.
+async fn first_done<F, O>(started: &mut Vec<(usize, Instant, std::pin::Pin<Box<F>>)>) -> (usize, O)
+where
+    F: std::future::Future<Output = O>,
+{
+    std::future::poll_fn(|cx| {
+        let done = started
+            .iter_mut()
+            .enumerate()
+            .find_map(|(k, (_, _, attempt))| match attempt.as_mut().poll(cx) {
+                std::task::Poll::Ready(result) => Some((k, result)),
+                std::task::Poll::Pending => None,
+            });
+        match done {
+            Some((k, result)) => {
+                let (i, _, _) = started.swap_remove(k);
+                std::task::Poll::Ready((i, result))
+            }
+            None => std::task::Poll::Pending,
+        }
+    })
+    .await
+}
+
+async fn sleep_until_some(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A connection of its own: the first of `config`'s servers to connect within
+/// [`connect_limit`] ([`first_to_connect`]); each server that did not, logged once another
+/// did. When none connects, what each did, in the order they were started.
 pub(crate) async fn alone<T>(
     config: &Config,
     tls: T,
@@ -199,28 +268,30 @@ where
     T: MakeTlsConnect<Socket> + Clone,
 {
     let mut failed = Vec::new();
-    let (_, last) = match all_but_the_last(config, &tls, 0, |server, failure| {
+    let limit = connect_limit(config);
+    let connected = first_to_connect(config, &tls, 0, Some(limit), &mut |server, failure| {
         failed.push((name(server), failure));
     })
-    .await
-    {
-        Ok((_, client, connection)) => return Ok((client, connection)),
-        Err(last) => last,
-    };
-    let share = share(config);
-    let failure = match tokio::time::timeout(share, last.connect(tls)).await {
-        Ok(Ok(connected)) => return Ok(connected),
-        Ok(Err(e)) => Failure::Refused(e),
-        Err(_) => Failure::Unanswered(share),
-    };
-    failed.push((name(&last), failure));
-    Err(failed)
+    .await;
+    match connected {
+        Some((_, client, connection)) => {
+            for (server, failure) in failed {
+                tracing::warn!(
+                    %server,
+                    "a server database.url names did not connect ({failure}); another did"
+                );
+            }
+            Ok((client, connection))
+        }
+        None => Err(failed),
+    }
 }
 
-/// A pool's new session: the server that answered the pool's last one first, then the others
-/// in turn, each but the last within its share of [`connect_limit`], the last within what is
-/// left of the pool's create timeout (which `db` sets to that limit); each server that did
-/// not connect is logged.
+/// A pool's new session: the first of `config`'s servers to connect
+/// ([`first_to_connect`]), bounded by the pool's create timeout (`database.timeout_ms`). With
+/// `target_session_attrs` asking for a server that takes writes, it starts with the server
+/// that answered the pool's last new session (`answered`); otherwise in the URL's order, as a
+/// server that merely answered may be a standby. Each server that did not connect is logged.
 pub(crate) async fn for_a_pool<T>(
     config: &Config,
     tls: T,
@@ -229,25 +300,36 @@ pub(crate) async fn for_a_pool<T>(
 where
     T: MakeTlsConnect<Socket> + Clone,
 {
-    let first = match config.get_load_balance_hosts() {
-        LoadBalanceHosts::Random => 0,
-        _ => answered.0.load(Ordering::Relaxed),
+    let remembered = config.get_target_session_attrs() != TargetSessionAttrs::Any
+        && config.get_load_balance_hosts() != LoadBalanceHosts::Random;
+    let first = if remembered {
+        answered.0.load(Ordering::Relaxed)
+    } else {
+        0
     };
-    let warn = |server: &Config, failure: Failure| {
+    let mut refused = None;
+    let connected = first_to_connect(config, &tls, first, None, &mut |server, failure| {
         tracing::warn!(
             server = %name(server),
-            "a server database.url names did not connect ({failure}); trying the next"
+            "a server database.url names did not connect ({failure})"
         );
-    };
-    let (i, client, connection) = match all_but_the_last(config, &tls, first, warn).await {
-        Ok(connected) => connected,
-        Err((i, last)) => {
-            let (client, connection) = last.connect(tls).await?;
-            (i, client, connection)
+        if let Failure::Refused(e) = failure {
+            refused = Some(e);
         }
-    };
-    answered.0.store(i, Ordering::Relaxed);
-    Ok((client, connection))
+    })
+    .await;
+    match (connected, refused) {
+        (Some((i, client, connection)), _) => {
+            if remembered {
+                answered.0.store(i, Ordering::Relaxed);
+            }
+            Ok((client, connection))
+        }
+        (None, Some(e)) => Err(e),
+        // Without a deadline every attempt ends refused or connected; tokio-postgres's own
+        // attempt says what it says.
+        (None, None) => config.connect(tls).await,
+    }
 }
 
 impl std::fmt::Display for Failure {

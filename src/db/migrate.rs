@@ -314,8 +314,8 @@ pub enum StatusError {
     Embedded,
     #[error("database.url: {0}")]
     Connect(#[from] super::DatabaseError),
-    #[error("database.url: no answer from the database")]
-    NoAnswer,
+    #[error("database.url: the database did not answer the reading of its migrations within {0:?}")]
+    NoAnswer(std::time::Duration),
     #[error("cannot read the schema's migrations: {0}")]
     Read(#[from] tokio_postgres::Error),
 }
@@ -330,12 +330,14 @@ pub async fn read_status(
     };
     let timeout = config.timeout.max(std::time::Duration::from_secs(2));
     let url = super::url_of(config);
-    let (client, connection) = tokio::time::timeout(timeout, super::connect(&url, timeout))
+    // The connection bounds itself, and says which servers did not answer; the reading of
+    // the migrations is bounded here.
+    let (client, connection) = super::connect(&url, timeout).await?;
+    let migrations = tokio::time::timeout(timeout, status(&client))
         .await
-        .map_err(|_| StatusError::NoAnswer)??;
-    let migrations = status(&client).await;
+        .map_err(|_| StatusError::NoAnswer(timeout))?;
     drop(client);
-    let _ = connection.await;
+    connection.abort();
     Ok(SchemaStatus {
         migrations: migrations?,
     })

@@ -338,15 +338,14 @@ pub enum ConnectError {
     Servers(Vec<(String, ConnectError)>),
 }
 
-/// `config.connect(tls)`, one server at a time (`db::hosts`), each within an equal share of
-/// the configuration's connect timeout (`database.timeout_ms`, set by `pg_config`; 10 s
-/// where none is set), so all of it within that timeout. tokio-postgres bounds only each TCP
-/// connect, and a server — or a stopped process whose kernel still accepts — that takes the
-/// connection and never answers the start-up (TLS, the startup message, authentication, the
-/// read-write check) would hold the caller for ever, and keep it from the servers named after
-/// it. What comes after the start-up is bounded by whoever sends it. Every connection
-/// railguard opens outside its pools is made here; a pool's go through `hosts::for_a_pool`
-/// (`pool_builder`).
+/// `config.connect(tls)`, the URL's servers tried in turn and the first to connect used
+/// (`db::hosts`), all of it within the configuration's connect timeout (`database.timeout_ms`,
+/// set by `pg_config`; 10 s where none is set). tokio-postgres bounds only each TCP connect,
+/// and a server — or a stopped process whose kernel still accepts — that takes the connection
+/// and never answers the start-up (TLS, the startup message, authentication, the read-write
+/// check) would hold the caller for ever, and keep it from the servers named after it. What
+/// comes after the start-up is bounded by whoever sends it. Every connection railguard opens
+/// outside its pools is made here; a pool's go through `hosts::for_a_pool` (`pool_builder`).
 pub async fn establish<T>(
     config: &tokio_postgres::Config,
     tls: T,
