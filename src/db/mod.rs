@@ -382,6 +382,23 @@ impl From<hosts::Failure> for ConnectError {
     }
 }
 
+/// Whether the server of a long-lived session of its own (the instance lock, the lock
+/// backend's release listener) still answers within `timeout` and still takes writes. A
+/// paused server, or a path that holds its packets, leaves such a session open and silent:
+/// the kernel still acknowledges keepalives, and an idle session leaves nothing
+/// unacknowledged for `tcp_user_timeout`. Only asking shows it.
+pub(crate) async fn still_primary(
+    client: &tokio_postgres::Client,
+    timeout: Duration,
+) -> Result<(), String> {
+    match tokio::time::timeout(timeout, client.query_one("SELECT pg_is_in_recovery()", &[])).await {
+        Ok(Ok(row)) if !row.get::<_, bool>(0) => Ok(()),
+        Ok(Ok(_)) => Err("its server no longer takes writes".into()),
+        Ok(Err(e)) => Err(format!("its server failed the check: {}", causes(&e))),
+        Err(_) => Err(format!("its server did not answer within {timeout:?}")),
+    }
+}
+
 /// One connection outside the pool, TLS as `url` asks: for commands that need a single
 /// session. The connection's driver runs on a task of its own.
 pub async fn connect(

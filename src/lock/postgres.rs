@@ -583,7 +583,7 @@ pub async fn listen_for_releases(
                                 None => break,
                             },
                             _ = check.tick() => {
-                                if let Err(why) = still_primary(&client, timeout).await {
+                                if let Err(why) = crate::db::still_primary(&client, timeout).await {
                                     tracing::warn!(
                                         "lock release listener: {why}; reconnecting (waiters \
                                          poll meanwhile)"
@@ -600,15 +600,5 @@ pub async fn listen_for_releases(
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
-}
-
-/// Whether the listener's server still answers within `timeout` and still takes writes.
-async fn still_primary(client: &tokio_postgres::Client, timeout: Duration) -> Result<(), String> {
-    match tokio::time::timeout(timeout, client.query_one("SELECT pg_is_in_recovery()", &[])).await {
-        Ok(Ok(row)) if !row.get::<_, bool>(0) => Ok(()),
-        Ok(Ok(_)) => Err("its server no longer takes writes, so it hears no releases".into()),
-        Ok(Err(e)) => Err(format!("its server failed the check: {e}")),
-        Err(_) => Err(format!("its server did not answer within {timeout:?}")),
     }
 }

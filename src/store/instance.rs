@@ -40,9 +40,14 @@ impl std::fmt::Display for InstanceId {
     }
 }
 
+/// How often the instance lock's session asks its server whether it still answers and still
+/// takes writes (`db::still_primary`).
+const SESSION_CHECK: Duration = Duration::from_secs(5);
+
 /// Holds `instance`'s advisory lock on a connection of its own for as long as the process
 /// runs; `held` is told once it is first held. Reconnects when the connection is lost (the
-/// database restarted): until then this process's records look ownerless.
+/// database restarted), or when its server stops answering or taking writes (checked every
+/// `SESSION_CHECK`, 5 s): until then this process's records look ownerless.
 pub async fn hold_instance_lock(
     url: String,
     timeout: Duration,
@@ -68,17 +73,32 @@ pub async fn hold_instance_lock(
             Ok::<_, String>((client, connection))
         };
         match attempt.await {
-            Ok((client, connection)) => {
+            Ok((client, mut connection)) => {
                 backoff = Duration::from_millis(100);
                 if let Some(held) = held.take() {
                     let _ = held.send(());
                 }
-                let _ = connection.await;
+                // Held until the session ends, or until its server stops answering (paused
+                // under it) or takes writes no more: the lock is then taken again where the
+                // database is now.
+                let mut check = tokio::time::interval(SESSION_CHECK);
+                check.tick().await;
+                let why = loop {
+                    tokio::select! {
+                        _ = &mut connection => break "the session ended".to_string(),
+                        _ = check.tick() => {
+                            if let Err(why) = crate::db::still_primary(&client, timeout).await {
+                                break why;
+                            }
+                        }
+                    }
+                };
+                connection.abort();
                 drop(client);
                 tracing::warn!(
                     instance = instance.get(),
-                    "lost the session that marks this railguard's idempotency records as owned; \
-                     reconnecting"
+                    "lost the session that marks this railguard's idempotency records as owned \
+                     ({why}); reconnecting"
                 );
             }
             Err(e) => tracing::warn!(error = %e, "cannot hold the instance lock; retrying"),

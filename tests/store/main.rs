@@ -1,8 +1,9 @@
 //! The PostgreSQL store: the store going back (epoch), failover on Patroni, replication that
 //! can lose a compare-and-set, several railguard processes on one database, the hold after a
-//! change of server, a compare-and-set whose answer is lost, a URL naming several servers of
-//! which the first is paused, the session settings, stalled statements, statement plans,
-//! online schema maintenance, and the PostgreSQL test harness they stand on.
+//! change of server, the instance lock's session, a compare-and-set whose answer is lost, a
+//! URL naming several servers of which the first does not answer, the session settings,
+//! stalled statements, statement plans, online schema maintenance, and the PostgreSQL test
+//! harness they stand on.
 //!
 //! One test binary: each file is a module, named for the behaviour it covers.
 
@@ -10,6 +11,7 @@ mod cross_process;
 mod epoch;
 mod failover;
 mod hold;
+mod instance_lock;
 mod lost_answers;
 mod many_servers;
 mod pg_harness;

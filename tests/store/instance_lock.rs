@@ -1,0 +1,67 @@
+//! The instance lock: the session whose advisory lock shows this railguard process running
+//! (`store::instance`). A server that goes silent under it leaves the session open; the
+//! session's periodic check notices, and the lock is asked for again on a new session.
+
+use railguard_testkit as support;
+
+use std::time::Duration;
+
+use support::{Pg, Relay, eventually};
+
+/// Here the path to the server holds the session's check, so the new session is on the same
+/// server and waits for the old session's lock until that backend is ended.
+#[tokio::test]
+async fn the_instance_lock_leaves_a_session_whose_server_went_silent() {
+    let pg = Pg::start().await;
+    let path = Relay::start(format!("127.0.0.1:{}", pg.server.port()).parse().unwrap()).await;
+    let instance = railguard::store::instance::InstanceId::generate();
+    let (held, first_held) = tokio::sync::oneshot::channel();
+    let holder = tokio::spawn(railguard::store::instance::hold_instance_lock(
+        path.postgres_url(&pg.url()),
+        Duration::from_millis(1000),
+        instance,
+        held,
+    ));
+    first_held.await.unwrap();
+    let observer = pg.client().await;
+    // Advisory locks of one bigint key: classid is its high half, objid its low half.
+    let holders = "SELECT pid, granted FROM pg_locks
+                   WHERE locktype = 'advisory' AND objsubid = 1
+                     AND ((classid::bigint << 32) | objid::bigint) = $1";
+    let rows = observer.query(holders, &[&instance.get()]).await.unwrap();
+    assert_eq!(rows.len(), 1, "one session holds the lock");
+    let first: i32 = rows[0].get(0);
+    path.stall_first(|chunk| {
+        chunk
+            .windows(b"pg_is_in_recovery".len())
+            .any(|w| w == b"pg_is_in_recovery")
+    });
+    eventually(
+        Duration::from_secs(30),
+        "a new session asking for the instance's lock",
+        || async {
+            let rows = observer.query(holders, &[&instance.get()]).await.unwrap();
+            rows.iter()
+                .any(|row| row.get::<_, i32>(0) != first)
+                .then_some(())
+        },
+    )
+    .await;
+    observer
+        .execute("SELECT pg_terminate_backend($1)", &[&first])
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "the new session holding the lock",
+        || async {
+            let rows = observer.query(holders, &[&instance.get()]).await.unwrap();
+            rows.iter()
+                .any(|row| row.get::<_, i32>(0) != first && row.get::<_, bool>(1))
+                .then_some(())
+        },
+    )
+    .await;
+    holder.abort();
+    path.release_stalled();
+}
