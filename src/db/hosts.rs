@@ -169,7 +169,8 @@ pub(crate) struct LastAnswered(Arc<AtomicUsize>);
 /// starting from `first` (wrapping): the next server starts as soon as every one started has
 /// failed, or once the last one started has had its share of [`connect_limit`]; those started
 /// go on. `total`: when to give up on all of them (`None`: never, the caller bounds it).
-/// `failed` hears each server that did not connect; `None` when none did.
+/// `failed` hears each server that did not connect, those still starting when another
+/// connected too; `None` when none did.
 async fn first_to_connect<T>(
     config: &Config,
     tls: &T,
@@ -197,7 +198,14 @@ where
         }
         tokio::select! {
             (i, result) = first_done(&mut started), if !started.is_empty() => match result {
-                Ok((client, connection)) => return Some((i, client, connection)),
+                Ok((client, connection)) => {
+                    // The servers still starting lost: said, so that a paused one is seen.
+                    let now = Instant::now();
+                    for (k, at, _) in started.drain(..) {
+                        failed(&configs[k], Failure::Unanswered(now.duration_since(at)));
+                    }
+                    return Some((i, client, connection));
+                }
                 Err(e) => {
                     failed(&configs[i], Failure::Refused(e));
                     if started.is_empty() {

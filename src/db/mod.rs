@@ -382,20 +382,37 @@ impl From<hosts::Failure> for ConnectError {
     }
 }
 
-/// Whether the server of a long-lived session of its own (the instance lock, the lock
-/// backend's release listener) still answers within `timeout` and still takes writes. A
-/// paused server, or a path that holds its packets, leaves such a session open and silent:
-/// the kernel still acknowledges keepalives, and an idle session leaves nothing
-/// unacknowledged for `tcp_user_timeout`. Only asking shows it.
+/// How often a long-lived session of railguard's own (the instance lock, the lock backend's
+/// release listener) asks its server whether it still answers and still takes writes
+/// ([`still_primary`]).
+pub(crate) const SESSION_CHECK: Duration = Duration::from_secs(5);
+
+/// Whether the server of a long-lived session of its own still answers and still takes
+/// writes. A paused server, or a path that holds its packets, leaves such a session open and
+/// silent: the kernel still acknowledges keepalives, and an idle session leaves nothing
+/// unacknowledged for `tcp_user_timeout`. Only asking shows it. One round trip (a simple
+/// query), given `timeout` or [`SESSION_CHECK`], whichever is longer: a server that leaves a
+/// trivial query unanswered that long is gone for this session's purposes, while a spell of
+/// slow round trips — which the statements on the pools' sessions ride out — does not end a
+/// session that is hard to open again over that same slow path.
 pub(crate) async fn still_primary(
     client: &tokio_postgres::Client,
     timeout: Duration,
 ) -> Result<(), String> {
-    match tokio::time::timeout(timeout, client.query_one("SELECT pg_is_in_recovery()", &[])).await {
-        Ok(Ok(row)) if !row.get::<_, bool>(0) => Ok(()),
-        Ok(Ok(_)) => Err("its server no longer takes writes".into()),
-        Ok(Err(e)) => Err(format!("its server failed the check: {}", causes(&e))),
-        Err(_) => Err(format!("its server did not answer within {timeout:?}")),
+    let limit = timeout.max(SESSION_CHECK);
+    let asked = client.simple_query("SELECT pg_is_in_recovery()");
+    let answer = match tokio::time::timeout(limit, asked).await {
+        Ok(Ok(messages)) => messages.into_iter().find_map(|message| match message {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+            _ => None,
+        }),
+        Ok(Err(e)) => return Err(format!("its server failed the check: {}", causes(&e))),
+        Err(_) => return Err(format!("its server did not answer within {limit:?}")),
+    };
+    match answer.as_deref() {
+        Some("f") => Ok(()),
+        Some("t") => Err("its server no longer takes writes".into()),
+        other => Err(format!("its server answered the check with {other:?}")),
     }
 }
 

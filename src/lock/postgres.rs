@@ -515,20 +515,15 @@ impl LockBackend for PgLocks {
     }
 }
 
-/// How often the release listener asks its server whether it still answers (and still takes
-/// writes: `NOTIFY` is not replicated, so a session on a standby would hear nothing). A paused
-/// server, or a path that holds its packets, leaves the session open and silent — the kernel
-/// still acknowledges keepalives, and nothing is left unacknowledged for `tcp_user_timeout` —
-/// so releases go unheard and waiters fall back on their own polls (`lock.poll_interval_ms`)
-/// until this check moves the listener to a server that answers.
-const LISTENER_CHECK: Duration = Duration::from_secs(5);
-
 /// Listens for release notifications and passes each released key to `on_release`. Runs
 /// until the process ends, reconnecting with backoff; after every (re)connect it calls
 /// `on_reconnect`, since releases announced while it was away were missed. Its session is on a
 /// server that takes writes — the one releases are announced on — opened as every other
-/// session is (`db::establish`, `timeout`: `database.timeout_ms`), and checked every
-/// `LISTENER_CHECK` (5 s).
+/// session is (`db::establish`, `timeout`: `database.timeout_ms`), and checked every 5 s
+/// (`db::still_primary`): a paused server, or a path that holds its packets, leaves the
+/// session open and silent, and releases unheard — waiters fall back on their own polls
+/// (`lock.poll_interval_ms`) — until the check moves the listener to a server that answers.
+/// `NOTIFY` is not replicated, so a session on a standby would hear nothing either.
 pub async fn listen_for_releases(
     url: String,
     timeout: Duration,
@@ -574,7 +569,7 @@ pub async fn listen_for_releases(
                 if let Ok(Ok(())) = tokio::time::timeout(timeout, listen).await {
                     backoff = Duration::from_millis(100);
                     on_reconnect();
-                    let mut check = tokio::time::interval(LISTENER_CHECK);
+                    let mut check = tokio::time::interval(crate::db::SESSION_CHECK);
                     check.tick().await;
                     loop {
                         tokio::select! {

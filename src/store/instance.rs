@@ -40,14 +40,12 @@ impl std::fmt::Display for InstanceId {
     }
 }
 
-/// How often the instance lock's session asks its server whether it still answers and still
-/// takes writes (`db::still_primary`).
-const SESSION_CHECK: Duration = Duration::from_secs(5);
-
 /// Holds `instance`'s advisory lock on a connection of its own for as long as the process
 /// runs; `held` is told once it is first held. Reconnects when the connection is lost (the
 /// database restarted), or when its server stops answering or taking writes (checked every
-/// `SESSION_CHECK`, 5 s): until then this process's records look ownerless.
+/// 5 s, `db::still_primary`): until then this process's records look ownerless. Its session is
+/// on a server that takes writes: PostgreSQL grants advisory locks on a standby too, where
+/// forget, which runs on the primary, would not see them.
 pub async fn hold_instance_lock(
     url: String,
     timeout: Duration,
@@ -58,8 +56,10 @@ pub async fn hold_instance_lock(
     let mut backoff = Duration::from_millis(100);
     loop {
         let attempt = async {
-            let crate::tls::postgres::PgConnect { config, tls, .. } =
-                crate::db::pg_config(&url, timeout).map_err(|e| e.to_string())?;
+            let crate::tls::postgres::PgConnect {
+                mut config, tls, ..
+            } = crate::db::pg_config(&url, timeout).map_err(|e| e.to_string())?;
+            config.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
             let (client, connection) = crate::db::establish(&config, tls)
                 .await
                 .map_err(|e| e.to_string())?;
@@ -81,7 +81,7 @@ pub async fn hold_instance_lock(
                 // Held until the session ends, or until its server stops answering (paused
                 // under it) or takes writes no more: the lock is then taken again where the
                 // database is now.
-                let mut check = tokio::time::interval(SESSION_CHECK);
+                let mut check = tokio::time::interval(crate::db::SESSION_CHECK);
                 check.tick().await;
                 let why = loop {
                     tokio::select! {

@@ -65,3 +65,59 @@ async fn the_instance_lock_leaves_a_session_whose_server_went_silent() {
     holder.abort();
     path.release_stalled();
 }
+
+/// The instance lock is held on a server that takes writes, where forget looks for it: a
+/// server that answers but is read only (a standby: PostgreSQL grants advisory locks there
+/// too) is passed over, even when the URL names it first and says nothing of writes.
+#[tokio::test]
+async fn the_instance_lock_is_held_where_writes_go() {
+    let read_only = Pg::start().await;
+    let admin = read_only.client().await;
+    for statement in [
+        "ALTER SYSTEM SET default_transaction_read_only = on",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(statement).await.unwrap();
+    }
+    let primary = Pg::start().await;
+    let url = read_only.url().replacen(
+        &format!(":{}/", read_only.server.port()),
+        &format!(
+            ":{},127.0.0.1:{}/",
+            read_only.server.port(),
+            primary.server.port()
+        ),
+        1,
+    );
+    let instance = railguard::store::instance::InstanceId::generate();
+    let (held, first_held) = tokio::sync::oneshot::channel();
+    let holder = tokio::spawn(railguard::store::instance::hold_instance_lock(
+        url,
+        Duration::from_millis(2000),
+        instance,
+        held,
+    ));
+    first_held.await.unwrap();
+    assert_eq!(holds(&primary, instance).await, 1, "held where writes go");
+    assert_eq!(
+        holds(&read_only, instance).await,
+        0,
+        "not on the read-only server"
+    );
+    holder.abort();
+}
+
+/// How many sessions of `pg` hold `instance`'s advisory lock.
+async fn holds(pg: &Pg, instance: railguard::store::instance::InstanceId) -> i64 {
+    pg.client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_locks
+             WHERE locktype = 'advisory' AND objsubid = 1 AND granted
+               AND ((classid::bigint << 32) | objid::bigint) = $1",
+            &[&instance.get()],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}

@@ -106,7 +106,7 @@ async fn serves_past(first: &Paused, pg: &Pg) {
     let rg = Railguard::start_process(
         &url,
         &rail.url(),
-        &[("RAILGUARD__DATABASE__TIMEOUT_MS", "1000")],
+        &[("RAILGUARD__DATABASE__TIMEOUT_MS", "2000")],
     )
     .await;
     for _ in 0..2 {
@@ -121,6 +121,13 @@ async fn serves_past(first: &Paused, pg: &Pg) {
         rail.tokens(),
         [5],
         "the payment reached the rail once, and its repeat was answered from its record"
+    );
+    let log = rg.log();
+    assert!(
+        log.lines()
+            .any(|line| line.contains("did not connect")
+                && line.contains(&format!("{}", first.addr))),
+        "the server passed over is named in the log: {log}"
     );
 }
 
@@ -148,7 +155,7 @@ async fn when_no_server_answers_the_error_names_each_of_them() {
     let first = Paused::start().await;
     let second = Paused::start().await;
     let url = format!("postgres://rg@{},{}/rg", first.addr, second.addr);
-    let Err(error) = railguard::db::connect(&url, Duration::from_millis(300)).await else {
+    let Err(error) = railguard::db::connect(&url, Duration::from_millis(1000)).await else {
         panic!("no server answered, and yet a connection was made");
     };
     let text = error.to_string();
@@ -171,7 +178,7 @@ async fn a_pool_goes_first_to_the_server_that_answered_it_last() {
     let pg = Pg::start().await;
     let paused = Paused::start().await;
     let url = first_named(paused.addr, &pg.url());
-    let pool = railguard::db::build_pool(&url, 4, Duration::from_millis(1000)).unwrap();
+    let pool = railguard::db::build_pool(&url, 4, Duration::from_millis(2000)).unwrap();
     let mut held = Vec::new();
     for _ in 0..4 {
         let session = pool
