@@ -19,8 +19,8 @@
 //! TLS and authentication over a long round trip) is heard up to the whole timeout; one that
 //! does not answer holds the next for its share only; and the connection is opened, or given
 //! up on, within the timeout. A pool asking for a server that takes writes starts with the
-//! one that answered its last new session, so that after a change of server only its first
-//! new session waits for the one that went silent.
+//! one that answered its last new connection, so that after a change of server only its first
+//! new connection waits for the one that went silent.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -161,7 +161,7 @@ pub(crate) enum Failure {
     Unanswered(Duration),
 }
 
-/// Which of a URL's servers answered a pool's last new session: the next one starts with it.
+/// Which of a URL's servers answered a pool's last new connection: the next one starts with it.
 #[derive(Clone, Default)]
 pub(crate) struct LastAnswered(Arc<AtomicUsize>);
 
@@ -295,10 +295,10 @@ where
     }
 }
 
-/// A pool's new session: the first of `config`'s servers to connect
+/// A pool's new connection: the first of `config`'s servers to connect
 /// ([`first_to_connect`]), bounded by the pool's create timeout (`database.timeout_ms`). With
 /// `target_session_attrs` asking for a server that takes writes, it starts with the server
-/// that answered the pool's last new session (`answered`); otherwise in the URL's order, as a
+/// that answered the pool's last new connection (`answered`); otherwise in the URL's order, as a
 /// server that merely answered may be a standby. Each server that did not connect is logged.
 pub(crate) async fn for_a_pool<T>(
     config: &Config,

@@ -392,7 +392,7 @@ pub(crate) const SESSION_CHECK: Duration = Duration::from_secs(5);
 /// silent: the kernel still acknowledges keepalives, and an idle session leaves nothing
 /// unacknowledged for `tcp_user_timeout`. Only asking shows it. One round trip (a simple
 /// query), given `timeout` or [`SESSION_CHECK`], whichever is longer: a server that leaves a
-/// trivial query unanswered that long is gone for this session's purposes, while a spell of
+/// trivial query unanswered that long is gone for this connection's purposes, while a spell of
 /// slow round trips — which the statements on the pools' sessions ride out — does not end a
 /// session that is hard to open again over that same slow path.
 pub(crate) async fn still_primary(

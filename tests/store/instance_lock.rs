@@ -1,6 +1,6 @@
 //! The instance lock: the session whose advisory lock shows this railguard process running
 //! (`store::instance`). A server that goes silent under it leaves the session open; the
-//! session's periodic check notices, and the lock is asked for again on a new session.
+//! connection's periodic check notices, and the lock is asked for again on a new connection.
 
 use railguard_testkit as support;
 
@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use support::{Pg, Relay, eventually};
 
-/// Here the path to the server holds the session's check, so the new session is on the same
+/// Here the path to the server holds the connection's check, so the new connection is on the same
 /// server and waits for the old session's lock until that backend is ended.
 #[tokio::test]
 async fn the_instance_lock_leaves_a_session_whose_server_went_silent() {
@@ -24,26 +24,16 @@ async fn the_instance_lock_leaves_a_session_whose_server_went_silent() {
     ));
     first_held.await.unwrap();
     let observer = pg.client().await;
-    // Advisory locks of one bigint key: classid is its high half, objid its low half.
-    let holders = "SELECT pid, granted FROM pg_locks
-                   WHERE locktype = 'advisory' AND objsubid = 1
-                     AND ((classid::bigint << 32) | objid::bigint) = $1";
-    let rows = observer.query(holders, &[&instance.get()]).await.unwrap();
-    assert_eq!(rows.len(), 1, "one session holds the lock");
-    let first: i32 = rows[0].get(0);
-    path.stall_first(|chunk| {
-        chunk
-            .windows(b"pg_is_in_recovery".len())
-            .any(|w| w == b"pg_is_in_recovery")
-    });
+    let rows = holders(&observer, instance).await;
+    assert_eq!(rows.len(), 1, "one connection holds the lock");
+    let (first, _) = rows[0];
+    path.stall_first_containing(b"pg_is_in_recovery");
     eventually(
         Duration::from_secs(30),
-        "a new session asking for the instance's lock",
+        "a new connection asking for the instance's lock",
         || async {
-            let rows = observer.query(holders, &[&instance.get()]).await.unwrap();
-            rows.iter()
-                .any(|row| row.get::<_, i32>(0) != first)
-                .then_some(())
+            let rows = holders(&observer, instance).await;
+            rows.iter().any(|&(pid, _)| pid != first).then_some(())
         },
     )
     .await;
@@ -53,11 +43,11 @@ async fn the_instance_lock_leaves_a_session_whose_server_went_silent() {
         .unwrap();
     eventually(
         Duration::from_secs(30),
-        "the new session holding the lock",
+        "the new connection holding the lock",
         || async {
-            let rows = observer.query(holders, &[&instance.get()]).await.unwrap();
+            let rows = holders(&observer, instance).await;
             rows.iter()
-                .any(|row| row.get::<_, i32>(0) != first && row.get::<_, bool>(1))
+                .any(|&(pid, granted)| pid != first && granted)
                 .then_some(())
         },
     )
@@ -107,17 +97,28 @@ async fn the_instance_lock_is_held_where_writes_go() {
     holder.abort();
 }
 
-/// How many sessions of `pg` hold `instance`'s advisory lock.
-async fn holds(pg: &Pg, instance: railguard::store::instance::InstanceId) -> i64 {
-    pg.client()
-        .await
-        .query_one(
-            "SELECT count(*) FROM pg_locks
-             WHERE locktype = 'advisory' AND objsubid = 1 AND granted
+/// The backends holding or asking for `instance`'s advisory lock, and whether it is granted.
+async fn holders(
+    client: &tokio_postgres::Client,
+    instance: railguard::store::instance::InstanceId,
+) -> Vec<(i32, bool)> {
+    // An advisory lock of one bigint key: classid is its high half, objid its low half.
+    client
+        .query(
+            "SELECT pid, granted FROM pg_locks
+             WHERE locktype = 'advisory' AND objsubid = 1
                AND ((classid::bigint << 32) | objid::bigint) = $1",
             &[&instance.get()],
         )
         .await
         .unwrap()
-        .get(0)
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+/// How many backends of `pg` hold `instance`'s advisory lock.
+async fn holds(pg: &Pg, instance: railguard::store::instance::InstanceId) -> usize {
+    let rows = holders(&pg.client().await, instance).await;
+    rows.iter().filter(|&&(_, granted)| granted).count()
 }

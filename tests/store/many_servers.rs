@@ -171,7 +171,7 @@ async fn when_no_server_answers_the_error_names_each_of_them() {
     );
 }
 
-/// A pool tries first the server that answered its last new session: only its first session
+/// A pool tries first the server that answered its last new connection: only its first connection
 /// pays for the paused server.
 #[tokio::test]
 async fn a_pool_goes_first_to_the_server_that_answered_it_last() {
@@ -187,12 +187,12 @@ async fn a_pool_goes_first_to_the_server_that_answered_it_last() {
             .expect("a session on the server that answers");
         let row = session.query_one("SELECT 1", &[]).await.unwrap();
         assert_eq!(row.get::<_, i32>(0), 1);
-        held.push(session); // held, so that the next one is a new session
+        held.push(session); // held, so that the next one is a new connection
     }
     assert_eq!(
         paused.accepted(),
         1,
-        "four new sessions, and only the first went to the paused server"
+        "four new connections, and only the first went to the paused server"
     );
 }
 
@@ -237,9 +237,9 @@ async fn a_slow_server_is_still_heard_while_the_next_is_tried() {
     );
 }
 
-/// The server a pool's last new session went to is where the next starts only when the URL
+/// The server a pool's last new connection went to is where the next starts only when the URL
 /// asks for a server that takes writes: with `target_session_attrs=any` a server that answered
-/// may be a standby, so the next session starts with the URL's first server again.
+/// may be a standby, so the next connection starts with the URL's first server again.
 #[tokio::test]
 async fn only_a_pool_that_asks_for_writes_starts_where_it_last_connected() {
     let first = Pg::start().await;
@@ -264,7 +264,7 @@ async fn only_a_pool_that_asks_for_writes_starts_where_it_last_connected() {
         ("read-write", second.server.port()),
     ] {
         let pool = railguard::db::build_pool(&both(attrs), 2, Duration::from_millis(2000)).unwrap();
-        // The first server cut off for a second: the pool's first session goes to the second.
+        // The first server cut off for a second: the pool's first connection goes to the second.
         path.cut_for(Duration::from_secs(1));
         let one = pool.get().await.unwrap();
         assert_eq!(server_port(&one).await, second.server.port(), "{attrs}");
@@ -273,7 +273,7 @@ async fn only_a_pool_that_asks_for_writes_starts_where_it_last_connected() {
         assert_eq!(
             server_port(&two).await,
             then,
-            "{attrs}: where the next session starts"
+            "{attrs}: where the next connection starts"
         );
     }
 }

@@ -235,6 +235,12 @@ impl Relay {
         *self.stall.trap.lock().unwrap() = Some(Box::new(matches));
     }
 
+    /// [`Relay::stall_first`] for the first chunk that contains `text` (a statement's text,
+    /// say).
+    pub fn stall_first_containing(&self, text: &'static [u8]) {
+        self.stall_first(move |chunk| chunk.windows(text.len()).any(|w| w == text));
+    }
+
     /// Whether the trap set by [`Relay::stall_first`] has caught a connection.
     pub fn has_stalled(&self) -> bool {
         self.stall.trap.lock().unwrap().is_none()
