@@ -115,6 +115,12 @@ pub(crate) enum Route {
     Nginx,
     /// `bare-proxy`: hyper's server and pooled client, nothing else.
     Bare,
+    /// `bare-proxy --fence-database`: the same, with the grant proof checked and one
+    /// group-committed compare-and-set (railguard's statement) before each forward, and a
+    /// keyed request's answer stored (railguard's completion) before it is answered.
+    BareFenced,
+    /// `bare-proxy --fence-database --last-look`: the same, and railguard's last look.
+    BareLooked,
     RailguardOff,
     Fenced,
     /// Fenced, `fencing.order_across_processes = false`.
@@ -143,6 +149,10 @@ impl Phase {
             (Route::Direct, _) => "direct to the upstream".to_string(),
             (Route::Nginx, _) => "nginx, plain reverse proxy".to_string(),
             (Route::Bare, _) => "a bare hyper proxy".to_string(),
+            (Route::BareFenced, _) => "a bare hyper proxy with railguard's statements".to_string(),
+            (Route::BareLooked, _) => {
+                "a bare hyper proxy with railguard's statements and last look".to_string()
+            }
             (Route::RailguardOff, _) => "railguard, fencing off".to_string(),
             (Route::Fenced, true) => "railguard, stale token → 409".to_string(),
             (Route::Fenced, false) => "railguard, fenced".to_string(),
@@ -201,6 +211,8 @@ fn phases(o: &WireOptions) -> Vec<Phase> {
     // and followed by its variants: what they are compared with runs next to them.
     for keys in [false, true] {
         all.push(p(Route::Bare, keys, false, c));
+        all.push(p(Route::BareFenced, keys, false, c));
+        all.push(p(Route::BareLooked, keys, false, c));
         all.push(p(Route::Fenced, keys, false, c));
         if o.order_off {
             all.push(p(Route::Unordered, keys, false, c));
@@ -265,6 +277,8 @@ struct Components {
     upstream: Spawned,
     nginx: Spawned,
     bare: Spawned,
+    bare_fenced: Spawned,
+    bare_looked: Spawned,
     off: Spawned,
     fenced: Spawned,
     unordered: Option<Spawned>,
@@ -340,7 +354,16 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
     };
     let cpus = std::thread::available_parallelism().map_or(2, usize::from);
     let nginx = procs::nginx_proxy(dir, upstream.addr, cpus).await?;
-    let bare = procs::bare_proxy(dir, upstream.addr).await?;
+    let bare = procs::bare_proxy(dir, upstream.addr, None).await?;
+    let mut floors = Vec::new();
+    for (name, last_look) in [("bare_fenced", false), ("bare_looked", true)] {
+        let url = database_for(pg, dir, &binary, Some(name), o.pool_size).await?;
+        floors.push(procs::bare_proxy(dir, upstream.addr, Some((&url, last_look))).await?);
+    }
+    let (bare_looked, bare_fenced) = (floors.pop(), floors.pop());
+    let (Some(bare_fenced), Some(bare_looked)) = (bare_fenced, bare_looked) else {
+        return Err("the fenced bare proxies did not start".into());
+    };
     let mut config = proxy_config(o.pool_size);
     if let Some(concurrency) = o.batch_concurrency {
         config.fencing.batch_concurrency = concurrency;
@@ -438,6 +461,8 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
         upstream,
         nginx,
         bare,
+        bare_fenced,
+        bare_looked,
         off,
         fenced,
         unordered,
@@ -449,13 +474,15 @@ async fn with_postgres(o: &WireOptions, pg: &Pg, dir: &Path) -> Result<WireRepor
         upstream,
         nginx,
         bare,
+        bare_fenced,
+        bare_looked,
         off,
         fenced,
         unordered,
         baseline,
         per_core,
     } = components;
-    for process in [fenced, off, bare, nginx, upstream]
+    for process in [fenced, off, bare_looked, bare_fenced, bare, nginx, upstream]
         .into_iter()
         .chain(unordered)
         .chain(baseline)
@@ -659,6 +686,8 @@ async fn measure(
         (Route::Direct, _) => (c.upstream.addr, Vec::new()),
         (Route::Nginx, _) => (c.nginx.addr, vec![&c.nginx]),
         (Route::Bare, _) => (c.bare.addr, vec![&c.bare]),
+        (Route::BareFenced, _) => (c.bare_fenced.addr, vec![&c.bare_fenced]),
+        (Route::BareLooked, _) => (c.bare_looked.addr, vec![&c.bare_looked]),
         (Route::RailguardOff, _) => (c.off.addr, vec![&c.off]),
         (Route::Unordered | Route::Baseline | Route::PerCore, Some(first)) => {
             (first.addr, variant.clone())

@@ -236,8 +236,14 @@ pub(crate) async fn nginx_proxy(
 }
 
 /// `bare-proxy`, this crate's plain hyper reverse proxy, in front of `upstream`, as a process
-/// of its own: one runtime thread per CPU, as railguard's default.
-pub(crate) async fn bare_proxy(dir: &Path, upstream: SocketAddr) -> Result<Spawned, String> {
+/// of its own: one runtime thread per CPU, as railguard's default. With `fence`, it fences
+/// each request against that database's marks first, and with its flag set takes the last
+/// look too (the floors of a fenced forward).
+pub(crate) async fn bare_proxy(
+    dir: &Path,
+    upstream: SocketAddr,
+    fence: Option<(&str, bool)>,
+) -> Result<Spawned, String> {
     let addr = loopback();
     let mut command = Command::new(bare_proxy_binary()?);
     command
@@ -245,7 +251,19 @@ pub(crate) async fn bare_proxy(dir: &Path, upstream: SocketAddr) -> Result<Spawn
         .arg(addr.to_string())
         .arg("--upstream")
         .arg(format!("http://{upstream}"));
-    let mut spawned = spawn("bare-proxy", &mut command, dir, addr)?;
+    let name = match fence {
+        None => "bare-proxy",
+        Some((url, last_look)) => {
+            command.arg("--fence-database").arg(url);
+            if last_look {
+                command.arg("--last-look");
+                "bare-proxy-looked"
+            } else {
+                "bare-proxy-fenced"
+            }
+        }
+    };
+    let mut spawned = spawn(name, &mut command, dir, addr)?;
     listening(&mut spawned).await?;
     Ok(spawned)
 }

@@ -111,21 +111,32 @@ impl WireReport {
     /// repetitions (each repetition's two phases ran in it, a phase or two apart), flagged
     /// repetitions left out.
     fn paired(&self, variant: Phase, connections: usize) -> Option<(f64, f64)> {
+        let ratios = self.per_repetition(Route::Fenced, variant, connections);
+        let low = ratios.iter().copied().reduce(f64::min)?;
+        let high = ratios.iter().copied().reduce(f64::max)?;
+        Some((low, high))
+    }
+
+    /// `route`'s CPU per request over `other`'s (with `other`'s requests), one ratio per
+    /// repetition, flagged repetitions left out.
+    fn per_repetition(&self, route: Route, other: Phase, connections: usize) -> Vec<f64> {
         let samples = |route| {
             self.samples
                 .iter()
                 .find(|(p, _)| {
                     p.route == route
-                        && p.keys == variant.keys
-                        && p.stale == variant.stale
+                        && p.keys == other.keys
+                        && p.stale == other.stale
                         && p.connections == connections
                 })
                 .map(|(_, s)| s)
         };
-        let (default, other) = (samples(Route::Fenced)?, samples(variant.route)?);
-        let ratios: Vec<f64> = default
+        let (Some(first), Some(second)) = (samples(route), samples(other.route)) else {
+            return Vec::new();
+        };
+        first
             .iter()
-            .zip(other)
+            .zip(second)
             .filter(|(d, v)| d.problems.is_empty() && v.problems.is_empty())
             .map(|(d, v)| {
                 (
@@ -135,10 +146,7 @@ impl WireReport {
             })
             .filter(|&(d, v)| d > 0.0 && v > 0.0)
             .map(|(d, v)| d / v)
-            .collect();
-        let low = ratios.iter().copied().reduce(f64::min)?;
-        let high = ratios.iter().copied().reduce(f64::max)?;
-        Some((low, high))
+            .collect()
     }
 
     pub(crate) fn to_markdown(&self) -> String {
@@ -208,7 +216,7 @@ impl WireReport {
             "- Each railguard process on a database of its own in the cluster (none meets another \
              process's entries in the mark rows); the fenced phases also run through {}",
             if variants.is_empty() {
-                "nothing else".to_string()
+                "no other build or variant".to_string()
             } else {
                 variants.join(" and ")
             }
@@ -219,6 +227,12 @@ impl WireReport {
              multi-thread tokio runtime (one thread per CPU) that reads each body whole and \
              forwards through hyper-util's pooled HTTP/1.1 client, in front of the same upstream, \
              with the same requests as the fenced phases\n\
+             - The floors of a fenced forward: the same binary with `--fence-database` (a \
+             database of its own, migrated as railguard's), which checks the grant proof, \
+             runs railguard's compare-and-set (and a keyed request's record) grouped on one \
+             session, forwards, and stores a keyed answer with railguard's completion before \
+             answering; with `--last-look` it also takes railguard's last look, grouped on a \
+             session of its own. Nothing else railguard does\n\
              - CPU and context switches per request: from `/proc` of each process (nginx: master \
              and workers), divided by the requests wrk counted; PostgreSQL: the postmaster and \
              all its backends; wrk: its own time, read once it has exited"
@@ -269,6 +283,8 @@ impl WireReport {
                 phase.route,
                 Route::Nginx
                     | Route::Bare
+                    | Route::BareFenced
+                    | Route::BareLooked
                     | Route::RailguardOff
                     | Route::Fenced
                     | Route::Unordered
@@ -367,7 +383,11 @@ impl WireReport {
             .map(|(p, _)| format!("railguard {}", p.baseline.unwrap_or("baseline")));
         // (what, route, keys): this build's fenced phases, then the baseline's.
         let mut rows = vec![
+            (FLOORS[0].1.to_string(), Route::BareFenced, false),
+            (FLOORS[1].1.to_string(), Route::BareLooked, false),
             ("railguard".to_string(), Route::Fenced, false),
+            (FLOORS[0].1.to_string(), Route::BareFenced, true),
+            (FLOORS[1].1.to_string(), Route::BareLooked, true),
             ("railguard".to_string(), Route::Fenced, true),
         ];
         if let Some(label) = &baseline {
@@ -420,7 +440,25 @@ impl WireReport {
                 m.postgres_us,
             );
         }
+        for (floor, what) in FLOORS {
+            for keys in [false, true] {
+                if let (Some(floor), Some(fenced)) = (
+                    self.find(floor, keys, false, c),
+                    self.find(Route::Fenced, keys, false, c),
+                ) {
+                    let _ = writeln!(
+                        out,
+                        "| railguard, fenced, {} ÷ {what} | | | {} | | | | | {} | {} | |",
+                        if keys { "with keys" } else { "no keys" },
+                        ratio(fenced.proxy_us, floor.proxy_us),
+                        ratio(fenced.switches, floor.switches),
+                        ratio(fenced.postgres_us, floor.postgres_us),
+                    );
+                }
+            }
+        }
         let mut builds = vec![("railguard".to_string(), Route::Fenced)];
+        builds.extend(FLOORS.map(|(route, what)| (what.to_string(), route)));
         builds.extend(baseline.map(|label| (label, Route::Baseline)));
         for (what, route) in builds {
             let (Some(unkeyed), Some(keyed)) = (
@@ -434,6 +472,58 @@ impl WireReport {
                 "| {what}, fenced: PostgreSQL CPU µs/req with keys ÷ no keys | | | | | | | | | {} | |",
                 ratio(keyed.postgres_us, unkeyed.postgres_us)
             );
+        }
+        self.floors_per_repetition(out);
+    }
+
+    /// The floors' ratios to the bare proxy and railguard's to the floors, per repetition: the
+    /// phases of a ratio ran a phase or two apart in each, so the spread is the machine's drift.
+    fn floors_per_repetition(&self, out: &mut String) {
+        let c = self.options.connections;
+        let mut lines = Vec::new();
+        for keys in [false, true] {
+            let bare = Phase {
+                route: Route::Bare,
+                baseline: None,
+                keys,
+                stale: false,
+                connections: c,
+            };
+            let mut pairs: Vec<(String, Route, Phase)> = FLOORS
+                .iter()
+                .map(|&(route, what)| (format!("{what} ÷ the bare proxy"), route, bare))
+                .collect();
+            pairs.extend(FLOORS.iter().map(|&(route, what)| {
+                (
+                    format!("railguard ÷ {what}"),
+                    Route::Fenced,
+                    Phase { route, ..bare },
+                )
+            }));
+            for (what, route, other) in pairs {
+                let mut ratios = self.per_repetition(route, other, c);
+                if ratios.is_empty() {
+                    continue;
+                }
+                ratios.sort_by(f64::total_cmp);
+                let listed: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+                lines.push(format!(
+                    "| {what}, {} | {} |",
+                    if keys { "with keys" } else { "no keys" },
+                    listed.join(", ")
+                ));
+            }
+        }
+        if lines.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "\nCPU per request, ratio per repetition (lowest to highest; each repetition's two \
+             phases ran a phase or two apart):\n\n| ratio | per repetition |\n|---|---|"
+        );
+        for line in lines {
+            let _ = writeln!(out, "{line}");
         }
     }
 
@@ -744,6 +834,19 @@ fn nginx_version() -> String {
         .unwrap_or_else(|| "?".into())
 }
 
+/// The floors of a fenced forward (`bare-proxy --fence-database`, without and with the last
+/// look), as the report names them.
+const FLOORS: [(Route, &str); 2] = [
+    (
+        Route::BareFenced,
+        "the bare proxy with railguard's statements",
+    ),
+    (
+        Route::BareLooked,
+        "the bare proxy with railguard's statements and last look",
+    ),
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -810,5 +913,55 @@ mod tests {
         assert_eq!(report.paired(unkeyed, 64), None, "no such phase ran");
         let table = report.to_markdown();
         assert!(table.contains("0.800–1.500"), "{table}");
+    }
+
+    #[test]
+    fn the_floors_are_compared_with_the_bare_proxy_and_railguard_with_them_per_repetition() {
+        let phase = |route| Phase {
+            route,
+            baseline: None,
+            keys: false,
+            stale: false,
+            connections: 64,
+        };
+        let run = |cpus: &[f64]| -> Vec<Sample> {
+            cpus.iter()
+                .map(|&cpu| Sample {
+                    requests: 1_000,
+                    proxy_cpu: cpu,
+                    ..Sample::default()
+                })
+                .collect()
+        };
+        let report = WireReport {
+            options: crate::wire::tests::options(false),
+            date: String::new(),
+            postgres: String::new(),
+            stale_accounts: 0,
+            proxy_config: Config::default(),
+            samples: vec![
+                (phase(Route::Bare), run(&[0.020, 0.010])),
+                (phase(Route::BareFenced), run(&[0.030, 0.012])),
+                (phase(Route::BareLooked), run(&[0.032, 0.016])),
+                (phase(Route::Fenced), run(&[0.048, 0.040])),
+            ],
+            cpus: 2,
+            table_scans: Vec::new(),
+            top_statements: Vec::new(),
+        };
+        let table = report.to_markdown();
+        // Each ratio from the repetition its two phases ran in, lowest first: 30/20 and 12/10
+        // (not the medians' 21/15).
+        for line in [
+            "| the bare proxy with railguard's statements ÷ the bare proxy, no keys | 1.20, 1.50 |",
+            "| the bare proxy with railguard's statements and last look ÷ the bare proxy, no keys | 1.60, 1.60 |",
+            "| railguard ÷ the bare proxy with railguard's statements and last look, no keys | 1.50, 2.50 |",
+        ] {
+            assert!(table.contains(line), "{line} not in\n{table}");
+        }
+        assert!(
+            !table.contains("with keys |"),
+            "no keyed phase ran, so no keyed ratio: {table}"
+        );
     }
 }
