@@ -71,6 +71,10 @@ struct Cli {
     /// directory (slows the proxy: the run's rates are then not comparable).
     #[arg(long)]
     profile_dir: Option<std::path::PathBuf>,
+    /// The wire suite: count the proxy process's system calls in each proxy phase (`perf stat`
+    /// on the kernel's syscall tracepoints) and report them per request.
+    #[arg(long)]
+    count_syscalls: bool,
     /// The wire and statements suites: a PostgreSQL server setting for the throwaway cluster, `name=value`
     /// (repeatable), e.g. `shared_buffers=1GB`.
     #[arg(long = "pg-setting", value_parser = parse_setting)]
@@ -131,6 +135,7 @@ fn main() -> ExitCode {
         latency_secs,
         batch_concurrency,
         profile_dir,
+        count_syscalls,
         pg_settings,
         order_off,
         per_core,
@@ -190,6 +195,7 @@ fn main() -> ExitCode {
                     latency_duration: Duration::from_secs(latency_secs),
                     batch_concurrency: batch_concurrency.map(|c| c as usize),
                     profile_dir,
+                    count_syscalls,
                     pg_settings,
                     order_off,
                     per_core,

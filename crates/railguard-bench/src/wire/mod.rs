@@ -88,6 +88,9 @@ pub(crate) struct WireOptions {
     /// phases too (`…-one-connection.perf.data`): it slows the proxy, so a profiling run's
     /// rates are not comparable.
     pub profile_dir: Option<std::path::PathBuf>,
+    /// Count the proxy process's system calls during each measured proxy phase (`perf
+    /// stat`), reported per request.
+    pub count_syscalls: bool,
     /// PostgreSQL server settings for the run, `(name, value)`, over its defaults.
     pub pg_settings: Vec<(String, String)>,
     /// Also run the fenced phases through a railguard with
@@ -269,6 +272,8 @@ pub(crate) struct Sample {
     pub machine_busy: f64,
     /// Mean rows per fence compare-and-set statement (railguard phases).
     pub batch_rows: f64,
+    /// The proxy process's system calls (`--count-syscalls`).
+    pub syscalls: Option<profiler::Syscalls>,
     pub problems: Vec<String>,
 }
 
@@ -748,11 +753,22 @@ async fn measure(
         }
         _ => None,
     };
-    let profiled = profile.is_some();
+    let counting = match (o.count_syscalls, proxy_pid) {
+        (true, Some(pid)) => {
+            let out = dir.join(format!("syscalls-{run_id}.stat"));
+            profiler::count_syscalls(&out, pid, duration).ok()
+        }
+        _ => None,
+    };
+    let profiled = profile.is_some() || counting.is_some();
     let result = wrk(duration, run_id.to_string()).run().await;
     if let Some(profile) = profile {
         profile.finish().await;
     }
+    let syscalls = match counting {
+        Some(counting) => counting.finish().await,
+        None => None,
+    };
     let after = (
         Usage::of_all(&pids),
         Usage::of(c.upstream.pid()),
@@ -804,6 +820,7 @@ async fn measure(
         postgres_backend_cpu: after.3.saturating_sub(before.3) as f64 / 100.0,
         machine_busy: machine.machine_busy,
         batch_rows,
+        syscalls,
         problems,
     }
 }
@@ -883,6 +900,7 @@ mod tests {
             latency_duration: Duration::ZERO,
             batch_concurrency: None,
             profile_dir: None,
+            count_syscalls: false,
             pg_settings: Vec::new(),
             order_off: false,
             per_core: false,

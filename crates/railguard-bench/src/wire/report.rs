@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 
-use super::{Phase, Route, Sample, WireOptions, per_request_us};
+use super::{Phase, Route, Sample, WireOptions, per_request_us, profiler};
 use crate::report::median;
 use railguard::config::Config;
 
@@ -361,6 +361,7 @@ impl WireReport {
             }
         }
         self.against_bare(&mut out);
+        self.syscalls(&mut out);
         self.variants(&mut out);
         self.targets(&mut out);
         self.budgets(&mut out);
@@ -474,6 +475,50 @@ impl WireReport {
             );
         }
         self.floors_per_repetition(out);
+    }
+
+    /// System calls per request of each proxy phase (`--count-syscalls`), medians of the
+    /// repetitions.
+    fn syscalls(&self, out: &mut String) {
+        let rows: Vec<String> = self
+            .samples
+            .iter()
+            .filter(|(p, _)| p.connections == self.options.connections)
+            .filter_map(|(phase, samples)| {
+                let counted: Vec<(profiler::Syscalls, f64)> = samples
+                    .iter()
+                    .filter_map(|s| s.syscalls.map(|c| (c, s.requests.max(1) as f64)))
+                    .collect();
+                if counted.is_empty() {
+                    return None;
+                }
+                let per = |f: fn(&profiler::Syscalls) -> f64| {
+                    median(counted.iter().map(|(c, requests)| f(c) / requests))
+                };
+                Some(format!(
+                    "| {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                    phase.label(),
+                    per(|c| c.all),
+                    per(|c| c.writes),
+                    per(|c| c.reads),
+                    per(|c| c.epoll_wait),
+                    per(|c| c.futex),
+                ))
+            })
+            .collect();
+        if rows.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "\nSystem calls of the proxy process per request (`perf stat` on the syscall \
+             tracepoints, medians of the repetitions; writes are `writev`, `write` and `sendto`, \
+             reads `recvfrom` and `read`):\n\n\
+             | phase | all | writes | reads | epoll_wait | futex |\n|---|---:|---:|---:|---:|---:|"
+        );
+        for row in rows {
+            let _ = writeln!(out, "{row}");
+        }
     }
 
     /// The floors' ratios to the bare proxy and railguard's to the floors, per repetition: the
