@@ -278,11 +278,15 @@ struct Advancing {
 impl Batched for Advancing {
     type Item = Advance;
 
-    /// At most one token per account in a statement, as railguard's.
+    /// At most one token per account and one record per key in a statement, as railguard's
+    /// (`ON CONFLICT` may not touch a row twice).
     fn fits(&self, batch: &[Job<Advance>], item: &Advance) -> bool {
-        batch
-            .iter()
-            .all(|job| job.item.account != item.account || job.item.token == item.token)
+        batch.iter().all(|job| {
+            job.item.account != item.account
+                || (job.item.token == item.token
+                    && !matches!((&job.item.record, &item.record),
+                        (Some(a), Some(b)) if a.key == b.key))
+        })
     }
 
     async fn run(&mut self, batch: &[Job<Advance>]) -> Result<Vec<bool>, tokio_postgres::Error> {
