@@ -331,12 +331,12 @@ impl Batched for Advancing {
                 [&accounts, &tokens, &INSTANCE, &self.seq];
             self.db.query(&self.plain, &params).await?
         };
-        // The accounts advanced, and (keyed) the records made.
-        let mut advanced = HashSet::new();
-        let mut recorded = HashSet::new();
-        for row in rows {
-            let account: String = row.get(0);
-            match keyed.then(|| row.get::<_, Option<String>>(1)).flatten() {
+        // The accounts advanced, and (keyed) the records made, read in place from the rows.
+        let mut advanced: HashSet<&str> = HashSet::new();
+        let mut recorded: HashSet<(&str, &str)> = HashSet::new();
+        for row in &rows {
+            let account: &str = row.get(0);
+            match keyed.then(|| row.get::<_, Option<&str>>(1)).flatten() {
                 Some(key) => recorded.insert((account, key)),
                 None => advanced.insert(account),
             };
@@ -344,11 +344,11 @@ impl Batched for Advancing {
         Ok(batch
             .iter()
             .map(|Job { item, .. }| {
-                advanced.contains(&item.account)
+                advanced.contains(item.account.as_str())
                     && item
                         .record
                         .as_ref()
-                        .is_none_or(|r| recorded.contains(&(item.account.clone(), r.key.clone())))
+                        .is_none_or(|r| recorded.contains(&(item.account.as_str(), r.key.as_str())))
             })
             .collect())
     }
@@ -413,15 +413,10 @@ impl Batched for Completing {
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
             &accounts, &keys, &owners, &statuses, &headers, &bodies, &stored,
         ];
-        let done: HashSet<(String, String)> = self
-            .db
-            .query(&self.statement, &params)
-            .await?
-            .into_iter()
-            .map(|row| (row.get(0), row.get(1)))
-            .collect();
+        let rows = self.db.query(&self.statement, &params).await?;
+        let done: HashSet<(&str, &str)> = rows.iter().map(|row| (row.get(0), row.get(1))).collect();
         Ok(items()
-            .map(|c| done.contains(&(c.account.clone(), c.record.key.clone())))
+            .map(|c| done.contains(&(c.account.as_str(), c.record.key.as_str())))
             .collect())
     }
 }

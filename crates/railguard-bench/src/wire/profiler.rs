@@ -28,23 +28,30 @@ pub(crate) fn start(
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
         .collect();
+    let out = dir.join(format!("{name}.perf.data"));
+    let record = [
+        "record",
+        "-q",
+        "-e",
+        "cpu-clock",
+        "-F",
+        "499",
+        "--call-graph",
+        "dwarf,16384",
+    ];
+    Ok(Profile(perf(&record, &out, pid, duration)?))
+}
+
+/// `perf <args> -o <out> -p <pid and its children> -- sleep <duration>`, started.
+fn perf(args: &[&str], out: &Path, pid: u32, duration: Duration) -> Result<Child, String> {
     let pids: Vec<String> = std::iter::once(pid)
         .chain(children_of(pid))
         .map(|p| p.to_string())
         .collect();
-    let child = Command::new("perf")
-        .args([
-            "record",
-            "-q",
-            "-e",
-            "cpu-clock",
-            "-F",
-            "499",
-            "--call-graph",
-            "dwarf,16384",
-        ])
+    Command::new("perf")
+        .args(args)
         .arg("-o")
-        .arg(dir.join(format!("{name}.perf.data")))
+        .arg(out)
         .arg("-p")
         .arg(pids.join(","))
         .arg("--")
@@ -55,8 +62,7 @@ pub(crate) fn start(
         .stderr(Stdio::null())
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| format!("cannot run perf (apt-get install linux-perf): {e}"))?;
-    Ok(Profile(child))
+        .map_err(|e| format!("cannot run perf (apt-get install linux-perf): {e}"))
 }
 
 impl Profile {
@@ -103,29 +109,9 @@ pub(crate) struct Count {
 /// Starts `perf stat` of `pid`'s and its children's system calls for `duration`, writing its
 /// report to `out`.
 pub(crate) fn count_syscalls(out: &Path, pid: u32, duration: Duration) -> Result<Count, String> {
-    let pids: Vec<String> = std::iter::once(pid)
-        .chain(children_of(pid))
-        .map(|p| p.to_string())
-        .collect();
     let events: Vec<&str> = TRACEPOINTS.iter().map(|(name, _)| *name).collect();
-    let child = Command::new("perf")
-        .arg("stat")
-        .arg("-x,")
-        .arg("-e")
-        .arg(events.join(","))
-        .arg("-o")
-        .arg(out)
-        .arg("-p")
-        .arg(pids.join(","))
-        .arg("--")
-        .arg("sleep")
-        .arg(duration.as_secs().max(1).to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("cannot run perf (apt-get install linux-perf): {e}"))?;
+    let events = events.join(",");
+    let child = perf(&["stat", "-x,", "-e", &events], out, pid, duration)?;
     Ok(Count {
         child,
         out: out.to_path_buf(),

@@ -909,6 +909,32 @@ const FLOORS: [(Route, &str); 2] = [
 mod tests {
     use super::*;
 
+    /// Repetitions of `cpus` CPU seconds over 1,000 requests each: µs per request = 1,000 × cpu.
+    fn run(cpus: &[f64]) -> Vec<Sample> {
+        cpus.iter()
+            .map(|&cpu| Sample {
+                requests: 1_000,
+                proxy_cpu: cpu,
+                ..Sample::default()
+            })
+            .collect()
+    }
+
+    /// A report of `samples` on 2 CPUs (with a baseline build when `baseline`).
+    fn report(baseline: bool, samples: Vec<(Phase, Vec<Sample>)>) -> WireReport {
+        WireReport {
+            options: crate::wire::tests::options(baseline),
+            date: String::new(),
+            postgres: String::new(),
+            stale_accounts: 0,
+            proxy_config: Config::default(),
+            samples,
+            cpus: 2,
+            table_scans: Vec::new(),
+            top_statements: Vec::new(),
+        }
+    }
+
     #[test]
     fn a_budget_is_the_machines_cpu_per_request_less_what_others_take() {
         // 2 CPUs at 40,000 req/s: 50 µs per request for everything; wrk and the upstream at
@@ -931,23 +957,9 @@ mod tests {
             stale: false,
             connections: 64,
         };
-        // CPU seconds over 1,000 requests: µs per request = 1,000 × cpu.
-        let run = |cpus: &[f64]| -> Vec<Sample> {
-            cpus.iter()
-                .map(|&cpu| Sample {
-                    requests: 1_000,
-                    proxy_cpu: cpu,
-                    ..Sample::default()
-                })
-                .collect()
-        };
-        let report = WireReport {
-            options: crate::wire::tests::options(true),
-            date: String::new(),
-            postgres: String::new(),
-            stale_accounts: 0,
-            proxy_config: Config::default(),
-            samples: vec![
+        let report = report(
+            true,
+            vec![
                 (phase(Route::Fenced), {
                     // A fourth repetition, flagged: left out.
                     let mut samples = run(&[0.080, 0.100, 0.060, 0.300]);
@@ -956,10 +968,7 @@ mod tests {
                 }),
                 (phase(Route::Baseline), run(&[0.100, 0.100, 0.040, 0.100])),
             ],
-            cpus: 2,
-            table_scans: Vec::new(),
-            top_statements: Vec::new(),
-        };
+        );
         // Per repetition 0.8, 1.0 and 1.5; across unpaired medians it would be 0.8 / 1.0.
         let (low, high) = report.paired(phase(Route::Baseline), 64).unwrap();
         assert!(
@@ -982,22 +991,9 @@ mod tests {
             stale: false,
             connections: 64,
         };
-        let run = |cpus: &[f64]| -> Vec<Sample> {
-            cpus.iter()
-                .map(|&cpu| Sample {
-                    requests: 1_000,
-                    proxy_cpu: cpu,
-                    ..Sample::default()
-                })
-                .collect()
-        };
-        let report = WireReport {
-            options: crate::wire::tests::options(false),
-            date: String::new(),
-            postgres: String::new(),
-            stale_accounts: 0,
-            proxy_config: Config::default(),
-            samples: vec![
+        let report = report(
+            false,
+            vec![
                 // Repetitions that cross: the bare proxy's first is its slowest, the
                 // floors' and railguard's first their fastest.
                 (phase(Route::Bare), run(&[0.020, 0.010])),
@@ -1005,10 +1001,7 @@ mod tests {
                 (phase(Route::BareLooked), run(&[0.016, 0.032])),
                 (phase(Route::Fenced), run(&[0.040, 0.048])),
             ],
-            cpus: 2,
-            table_scans: Vec::new(),
-            top_statements: Vec::new(),
-        };
+        );
         let table = report.to_markdown();
         // Each ratio from the repetition its two phases ran in, lowest first: 12/20 and 30/10
         // (not the medians' 21/15, nor the sorted lists' 12/10 and 30/20).
