@@ -625,16 +625,13 @@ async fn auto_renew_keeps_a_lease_and_reports_loss_when_the_service_stops(mut w:
     assert_eq!(keep.lost_reason(), None, "renewed past two ttls");
     assert!(lock.inspect("kept").await.unwrap().held);
 
+    // When it is reported (by the lease's floor, never after) is the SDK's own test, on a
+    // paused clock; here, that a stopped service is noticed at all.
     w.rg.stop().await;
-    let started = Instant::now();
     let reason = tokio::time::timeout(Duration::from_secs(5), keep.lost())
         .await
         .expect("loss is reported");
     assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
-    assert!(
-        started.elapsed() <= ttl + Duration::from_millis(500),
-        "promptly: within about a ttl"
-    );
     w.rg.start_again().await;
 }
 

@@ -127,3 +127,77 @@ fn lost(tx: &watch::Sender<Option<LeaseLost>>, handle: &LockHandle, why: String)
     );
     let _ = tx.send(Some(LeaseLost::Unconfirmed(why)));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token::FencingToken;
+
+    /// A handle as `acquire` makes one, for a grant made now with `ttl`.
+    fn granted(ttl: Duration) -> LockHandle {
+        LockHandle {
+            key: "kept".into(),
+            holder: "w".into(),
+            token: FencingToken::new(7).unwrap(),
+            secret: "secret".into(),
+            proof: "proof".into(),
+            ttl,
+            lease_floor: Instant::now() + ttl,
+            granted_at_us: 0,
+            expires_at_us: 0,
+        }
+    }
+
+    /// The instant the keep-alive says the lease is lost, with no renewal ever confirmed, on
+    /// the runtime's paused clock (which moves only when every task waits).
+    async fn reported_at(client: LockClient, handle: &LockHandle) -> (LeaseLost, Instant) {
+        let mut keep = client.keep_alive(handle);
+        let reason = keep.lost().await;
+        (reason, Instant::now())
+    }
+
+    // The loss is reported by the earliest moment the lease may have run out (its floor, no
+    // renewal having succeeded), never after it, whether the service refuses connections or
+    // takes them and never answers. The clock is the runtime's paused one, so the instants are
+    // exact (to the timer's millisecond), not a measurement.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_no_renewal_confirms_is_reported_lost_by_its_floor() {
+        let ttl = Duration::from_millis(900);
+
+        let refused = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let closed = refused.local_addr().unwrap();
+        drop(refused);
+        let handle = granted(ttl);
+        let (reason, at) = reported_at(LockClient::new(format!("http://{closed}")), &handle).await;
+        assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
+        assert!(
+            at <= handle.lease_floor() + Duration::from_millis(1),
+            "{:?} after the floor",
+            at - handle.lease_floor()
+        );
+
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = silent.local_addr().unwrap();
+        let held = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = silent.accept().await {
+                held.push(socket);
+            }
+        });
+        let handle = granted(ttl);
+        let (reason, at) = reported_at(LockClient::new(format!("http://{addr}")), &handle).await;
+        assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
+        assert!(
+            at <= handle.lease_floor() + Duration::from_millis(1),
+            "{:?} after the floor",
+            at - handle.lease_floor()
+        );
+        // Not before it either: renewals were still allowed to succeed until then.
+        assert!(
+            at >= handle.lease_floor(),
+            "{:?} before the floor",
+            handle.lease_floor() - at
+        );
+        held.abort();
+    }
+}
