@@ -19,8 +19,6 @@
 //! carried with it, so that each later phase can tell whose time ran out.
 
 use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -28,10 +26,10 @@ use http::{HeaderMap, HeaderName, Request, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Body;
 use tokio::time::Instant;
-use tower::{Layer, Service};
+use tower::Layer;
 
 use super::authorize::{self, Forbidden};
-use super::{BoxError, Deadline, FencedRequest, IdempotencyKey, ProxyResponse};
+use super::{BoxError, Deadline, FencedRequest, IdempotencyKey, ProxyResponse, Step};
 use crate::token::{AccountId, FencingToken};
 
 /// A request the proxy refuses to read.
@@ -382,27 +380,18 @@ pub fn first_token(
     Ok(Some(first))
 }
 
-impl<S, B> Service<Request<B>> for Extract<S>
+impl<S, B> Step<Request<B>> for Extract<S>
 where
-    S: Service<FencedRequest, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
-    S::Future: Send,
+    S: Step<FencedRequest>,
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    type Response = ProxyResponse;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<ProxyResponse, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request<B>) -> Self::Future {
-        // The clone may not be ready; the one we polled is. Keep the ready one for this call.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
-        let config = self.config.clone();
-        Box::pin(async move {
+    fn handle(
+        &self,
+        request: Request<B>,
+    ) -> impl Future<Output = Result<ProxyResponse, BoxError>> + Send {
+        let config = &*self.config;
+        async move {
             let mut deadline = Deadline::at(Instant::now() + config.request_timeout);
             if request.method() == http::Method::CONNECT {
                 return Err(MethodRefused(http::Method::CONNECT).into());
@@ -530,8 +519,8 @@ where
                     .into());
                 }
             }
-            inner
-                .call(FencedRequest {
+            self.inner
+                .handle(FencedRequest {
                     token,
                     account,
                     request,
@@ -539,7 +528,7 @@ where
                     idempotency,
                 })
                 .await
-        })
+        }
     }
 }
 

@@ -5,9 +5,7 @@
 //!
 //! | layer | job | refuses with |
 //! |---|---|---|
-//! | request id | sets `x-request-id` if absent, echoes it on the response | |
-//! | trace | the request span; `lock.token` and `account` are recorded on it | |
-//! | [`respond`] | error → the one response for it; outcome metrics | |
+//! | [`respond`] | sets `x-request-id` if absent, echoes it on the response; the request span (`lock.token` and `account` are recorded on it); error → the one response for it; outcome metrics | |
 //! | [`extract`] | deadline starts; caller ([`authorize`]); token + account headers; body read whole | 401, 403, 400, 413, 408 |
 //! | [`fence`] | cache fast path; compare-and-set (+ idempotency record); per-account order; hands the request down with its [`Admission`] | 409, 503 |
 //! | [`idempotency`] | forward a first request and store its answer; replay or refuse repeats | 409, 422 |
@@ -55,10 +53,6 @@ use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
-use tower_http::request_id::{
-    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
-};
-use tower_http::trace::TraceLayer;
 
 use crate::token::{AccountId, FencingToken};
 
@@ -67,6 +61,38 @@ pub use crate::http::{BoxError, ResponseBody, full};
 
 /// What every layer of the proxy answers with.
 pub type ProxyResponse = Response<ResponseBody>;
+
+/// One step of a request's way through the proxy ([`extract`], [`fence`], [`idempotency`],
+/// [`forward`]), handed the request by the step above it.
+///
+/// A step is shared, not owned: it answers through `&self`, so a request's way down is one
+/// future, which [`respond`] boxes once. A tower `Service` answers with a future that owns what
+/// it needs, so each layer would box its own future and clone every layer below it for each
+/// request — work that a step, always ready and never changed by a request, does not need.
+pub trait Step<Request>: Send + Sync + 'static {
+    fn handle(
+        &self,
+        request: Request,
+    ) -> impl std::future::Future<Output = Result<ProxyResponse, BoxError>> + Send;
+}
+
+/// A step made of a function: what tests put below the step they check.
+#[cfg(test)]
+pub struct StepFn<F>(pub F);
+
+#[cfg(test)]
+impl<F, R, Fut> Step<R> for StepFn<F>
+where
+    F: Fn(R) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<ProxyResponse, BoxError>> + Send,
+{
+    fn handle(
+        &self,
+        request: R,
+    ) -> impl std::future::Future<Output = Result<ProxyResponse, BoxError>> + Send {
+        (self.0)(request)
+    }
+}
 
 /// A request whose token and account were read and whose body was read whole. Below the fence
 /// it travels with what the fence let it through with ([`Admitted`]).
@@ -164,16 +190,15 @@ impl Default for RequestIds {
     }
 }
 
-impl MakeRequestId for RequestIds {
-    fn make_request_id<B>(&mut self, _request: &Request<B>) -> Option<RequestId> {
+impl RequestIds {
+    /// The next id: `<prefix>-<n>`.
+    pub fn next(&self) -> Option<HeaderValue> {
         use std::fmt::Write as _;
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         // Written once, into the bytes the header keeps (one allocation per request).
         let mut id = bytes::BytesMut::with_capacity(self.prefix.len() + 21);
         write!(id, "{}-{n}", self.prefix).ok()?;
-        HeaderValue::from_maybe_shared(id.freeze())
-            .ok()
-            .map(RequestId::new)
+        HeaderValue::from_maybe_shared(id.freeze()).ok()
     }
 }
 
@@ -193,27 +218,6 @@ pub fn stack(
 + Send
 + 'static {
     ServiceBuilder::new()
-        .layer(SetRequestIdLayer::x_request_id(RequestIds::default()))
-        .layer(PropagateRequestIdLayer::x_request_id())
-        // Refusals are logged once, by `respond`; a 5xx is not an error of railguard's (an
-        // outage of the rail or the database is), so the trace layer keeps them at debug.
-        .layer(
-            TraceLayer::new_for_http()
-                .on_failure(tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG))
-                .make_span_with(|request: &Request<hyper::body::Incoming>| {
-                    let request_id = request
-                        .headers()
-                        .get("x-request-id")
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or("");
-                    tracing::info_span!("proxy.request",
-                    method = %request.method(),
-                    path = request.uri().path(),
-                    request_id,
-                    lock.token = tracing::field::Empty,
-                    account = tracing::field::Empty)
-                }),
-        )
         .layer(respond::RespondLayer::new(metrics))
         .layer(extract)
         .layer(fence)

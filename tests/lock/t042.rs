@@ -22,7 +22,10 @@ async fn t042(etcd: Option<EtcdCluster>) {
     let endpoints = etcd.as_ref().map(|e| e.endpoints_csv()).unwrap_or_default();
     let mut env = vec![
         // The request spans' closing events, so that an accepted request is in the log too.
-        ("RAILGUARD__LOG__LEVEL", "info,tower_http=debug"),
+        (
+            "RAILGUARD__LOG__LEVEL",
+            "info,railguard::proxy::respond=debug",
+        ),
     ];
     if etcd.is_some() {
         env.push(("RAILGUARD__LOCK__BACKEND", "etcd"));

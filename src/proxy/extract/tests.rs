@@ -1,11 +1,12 @@
 use super::*;
 
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use http_body_util::Full;
-use tower::{ServiceExt, service_fn};
 
 use crate::proof::ProofKey;
+use crate::proxy::StepFn;
 
 #[test]
 fn a_first_token_is_a_token_at_most_the_presented_one_and_only_with_a_key() {
@@ -91,7 +92,7 @@ async fn extract(
     let seen = Arc::new(Mutex::new(None));
     let inner = {
         let seen = seen.clone();
-        service_fn(move |r: FencedRequest| {
+        StepFn(move |r: FencedRequest| {
             *seen.lock().unwrap() = Some((
                 r.token.get(),
                 r.account.to_string(),
@@ -102,7 +103,7 @@ async fn extract(
     };
     let error = ExtractLayer::new(config)
         .layer(inner)
-        .oneshot(request)
+        .handle(request)
         .await
         .err();
     let seen = seen.lock().unwrap().take();

@@ -49,12 +49,10 @@ use self::lost_attempt::LostAttempt;
 pub use self::turn::Turn;
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use tokio::time::Instant;
-use tower::{Layer, Service};
+use tower::Layer;
 use tracing::Instrument;
 
 use crate::store::marks::{HighWaterStore, StoreError, Verdict};
@@ -70,7 +68,7 @@ use super::idempotency::MaybeSent;
 use super::idempotency::{
     IdempotencyConflict, RecordGuard, Resolver, lost_first_attempt, own_answer,
 };
-use super::{BoxError, FencedRequest, ProxyResponse};
+use super::{BoxError, FencedRequest, ProxyResponse, Step};
 use crate::metrics::{FencePath, Metrics};
 use crate::store::epoch::StoreEpoch;
 use crate::store::handover::{Entry, Foreign, Handover, WaitError};
@@ -294,7 +292,7 @@ impl<S, H> Layer<S> for FenceLayer<H> {
     type Service = Fence<S, H>;
     fn layer(&self, inner: S) -> Self::Service {
         Fence {
-            inner,
+            inner: Arc::new(inner),
             point: self.point.clone(),
         }
     }
@@ -302,60 +300,42 @@ impl<S, H> Layer<S> for FenceLayer<H> {
 
 /// Forwards a request only if its token passes the account's mark; see the module docs.
 pub struct Fence<S, H = HighWaterStore> {
-    inner: S,
+    /// Shared, so that a forward that must run to its end (`RunsOn`) can own it.
+    inner: Arc<S>,
     point: Arc<FencePoint<H>>,
 }
 
-impl<S: Clone, H> Clone for Fence<S, H> {
-    fn clone(&self) -> Self {
-        Self {
-            inner: self.inner.clone(),
-            point: self.point.clone(),
-        }
-    }
-}
-
-impl<S, H> Service<FencedRequest> for Fence<S, H>
+impl<S, H> Step<FencedRequest> for Fence<S, H>
 where
-    S: Service<Admitted, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
-    S::Future: Send,
+    S: Step<Admitted>,
     H: HighWater,
 {
-    type Response = ProxyResponse;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<ProxyResponse, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: FencedRequest) -> Self::Future {
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        let point = self.point.clone();
+    fn handle(
+        &self,
+        request: FencedRequest,
+    ) -> impl Future<Output = Result<ProxyResponse, BoxError>> + Send {
         // At debug: the request's span (`proxy.request`) carries the token and account at info,
         // and a span per step at info costs more than the check itself when nothing is logged.
         let span = tracing::debug_span!("fence.check",
             lock.token = request.token.get(), account = %request.account, verdict = tracing::field::Empty);
-        Box::pin(async move {
-            if point.enforce {
-                enforce(point, inner, request, span).await
+        async move {
+            if self.point.enforce {
+                enforce(&self.point, &self.inner, request, span).await
             } else {
-                observe_only(point, inner, request, span).await
+                observe_only(&self.point, &*self.inner, request, span).await
             }
-        })
+        }
     }
 }
 
 async fn enforce<S, H>(
-    point: Arc<FencePoint<H>>,
-    inner: S,
+    point: &Arc<FencePoint<H>>,
+    inner: &Arc<S>,
     request: FencedRequest,
     span: tracing::Span,
 ) -> Result<ProxyResponse, BoxError>
 where
-    S: Service<Admitted, Response = ProxyResponse, Error = BoxError> + Send + 'static,
-    S::Future: Send,
+    S: Step<Admitted>,
     H: HighWater,
 {
     let (token, account) = (request.token, request.account.clone());
@@ -461,13 +441,18 @@ where
                 // cancel it. (Before its forward may have reached the rail, its record guard
                 // removes the record on any failure.)
                 RunsOn::new(admitted_forward(
-                    point, inner, admitted, placed, account, token,
+                    point.clone(),
+                    inner.clone(),
+                    admitted,
+                    placed,
+                    account,
+                    token,
                 ))
                 .await
             } else {
                 // Made where it is awaited, as above: the fence's own future then holds no
                 // second copy of the forward's.
-                admitted_forward(point, inner, admitted, placed, account, token).await
+                admitted_forward(&**point, &**inner, admitted, placed, account, token).await
             }
         }
     }
@@ -486,16 +471,19 @@ struct Placed {
 /// Waits for the request's turn (in this process, then behind other processes' forwards),
 /// takes the last look at the mark, and forwards. Every early return drops the request before
 /// it was sent, so its record guard (if any) removes its record, and its entry is settled.
+///
+/// `point` and `inner` are borrowed where the request's own task runs it to its end, owned
+/// (`Arc`) where it may go on in a task of its own (`RunsOn`).
 async fn admitted_forward<S, H>(
-    point: Arc<FencePoint<H>>,
-    mut inner: S,
+    point: impl std::ops::Deref<Target = FencePoint<H>>,
+    inner: impl std::ops::Deref<Target = S>,
     admitted: Admitted,
     placed: Placed,
     account: AccountId,
     token: FencingToken,
 ) -> Result<ProxyResponse, BoxError>
 where
-    S: Service<Admitted, Response = ProxyResponse, Error = BoxError>,
+    S: Step<Admitted>,
     H: HighWater,
 {
     let Placed {
@@ -604,7 +592,7 @@ where
         _ticket: ticket,
         entry,
     });
-    inner.call(Admitted { request, admission }).await
+    inner.handle(Admitted { request, admission }).await
 }
 
 /// A wait for the handover that did not end in a turn: nothing was sent.
@@ -632,13 +620,13 @@ fn waited(error: WaitError, account: &AccountId, token: FencingToken) -> BoxErro
 }
 
 async fn observe_only<S, H>(
-    point: Arc<FencePoint<H>>,
-    mut inner: S,
+    point: &FencePoint<H>,
+    inner: &S,
     request: FencedRequest,
     span: tracing::Span,
 ) -> Result<ProxyResponse, BoxError>
 where
-    S: Service<Admitted, Response = ProxyResponse, Error = BoxError>,
+    S: Step<Admitted>,
     H: HighWater,
 {
     let (token, account) = (request.token, request.account.clone());
@@ -664,7 +652,7 @@ where
             admission.keyed = Keyed::AsUnkeyed;
         }
     }
-    inner.call(Admitted { request, admission }).await
+    inner.handle(Admitted { request, admission }).await
 }
 
 /// The record a request creates with its compare-and-set. It is in doubt, unless completed,

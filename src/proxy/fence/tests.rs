@@ -1,4 +1,4 @@
-//! The fence layer with marks in memory and a `service_fn` rail: its decisions, not
+//! The fence layer with marks in memory and a function for a rail: its decisions, not
 //! PostgreSQL's (the end-to-end tests in `tests/proxy/forward.rs` run it on real PostgreSQL).
 
 use std::collections::HashMap;
@@ -7,11 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tower::{ServiceExt, service_fn};
 
 use super::*;
 use crate::proxy::idempotency::record::tests::{Ended, MemoryRecords};
-use crate::proxy::{Deadline, IdempotencyKey};
+use crate::proxy::{Deadline, IdempotencyKey, StepFn};
 use crate::store::records::RecordId;
 
 /// Marks in memory: `>=` accepts and raises, `<` is stale; `current_mark` may be told to
@@ -81,7 +80,7 @@ fn fence(
     marks: &Arc<MemoryMarks>,
     enforce: bool,
     forwarded: &Arc<AtomicUsize>,
-) -> impl Service<FencedRequest, Response = ProxyResponse, Error = BoxError> {
+) -> impl Step<FencedRequest> {
     let point = Arc::new(FencePoint::new(
         marks.clone(),
         100,
@@ -89,7 +88,7 @@ fn fence(
         enforce,
     ));
     let forwarded = forwarded.clone();
-    FenceLayer::new(point).layer(service_fn(move |_admitted: Admitted| {
+    FenceLayer::new(point).layer(StepFn(move |_admitted: Admitted| {
         forwarded.fetch_add(1, Ordering::SeqCst);
         async { Ok::<_, BoxError>(ProxyResponse::new(crate::http::full("ok"))) }
     }))
@@ -100,7 +99,7 @@ async fn a_current_token_is_forwarded_and_raises_the_mark() {
     let marks = Arc::new(MemoryMarks::default());
     let forwarded = Arc::new(AtomicUsize::new(0));
     fence(&marks, true, &forwarded)
-        .oneshot(request(7, None))
+        .handle(request(7, None))
         .await
         .unwrap();
     assert_eq!(forwarded.load(Ordering::SeqCst), 1);
@@ -113,7 +112,7 @@ async fn a_stale_token_is_fenced_out_and_never_reaches_the_rail() {
     marks.marks.lock().unwrap().insert("acct-1".into(), 9);
     let forwarded = Arc::new(AtomicUsize::new(0));
     let error = fence(&marks, true, &forwarded)
-        .oneshot(request(8, Some("pay-1")))
+        .handle(request(8, Some("pay-1")))
         .await
         .unwrap_err();
     assert!(error.downcast_ref::<FencedOut>().is_some(), "{error}");
@@ -132,14 +131,7 @@ fn fence_with_held_rail(
     marks: &Arc<MemoryMarks>,
     forwarded: &Arc<AtomicUsize>,
     release: &Arc<tokio::sync::Notify>,
-) -> impl Service<
-    FencedRequest,
-    Response = ProxyResponse,
-    Error = BoxError,
-    Future = Pin<Box<dyn Future<Output = Result<ProxyResponse, BoxError>> + Send>>,
-> + Clone
-+ Send
-+ 'static {
+) -> Arc<impl Step<FencedRequest>> {
     let point = Arc::new(FencePoint::new(
         marks.clone(),
         100,
@@ -147,18 +139,20 @@ fn fence_with_held_rail(
         true,
     ));
     let (forwarded, release) = (forwarded.clone(), release.clone());
-    FenceLayer::new(point).layer(service_fn(move |admitted: Admitted| {
-        let n = forwarded.fetch_add(1, Ordering::SeqCst);
-        let release = release.clone();
-        async move {
-            // The request holds its account's turn until the rail has answered.
-            let _turn = admitted.admission.turn;
-            if n == 0 {
-                release.notified().await;
+    Arc::new(
+        FenceLayer::new(point).layer(StepFn(move |admitted: Admitted| {
+            let n = forwarded.fetch_add(1, Ordering::SeqCst);
+            let release = release.clone();
+            async move {
+                // The request holds its account's turn until the rail has answered.
+                let _turn = admitted.admission.turn;
+                if n == 0 {
+                    release.notified().await;
+                }
+                Ok::<_, BoxError>(ProxyResponse::new(crate::http::full("ok")))
             }
-            Ok::<_, BoxError>(ProxyResponse::new(crate::http::full("ok")))
-        }
-    }))
+        })),
+    )
 }
 
 #[tokio::test]
@@ -168,11 +162,17 @@ async fn a_token_superseded_elsewhere_while_it_waited_is_refused_and_its_record_
     let release = Arc::new(tokio::sync::Notify::new());
     let service = fence_with_held_rail(&marks, &forwarded, &release);
     // 9's forward is held at the rail; 10 passes its compare-and-set and waits its turn.
-    let first = tokio::spawn(service.clone().oneshot(request(9, None)));
+    let first = tokio::spawn({
+        let service = service.clone();
+        async move { service.handle(request(9, None)).await }
+    });
     while forwarded.load(Ordering::SeqCst) == 0 {
         tokio::task::yield_now().await;
     }
-    let second = tokio::spawn(service.clone().oneshot(request(10, Some("pay-1"))));
+    let second = tokio::spawn({
+        let service = service.clone();
+        async move { service.handle(request(10, Some("pay-1"))).await }
+    });
     tokio::time::sleep(Duration::from_millis(50)).await;
     // Meanwhile another railguard accepts 12.
     *marks.elsewhere.lock().unwrap() = Some(12);
@@ -200,7 +200,7 @@ async fn a_token_superseded_elsewhere_is_refused_even_when_it_did_not_wait() {
     *marks.elsewhere.lock().unwrap() = Some(12);
     let forwarded = Arc::new(AtomicUsize::new(0));
     let error = fence(&marks, true, &forwarded)
-        .oneshot(request(10, Some("pay-1")))
+        .handle(request(10, Some("pay-1")))
         .await
         .unwrap_err();
     assert!(error.downcast_ref::<FencedOut>().is_some(), "{error}");
@@ -218,7 +218,7 @@ async fn with_the_kill_switch_a_stale_token_is_forwarded_without_its_key() {
     marks.marks.lock().unwrap().insert("acct-1".into(), 9);
     let forwarded = Arc::new(AtomicUsize::new(0));
     fence(&marks, false, &forwarded)
-        .oneshot(request(8, Some("pay-1")))
+        .handle(request(8, Some("pay-1")))
         .await
         .unwrap();
     assert_eq!(forwarded.load(Ordering::SeqCst), 1);

@@ -30,14 +30,13 @@ use hyper::body::Body as _;
 use hyper_util::client::legacy::connect::HttpConnector;
 use rustls::ClientConfig;
 use tokio::time::Instant;
-use tower::Service;
 use tracing::Instrument;
 
 use self::connections::{RailBody, RailConnections, SendError};
 use super::admission::{Admission, Admitted};
 use super::fence::Turn;
 use super::idempotency::{AskTheRail, LateAnswer, MaybeSent};
-use super::{BoxError, FencedRequest, ProxyResponse};
+use super::{BoxError, FencedRequest, ProxyResponse, Step};
 use crate::config::Upstream;
 use crate::metrics::Metrics;
 use crate::store::records::BoxFuture;
@@ -316,117 +315,110 @@ impl AskTheRail for Forward {
     }
 }
 
-impl Service<Admitted> for Forward {
-    type Response = ProxyResponse;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<ProxyResponse, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, admitted: Admitted) -> Self::Future {
-        let this = self.0.clone();
+impl Step<Admitted> for Forward {
+    fn handle(
+        &self,
+        admitted: Admitted,
+    ) -> impl Future<Output = Result<ProxyResponse, BoxError>> + Send {
+        let this = &self.0;
         // At debug, as `fence.check`: `proxy.request` carries the token at info.
         let span = tracing::debug_span!("rail.forward",
             lock.token = admitted.request.token.get(), account = %admitted.request.account,
             status = tracing::field::Empty);
-        Box::pin(
-            async move {
-                let Admitted {
-                    request:
-                        FencedRequest {
-                            request,
-                            mut deadline,
-                            ..
-                        },
-                    admission:
-                        Admission {
-                            record,
-                            sent: asked,
-                            turn,
-                            ..
-                        },
-                } = admitted;
-                // A record never reaches the forward (the idempotency layer keeps it); were
-                // one here, it would be dropped — and forgotten — before the rail answered.
-                debug_assert!(record.is_none(), "the forward never owns a record");
-                let mut request = request;
-                // Where the rail's answer goes should it come after the deadline.
-                let late_answer = request.extensions_mut().remove::<LateAnswer>();
-                let request = this.upstream_request(request, asked.clone())?;
-                // An empty body is never asked for although the request goes out whole, so
-                // such a request may have been sent from the moment it is handed to the client.
-                // Marked now, not when the client returns: a forward whose future is dropped
-                // mid-way (its client hung up, with the kill switch on) must not leave its
-                // record looking unsent. A connect failure un-marks it: no connection, nothing
-                // received (`MaybeSent::never_connected`).
-                if request.body().is_end_stream() {
-                    asked.set();
-                }
-                let sent = |connect_failed: bool| {
-                    if connect_failed {
-                        asked.never_connected();
-                    }
-                    if asked.is_set() {
-                        Sent::Maybe
-                    } else {
-                        Sent::Never
-                    }
-                };
-                let started = Instant::now();
-                let mut in_flight = InFlight {
-                    exchange: Some(Box::pin(this.connections.clone().send(request))),
-                    turn,
-                    asked: asked.clone(),
-                    counted: Some(this.late.start()),
-                    late_answer,
-                    rail: this.clone(),
-                };
-                let answer = match (&mut in_flight.exchange, &in_flight.turn) {
-                    (Some(exchange), turn) => {
-                        tokio::select! {
-                            answer = deadline.bound(exchange) => answer,
-                            () = silenced(turn.as_ref()) => Ok(Err(SendError::Silenced)),
-                        }
-                    }
-                    (None, _) => unreachable!("the exchange was just started"),
-                };
-                this.metrics
-                    .upstream_seconds
-                    .observe(started.elapsed().as_secs_f64());
-                let response = match answer {
-                    Err(_) => {
-                        let sent = sent(false);
-                        in_flight.hand_off(PAST_DEADLINE);
-                        return Err(UpstreamTimeout::no_answer(sent).into());
-                    }
-                    Ok(Err(e)) => {
-                        let sent = sent(matches!(e, SendError::Connect(_)));
-                        if sent == Sent::Maybe {
-                            // Written, perhaps, and the connection failed before an answer:
-                            // what was written may still reach the rail (a middlebox may hold
-                            // it). Noted before the forward stops counting as outstanding.
-                            this.late.ended_unanswered();
-                        }
-                        let turn = in_flight.settle();
-                        if let (Some(turn), Sent::Maybe) = (turn, sent) {
-                            turn.unanswered();
-                        }
-                        return Err(UpstreamUnavailable(e.into(), sent).into());
-                    }
-                    Ok(Ok(response)) => {
-                        drop(in_flight.settle());
-                        // The rail answered: it has seen the request, whatever its body.
-                        asked.set();
-                        response
-                    }
-                };
-                tracing::Span::current().record("status", response.status().as_u16());
-                Ok(proxy_response(response))
+        async move {
+            let Admitted {
+                request:
+                    FencedRequest {
+                        request,
+                        mut deadline,
+                        ..
+                    },
+                admission:
+                    Admission {
+                        record,
+                        sent: asked,
+                        turn,
+                        ..
+                    },
+            } = admitted;
+            // A record never reaches the forward (the idempotency layer keeps it); were
+            // one here, it would be dropped — and forgotten — before the rail answered.
+            debug_assert!(record.is_none(), "the forward never owns a record");
+            let mut request = request;
+            // Where the rail's answer goes should it come after the deadline.
+            let late_answer = request.extensions_mut().remove::<LateAnswer>();
+            let request = this.upstream_request(request, asked.clone())?;
+            // An empty body is never asked for although the request goes out whole, so
+            // such a request may have been sent from the moment it is handed to the client.
+            // Marked now, not when the client returns: a forward whose future is dropped
+            // mid-way (its client hung up, with the kill switch on) must not leave its
+            // record looking unsent. A connect failure un-marks it: no connection, nothing
+            // received (`MaybeSent::never_connected`).
+            if request.body().is_end_stream() {
+                asked.set();
             }
-            .instrument(span),
-        )
+            let sent = |connect_failed: bool| {
+                if connect_failed {
+                    asked.never_connected();
+                }
+                if asked.is_set() {
+                    Sent::Maybe
+                } else {
+                    Sent::Never
+                }
+            };
+            let started = Instant::now();
+            let mut in_flight = InFlight {
+                exchange: Some(Box::pin(this.connections.clone().send(request))),
+                turn,
+                asked: asked.clone(),
+                counted: Some(this.late.start()),
+                late_answer,
+                rail: this.clone(),
+            };
+            let answer = match (&mut in_flight.exchange, &in_flight.turn) {
+                (Some(exchange), turn) => {
+                    tokio::select! {
+                        answer = deadline.bound(exchange) => answer,
+                        () = silenced(turn.as_ref()) => Ok(Err(SendError::Silenced)),
+                    }
+                }
+                (None, _) => unreachable!("the exchange was just started"),
+            };
+            this.metrics
+                .upstream_seconds
+                .observe(started.elapsed().as_secs_f64());
+            let response = match answer {
+                Err(_) => {
+                    let sent = sent(false);
+                    in_flight.hand_off(PAST_DEADLINE);
+                    return Err(UpstreamTimeout::no_answer(sent).into());
+                }
+                Ok(Err(e)) => {
+                    let sent = sent(matches!(e, SendError::Connect(_)));
+                    if sent == Sent::Maybe {
+                        // Written, perhaps, and the connection failed before an answer:
+                        // what was written may still reach the rail (a middlebox may hold
+                        // it). Noted before the forward stops counting as outstanding.
+                        this.late.ended_unanswered();
+                    }
+                    let turn = in_flight.settle();
+                    if let (Some(turn), Sent::Maybe) = (turn, sent) {
+                        turn.unanswered();
+                    }
+                    return Err(UpstreamUnavailable(e.into(), sent).into());
+                }
+                Ok(Ok(response)) => {
+                    drop(in_flight.settle());
+                    // The rail answered: it has seen the request, whatever its body.
+                    asked.set();
+                    response
+                }
+            };
+            tracing::Span::current().record("status", response.status().as_u16());
+            Ok(proxy_response(response))
+        }
+        .instrument(span)
     }
 }
 

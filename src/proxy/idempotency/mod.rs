@@ -29,11 +29,9 @@ mod replay;
 pub mod resolve;
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use tower::{Layer, Service};
+use tower::Layer;
 
 pub use self::key::{fingerprint, new_owner, parse_key};
 pub use self::late::LateAnswer;
@@ -45,7 +43,7 @@ use crate::store::records::{Record, RecordState, Records};
 
 use super::admission::{Admitted, Keyed};
 use super::forward::{Sent, UpstreamTimeout};
-use super::{BoxError, FencedRequest, ProxyResponse};
+use super::{BoxError, FencedRequest, ProxyResponse, Step};
 use crate::db::DbError;
 
 /// A repeat that must not be forwarded.
@@ -144,45 +142,30 @@ pub struct Idempotency<S> {
     resolver: Option<Arc<Resolver>>,
 }
 
-impl<S> Service<Admitted> for Idempotency<S>
+impl<S> Step<Admitted> for Idempotency<S>
 where
-    S: Service<Admitted, Response = ProxyResponse, Error = BoxError> + Clone + Send + 'static,
-    S::Future: Send,
+    S: Step<Admitted>,
 {
-    type Response = ProxyResponse;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<ProxyResponse, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, admitted: Admitted) -> Self::Future {
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
-        let (records, config) = (self.records.clone(), self.config.clone());
-        let resolver = self.resolver.clone();
-        Box::pin(async move {
+    fn handle(
+        &self,
+        admitted: Admitted,
+    ) -> impl Future<Output = Result<ProxyResponse, BoxError>> + Send {
+        let (inner, records, config) = (&self.inner, &self.records, &self.config);
+        let resolver = self.resolver.as_deref();
+        async move {
             let Admitted {
                 mut request,
                 mut admission,
             } = admitted;
             let key = match (&request.idempotency, admission.keyed) {
                 (Some(key), Keyed::AsItsKeySays) => key,
-                _ => return inner.call(Admitted { request, admission }).await,
+                _ => return inner.handle(Admitted { request, admission }).await,
             };
             let Some(record) = admission.record.take() else {
                 let (fingerprint, key) = (key.fingerprint.clone(), key.key.clone());
                 // Boxed: a repeat is the rare path, and its future would otherwise make every
                 // keyed request's larger.
-                return Box::pin(repeat(
-                    &*records,
-                    resolver.as_deref(),
-                    &request,
-                    &fingerprint,
-                    &key,
-                ))
-                .await;
+                return Box::pin(repeat(&**records, resolver, &request, &fingerprint, &key)).await;
             };
             // The request's timer goes down with it to the forward; the answer's body is read
             // within the same instant by a timer of its own.
@@ -195,7 +178,7 @@ where
             ));
             // A failure drops `record`: forgotten if the rail cannot have seen the request, in
             // doubt if it may have.
-            let response = inner.call(Admitted { request, admission }).await?;
+            let response = inner.handle(Admitted { request, admission }).await?;
             // The rail has answered; its body must arrive within the deadline too, or the
             // client is told the outcome is unknown (504). The body is still read, and stored
             // as the record's answer once it has come (a repeat meanwhile: `in_flight`, then
@@ -217,7 +200,7 @@ where
                     Err(UpstreamTimeout::no_answer(Sent::Maybe).into())
                 }
             }
-        })
+        }
     }
 }
 
@@ -325,17 +308,16 @@ fn answer_repeat(record: Record, fingerprint: &str) -> Result<ProxyResponse, Box
 
 #[cfg(test)]
 mod tests {
-    //! The layer with records in memory and a `service_fn` rail.
+    //! The layer with records in memory and a function for a rail.
 
     use std::time::Duration;
 
     use bytes::Bytes;
     use tokio::time::Instant;
-    use tower::{ServiceExt, service_fn};
 
     use super::record::tests::{Ended, MemoryRecords, record_id};
     use super::*;
-    use crate::proxy::{Admission, Deadline, IdempotencyKey};
+    use crate::proxy::{Admission, Deadline, IdempotencyKey, StepFn};
     use crate::store::records::StoredResponse;
     use crate::token::{AccountId, FencingToken};
 
@@ -378,7 +360,7 @@ mod tests {
     #[tokio::test]
     async fn an_answered_first_request_completes_its_record() {
         let records = Arc::new(MemoryRecords::default());
-        let rail = service_fn(|admitted: Admitted| async move {
+        let rail = StepFn(|admitted: Admitted| async move {
             admitted.admission.sent.set();
             let mut response = ProxyResponse::new(crate::http::full("paid"));
             *response.status_mut() = http::StatusCode::CREATED;
@@ -386,7 +368,7 @@ mod tests {
         });
         let response = layer(&records)
             .layer(rail)
-            .oneshot(first(&records))
+            .handle(first(&records))
             .await
             .unwrap();
         assert_eq!(response.status(), http::StatusCode::CREATED);
@@ -400,7 +382,7 @@ mod tests {
         use http_body_util::{BodyExt, StreamBody};
 
         let records = Arc::new(MemoryRecords::default());
-        let rail = service_fn(|admitted: Admitted| async move {
+        let rail = StepFn(|admitted: Admitted| async move {
             admitted.admission.sent.set();
             let body = futures_util::stream::once(async {
                 tokio::time::sleep(Duration::from_millis(300)).await;
@@ -414,7 +396,7 @@ mod tests {
         request.request.deadline = Deadline::at(Instant::now() + Duration::from_millis(100));
         let error = layer(&records)
             .layer(rail)
-            .oneshot(request)
+            .handle(request)
             .await
             .unwrap_err();
         assert!(error.downcast_ref::<UpstreamTimeout>().is_some(), "{error}");
@@ -427,10 +409,10 @@ mod tests {
     #[tokio::test]
     async fn a_forward_that_failed_before_sending_forgets_the_record() {
         let records = Arc::new(MemoryRecords::default());
-        let rail = service_fn(|_admitted: Admitted| async {
+        let rail = StepFn(|_admitted: Admitted| async {
             Err::<ProxyResponse, BoxError>("connection refused".into())
         });
-        let result = layer(&records).layer(rail).oneshot(first(&records)).await;
+        let result = layer(&records).layer(rail).handle(first(&records)).await;
         assert!(result.is_err());
         assert_eq!(records.ended(), [Ended::Forgotten(record_id())]);
     }
@@ -438,11 +420,11 @@ mod tests {
     #[tokio::test]
     async fn a_forward_that_failed_after_sending_leaves_the_record_in_doubt() {
         let records = Arc::new(MemoryRecords::default());
-        let rail = service_fn(|admitted: Admitted| async move {
+        let rail = StepFn(|admitted: Admitted| async move {
             admitted.admission.sent.set();
             Err::<ProxyResponse, BoxError>("connection reset".into())
         });
-        let result = layer(&records).layer(rail).oneshot(first(&records)).await;
+        let result = layer(&records).layer(rail).handle(first(&records)).await;
         assert!(result.is_err());
         assert_eq!(records.ended(), [Ended::InDoubt(record_id())]);
     }
@@ -450,7 +432,7 @@ mod tests {
     #[tokio::test]
     async fn repeats_never_reach_the_rail() {
         let records = Arc::new(MemoryRecords::default());
-        let rail = service_fn(|_admitted: Admitted| async {
+        let rail = StepFn(|_admitted: Admitted| async {
             panic!("a repeat reached the rail");
             #[allow(unreachable_code)]
             Ok::<ProxyResponse, BoxError>(ProxyResponse::new(crate::http::full("")))
@@ -465,10 +447,10 @@ mod tests {
                 body: Some(Bytes::from_static(b"paid")),
             }),
         });
-        let replayed = service.clone().oneshot(repeat_of("f")).await.unwrap();
+        let replayed = service.handle(repeat_of("f")).await.unwrap();
         assert_eq!(replayed.status(), http::StatusCode::CREATED);
         assert_eq!(replayed.headers()["idempotency-replayed"], "true");
-        let mismatch = service.clone().oneshot(repeat_of("g")).await.unwrap_err();
+        let mismatch = service.handle(repeat_of("g")).await.unwrap_err();
         assert!(matches!(
             mismatch.downcast_ref::<IdempotencyConflict>(),
             Some(IdempotencyConflict::Mismatch)
@@ -482,7 +464,7 @@ mod tests {
                 token: 3,
                 state,
             });
-            let error = service.clone().oneshot(repeat_of("f")).await.unwrap_err();
+            let error = service.handle(repeat_of("f")).await.unwrap_err();
             let conflict = error.downcast_ref::<IdempotencyConflict>().unwrap();
             assert_eq!(format!("{conflict:?}"), want);
         }
