@@ -84,9 +84,18 @@ impl Outcome {
 #[derive(Debug, Clone, Copy)]
 pub enum FencePath {
     /// Rejected from the in-memory lower bound, without a database round trip.
-    Cache,
+    Cache = 0,
     /// Decided by the compare-and-set in PostgreSQL.
-    Database,
+    Database = 1,
+}
+
+impl FencePath {
+    fn as_str(self) -> &'static str {
+        match self {
+            FencePath::Cache => "cache",
+            FencePath::Database => "database",
+        }
+    }
 }
 
 pub struct Metrics {
@@ -96,7 +105,12 @@ pub struct Metrics {
     /// Stale requests forwarded because fencing is switched off (C5 §5.2).
     pub would_have_fenced: IntCounter,
     pub requests: IntCounterVec,
+    /// `requests`' counter of each outcome, in [`Outcome::ALL`]'s order: found once, not by
+    /// its label on each request.
+    by_outcome: [IntCounter; Outcome::ALL.len()],
     pub fence_check_seconds: HistogramVec,
+    /// `fence_check_seconds`' histograms of the cache and of the database.
+    fence_check: [Histogram; 2],
     pub upstream_seconds: Histogram,
     pub fencing_enforced: IntGauge,
     /// 0 while `fencing.order_across_processes = false` (`store::handover`).
@@ -303,16 +317,15 @@ impl Metrics {
         ] {
             registry.register(metric).expect("metric registered once");
         }
-        // Export every outcome from the start so that rates and alerts see a zero, not a gap.
-        for outcome in Outcome::ALL {
-            requests.with_label_values(&[outcome.as_str()]);
-        }
+        // Every outcome is exported from the start, so that rates and alerts see a zero, not
+        // a gap.
+        let by_outcome =
+            Outcome::ALL.map(|outcome| requests.with_label_values(&[outcome.as_str()]));
         for statement in ["fence", "completion", "look"] {
             db_statements_stalled.with_label_values(&[statement]);
         }
-        for path in ["cache", "database"] {
-            fence_check_seconds.with_label_values(&[path]);
-        }
+        let fence_check = [FencePath::Cache, FencePath::Database]
+            .map(|path| fence_check_seconds.with_label_values(&[path.as_str()]));
         for listener in ["proxy", "admin", "lock"] {
             for reason in crate::http::Refusal::ALL {
                 listener_refusals.with_label_values(&[listener, reason.as_str()]);
@@ -323,7 +336,9 @@ impl Metrics {
             fenced_out,
             would_have_fenced,
             requests,
+            by_outcome,
             fence_check_seconds,
+            fence_check,
             upstream_seconds,
             fencing_enforced,
             cross_process_order,
@@ -342,20 +357,19 @@ impl Metrics {
     }
 
     pub fn record_outcome(&self, outcome: Outcome) {
-        self.requests.with_label_values(&[outcome.as_str()]).inc();
+        // `Outcome::ALL` lists the outcomes in their declared order (a test checks it); one
+        // left out of it would still be counted, by its label.
+        match self.by_outcome.get(outcome as usize) {
+            Some(counter) => counter.inc(),
+            None => self.requests.with_label_values(&[outcome.as_str()]).inc(),
+        }
         if outcome == Outcome::FencedOut {
             self.fenced_out.inc();
         }
     }
 
     pub fn observe_fence(&self, path: FencePath, seconds: f64) {
-        let label = match path {
-            FencePath::Cache => "cache",
-            FencePath::Database => "database",
-        };
-        self.fence_check_seconds
-            .with_label_values(&[label])
-            .observe(seconds);
+        self.fence_check[path as usize].observe(seconds);
     }
 
     /// The registry every metric of this process is in (other modules register their own).
@@ -395,6 +409,32 @@ mod tests {
             "{line}"
         );
         assert!(line.ends_with("} 1"), "{line}");
+    }
+
+    // Each outcome and each fence path is counted under its own label.
+    #[test]
+    fn each_outcome_and_fence_path_counts_under_its_own_label() {
+        let metrics = Metrics::new();
+        for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
+            for _ in 0..=n {
+                metrics.record_outcome(outcome);
+            }
+        }
+        for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
+            let counted = metrics
+                .requests
+                .with_label_values(&[outcome.as_str()])
+                .get();
+            assert_eq!(counted, n as u64 + 1, "{outcome:?}");
+        }
+        assert_eq!(metrics.fenced_out.get(), 2);
+        metrics.observe_fence(FencePath::Database, 0.5);
+        metrics.observe_fence(FencePath::Database, 0.5);
+        metrics.observe_fence(FencePath::Cache, 0.5);
+        for (path, count) in [("database", 2), ("cache", 1)] {
+            let histogram = metrics.fence_check_seconds.with_label_values(&[path]);
+            assert_eq!(histogram.get_sample_count(), count, "{path}");
+        }
     }
 
     #[cfg(target_os = "linux")]

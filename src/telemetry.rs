@@ -4,9 +4,16 @@
 //! which grant a request belonged to at every step. The level can be changed while running
 //! ([`LogLevel`], SIGHUP with a new `log.level`).
 
-use tracing_subscriber::layer::SubscriberExt;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use tracing::level_filters::LevelFilter;
+use tracing::subscriber::Interest;
+use tracing::{Metadata, Subscriber, span};
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
-use tracing_subscriber::{EnvFilter, Registry, fmt, reload};
+use tracing_subscriber::{EnvFilter, fmt};
 
 use crate::config::LogFormat;
 
@@ -14,14 +21,16 @@ use crate::config::LogFormat;
 /// when set and valid, wins over `level`. Returns the handle that changes the level later, or
 /// `None` when a subscriber was already installed.
 pub fn init(format: LogFormat, level: &str, rust_log: Option<&str>) -> Option<LogLevel> {
-    let from_rust_log = rust_log.and_then(|filter| EnvFilter::try_new(filter).ok());
+    let from_rust_log = rust_log.and_then(|filter| LogFilter::parse(filter).ok());
     let rust_log_wins = from_rust_log.is_some();
-    let filter = from_rust_log.unwrap_or_else(|| EnvFilter::new(level));
-    let (filter, handle) = reload::Layer::new(filter);
+    let filter = from_rust_log.unwrap_or_else(|| {
+        LogFilter::parse(level).unwrap_or_else(|_| Filter::Directives(EnvFilter::new(level)))
+    });
+    let filter = Arc::new(LogFilter::new(filter));
     use std::io::IsTerminal;
     // Colours only for a person at a terminal, never into a file or a log pipeline.
     let ansi = std::io::stderr().is_terminal();
-    let registry = tracing_subscriber::registry().with(filter);
+    let registry = tracing_subscriber::registry().with(FilterLayer(filter.clone()));
     let installed = match format {
         LogFormat::Pretty => registry
             .with(
@@ -43,14 +52,14 @@ pub fn init(format: LogFormat, level: &str, rust_log: Option<&str>) -> Option<Lo
             .try_init(),
     };
     installed.ok().map(|()| LogLevel {
-        handle,
+        filter,
         rust_log_wins,
     })
 }
 
 /// Changes the level of the subscriber [`init`] installed.
 pub struct LogLevel {
-    handle: reload::Handle<EnvFilter, Registry>,
+    filter: Arc<LogFilter>,
     /// `RUST_LOG` was set and valid: it stays in force, whatever `log.level` says.
     rust_log_wins: bool,
 }
@@ -70,11 +79,344 @@ impl LogLevel {
         if self.rust_log_wins {
             return Ok(LevelChange::RustLogWins);
         }
-        let filter = EnvFilter::try_new(level)
-            .map_err(|e| format!("{level:?} is not a tracing filter: {e}"))?;
-        self.handle
-            .reload(filter)
-            .map_err(|e| format!("cannot change the log level: {e}"))?;
+        self.filter.set(LogFilter::parse(level)?);
         Ok(LevelChange::Applied)
+    }
+}
+
+/// What decides which spans and events are logged.
+enum Filter {
+    /// One level for every target (`info`, the default).
+    Level(LevelFilter),
+    /// Directives (`info,railguard::proxy=debug`).
+    Directives(EnvFilter),
+}
+
+/// `log.level` in force, changed while running by [`LogLevel::set`].
+///
+/// A plain level is one byte, read when a callsite is first used or the level changes: nothing
+/// is kept or locked per span. Only a filter with directives is an `EnvFilter`, behind a lock
+/// taken by its callbacks (each span's entry and exit among them); with a plain level they
+/// read the byte and return. (A `reload::Layer<EnvFilter>` takes two shared locks each time
+/// any span is entered or left, whatever the filter says.)
+struct LogFilter {
+    /// The plain level in force ([`level_code`]), or [`DIRECTIVES`].
+    level: AtomicU8,
+    /// Shared out of the lock before it is asked anything, so that nothing it calls (a field's
+    /// formatting, which may log) runs while the lock is held.
+    directives: RwLock<Option<Arc<EnvFilter>>>,
+}
+
+/// `LogFilter::level` when directives decide.
+const DIRECTIVES: u8 = u8::MAX;
+
+fn level_code(level: LevelFilter) -> u8 {
+    match level.into_level() {
+        None => 0,
+        Some(tracing::Level::ERROR) => 1,
+        Some(tracing::Level::WARN) => 2,
+        Some(tracing::Level::INFO) => 3,
+        Some(tracing::Level::DEBUG) => 4,
+        Some(tracing::Level::TRACE) => 5,
+    }
+}
+
+fn level_of(code: u8) -> LevelFilter {
+    match code {
+        0 => LevelFilter::OFF,
+        1 => LevelFilter::ERROR,
+        2 => LevelFilter::WARN,
+        3 => LevelFilter::INFO,
+        4 => LevelFilter::DEBUG,
+        _ => LevelFilter::TRACE,
+    }
+}
+
+impl LogFilter {
+    fn new(filter: Filter) -> Self {
+        let this = Self {
+            level: AtomicU8::new(DIRECTIVES),
+            directives: RwLock::new(None),
+        };
+        this.put(filter);
+        this
+    }
+
+    /// `text` as a filter: a plain level, or directives. (An empty text is no directive at
+    /// all, which enables nothing, as an `EnvFilter` reads it; `LevelFilter` would read it as
+    /// `error`.)
+    fn parse(text: &str) -> Result<Filter, String> {
+        if !text.is_empty()
+            && let Ok(level) = text.parse::<LevelFilter>()
+        {
+            return Ok(Filter::Level(level));
+        }
+        EnvFilter::try_new(text)
+            .map(Filter::Directives)
+            .map_err(|e| format!("{text:?} is not a tracing filter: {e}"))
+    }
+
+    fn put(&self, filter: Filter) {
+        let mut directives = self
+            .directives
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        match filter {
+            Filter::Level(level) => {
+                self.level.store(level_code(level), Ordering::Release);
+                *directives = None;
+            }
+            Filter::Directives(filter) => {
+                *directives = Some(Arc::new(filter));
+                self.level.store(DIRECTIVES, Ordering::Release);
+            }
+        }
+    }
+
+    /// Puts `filter` in force, and has every callsite ask again whether it is enabled.
+    fn set(&self, filter: Filter) {
+        self.put(filter);
+        tracing::callsite::rebuild_interest_cache();
+    }
+
+    /// What decides now: the plain level, or the directives.
+    fn current(&self) -> Decides {
+        loop {
+            match self.level.load(Ordering::Acquire) {
+                DIRECTIVES => {
+                    let directives = self
+                        .directives
+                        .read()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clone();
+                    // `None`: a plain level replaced them just now; it is read again.
+                    if let Some(directives) = directives {
+                        return Decides::Directives(directives);
+                    }
+                }
+                code => return Decides::Level(level_of(code)),
+            }
+        }
+    }
+
+    /// The plain level in force, or `None` when directives decide.
+    fn plain(&self) -> Option<LevelFilter> {
+        match self.level.load(Ordering::Acquire) {
+            DIRECTIVES => None,
+            code => Some(level_of(code)),
+        }
+    }
+
+    /// `f` of the directives, when they decide.
+    fn directives(&self, f: impl FnOnce(&EnvFilter)) {
+        if self.plain().is_none()
+            && let Decides::Directives(directives) = self.current()
+        {
+            f(&directives);
+        }
+    }
+}
+
+/// What [`LogFilter::current`] found.
+enum Decides {
+    Level(LevelFilter),
+    Directives(Arc<EnvFilter>),
+}
+
+/// The subscriber's filter: [`LogFilter`], shared with [`LogLevel`].
+struct FilterLayer(Arc<LogFilter>);
+
+impl<S> Layer<S> for FilterLayer
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
+        match self.0.current() {
+            Decides::Level(level) if *metadata.level() <= level => Interest::always(),
+            Decides::Level(_) => Interest::never(),
+            Decides::Directives(f) => Layer::<S>::register_callsite(&*f, metadata),
+        }
+    }
+
+    fn enabled(&self, metadata: &Metadata<'_>, cx: Context<'_, S>) -> bool {
+        match self.0.current() {
+            Decides::Level(level) => *metadata.level() <= level,
+            Decides::Directives(f) => Layer::<S>::enabled(&*f, metadata, cx),
+        }
+    }
+
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        match self.0.current() {
+            Decides::Level(level) => Some(level),
+            Decides::Directives(f) => Layer::<S>::max_level_hint(&*f),
+        }
+    }
+
+    // With a plain level the span callbacks read one byte and return: nothing is kept per span.
+
+    fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, cx: Context<'_, S>) {
+        self.0
+            .directives(|f| Layer::<S>::on_new_span(f, attrs, id, cx));
+    }
+
+    fn on_record(&self, id: &span::Id, values: &span::Record<'_>, cx: Context<'_, S>) {
+        self.0
+            .directives(|f| Layer::<S>::on_record(f, id, values, cx));
+    }
+
+    fn on_enter(&self, id: &span::Id, cx: Context<'_, S>) {
+        self.0.directives(|f| Layer::<S>::on_enter(f, id, cx));
+    }
+
+    fn on_exit(&self, id: &span::Id, cx: Context<'_, S>) {
+        self.0.directives(|f| Layer::<S>::on_exit(f, id, cx));
+    }
+
+    fn on_close(&self, id: span::Id, cx: Context<'_, S>) {
+        self.0.directives(|f| Layer::<S>::on_close(f, id, cx));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// The messages of the events a subscriber with `filter` lets through.
+    #[derive(Clone, Default)]
+    struct Written(Arc<Mutex<Vec<String>>>);
+
+    impl<S: Subscriber> Layer<S> for Written {
+        fn on_event(&self, event: &tracing::Event<'_>, _cx: Context<'_, S>) {
+            struct Message(String);
+            impl tracing::field::Visit for Message {
+                fn record_debug(
+                    &mut self,
+                    field: &tracing::field::Field,
+                    value: &dyn std::fmt::Debug,
+                ) {
+                    if field.name() == "message" {
+                        self.0 = format!("{value:?}");
+                    }
+                }
+            }
+            let mut message = Message(String::new());
+            event.record(&mut message);
+            self.0.lock().unwrap().push(message.0);
+        }
+    }
+
+    mod quiet {
+        pub(super) fn log() {
+            tracing::info!("quiet info");
+            tracing::debug!("quiet debug");
+        }
+    }
+
+    mod loud {
+        pub(super) fn log() {
+            tracing::info!("loud info");
+            tracing::debug!("loud debug");
+            let span = tracing::debug_span!("loud span");
+            let _entered = span.enter();
+            tracing::debug!("loud debug in a span");
+        }
+    }
+
+    // A plain level and directives each let through what they say, and either replaces the
+    // other while the subscriber runs, the callsites' cached interest with it.
+    #[test]
+    fn a_plain_level_and_directives_replace_each_other_while_running() {
+        let written = Written::default();
+        let filter = Arc::new(LogFilter::new(LogFilter::parse("info").unwrap()));
+        let subscriber = tracing_subscriber::registry()
+            .with(FilterLayer(filter.clone()))
+            .with(written.clone());
+        let level = LogLevel {
+            filter,
+            rust_log_wins: false,
+        };
+        let taken = || std::mem::take(&mut *written.0.lock().unwrap());
+        tracing::subscriber::with_default(subscriber, || {
+            quiet::log();
+            loud::log();
+            assert_eq!(taken(), ["quiet info", "loud info"]);
+
+            let loud_only = format!("info,{}::loud=debug", module_path!());
+            assert_eq!(level.set(&loud_only), Ok(LevelChange::Applied));
+            quiet::log();
+            loud::log();
+            assert_eq!(
+                taken(),
+                [
+                    "quiet info",
+                    "loud info",
+                    "loud debug",
+                    "loud debug in a span"
+                ]
+            );
+
+            assert_eq!(level.set("debug"), Ok(LevelChange::Applied));
+            quiet::log();
+            assert_eq!(taken(), ["quiet info", "quiet debug"]);
+
+            assert_eq!(level.set("warn"), Ok(LevelChange::Applied));
+            quiet::log();
+            loud::log();
+            assert!(taken().is_empty());
+
+            assert!(level.set("info,=[").is_err(), "not a filter");
+            quiet::log();
+            assert!(taken().is_empty(), "a refused filter changes nothing");
+        });
+    }
+
+    // A plain level in any spelling an `EnvFilter` takes is a level; an empty filter enables
+    // nothing, as an `EnvFilter` reads it.
+    #[test]
+    fn plain_levels_are_read_as_an_env_filter_reads_them() {
+        for (text, level) in [
+            ("info", LevelFilter::INFO),
+            ("INFO", LevelFilter::INFO),
+            ("Debug", LevelFilter::DEBUG),
+            ("off", LevelFilter::OFF),
+            ("3", LevelFilter::INFO),
+            ("5", LevelFilter::TRACE),
+        ] {
+            match LogFilter::parse(text) {
+                Ok(Filter::Level(parsed)) => assert_eq!(parsed, level, "{text:?}"),
+                _ => panic!("{text:?} is not read as a plain level"),
+            }
+        }
+        for text in ["", "info,hyper=warn", "railguard=debug"] {
+            assert!(
+                matches!(LogFilter::parse(text), Ok(Filter::Directives(_))),
+                "{text:?} is read as directives"
+            );
+        }
+        let written = Written::default();
+        let filter = Arc::new(LogFilter::new(LogFilter::parse("").unwrap()));
+        let subscriber = tracing_subscriber::registry()
+            .with(FilterLayer(filter))
+            .with(written.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::error!("an error");
+            quiet::log();
+        });
+        assert!(
+            written.0.lock().unwrap().is_empty(),
+            "an empty filter enables nothing"
+        );
+    }
+
+    #[test]
+    fn rust_log_stays_in_force() {
+        let level = LogLevel {
+            filter: Arc::new(LogFilter::new(Filter::Level(LevelFilter::INFO))),
+            rust_log_wins: true,
+        };
+        assert_eq!(level.set("debug"), Ok(LevelChange::RustLogWins));
+        assert_eq!(level.filter.plain(), Some(LevelFilter::INFO));
     }
 }

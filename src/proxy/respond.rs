@@ -142,3 +142,113 @@ where
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use http::{HeaderValue, Response, StatusCode};
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    use super::*;
+    use crate::proxy::{BoxError, StepFn, full};
+
+    /// What reaches the step below: the request id it was sent with.
+    type Seen = Arc<std::sync::Mutex<Option<HeaderValue>>>;
+
+    /// Respond over a step that notes the request's id and answers with `answer`.
+    fn respond(
+        seen: &Seen,
+        answer: fn() -> Result<ProxyResponse, BoxError>,
+    ) -> Respond<impl Step<Request<()>>> {
+        let seen = seen.clone();
+        RespondLayer::new(Arc::new(Metrics::new())).layer(StepFn(move |request: Request<()>| {
+            *seen.lock().unwrap() = request.headers().get(X_REQUEST_ID).cloned();
+            async move { answer() }
+        }))
+    }
+
+    fn paid() -> Result<ProxyResponse, BoxError> {
+        Ok(Response::builder().status(201).body(full("paid")).unwrap())
+    }
+
+    fn with_the_rails_own_id() -> Result<ProxyResponse, BoxError> {
+        Ok(Response::builder()
+            .status(201)
+            .header(X_REQUEST_ID, "rail-9")
+            .body(full("paid"))
+            .unwrap())
+    }
+
+    fn refused() -> Result<ProxyResponse, BoxError> {
+        Err(crate::proxy::fence::FencedOut {
+            account: crate::token::AccountId::parse("acct-1", 64).unwrap(),
+            token: crate::token::FencingToken::new(3).unwrap(),
+            below_floor: false,
+        }
+        .into())
+    }
+
+    fn id(response: &ProxyResponse) -> &str {
+        response.headers()[X_REQUEST_ID].to_str().unwrap()
+    }
+
+    // A request without an id gets one of ours, sent on with it and back with the answer; two
+    // requests get two.
+    #[tokio::test]
+    async fn a_request_without_an_id_gets_one_that_goes_on_with_it_and_back() {
+        let seen = Seen::default();
+        let service = respond(&seen, paid);
+        let first = service.clone().oneshot(Request::new(())).await.unwrap();
+        let sent = seen
+            .lock()
+            .unwrap()
+            .take()
+            .expect("an id went down with it");
+        assert_eq!(first.headers()[X_REQUEST_ID], sent);
+        let second = service.oneshot(Request::new(())).await.unwrap();
+        assert_ne!(id(&first), id(&second));
+    }
+
+    // The client's id is the request's: sent on, and back with the answer.
+    #[tokio::test]
+    async fn the_clients_id_is_sent_on_and_back() {
+        let seen = Seen::default();
+        let mut request = Request::new(());
+        request
+            .headers_mut()
+            .insert(X_REQUEST_ID, HeaderValue::from_static("client-7"));
+        let answer = respond(&seen, paid).oneshot(request).await.unwrap();
+        assert_eq!(id(&answer), "client-7");
+        assert_eq!(seen.lock().unwrap().as_ref().unwrap(), "client-7");
+    }
+
+    // The rail's own id on its answer is left as the rail sent it.
+    #[tokio::test]
+    async fn the_rails_own_id_on_its_answer_is_kept() {
+        let seen = Seen::default();
+        let mut request = Request::new(());
+        request
+            .headers_mut()
+            .insert(X_REQUEST_ID, HeaderValue::from_static("client-7"));
+        let answer = respond(&seen, with_the_rails_own_id)
+            .oneshot(request)
+            .await
+            .unwrap();
+        assert_eq!(id(&answer), "rail-9");
+    }
+
+    // A refusal names the request in its header and its body.
+    #[tokio::test]
+    async fn a_refusal_names_the_request() {
+        let seen = Seen::default();
+        let answer = respond(&seen, refused)
+            .oneshot(Request::new(()))
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::CONFLICT);
+        let header = id(&answer).to_string();
+        let body = answer.into_body().collect().await.unwrap().to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["request_id"], header.as_str());
+    }
+}

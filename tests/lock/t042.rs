@@ -21,7 +21,8 @@ async fn t042(etcd: Option<EtcdCluster>) {
     let rail = Rail::start().await;
     let endpoints = etcd.as_ref().map(|e| e.endpoints_csv()).unwrap_or_default();
     let mut env = vec![
-        // The request spans' closing events, so that an accepted request is in the log too.
+        // respond's "finished processing request" line, written in the request's span, so that
+        // an accepted request is in the log too.
         (
             "RAILGUARD__LOG__LEVEL",
             "info,railguard::proxy::respond=debug",
