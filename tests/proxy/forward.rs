@@ -733,9 +733,9 @@ async fn upstream_failures_are_502_and_504() {
 #[tokio::test]
 async fn http2_clients_are_proxied_and_hop_by_hop_headers_dropped() {
     let (_pg, rail, rg) = world().await;
-    let reply = Http::http2().pay_with(&rg, 3, "h2").await;
-    reply.assert_status(StatusCode::CREATED);
-    assert!(reply.headers.contains_key("x-request-id"));
+    let first = Http::http2().pay_with(&rg, 3, "h2").await;
+    first.assert_status(StatusCode::CREATED);
+    assert!(first.headers.contains_key("x-request-id"));
 
     let reply = rg
         .http()
@@ -750,6 +750,7 @@ async fn http2_clients_are_proxied_and_hop_by_hop_headers_dropped() {
                 ("Proxy-Authorization", "Basic eDp5"),
                 ("X-Private", "secret"),
                 ("X-Forwarded-For", "10.1.2.3"),
+                ("X-Request-Id", "client-7"),
             ],
             "{}",
         )
@@ -757,7 +758,18 @@ async fn http2_clients_are_proxied_and_hop_by_hop_headers_dropped() {
     assert_eq!(reply.status, StatusCode::CREATED);
     let ledger = rail.ledger();
     assert_eq!(ledger.len(), 2);
+    // The id railguard gave the first request is the one the rail saw; the client's own id
+    // goes to the rail and comes back.
+    assert_eq!(
+        ledger[0].header("x-request-id"),
+        first
+            .headers
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+    );
+    assert_eq!(reply.headers["x-request-id"], "client-7");
     let seen = &ledger[1];
+    assert_eq!(seen.header("x-request-id"), Some("client-7"));
     assert_eq!(seen.path, "/payments?x=1", "path and query reach the rail");
     assert_eq!(seen.header("x-forwarded-for"), Some("10.1.2.3, 127.0.0.1"));
     for hop in [
