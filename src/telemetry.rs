@@ -24,7 +24,8 @@ pub fn init(format: LogFormat, level: &str, rust_log: Option<&str>) -> Option<Lo
     let from_rust_log = rust_log.and_then(|filter| LogFilter::parse(filter).ok());
     let rust_log_wins = from_rust_log.is_some();
     let filter = from_rust_log.unwrap_or_else(|| {
-        LogFilter::parse(level).unwrap_or_else(|_| Filter::Directives(EnvFilter::new(level)))
+        LogFilter::parse(level)
+            .unwrap_or_else(|_| Filter::Directives(Box::new(EnvFilter::new(level))))
     });
     let filter = Arc::new(LogFilter::new(filter));
     use std::io::IsTerminal;
@@ -89,7 +90,7 @@ enum Filter {
     /// One level for every target (`info`, the default).
     Level(LevelFilter),
     /// Directives (`info,railguard::proxy=debug`).
-    Directives(EnvFilter),
+    Directives(Box<EnvFilter>),
 }
 
 /// `log.level` in force, changed while running by [`LogLevel::set`].
@@ -152,7 +153,7 @@ impl LogFilter {
             return Ok(Filter::Level(level));
         }
         EnvFilter::try_new(text)
-            .map(Filter::Directives)
+            .map(|filter| Filter::Directives(Box::new(filter)))
             .map_err(|e| format!("{text:?} is not a tracing filter: {e}"))
     }
 
@@ -167,7 +168,7 @@ impl LogFilter {
                 *directives = None;
             }
             Filter::Directives(filter) => {
-                *directives = Some(Arc::new(filter));
+                *directives = Some(Arc::new(*filter));
                 self.level.store(DIRECTIVES, Ordering::Release);
             }
         }
