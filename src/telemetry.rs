@@ -98,8 +98,8 @@ enum Filter {
 /// A plain level is one byte, read when a callsite is first used or the level changes: nothing
 /// is kept or locked per span. Only a filter with directives is an `EnvFilter`, behind a lock
 /// taken by its callbacks (each span's entry and exit among them); with a plain level they
-/// read the byte and return. (A `reload::Layer<EnvFilter>` takes two shared locks each time
-/// any span is entered or left, whatever the filter says.)
+/// read the byte and return. (A `reload::Layer<EnvFilter>` would take two shared locks each
+/// time any span is entered or left, whatever the filter says.)
 struct LogFilter {
     /// The plain level in force ([`level_code`]), or [`DIRECTIVES`].
     level: AtomicU8,
@@ -319,7 +319,7 @@ mod tests {
         pub(super) fn log() {
             tracing::info!("loud info");
             tracing::debug!("loud debug");
-            let span = tracing::debug_span!("loud span");
+            let span = tracing::debug_span!("loud_span");
             let _entered = span.enter();
             tracing::debug!("loud debug in a span");
         }
@@ -358,6 +358,16 @@ mod tests {
                 ]
             );
 
+            // A span's directive: what is written inside the span, which the filter follows
+            // as it is entered and left.
+            assert_eq!(
+                level.set("info,[loud_span]=debug"),
+                Ok(LevelChange::Applied)
+            );
+            quiet::log();
+            loud::log();
+            assert_eq!(taken(), ["quiet info", "loud info", "loud debug in a span"]);
+
             assert_eq!(level.set("debug"), Ok(LevelChange::Applied));
             quiet::log();
             assert_eq!(taken(), ["quiet info", "quiet debug"]);
@@ -373,10 +383,10 @@ mod tests {
         });
     }
 
-    // A plain level in any spelling an `EnvFilter` takes is a level; an empty filter enables
-    // nothing, as an `EnvFilter` reads it.
+    // A plain level in any of the spellings an `EnvFilter` takes for one is a level; an empty
+    // filter is no directive and enables nothing.
     #[test]
-    fn plain_levels_are_read_as_an_env_filter_reads_them() {
+    fn plain_levels_in_any_spelling_are_levels_and_an_empty_filter_enables_nothing() {
         for (text, level) in [
             ("info", LevelFilter::INFO),
             ("INFO", LevelFilter::INFO),

@@ -3,7 +3,7 @@
 //!
 //! Request lifecycle, outermost first:
 //!
-//! | layer | job | refuses with |
+//! | step | job | refuses with |
 //! |---|---|---|
 //! | [`respond`] | sets `x-request-id` if absent, echoes it on the response; the request span (`lock.token` and `account` are recorded on it); error → the one response for it; outcome metrics | |
 //! | [`extract`] | deadline starts; caller ([`authorize`]); token + account headers; body read whole | 401, 403, 400, 413, 408 |

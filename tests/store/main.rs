@@ -40,9 +40,12 @@ struct Rewound {
 }
 
 /// Railguard A and B as processes on one PostgreSQL with `env`, A's path to the rail holding
-/// each chunk 8 s. Token 5 on `account` goes through A; once its mark is at 5, the database goes
-/// back to a copy taken before that compare-and-set (a rewind), with A's forward on its way.
+/// each chunk 8 s. Token 5 on `account` goes through A; once its mark is at 5 and its forward
+/// has reached A's path to the rail, the database goes back to a copy taken before that
+/// compare-and-set (a rewind), with A's forward on its way.
 async fn rewound_under_a_forward(account: &str, env: &[(&str, &str)]) -> Rewound {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
     let mut pg = support::Pg::start().await;
     let rail = support::Rail::start().await;
@@ -51,11 +54,28 @@ async fn rewound_under_a_forward(account: &str, env: &[(&str, &str)]) -> Rewound
     let b = support::Railguard::start_process(&pg.url(), &rail.url(), env).await;
     let copy = pg.copy_data().await.expect("copy of the data directory");
     slow_path.set_delay(Duration::from_millis(8000));
+    // The path sees the forward's bytes as it reads them, before it holds them: until then A's
+    // request may still be at its last look, which a rewind would refuse (503, nothing sent).
+    let on_its_way = Arc::new(AtomicBool::new(false));
+    slow_path.rewrite_towards_target({
+        let (on_its_way, account) = (on_its_way.clone(), account.as_bytes().to_vec());
+        move |chunk| {
+            if chunk
+                .windows(account.len())
+                .any(|w| w == account.as_slice())
+            {
+                on_its_way.store(true, Ordering::SeqCst);
+            }
+            chunk.to_vec()
+        }
+    });
     let older = a.pay_in_background(5, account);
     support::eventually(
         Duration::from_secs(5),
-        format!("{account}'s mark at 5"),
-        || async { (pg.mark(account).await == Some(5)).then_some(()) },
+        format!("{account}'s mark at 5 and A's forward on its way"),
+        || async {
+            (pg.mark(account).await == Some(5) && on_its_way.load(Ordering::SeqCst)).then_some(())
+        },
     )
     .await;
     pg.rewind_to(&copy).await.expect("rewind");

@@ -156,48 +156,112 @@ mod tests {
         (reason, Instant::now())
     }
 
-    // The loss is reported by the earliest moment the lease may have run out (its floor, no
-    // renewal having succeeded), never after it, whether the service refuses connections or
-    // takes them and never answers. The clock is the runtime's paused one, so the instants are
-    // exact (to the timer's millisecond), not a measurement.
-    #[tokio::test(start_paused = true)]
-    async fn a_lease_no_renewal_confirms_is_reported_lost_by_its_floor() {
-        let ttl = Duration::from_millis(900);
+    /// An address that refuses connections for as long as the returned socket lives: bound,
+    /// never listening.
+    fn refusing() -> (tokio::net::TcpSocket, std::net::SocketAddr) {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = socket.local_addr().unwrap();
+        (socket, addr)
+    }
 
-        let refused = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let closed = refused.local_addr().unwrap();
-        drop(refused);
+    /// A lock service that takes connections and never answers; the first `answered` renewals
+    /// it does answer, as the service would.
+    async fn silent_after(answered: usize) -> (tokio::task::JoinHandle<()>, std::net::SocketAddr) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serving = tokio::spawn(async move {
+            let mut held = Vec::new();
+            let mut left = answered;
+            while let Ok((mut socket, _)) = listener.accept().await {
+                if left == 0 {
+                    held.push(socket);
+                    continue;
+                }
+                left -= 1;
+                // The renewal's JSON body ends the request.
+                let mut request = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !request.ends_with(b"}") {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => request.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let body = r#"{"key":"kept","token":7,"ttl_ms":900,"expires_at_us":0}"#;
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(reply.as_bytes()).await;
+            }
+        });
+        (serving, addr)
+    }
+
+    // The loss is reported at the earliest moment the lease may have run out (its floor, no
+    // renewal having succeeded), never after it and never before, whether the service refuses
+    // connections or takes them and never answers. The clock is the runtime's paused one, so
+    // the instants are exact (to the timer's millisecond), not a measurement.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_no_renewal_confirms_is_reported_lost_at_its_floor() {
+        let ttl = Duration::from_millis(900);
+        let millisecond = Duration::from_millis(1);
+
+        let (_refusing, closed) = refusing();
         let handle = granted(ttl);
         let (reason, at) = reported_at(LockClient::new(format!("http://{closed}")), &handle).await;
         assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
         assert!(
-            at <= handle.lease_floor() + Duration::from_millis(1),
+            at <= handle.lease_floor() + millisecond,
             "{:?} after the floor",
             at - handle.lease_floor()
         );
-
-        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = silent.local_addr().unwrap();
-        let held = tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((socket, _)) = silent.accept().await {
-                held.push(socket);
-            }
-        });
-        let handle = granted(ttl);
-        let (reason, at) = reported_at(LockClient::new(format!("http://{addr}")), &handle).await;
-        assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
-        assert!(
-            at <= handle.lease_floor() + Duration::from_millis(1),
-            "{:?} after the floor",
-            at - handle.lease_floor()
-        );
-        // Not before it either: renewals were still allowed to succeed until then.
         assert!(
             at >= handle.lease_floor(),
             "{:?} before the floor",
             handle.lease_floor() - at
         );
-        held.abort();
+
+        let (silent, addr) = silent_after(0).await;
+        let handle = granted(ttl);
+        let (reason, at) = reported_at(LockClient::new(format!("http://{addr}")), &handle).await;
+        assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
+        assert!(
+            at <= handle.lease_floor() + millisecond,
+            "{:?} after the floor",
+            at - handle.lease_floor()
+        );
+        assert!(
+            at >= handle.lease_floor(),
+            "{:?} before the floor",
+            handle.lease_floor() - at
+        );
+        silent.abort();
+    }
+
+    // A renewal that succeeds moves the floor to a ttl after the renewal began (the service
+    // extended the lease no earlier); once the service goes silent, the loss is reported
+    // there: past the grant's own floor, not past the new one.
+    #[tokio::test(start_paused = true)]
+    async fn a_confirmed_renewal_moves_the_floor_to_a_ttl_after_it_began() {
+        let ttl = Duration::from_millis(900);
+        let (silent, addr) = silent_after(1).await;
+        let handle = granted(ttl);
+        let began = Instant::now();
+        let (reason, at) = reported_at(LockClient::new(format!("http://{addr}")), &handle).await;
+        assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
+        // Renewals go out every ttl/3: the one that succeeded began then.
+        let floor = began + ttl / 3 + ttl;
+        assert!(at > handle.lease_floor(), "the renewal moved the floor");
+        assert!(at >= floor, "{:?} before the new floor", floor - at);
+        // Each of the two timers (the renewal's, the loss's) may round up to the next millisecond.
+        assert!(
+            at <= floor + Duration::from_millis(2),
+            "{:?} after the new floor",
+            at - floor
+        );
+        silent.abort();
     }
 }
