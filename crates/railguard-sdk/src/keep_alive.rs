@@ -206,38 +206,25 @@ mod tests {
     // the instants are exact (to the timer's millisecond), not a measurement.
     #[tokio::test(start_paused = true)]
     async fn a_lease_no_renewal_confirms_is_reported_lost_at_its_floor() {
-        let ttl = Duration::from_millis(900);
-        let millisecond = Duration::from_millis(1);
+        /// A fresh grant's loss through the service at `addr`: at its floor, to the millisecond.
+        async fn lost_at_its_floor(addr: std::net::SocketAddr) {
+            let handle = granted(Duration::from_millis(900));
+            let client = LockClient::new(format!("http://{addr}"));
+            let (reason, at) = reported_at(client, &handle).await;
+            assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
+            let floor = handle.lease_floor();
+            assert!(at >= floor, "{:?} before the floor", floor - at);
+            let after = at - floor;
+            assert!(
+                after <= Duration::from_millis(1),
+                "{after:?} after the floor"
+            );
+        }
 
         let (_refusing, closed) = refusing();
-        let handle = granted(ttl);
-        let (reason, at) = reported_at(LockClient::new(format!("http://{closed}")), &handle).await;
-        assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
-        assert!(
-            at <= handle.lease_floor() + millisecond,
-            "{:?} after the floor",
-            at - handle.lease_floor()
-        );
-        assert!(
-            at >= handle.lease_floor(),
-            "{:?} before the floor",
-            handle.lease_floor() - at
-        );
-
+        lost_at_its_floor(closed).await;
         let (silent, addr) = silent_after(0).await;
-        let handle = granted(ttl);
-        let (reason, at) = reported_at(LockClient::new(format!("http://{addr}")), &handle).await;
-        assert!(matches!(reason, LeaseLost::Unconfirmed(_)), "{reason:?}");
-        assert!(
-            at <= handle.lease_floor() + millisecond,
-            "{:?} after the floor",
-            at - handle.lease_floor()
-        );
-        assert!(
-            at >= handle.lease_floor(),
-            "{:?} before the floor",
-            handle.lease_floor() - at
-        );
+        lost_at_its_floor(addr).await;
         silent.abort();
     }
 
