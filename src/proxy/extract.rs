@@ -502,7 +502,7 @@ where
                     ),
                 }
             });
-            let request = Request::from_parts(parts, bytes);
+            let request = Box::new(Request::from_parts(parts, bytes));
             // Last of all the checks, so that its answer is not a free oracle of the source's
             // position: a probe that gets past it costs a fence check (and, at or above the
             // mark, a real forward). Without proofs nothing more can be done; see docs/contract.md.

@@ -99,7 +99,10 @@ where
 pub struct FencedRequest {
     pub token: FencingToken,
     pub account: AccountId,
-    pub request: Request<Bytes>,
+    /// Boxed: every step's future holds the request, some twice (what it was given and what
+    /// it took apart), and each is moved into the step above's; a pointer keeps those futures
+    /// kilobytes smaller and their moves short.
+    pub request: Box<Request<Bytes>>,
     /// When the request's time is up, whatever phase it is in, and the one timer that
     /// watches it.
     pub deadline: Deadline,

@@ -18,6 +18,7 @@ use tower::{Layer, Service};
 use tracing::Instrument;
 
 use super::error::rejection;
+use super::idempotency::REPLAYED;
 use super::{ProxyResponse, RequestIds, Step};
 use crate::metrics::{Metrics, Outcome};
 
@@ -104,7 +105,7 @@ where
                 tracing::debug!("started processing request");
                 let mut response = match this.inner.handle(request).await {
                     Ok(response) => {
-                        let replayed = response.headers().contains_key("idempotency-replayed");
+                        let replayed = response.headers().contains_key(REPLAYED);
                         this.metrics.record_outcome(if replayed {
                             Outcome::Replayed
                         } else {
@@ -128,9 +129,10 @@ where
                 };
                 // The rail's own id for its answer, if it gave one, is left as it is.
                 if let Some(id) = request_id
-                    && !response.headers().contains_key(X_REQUEST_ID)
+                    && let http::header::Entry::Vacant(vacant) =
+                        response.headers_mut().entry(X_REQUEST_ID)
                 {
-                    response.headers_mut().insert(X_REQUEST_ID, id);
+                    vacant.insert(id);
                 }
                 if let Some(started) = started {
                     tracing::debug!(latency_ms = started.elapsed().as_secs_f64() * 1000.0,

@@ -6,6 +6,7 @@
 //! form". Nothing in this crate stores "the current token" anywhere a writer could read it.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// A fencing token: an integer in `1..=i64::MAX`, fixed when its grant was made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -54,8 +55,11 @@ pub enum TokenError {
 }
 
 /// The account a request moves money on: 1 to `max_len` bytes of visible ASCII.
+///
+/// Shared, not copied: a request's account goes into its batch rows, its place in the
+/// account's order and its log lines, and each copy is a reference count, not an allocation.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct AccountId(String);
+pub struct AccountId(Arc<str>);
 
 impl AccountId {
     pub fn parse(text: &str, max_len: usize) -> Result<Self, AccountError> {
@@ -68,7 +72,7 @@ impl AccountId {
         if !text.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(AccountError::NotVisibleAscii);
         }
-        Ok(Self(text.to_string()))
+        Ok(Self(Arc::from(text)))
     }
 
     pub fn as_str(&self) -> &str {

@@ -64,6 +64,8 @@ struct Slot {
 /// A request's place in its account's order. Dropping it ends the forward (or the wait).
 pub(super) struct Ticket {
     order: Arc<ForwardOrder>,
+    /// The account's shard, found once when the ticket is taken.
+    shard: usize,
     account: AccountId,
     notify: Arc<Notify>,
     admitted: bool,
@@ -82,8 +84,11 @@ impl ForwardOrder {
         })
     }
 
-    fn shard(&self, account: &AccountId) -> MutexGuard<'_, HashMap<AccountId, Slot>> {
-        let index = (self.hasher.hash_one(account) as usize) % SHARDS;
+    fn shard_of(&self, account: &AccountId) -> usize {
+        (self.hasher.hash_one(account) as usize) % SHARDS
+    }
+
+    fn shard(&self, index: usize) -> MutexGuard<'_, HashMap<AccountId, Slot>> {
         // A panic while holding a shard cannot leave a slot half-updated in a way that admits
         // a lower token (every update is a few integer assignments), so poisoning is ignored.
         self.shards[index].lock().unwrap_or_else(|p| p.into_inner())
@@ -91,7 +96,8 @@ impl ForwardOrder {
 
     /// Takes a ticket for `account`. Call before the compare-and-set.
     pub(super) fn enter(self: &Arc<Self>, account: &AccountId) -> Ticket {
-        let mut shard = self.shard(account);
+        let index = self.shard_of(account);
+        let mut shard = self.shard(index);
         let slot = shard.entry(account.clone()).or_insert_with(|| Slot {
             tickets: 0,
             highest: 0,
@@ -103,6 +109,7 @@ impl ForwardOrder {
         let notify = slot.notify.clone();
         Ticket {
             order: self.clone(),
+            shard: index,
             account: account.clone(),
             notify,
             admitted: false,
@@ -129,7 +136,7 @@ impl Ticket {
         loop {
             let mut woken = pin!(notify.notified());
             {
-                let mut shard = self.order.shard(&self.account);
+                let mut shard = self.order.shard(self.shard);
                 let slot = shard
                     .get_mut(&self.account)
                     .expect("a live ticket keeps its slot");
@@ -158,7 +165,7 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut shard = self.order.shard(&self.account);
+        let mut shard = self.order.shard(self.shard);
         let Some(slot) = shard.get_mut(&self.account) else {
             return;
         };

@@ -64,7 +64,7 @@ fn request(token: i64, key: Option<&str>) -> FencedRequest {
     FencedRequest {
         token: FencingToken::new(token).unwrap(),
         account: AccountId::parse("acct-1", 64).unwrap(),
-        request: http::Request::new(Bytes::from_static(b"{}")),
+        request: Box::new(http::Request::new(Bytes::from_static(b"{}"))),
         deadline: Deadline::at(Instant::now() + Duration::from_secs(5)),
         idempotency: key.map(|k| IdempotencyKey {
             first_token: None,

@@ -231,6 +231,8 @@ pub struct Forward(Arc<Rail>);
 struct Rail {
     connections: Arc<RailConnections>,
     upstream: Upstream,
+    /// The `Host` every forward carries: the upstream's authority, made once.
+    host: HeaderValue,
     late_answer_wait: Duration,
     late: LateForwards,
     metrics: Arc<Metrics>,
@@ -263,8 +265,12 @@ impl Forward {
             IDLE_CONNECTION_TIMEOUT,
             MAX_IDLE_CONNECTIONS,
         );
+        // An authority is visible ASCII, which is always a valid header value.
+        let host = HeaderValue::from_str(upstream.authority.as_str())
+            .expect("an authority is a valid header value");
         Self(Arc::new(Rail {
             connections,
+            host,
             upstream,
             late_answer_wait,
             late: LateForwards::default(),
@@ -325,6 +331,9 @@ impl Step<Admitted> for Forward {
         let span = tracing::debug_span!("rail.forward",
             lock.token = admitted.request.token.get(), account = %admitted.request.account,
             status = tracing::field::Empty);
+        // Where the rail's status goes: this span (a copy of nothing when it is off), not
+        // whichever is current.
+        let recorded = span.clone();
         async move {
             let Admitted {
                 request:
@@ -347,7 +356,7 @@ impl Step<Admitted> for Forward {
             let mut request = request;
             // Where the rail's answer goes should it come after the deadline.
             let late_answer = request.extensions_mut().remove::<LateAnswer>();
-            let request = this.upstream_request(request, asked.clone())?;
+            let request = this.upstream_request(*request, asked.clone());
             // An empty body is never asked for although the request goes out whole, so
             // such a request may have been sent from the moment it is handed to the client.
             // Marked now, not when the client returns: a forward whose future is dropped
@@ -415,7 +424,7 @@ impl Step<Admitted> for Forward {
                     response
                 }
             };
-            tracing::Span::current().record("status", response.status().as_u16());
+            recorded.record("status", response.status().as_u16());
             Ok(proxy_response(response))
         }
         .instrument(span)
@@ -585,11 +594,7 @@ impl Drop for InFlight {
 }
 
 impl Rail {
-    fn upstream_request(
-        &self,
-        request: Request<Bytes>,
-        asked: MaybeSent,
-    ) -> Result<Request<Tracked>, BoxError> {
+    fn upstream_request(&self, request: Request<Bytes>, asked: MaybeSent) -> Request<Tracked> {
         let (mut parts, body) = request.into_parts();
         let path = parts
             .uri
@@ -615,10 +620,7 @@ impl Rail {
         // The body was read whole; its length is set from it.
         parts.headers.remove(header::CONTENT_LENGTH);
         let headers = &mut parts.headers;
-        headers.insert(
-            header::HOST,
-            HeaderValue::from_str(self.upstream.authority.as_str())?,
-        );
+        headers.insert(header::HOST, self.host.clone());
         if let Some(host) = client_host {
             headers.insert(HeaderName::from_static("x-forwarded-host"), host);
         }
@@ -636,7 +638,7 @@ impl Rail {
             body: Full::new(body),
             asked,
         };
-        Ok(Request::from_parts(parts, body))
+        Request::from_parts(parts, body)
     }
 }
 
@@ -662,31 +664,34 @@ fn append_forwarded_for(headers: &mut HeaderMap, ip: std::net::IpAddr) {
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
+const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
 ];
 
 /// Removes hop-by-hop headers, including every header named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+    // Most messages name nothing in `Connection` (or carry none): nothing to collect then.
+    if headers.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
     }
-    for name in HOP_BY_HOP {
+    for name in &HOP_BY_HOP {
         headers.remove(name);
     }
 }

@@ -37,7 +37,8 @@ pub use self::key::{fingerprint, new_owner, parse_key};
 pub use self::late::LateAnswer;
 pub use self::record::{MaybeSent, RecordGuard};
 #[cfg(test)]
-pub(crate) use self::replay::{BODY_OMITTED, REPLAYED};
+pub(crate) use self::replay::BODY_OMITTED;
+pub(crate) use self::replay::REPLAYED;
 pub use self::resolve::{AskTheRail, Resolved, Resolver};
 use crate::store::records::{Record, RecordState, Records};
 
@@ -333,7 +334,7 @@ mod tests {
         let request = FencedRequest {
             token: FencingToken::new(3).unwrap(),
             account: AccountId::parse("acct-1", 64).unwrap(),
-            request: http::Request::new(Bytes::from_static(b"{}")),
+            request: Box::new(http::Request::new(Bytes::from_static(b"{}"))),
             deadline: Deadline::at(Instant::now() + Duration::from_secs(5)),
             idempotency: Some(IdempotencyKey {
                 first_token: None,
