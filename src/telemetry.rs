@@ -10,6 +10,9 @@ use std::sync::{Arc, PoisonError, RwLock};
 use tracing::level_filters::LevelFilter;
 use tracing::subscriber::Interest;
 use tracing::{Metadata, Subscriber, span};
+use tracing_subscriber::field::RecordFields;
+use tracing_subscriber::fmt::FormatFields;
+use tracing_subscriber::fmt::format::{DefaultFields, Writer};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -36,6 +39,7 @@ pub fn init(format: LogFormat, level: &str, rust_log: Option<&str>) -> Option<Lo
         LogFormat::Pretty => registry
             .with(
                 fmt::layer()
+                    .fmt_fields(SpanText)
                     .with_writer(std::io::stderr)
                     .with_ansi(ansi)
                     .with_target(false),
@@ -56,6 +60,79 @@ pub fn init(format: LogFormat, level: &str, rust_log: Option<&str>) -> Option<Lo
         filter,
         rust_log_wins,
     })
+}
+
+/// The pretty format's text of a span's fields, as `DefaultFields` writes it, written whole.
+///
+/// Every span keeps its fields' text for the lines logged inside it. Written field by field
+/// into the span's string, it grows through several allocations (about six for a request's
+/// span, the largest count of any site on the request path); written first into a buffer on
+/// the stack, the string is allocated once at its length (and once more when `lock.token`
+/// and `account` are added to it).
+struct SpanText;
+
+impl<'writer> FormatFields<'writer> for SpanText {
+    fn format_fields<R: RecordFields>(
+        &self,
+        mut writer: Writer<'writer>,
+        fields: R,
+    ) -> std::fmt::Result {
+        // With colours (a person at a terminal), field names are styled by the writer they go
+        // to: written there directly.
+        if writer.has_ansi_escapes() {
+            return DefaultFields::new().format_fields(writer, fields);
+        }
+        let mut text = StackText::default();
+        DefaultFields::new().format_fields(Writer::new(&mut text), fields)?;
+        writer.write_str(text.as_str())
+    }
+}
+
+/// Text written into a buffer on the stack, and into a string once it outgrows it.
+struct StackText {
+    bytes: [u8; 256],
+    len: usize,
+    spilled: Option<String>,
+}
+
+impl Default for StackText {
+    fn default() -> Self {
+        Self {
+            bytes: [0; 256],
+            len: 0,
+            spilled: None,
+        }
+    }
+}
+
+impl StackText {
+    fn as_str(&self) -> &str {
+        match &self.spilled {
+            Some(text) => text,
+            // Whole strings are copied in, so the bytes are always UTF-8.
+            None => std::str::from_utf8(&self.bytes[..self.len]).unwrap_or_default(),
+        }
+    }
+}
+
+impl std::fmt::Write for StackText {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        if let Some(text) = &mut self.spilled {
+            text.push_str(s);
+            return Ok(());
+        }
+        let end = self.len + s.len();
+        if let Some(room) = self.bytes.get_mut(self.len..end) {
+            room.copy_from_slice(s.as_bytes());
+            self.len = end;
+        } else {
+            let mut text = String::with_capacity(end * 2);
+            text.push_str(self.as_str());
+            text.push_str(s);
+            self.spilled = Some(text);
+        }
+        Ok(())
+    }
 }
 
 /// Changes the level of the subscriber [`init`] installed.
@@ -283,6 +360,71 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
+
+    /// What a pretty subscriber wrote, its span texts by [`SpanText`] or by `DefaultFields`:
+    /// a span with fields made with it and recorded later, one of them longer than the stack's
+    /// buffer and one with an escape character.
+    fn logged(span_text: bool) -> String {
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let out = buffer.clone();
+        let layer = fmt::layer()
+            .without_time()
+            .with_ansi(false)
+            .with_target(false)
+            .with_writer(move || out.clone());
+        let run = || {
+            let long = "x".repeat(300);
+            let span = tracing::info_span!(
+                "proxy.request",
+                method = "POST",
+                path = "/payments",
+                request_id = "id-\u{1b}[31m-1",
+                lock.token = tracing::field::Empty,
+                account = tracing::field::Empty
+            );
+            let _entered = span.enter();
+            tracing::info!("before");
+            span.record("lock.token", 42);
+            tracing::info!("between");
+            span.record("account", long.as_str());
+            tracing::info!("after");
+        };
+        if span_text {
+            tracing::subscriber::with_default(
+                tracing_subscriber::registry().with(layer.fmt_fields(SpanText)),
+                run,
+            );
+        } else {
+            tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), run);
+        }
+        String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap()
+    }
+
+    // The span's text written whole is the text the default writes field by field, recorded
+    // fields, a value longer than the stack's buffer and an escaped one included.
+    #[test]
+    fn a_spans_text_is_the_defaults() {
+        let ours = logged(true);
+        assert_eq!(ours.lines().count(), 3, "{ours}");
+        assert!(ours.contains("lock.token=42"), "{ours}");
+        assert!(
+            ours.contains(&format!("account=\"{}\"", "x".repeat(300))),
+            "{ours}"
+        );
+        assert!(!ours.contains('\u{1b}'), "the escape is escaped: {ours}");
+        assert_eq!(ours, logged(false));
+    }
 
     /// The messages of the events a subscriber with `filter` lets through.
     #[derive(Clone, Default)]
