@@ -62,13 +62,17 @@ pub fn init(format: LogFormat, level: &str, rust_log: Option<&str>) -> Option<Lo
     })
 }
 
-/// The pretty format's text of a span's fields, as `DefaultFields` writes it, written whole.
+/// The pretty format's text of a span's (or an event's) fields, as `DefaultFields` writes it,
+/// written whole.
 ///
 /// Every span keeps its fields' text for the lines logged inside it. Written field by field
 /// into the span's string, it grows through several allocations (about six for a request's
 /// span, the largest count of any site on the request path); written first into a buffer on
 /// the stack, the string is allocated once at its length (and once more when `lock.token`
-/// and `account` are added to it).
+/// and `account` are added to it). An event's fields go the same way into the line being
+/// written; fields longer than the buffer are written into a string first. The buffer's
+/// writer escapes ANSI sequences in values, as the layer's own does by default (which this
+/// layer keeps); a field that fails to format leaves nothing rather than part of its text.
 struct SpanText;
 
 impl<'writer> FormatFields<'writer> for SpanText {

@@ -230,8 +230,7 @@ pub struct Forward(Arc<Rail>);
 /// What every forward shares: the rail's connections, its address, and the late forwards.
 struct Rail {
     connections: Arc<RailConnections>,
-    upstream: Upstream,
-    /// The `Host` every forward carries: the upstream's authority, made once.
+    /// The `Host` every request to the rail carries: the upstream's authority, made once.
     host: HeaderValue,
     late_answer_wait: Duration,
     late: LateForwards,
@@ -271,7 +270,6 @@ impl Forward {
         Self(Arc::new(Rail {
             connections,
             host,
-            upstream,
             late_answer_wait,
             late: LateForwards::default(),
             metrics,
@@ -302,10 +300,7 @@ impl AskTheRail for Forward {
         let rail = self.0.clone();
         Box::pin(async move {
             let request = Request::get(Uri::from(path))
-                .header(
-                    header::HOST,
-                    HeaderValue::from_str(rail.upstream.authority.as_str())?,
-                )
+                .header(header::HOST, rail.host.clone())
                 .body(Tracked {
                     body: Full::new(Bytes::new()),
                     asked: MaybeSent::default(),
