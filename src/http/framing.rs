@@ -153,6 +153,12 @@ impl Framing {
                         return bytes.len();
                     }
                 };
+                if head.is_empty() {
+                    // The whole head arrived in one read, as it almost always does: framed
+                    // from the read's own bytes, nothing copied.
+                    self.state = self.body_of(&bytes[..take]);
+                    return take;
+                }
                 head.extend_from_slice(&bytes[..take]);
                 let head = std::mem::take(head);
                 self.state = self.body_of(&head);
@@ -247,11 +253,12 @@ impl Framing {
         let Some(framing) = body_framing(head) else {
             return State::Off;
         };
+        // Published with its first chunk: until then it has declared nothing, which no
+        // reader acts on (a reader of an earlier request waits as it would past its own).
         self.declared = Declared {
             request: self.declared.request + 1,
             bytes: 0,
         };
-        self.publish.send_replace(self.declared);
         match framing {
             Body::Chunked => State::Size { size: 0, digits: 0 },
             Body::Length(0) => State::Head(Vec::new()),
@@ -271,16 +278,13 @@ fn find_head_end(head: &[u8], bytes: &[u8]) -> Option<usize> {
             .copied()
             .unwrap_or_else(|| bytes[j - tail.len()])
     };
-    for (i, &byte) in bytes.iter().enumerate() {
+    // Only a LF can end the empty line: the bytes between are skipped a word at a time.
+    memchr::memchr_iter(b'\n', bytes).find_map(|i| {
         let end = tail.len() + i;
-        if byte == b'\n'
-            && ((end >= 1 && at(end - 1) == b'\n')
-                || (end >= 2 && at(end - 1) == b'\r' && at(end - 2) == b'\n'))
-        {
-            return Some(i + 1);
-        }
-    }
-    None
+        ((end >= 1 && at(end - 1) == b'\n')
+            || (end >= 2 && at(end - 1) == b'\r' && at(end - 2) == b'\n'))
+            .then_some(i + 1)
+    })
 }
 
 enum Body {

@@ -441,9 +441,7 @@ where
                 idempotency_key.is_some(),
                 token,
             )?;
-            let span = tracing::Span::current();
-            span.record("lock.token", token.get());
-            span.record("account", account.as_str());
+            record_on_request_span(token, &account);
 
             let declared = request
                 .headers()
@@ -463,10 +461,15 @@ where
             let limited = Limited::new(body, config.max_body_bytes as usize);
             // A chunked body is over the limit as soon as its chunk sizes say so, whether or
             // not the bytes ever come (the connection follows them: `crate::http::DeclaredBody`).
+            // Only an HTTP/1 body sent with a `Transfer-Encoding` has chunks: any other is
+            // framed by its `Content-Length`, or by HTTP/2, and declares none.
+            let chunked = parts.headers.contains_key(header::TRANSFER_ENCODING);
             let declared_over = async {
                 match crate::http::Arrival::of(&parts.extensions) {
-                    Some(arrival) => arrival.declared.clone().over(config.max_body_bytes).await,
-                    None => std::future::pending().await,
+                    Some(arrival) if chunked => {
+                        arrival.declared.clone().over(config.max_body_bytes).await;
+                    }
+                    _ => std::future::pending().await,
                 }
             };
             let read = tokio::select! {
@@ -555,6 +558,31 @@ pub fn single_header<'a>(
         return Err(HeaderError::Repeated);
     }
     first.to_str().map_err(|_| HeaderError::NotAscii)
+}
+
+/// Records `lock.token` and `account` on the span the request runs in (`proxy.request`), in one
+/// record: a subscriber formats a span's recorded fields once per record, and the span is
+/// named by its id, without taking a handle to it (a clone and a drop in the registry).
+fn record_on_request_span(token: FencingToken, account: &AccountId) {
+    use tracing::field::Value;
+    tracing::dispatcher::get_default(|dispatch| {
+        let Some((id, metadata)) = dispatch.current_span().into_inner() else {
+            return;
+        };
+        let fields = metadata.fields();
+        let (Some(token_field), Some(account_field)) =
+            (fields.field("lock.token"), fields.field("account"))
+        else {
+            return;
+        };
+        let (token, account) = (token.get(), account.as_str());
+        let values = [
+            (&token_field, Some(&token as &dyn Value)),
+            (&account_field, Some(&account as &dyn Value)),
+        ];
+        let values = fields.value_set(&values);
+        dispatch.record(&id, &tracing::span::Record::new(&values));
+    });
 }
 
 #[cfg(test)]

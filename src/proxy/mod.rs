@@ -198,10 +198,40 @@ impl RequestIds {
     pub fn next(&self) -> Option<HeaderValue> {
         use std::fmt::Write as _;
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        // Written once, into the bytes the header keeps (one allocation per request).
-        let mut id = bytes::BytesMut::with_capacity(self.prefix.len() + 21);
+        let mut id = IdText {
+            bytes: [0; ID_MAX],
+            len: 0,
+        };
         write!(id, "{}-{n}", self.prefix).ok()?;
-        HeaderValue::from_maybe_shared(id.freeze()).ok()
+        // One allocation, which the copies sent to the rail and back to the client share.
+        HeaderValue::from_maybe_shared(Bytes::from_owner(id)).ok()
+    }
+}
+
+/// The longest id: an 8-digit prefix, `-`, and a `u64` in decimal.
+const ID_MAX: usize = 8 + 1 + 20;
+
+/// A request id's text, held inline until `Bytes` owns it.
+struct IdText {
+    bytes: [u8; ID_MAX],
+    len: usize,
+}
+
+impl std::fmt::Write for IdText {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        self.bytes
+            .get_mut(self.len..end)
+            .ok_or(std::fmt::Error)?
+            .copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
+
+impl AsRef<[u8]> for IdText {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes[..self.len]
     }
 }
 
@@ -258,5 +288,21 @@ mod tests {
         );
         assert_eq!(deadline.bound(async { 2 }).await, Ok(2));
         assert_eq!(deadline.instant(), started + Duration::from_secs(3));
+    }
+
+    // Ids are the prefix and the counter, each one unique, up to the counter's last value; a
+    // clone of one (the rail's copy, the client's) is the same text.
+    #[test]
+    fn request_ids_count_up_under_the_prefix_to_the_last_counter_value() {
+        let ids = RequestIds::default();
+        let (first, second) = (ids.next().unwrap(), ids.next().unwrap());
+        let prefix = ids.prefix.to_string();
+        assert_eq!(first.to_str().unwrap(), format!("{prefix}-1"));
+        assert_eq!(second.to_str().unwrap(), format!("{prefix}-2"));
+        assert_eq!(first.clone(), first);
+        ids.next.store(u64::MAX, Ordering::Relaxed);
+        let last = ids.next().unwrap();
+        assert_eq!(last.to_str().unwrap(), format!("{prefix}-{}", u64::MAX));
+        assert_eq!(last.len(), ID_MAX);
     }
 }

@@ -184,3 +184,59 @@ fn single_header_refuses_missing_and_repeated() {
     headers.append(&name, "2".parse().unwrap());
     assert_eq!(single_header(&headers, &name), Err(HeaderError::Repeated));
 }
+
+/// What a JSON subscriber wrote of the `proxy.request` span's fields, for one event logged
+/// after `record` ran inside a span made with `fields` (`true`: the request span's own).
+fn recorded_on_the_span(with_the_fields: bool, record: impl FnOnce()) -> serde_json::Value {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    #[derive(Clone, Default)]
+    struct Buffer(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buffer {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buffer = Buffer::default();
+    let out = buffer.clone();
+    let layer = tracing_subscriber::fmt::layer()
+        .json()
+        .with_writer(move || out.clone());
+    tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), || {
+        let span = if with_the_fields {
+            tracing::info_span!(
+                "proxy.request",
+                lock.token = tracing::field::Empty,
+                account = tracing::field::Empty
+            )
+        } else {
+            tracing::info_span!("proxy.request", path = "/payments")
+        };
+        let _entered = span.enter();
+        record();
+        tracing::info!("recorded");
+    });
+    let line = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+    let event: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    event["span"].clone()
+}
+
+// The request's token and account land on the span it runs in; a span without those fields
+// is left as it was, and with no span at all nothing happens.
+#[test]
+fn the_token_and_account_are_recorded_on_the_request_span() {
+    let token = FencingToken::new(41).unwrap();
+    let account = AccountId::parse("acct-7", 64).unwrap();
+    let span = recorded_on_the_span(true, || record_on_request_span(token, &account));
+    assert_eq!(span["lock.token"], 41, "{span}");
+    assert_eq!(span["account"], "acct-7", "{span}");
+
+    let other = recorded_on_the_span(false, || record_on_request_span(token, &account));
+    assert_eq!(other["path"], "/payments", "{other}");
+    assert!(other.get("lock.token").is_none(), "{other}");
+
+    record_on_request_span(token, &account);
+}
