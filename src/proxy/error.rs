@@ -10,6 +10,7 @@
 //! The 409 body names the account and the presented token and never the current high-water
 //! mark (C2 §2.2): a client that learned the mark could present it, which is ADR-002 §A2.3.
 
+use std::borrow::Cow;
 use std::error::Error;
 
 use bytes::Bytes;
@@ -47,7 +48,7 @@ pub struct Rejection {
     pub outcome: Outcome,
     /// Stable, machine-readable code.
     pub error: &'static str,
-    pub message: String,
+    pub message: Cow<'static, str>,
     pub origin: Origin,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub account: Option<String>,
@@ -63,13 +64,13 @@ impl Rejection {
         outcome: Outcome,
         error: &'static str,
         origin: Origin,
-        message: String,
+        message: impl Into<Cow<'static, str>>,
     ) -> Self {
         Self {
             status,
             outcome,
             error,
-            message,
+            message: message.into(),
             origin,
             account: None,
             token: None,
@@ -78,7 +79,9 @@ impl Rejection {
     }
 
     pub fn into_response(self) -> Response<ResponseBody> {
-        let body = serde_json::to_vec(&self).expect("rejection serializes");
+        // Room for the longest messages with an account and a request id: written once.
+        let mut body = Vec::with_capacity(384);
+        serde_json::to_writer(&mut body, &self).expect("rejection serializes");
         let mut response = Response::new(full(Bytes::from(body)));
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
@@ -118,8 +121,7 @@ pub fn overloaded() -> Response<ResponseBody> {
         "overloaded",
         Origin::Proxy,
         "too many requests in flight on this listener (proxy.max_in_flight); nothing was \
-         forwarded, retry later"
-            .into(),
+         forwarded, retry later",
     )
     .into_response()
 }
@@ -219,7 +221,7 @@ impl Rejection {
             outcome,
             "fenced_out",
             Origin::Client,
-            message.into(),
+            message,
         );
         r.account = Some(e.account.to_string());
         r.token = Some(e.token.get());
@@ -258,8 +260,7 @@ impl Rejection {
             "token_source_unavailable",
             Origin::Database,
             "a token sent without a proof could not be checked against the token source; \
-             nothing was forwarded, retry later"
-                .into(),
+             nothing was forwarded, retry later",
         )
     }
 
@@ -326,7 +327,7 @@ impl Rejection {
             Outcome::DatabaseUnavailable,
             "database_unavailable",
             Origin::Database,
-            message.into(),
+            message,
         )
     }
 
@@ -357,7 +358,7 @@ impl Rejection {
             Outcome::DatabaseUnavailable,
             "database_unavailable",
             Origin::Database,
-            "the idempotency record could not be read; nothing was forwarded, retry later".into(),
+            "the idempotency record could not be read; nothing was forwarded, retry later",
         )
     }
 
@@ -391,7 +392,7 @@ impl Rejection {
             Outcome::Internal,
             "internal",
             Origin::Proxy,
-            "internal error".into(),
+            "internal error",
         )
     }
 }
