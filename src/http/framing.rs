@@ -6,8 +6,8 @@
 //! a few bytes, or none, would hold a reader bounded by `max_body_bytes` until its deadline.
 //! Here the connection's bytes are followed through the HTTP/1 framing — each request head,
 //! then its `Content-Length` bytes or its chunks — and the sum of the chunk sizes declared so
-//! far for the request being read is published, so that a reader can refuse the body as soon
-//! as that sum is over its limit ([`DeclaredBody::over`]).
+//! far for the request being read is published as each chunk is declared, so that a reader
+//! can refuse the body as soon as that sum is over its limit ([`DeclaredBody::over`]).
 //!
 //! The follower only ever *adds* a reason to refuse: anything it does not read exactly as hyper
 //! does (HTTP/2, a bare LF, an upgrade, a repeated or unparsable framing header, a head larger

@@ -79,7 +79,8 @@ impl Rejection {
     }
 
     pub fn into_response(self) -> Response<ResponseBody> {
-        // Room for the longest messages with an account and a request id: written once.
+        // Room for a usual refusal's body at once (serde_json's own starts at 128 bytes and
+        // grows); a longer one, with a long account or request id, still grows.
         let mut body = Vec::with_capacity(384);
         serde_json::to_writer(&mut body, &self).expect("rejection serializes");
         let mut response = Response::new(full(Bytes::from(body)));

@@ -139,7 +139,7 @@ impl GrantCheck {
         if !self.required {
             return Ok(lock_key);
         }
-        crate::lock::LockKey::parse(&lock_key).map_err(|why| BadRequest::Header {
+        crate::lock::LockKey::check(&lock_key).map_err(|why| BadRequest::Header {
             header: header.clone(),
             reason: format!(
                 "cannot be paid on: its lock key {lock_key:?} is not a valid lock key ({why}). \

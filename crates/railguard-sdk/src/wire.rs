@@ -18,6 +18,12 @@ pub struct LockKey(String);
 
 impl LockKey {
     pub fn parse(text: &str) -> Result<Self, String> {
+        Self::check(text)?;
+        Ok(Self(text.to_string()))
+    }
+
+    /// Whether `text` is a lock key, without making one: `parse`'s answer, and its reason.
+    pub fn check(text: &str) -> Result<(), String> {
         if text.is_empty() {
             return Err("the key is empty".into());
         }
@@ -30,7 +36,7 @@ impl LockKey {
         {
             return Err("the key may only hold A-Z a-z 0-9 . _ : -".into());
         }
-        Ok(Self(text.to_string()))
+        Ok(())
     }
 
     pub fn as_str(&self) -> &str {

@@ -240,3 +240,28 @@ fn the_token_and_account_are_recorded_on_the_request_span() {
 
     record_on_request_span(token, &account);
 }
+
+// With proofs required, an account whose lock key could never be granted is refused for what
+// it is (no grant, so no proof, could ever be made); without them it goes on to the source's
+// check like any other.
+#[test]
+fn an_account_whose_lock_key_cannot_be_granted_is_refused_only_with_proofs_required() {
+    let header = HeaderName::from_static("fencing-account");
+    let odd = AccountId::parse("acct/1", 64).unwrap();
+    let refused = config(true).grants.grantable(&header, &odd).unwrap_err();
+    let reason = refused.to_string();
+    assert!(
+        reason.contains("\"acct/1\" is not a valid lock key"),
+        "{reason}"
+    );
+    assert!(reason.contains("A-Z a-z 0-9 . _ : -"), "{reason}");
+    assert_eq!(
+        config(false).grants.grantable(&header, &odd).unwrap(),
+        "acct/1"
+    );
+    let plain = AccountId::parse("acct-1", 64).unwrap();
+    assert_eq!(
+        config(true).grants.grantable(&header, &plain).unwrap(),
+        "acct-1"
+    );
+}
