@@ -359,6 +359,31 @@ where
     }
 }
 
+/// What a test's subscriber writes, kept to be read back: a writer for a fmt layer
+/// (`with_writer(move || buffer.clone())`).
+#[cfg(test)]
+#[derive(Clone, Default)]
+pub(crate) struct LogBuffer(Arc<std::sync::Mutex<Vec<u8>>>);
+
+#[cfg(test)]
+impl LogBuffer {
+    /// Everything written so far.
+    pub(crate) fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
+#[cfg(test)]
+impl std::io::Write for LogBuffer {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex;
@@ -369,18 +394,7 @@ mod tests {
     /// a span with fields made with it and recorded later, one of them longer than the stack's
     /// buffer and one with an escape character.
     fn logged(span_text: bool) -> String {
-        #[derive(Clone, Default)]
-        struct Buffer(Arc<Mutex<Vec<u8>>>);
-        impl std::io::Write for Buffer {
-            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().unwrap().extend_from_slice(bytes);
-                Ok(bytes.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        let buffer = Buffer::default();
+        let buffer = LogBuffer::default();
         let out = buffer.clone();
         let layer = fmt::layer()
             .without_time()
@@ -412,7 +426,7 @@ mod tests {
         } else {
             tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), run);
         }
-        String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap()
+        buffer.text()
     }
 
     // The span's text written whole is the text the default writes field by field, recorded

@@ -189,18 +189,7 @@ fn single_header_refuses_missing_and_repeated() {
 /// after `record` ran inside a span made with `fields` (`true`: the request span's own).
 fn recorded_on_the_span(with_the_fields: bool, record: impl FnOnce()) -> serde_json::Value {
     use tracing_subscriber::layer::SubscriberExt as _;
-    #[derive(Clone, Default)]
-    struct Buffer(Arc<Mutex<Vec<u8>>>);
-    impl std::io::Write for Buffer {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let buffer = Buffer::default();
+    let buffer = crate::telemetry::LogBuffer::default();
     let out = buffer.clone();
     let layer = tracing_subscriber::fmt::layer()
         .json()
@@ -219,7 +208,7 @@ fn recorded_on_the_span(with_the_fields: bool, record: impl FnOnce()) -> serde_j
         record();
         tracing::info!("recorded");
     });
-    let line = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+    let line = buffer.text();
     let event: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
     event["span"].clone()
 }
