@@ -261,6 +261,8 @@ pub(crate) struct Sample {
     /// workers).
     pub proxy_cpu: f64,
     pub proxy_switches: u64,
+    /// Of `proxy_switches`, the involuntary ones (the thread was preempted).
+    pub proxy_involuntary: u64,
     pub upstream_cpu: f64,
     /// CPU seconds of the load generator (wrk), read from this process's reaped children when
     /// wrk has exited; `None` when a profiler (also a reaped child) ran in the same window.
@@ -620,7 +622,7 @@ async fn measure_all(
             let run_id = format!("{run}-{rep}-{index}");
             let sample = measure(o, pg, dir, c, *phase, &run_id, stale_accounts).await;
             eprintln!(
-                "wire: [{rep}/{}] {:<48} c={:<3} {:>9.0}/s  p50 {:>7.3} ms  proxy {:>5.1} µs/req  {:>4.2} cs/req  pg {:>5.1} µs/req (sessions {:>5.1})  batch {:>5.1}{}",
+                "wire: [{rep}/{}] {:<48} c={:<3} {:>9.0}/s  p50 {:>7.3} ms  proxy {:>5.1} µs/req  {:>4.2} cs/req ({:.2} preempted)  pg {:>5.1} µs/req (sessions {:>5.1})  batch {:>5.1}{}",
                 o.repeats,
                 phase.label(),
                 phase.connections,
@@ -628,6 +630,7 @@ async fn measure_all(
                 sample.p50_us / 1000.0,
                 per_request_us(sample.proxy_cpu, sample.requests),
                 sample.proxy_switches as f64 / sample.requests.max(1) as f64,
+                sample.proxy_involuntary as f64 / sample.requests.max(1) as f64,
                 per_request_us(sample.postgres_cpu, sample.requests),
                 per_request_us(sample.postgres_backend_cpu, sample.requests),
                 sample.batch_rows,
@@ -787,6 +790,7 @@ async fn measure(
         0.0
     };
     let (proxy_cpu, proxy_switches) = before.0.until(&after.0);
+    let proxy_involuntary = before.0.involuntary_until(&after.0);
     let (upstream_cpu, _) = before.1.until(&after.1);
     let machine = before.2.until(&after.2);
     let mut problems = Vec::new();
@@ -814,6 +818,7 @@ async fn measure(
         p99_us: result.p99_us,
         proxy_cpu,
         proxy_switches,
+        proxy_involuntary,
         upstream_cpu,
         load_cpu: (!profiled).then_some(machine.reaped_children_secs),
         postgres_cpu: machine.postgres_secs,

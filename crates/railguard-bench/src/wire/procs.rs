@@ -475,6 +475,10 @@ pub(crate) struct Usage {
     /// Voluntary and involuntary context switches of every thread of the process and its
     /// children.
     pub switches: u64,
+    /// Of those, the involuntary ones: a thread that could have gone on running was taken off
+    /// its core (on a machine whose cores the load, the upstream and PostgreSQL share, mostly by
+    /// a peer its own write had just woken).
+    pub involuntary: u64,
 }
 
 impl Usage {
@@ -488,7 +492,9 @@ impl Usage {
             if let Some((own, reaped)) = ticks(p) {
                 usage.ticks += own + if i == 0 { reaped } else { 0 };
             }
-            usage.switches += switches(p);
+            let (all, involuntary) = switches(p);
+            usage.switches += all;
+            usage.involuntary += involuntary;
         }
         usage
     }
@@ -500,6 +506,7 @@ impl Usage {
             Self {
                 ticks: total.ticks + one.ticks,
                 switches: total.switches + one.switches,
+                involuntary: total.involuntary + one.involuntary,
             }
         })
     }
@@ -510,6 +517,11 @@ impl Usage {
             later.ticks.saturating_sub(self.ticks) as f64 / 100.0,
             later.switches.saturating_sub(self.switches),
         )
+    }
+
+    /// Involuntary switches from `self` until `later`.
+    pub(crate) fn involuntary_until(&self, later: &Usage) -> u64 {
+        later.involuntary.saturating_sub(self.involuntary)
     }
 }
 
@@ -546,25 +558,31 @@ fn ticks(pid: u32) -> Option<(u64, u64)> {
     Some((field(11)? + field(12)?, field(13)? + field(14)?))
 }
 
-/// Context switches summed over every thread of `pid`.
-fn switches(pid: u32) -> u64 {
+/// Context switches summed over every thread of `pid`: all of them, and the involuntary ones.
+fn switches(pid: u32) -> (u64, u64) {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0;
+        return (0, 0);
+    };
+    let count = |line: &str| -> u64 {
+        line.split_whitespace()
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
     };
     tasks
         .flatten()
         .filter_map(|task| std::fs::read_to_string(task.path().join("status")).ok())
-        .map(|status| {
-            status
-                .lines()
-                .filter(|l| {
-                    l.starts_with("voluntary_ctxt_switches:")
-                        || l.starts_with("nonvoluntary_ctxt_switches:")
-                })
-                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .sum::<u64>()
+        .fold((0, 0), |(all, involuntary), status| {
+            let (mut voluntary, mut taken) = (0, 0);
+            for line in status.lines() {
+                if line.starts_with("voluntary_ctxt_switches:") {
+                    voluntary = count(line);
+                } else if line.starts_with("nonvoluntary_ctxt_switches:") {
+                    taken = count(line);
+                }
+            }
+            (all + voluntary + taken, involuntary + taken)
         })
-        .sum()
 }
 
 #[cfg(test)]
@@ -591,5 +609,6 @@ mod tests {
     fn reads_this_process() {
         let usage = Usage::of(Some(std::process::id()));
         assert!(usage.switches > 0, "{usage:?}");
+        assert!(usage.involuntary <= usage.switches, "{usage:?}");
     }
 }

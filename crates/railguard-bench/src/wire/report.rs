@@ -60,6 +60,8 @@ struct Medians {
     p99_us: f64,
     proxy_us: f64,
     switches: f64,
+    /// Of `switches`, the involuntary ones.
+    involuntary: f64,
     upstream_us: f64,
     /// wrk's CPU per request; `None` when no repetition could measure it (profiled runs).
     load_us: Option<f64>,
@@ -78,6 +80,7 @@ fn medians(samples: &[Sample]) -> Medians {
         p99_us: m(&|s| s.p99_us),
         proxy_us: m(&|s| per_request_us(s.proxy_cpu, s.requests)),
         switches: m(&|s| s.proxy_switches as f64 / s.requests.max(1) as f64),
+        involuntary: m(&|s| s.proxy_involuntary as f64 / s.requests.max(1) as f64),
         upstream_us: m(&|s| per_request_us(s.upstream_cpu, s.requests)),
         load_us: {
             let measured: Vec<f64> = samples
@@ -361,6 +364,7 @@ impl WireReport {
             }
         }
         self.against_bare(&mut out);
+        self.switches_split(&mut out);
         self.syscalls(&mut out);
         self.variants(&mut out);
         self.targets(&mut out);
@@ -475,6 +479,57 @@ impl WireReport {
             );
         }
         self.floors_per_repetition(out);
+    }
+
+    /// Each proxy phase's context switches per request split in two: voluntary (a thread
+    /// had nothing left to run and slept: a hand-off between tasks or threads, a wait for the
+    /// database or the upstream) and involuntary (a thread that could have gone on was taken
+    /// off its core). Only the first is a hop of the proxy's own; the second is the machine's
+    /// scheduler sharing its cores with the load, the upstream and PostgreSQL.
+    fn switches_split(&self, out: &mut String) {
+        let c = self.options.connections;
+        let mut routes = vec![("nginx", Route::Nginx), ("the bare proxy", Route::Bare)];
+        routes.extend(FLOORS.map(|(route, what)| (what, route)));
+        routes.push(("railguard", Route::Fenced));
+        let rows: Vec<(&str, bool, Medians)> = routes
+            .into_iter()
+            .flat_map(|(what, route)| {
+                [false, true]
+                    .into_iter()
+                    .filter_map(move |keys| Some((what, keys, self.find(route, keys, false, c)?)))
+            })
+            .collect();
+        if rows.is_empty() {
+            return;
+        }
+        let ratio = |a: f64, b: Option<f64>| match b {
+            Some(b) if a > 0.0 && b > 0.0 => format!("{:.2}×", a / b),
+            _ => "—".into(),
+        };
+        let _ = writeln!(
+            out,
+            "\nContext switches per request, split ({c} connections, medians): voluntary (a \
+             thread of the proxy had nothing left to run and slept: a hand-off, a wait for the \
+             database or the upstream) and involuntary (a thread that could have gone on was \
+             taken off its core, here mostly by a peer its own write had just woken). Ratios are \
+             to the bare proxy's phase with the same requests.\n\n\
+             | phase | voluntary | ÷ bare | involuntary | ÷ bare | all | ÷ bare |\n\
+             |---|---:|---:|---:|---:|---:|---:|"
+        );
+        for (what, keys, m) in &rows {
+            let bare = self.find(Route::Bare, *keys, false, c);
+            let voluntary = m.switches - m.involuntary;
+            let _ = writeln!(
+                out,
+                "| {what}, {} | {voluntary:.3} | {} | {:.3} | {} | {:.3} | {} |",
+                if *keys { "with keys" } else { "no keys" },
+                ratio(voluntary, bare.map(|b| b.switches - b.involuntary)),
+                m.involuntary,
+                ratio(m.involuntary, bare.map(|b| b.involuntary)),
+                m.switches,
+                ratio(m.switches, bare.map(|b| b.switches)),
+            );
+        }
     }
 
     /// System calls per request of each proxy phase (`--count-syscalls`), medians of the
@@ -1016,5 +1071,39 @@ mod tests {
             !table.contains("with keys |"),
             "no keyed phase ran, so no keyed ratio: {table}"
         );
+    }
+
+    #[test]
+    fn context_switches_are_split_into_voluntary_and_involuntary_against_the_bare_proxy() {
+        let phase = |route| Phase {
+            route,
+            baseline: None,
+            keys: false,
+            stale: false,
+            connections: 64,
+        };
+        // `switches` and `involuntary` per 1,000 requests.
+        let run = |switches: u64, involuntary: u64| {
+            vec![Sample {
+                requests: 1_000,
+                proxy_switches: switches,
+                proxy_involuntary: involuntary,
+                ..Sample::default()
+            }]
+        };
+        let report = report(
+            false,
+            vec![
+                (phase(Route::Bare), run(400, 300)),
+                (phase(Route::Fenced), run(900, 700)),
+            ],
+        );
+        let table = report.to_markdown();
+        for line in [
+            "| the bare proxy, no keys | 0.100 | 1.00× | 0.300 | 1.00× | 0.400 | 1.00× |",
+            "| railguard, no keys | 0.200 | 2.00× | 0.700 | 2.33× | 0.900 | 2.25× |",
+        ] {
+            assert!(table.contains(line), "{line} not in\n{table}");
+        }
     }
 }
