@@ -199,6 +199,18 @@ fn main() -> ExitCode {
                     pg_settings,
                     order_off,
                     per_core,
+                    // Inherited by every railguard process the run starts.
+                    overrides: {
+                        let mut set: Vec<String> = std::env::vars_os()
+                            .filter_map(|(name, value)| {
+                                let name = name.into_string().ok()?;
+                                name.starts_with("RAILGUARD__")
+                                    .then(|| format!("{name}={}", value.to_string_lossy()))
+                            })
+                            .collect();
+                        set.sort();
+                        set
+                    },
                     baseline: baseline_bin.map(|binary| wire::Baseline {
                         binary,
                         label: baseline_label,

@@ -102,6 +102,9 @@ pub(crate) struct WireOptions {
     /// Also run the fenced phases through one railguard process per CPU, each with one
     /// runtime thread, sharing the proxy address (`proxy.reuse_port`).
     pub per_core: bool,
+    /// The `RAILGUARD__…` settings of the environment (`NAME=value`, sorted), which every
+    /// railguard process of the run inherits: the report names them.
+    pub overrides: Vec<String>,
 }
 
 /// Another `railguard` binary whose fenced forward is measured beside this build's.
@@ -655,6 +658,7 @@ async fn measure_all(
             }
             config
         },
+        overrides: o.overrides.clone(),
         samples,
         cpus: std::thread::available_parallelism().map_or(2, usize::from),
         table_scans: Vec::new(),
@@ -909,6 +913,7 @@ mod tests {
             pg_settings: Vec::new(),
             order_off: false,
             per_core: false,
+            overrides: Vec::new(),
             baseline: baseline.then(|| Baseline {
                 binary: "/bin/false".into(),
                 label: "earlier".into(),

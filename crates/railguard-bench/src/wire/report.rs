@@ -16,6 +16,9 @@ pub(crate) struct WireReport {
     pub postgres: String,
     pub stale_accounts: u64,
     pub proxy_config: Config,
+    /// The `RAILGUARD__…` settings in the run's environment, which every railguard process of
+    /// the run read over its configuration file (`NAME=value`).
+    pub overrides: Vec<String>,
     pub samples: Vec<(Phase, Vec<Sample>)>,
     /// CPUs of the machine every process of the run shared.
     pub cpus: usize,
@@ -186,11 +189,19 @@ impl WireReport {
         let f = &self.proxy_config.fencing;
         let _ = writeln!(
             out,
-            "- railguard serve: default configuration (log level `{}`, to a file), \
+            "- railguard serve: default configuration{} (log level `{}`, to a file), \
              database.pool_size = {}, fencing.batch_max = {}, fencing.batch_concurrency = {}; \
              every request is a `POST /payments` with token, account ({} accounts, uniform) and \
              grant proof; \"with keys\" adds an `Idempotency-Key` unique in the run; the stale \
              phase sends token 1 on {} accounts raised beforehand",
+            if self.overrides.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ", with the environment's overrides `{}`",
+                    self.overrides.join("`, `")
+                )
+            },
             self.proxy_config.log.level,
             self.proxy_config.database.pool_size,
             f.batch_max,
@@ -988,6 +999,7 @@ mod tests {
             postgres: String::new(),
             stale_accounts: 0,
             proxy_config: Config::default(),
+            overrides: Vec::new(),
             samples,
             cpus: 2,
             table_scans: Vec::new(),
@@ -1117,5 +1129,26 @@ mod tests {
         ] {
             assert!(table.contains(line), "{line} not in\n{table}");
         }
+    }
+
+    #[test]
+    fn settings_from_the_environment_are_named_beside_the_default_configuration() {
+        let mut plain = report(false, Vec::new());
+        assert!(
+            plain
+                .to_markdown()
+                .contains("- railguard serve: default configuration (log level"),
+            "{}",
+            plain.to_markdown()
+        );
+        plain.overrides = vec!["RAILGUARD__RUNTIME__WORKER_THREADS=1".into()];
+        let table = plain.to_markdown();
+        assert!(
+            table.contains(
+                "- railguard serve: default configuration, with the environment's overrides \
+                 `RAILGUARD__RUNTIME__WORKER_THREADS=1` (log level"
+            ),
+            "{table}"
+        );
     }
 }
