@@ -102,6 +102,21 @@ pub enum ProxySocket {
     Shared { socket: TcpSocket, addr: SocketAddr },
 }
 
+/// A shared proxy socket's `step` failed: the error says which, beside the address and key
+/// (the kind of error is kept).
+fn shared_step_failed(
+    key: &'static str,
+    addr: SocketAddr,
+    step: &str,
+    source: std::io::Error,
+) -> ServeError {
+    ServeError::Bind {
+        key,
+        addr,
+        source: std::io::Error::new(source.kind(), format!("{step}: {source}")),
+    }
+}
+
 impl From<TcpListener> for ProxySocket {
     fn from(listener: TcpListener) -> Self {
         Self::Listening(listener)
@@ -121,15 +136,14 @@ impl ProxySocket {
     fn listen(self) -> Result<TcpListener, ServeError> {
         match self {
             Self::Listening(listener) => Ok(listener),
-            Self::Shared { socket, addr } => {
-                socket
-                    .listen(Listeners::BACKLOG)
-                    .map_err(|source| ServeError::Bind {
-                        key: "proxy.listen",
-                        addr,
-                        source,
-                    })
-            }
+            Self::Shared { socket, addr } => socket.listen(Listeners::BACKLOG).map_err(|source| {
+                shared_step_failed(
+                    "proxy.listen",
+                    addr,
+                    "listening on it with SO_REUSEPORT (proxy.reuse_port = true)",
+                    source,
+                )
+            }),
         }
     }
 }
@@ -159,18 +173,22 @@ impl Listeners {
     /// port. Bound now, so that an address another process holds alone fails the start at
     /// once, and no process can take it alone meanwhile.
     fn shared(key: &'static str, addr: SocketAddr) -> Result<ProxySocket, ServeError> {
-        let error = |source| ServeError::Bind { key, addr, source };
+        let error = |step| move |source| shared_step_failed(key, addr, step, source);
         let socket = match addr {
             SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
             SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
         }
-        .map_err(error)?;
+        .map_err(error("opening a socket for it"))?;
         // Without SO_REUSEADDR: with it, a socket bound and not listening yet lets a socket
         // that sets it too (`TcpListener::bind`'s) bind the address and listen first. The
         // connections of an earlier process on the address left in TIME_WAIT carry
         // SO_REUSEPORT too, so a restart binds at once all the same.
-        socket.set_reuseport(true).map_err(error)?;
-        socket.bind(addr).map_err(error)?;
+        socket
+            .set_reuseport(true)
+            .map_err(error("setting SO_REUSEPORT (proxy.reuse_port = true)"))?;
+        socket.bind(addr).map_err(error(
+            "binding it with SO_REUSEPORT (proxy.reuse_port = true)",
+        ))?;
         Ok(ProxySocket::Shared { socket, addr })
     }
 
@@ -770,4 +788,30 @@ async fn load_proof_key(pool: &deadpool_postgres::Pool) -> Result<ProofKey, Stri
     ProofKey::load_or_create(&**client)
         .await
         .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_shared_proxy_socket_that_cannot_bind_says_so_reuse_port_was_asked_for() {
+        // Held alone (no SO_REUSEPORT): a shared socket cannot bind beside it.
+        let alone = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = alone.local_addr().unwrap();
+        let Err(error) = Listeners::shared("proxy.listen", addr) else {
+            panic!("bound beside a listener that holds {addr} alone");
+        };
+        let text = error.to_string();
+        assert!(
+            text.contains(&addr.to_string())
+                && text.contains("`proxy.listen`")
+                && text.contains("binding it with SO_REUSEPORT (proxy.reuse_port = true)"),
+            "{text}"
+        );
+        let ServeError::Bind { source, .. } = error else {
+            panic!("not a bind error: {error}");
+        };
+        assert_eq!(source.kind(), std::io::ErrorKind::AddrInUse);
+    }
 }
