@@ -991,6 +991,17 @@ mod tests {
             .collect()
     }
 
+    /// This build's phase on `route` without keys, at 64 connections.
+    fn unkeyed(route: Route) -> Phase {
+        Phase {
+            route,
+            baseline: None,
+            keys: false,
+            stale: false,
+            connections: 64,
+        }
+    }
+
     /// A report of `samples` on 2 CPUs (with a baseline build when `baseline`).
     fn report(baseline: bool, samples: Vec<(Phase, Vec<Sample>)>) -> WireReport {
         WireReport {
@@ -1056,13 +1067,7 @@ mod tests {
 
     #[test]
     fn the_floors_are_compared_with_the_bare_proxy_and_railguard_with_them_per_repetition() {
-        let phase = |route| Phase {
-            route,
-            baseline: None,
-            keys: false,
-            stale: false,
-            connections: 64,
-        };
+        let phase = unkeyed;
         let report = report(
             false,
             vec![
@@ -1092,13 +1097,7 @@ mod tests {
 
     #[test]
     fn context_switches_are_split_into_voluntary_and_involuntary_against_the_bare_proxy() {
-        let phase = |route| Phase {
-            route,
-            baseline: None,
-            keys: false,
-            stale: false,
-            connections: 64,
-        };
+        let phase = unkeyed;
         // Repetitions of (switches, involuntary) per 1,000 requests.
         let run = |reps: &[(u64, u64)]| {
             reps.iter()
