@@ -658,7 +658,6 @@ async fn measure_all(
             }
             config
         },
-        overrides: o.overrides.clone(),
         samples,
         cpus: std::thread::available_parallelism().map_or(2, usize::from),
         table_scans: Vec::new(),

@@ -476,7 +476,7 @@ pub(crate) struct Usage {
     /// children.
     pub switches: u64,
     /// Of those, the involuntary ones: a thread that could have gone on running was taken off
-    /// its core (on a machine whose cores the load, the upstream and PostgreSQL share, mostly by
+    /// its core (on a machine whose cores the load, the upstream and PostgreSQL share, often by
     /// a peer its own write had just woken).
     pub involuntary: u64,
 }

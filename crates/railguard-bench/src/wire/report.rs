@@ -16,9 +16,6 @@ pub(crate) struct WireReport {
     pub postgres: String,
     pub stale_accounts: u64,
     pub proxy_config: Config,
-    /// The `RAILGUARD__…` settings in the run's environment, which every railguard process of
-    /// the run read over its configuration file (`NAME=value`).
-    pub overrides: Vec<String>,
     pub samples: Vec<(Phase, Vec<Sample>)>,
     /// CPUs of the machine every process of the run shared.
     pub cpus: usize,
@@ -194,12 +191,12 @@ impl WireReport {
              every request is a `POST /payments` with token, account ({} accounts, uniform) and \
              grant proof; \"with keys\" adds an `Idempotency-Key` unique in the run; the stale \
              phase sends token 1 on {} accounts raised beforehand",
-            if self.overrides.is_empty() {
+            if o.overrides.is_empty() {
                 String::new()
             } else {
                 format!(
                     ", with the environment's overrides `{}`",
-                    self.overrides.join("`, `")
+                    o.overrides.join("`, `")
                 )
             },
             self.proxy_config.log.level,
@@ -527,7 +524,8 @@ impl WireReport {
             "\nContext switches per request, split ({c} connections, medians): voluntary (a \
              thread of the proxy had nothing left to run and slept: a hand-off, a wait for the \
              database or the upstream) and involuntary (a thread that could have gone on was \
-             taken off its core, here mostly by a peer its own write had just woken), each the \
+             taken off its core; where the proxy shares its cores, often by a peer its own write had \
+             just woken), each the \
              median of its own. Ratios are to the bare proxy's phase with the same requests.\n\n\
              | phase | voluntary | ÷ bare | involuntary | ÷ bare | all | ÷ bare |\n\
              |---|---:|---:|---:|---:|---:|---:|"
@@ -1010,7 +1008,6 @@ mod tests {
             postgres: String::new(),
             stale_accounts: 0,
             proxy_config: Config::default(),
-            overrides: Vec::new(),
             samples,
             cpus: 2,
             table_scans: Vec::new(),
@@ -1140,7 +1137,7 @@ mod tests {
             "{}",
             plain.to_markdown()
         );
-        plain.overrides = vec!["RAILGUARD__RUNTIME__WORKER_THREADS=1".into()];
+        plain.options.overrides = vec!["RAILGUARD__RUNTIME__WORKER_THREADS=1".into()];
         let table = plain.to_markdown();
         assert!(
             table.contains(
